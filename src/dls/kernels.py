@@ -1,0 +1,96 @@
+"""Fused passes over gradients: unscale + inf/NaN check, global norm, clipping.
+
+Every function takes gradients already grouped by (device, dtype) (see ``group_grads``) and issues one
+``torch._foreach_*`` call per group: no Python loop over tensors or elements, and no read back to the host.
+Flags are float32 0-dim tensors (1.0 = found inf/NaN) because that is what torch's AMP kernels and fused
+optimizers consume; they are only ever raised, never cleared, so several passes can share one flag.
+
+Sparse gradients take part through their (coalesced) values; half gradients are multiplied in float32
+arithmetic (``_foreach_mul_`` by a float32 scalar tensor computes in the op-math type), then rounded back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+GroupKey = tuple[torch.device, torch.dtype]
+Groups = dict[GroupKey, list[torch.Tensor]]
+
+
+def group_grads(params: Iterable[torch.Tensor]) -> Groups:
+    """Group the gradients of ``params`` (parameters without one are left out) by device and dtype.
+
+    A sparse gradient is coalesced in place (``p.grad = p.grad.coalesce()``) and represented by its values, so
+    norms count each index once and in-place passes reach the gradient itself.
+    """
+    groups: Groups = {}
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if g.is_sparse:
+            if not g.is_coalesced():
+                p.grad = g = g.coalesce()
+            g = g._values()
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    return groups
+
+
+def per_device(value: torch.Tensor, devices: Iterable[torch.device]) -> dict[torch.device, torch.Tensor]:
+    """``value`` copied to each device (one copy per device, not per group)."""
+    return {d: value if value.device == d else value.to(d, non_blocking=True) for d in set(devices)}
+
+
+def mul_and_check_(
+    groups: Groups, factor: dict[torch.device, torch.Tensor], found_inf: dict[torch.device, torch.Tensor]
+) -> None:
+    """One read+write pass: ``g *= factor[device]`` in float32 arithmetic, raising ``found_inf[device]`` if any
+    element is inf/NaN (before or after the multiply).
+
+    torch's AMP kernel is used for every dtype: ``_foreach_mul_`` would round a float32 factor to the
+    gradient's half dtype first (2**-26 becomes 0 in float16), which silently zeroes unscaled gradients.
+    """
+    for (device, _dtype), grads in groups.items():
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf[device], factor[device])
+        except (RuntimeError, NotImplementedError):
+            # Builds whose kernel lacks this dtype (bf16 on older CUDA): check, then multiply in float32.
+            check_nonfinite(grads, found_inf[device])
+            products = torch._foreach_mul([g.float() for g in grads], factor[device])
+            torch._foreach_copy_(grads, products)
+
+
+def check_nonfinite(grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
+    """One read pass: raise ``found_inf`` if any element of ``grads`` (same device) is inf or NaN.
+
+    The max-abs norm of a tensor is inf for an inf element and NaN for a NaN element, and finite otherwise.
+    """
+    if not grads:
+        return
+    amax = torch.stack([n.float() for n in torch._foreach_norm(list(grads), float("inf"))])
+    torch.maximum(found_inf, (~torch.isfinite(amax)).any().to(found_inf.dtype), out=found_inf)
+
+
+def global_norm(groups: Groups, factor: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One read pass: the L2 norm (float32, on ``device``) of all gradients, each multiplied by
+    ``factor[its device]``.
+
+    ``norm(c * g) = c * norm(g)``, so the norm of still-scaled gradients times ``1/scale`` is the norm of the
+    unscaled ones, without an unscale pass before it. Per-tensor norms are computed in float32 (half norms
+    would overflow at 65504 while the true norm is finite). An inf/NaN element makes the norm inf/NaN.
+    """
+    norms = []
+    for (dev, _dtype), grads in groups.items():
+        tensor_norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+        group_norm = torch.linalg.vector_norm(torch.stack(tensor_norms)) * factor[dev]
+        norms.append(group_norm.to(device, non_blocking=True))
+    if not norms:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``min(1, max_norm / (total_norm + 1e-6))``, the coefficient of ``torch.nn.utils.clip_grad_norm_``."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)

@@ -1,0 +1,133 @@
+"""Loss-scale update rules as pure tensor functions.
+
+A rule maps ``(state, found_inf) -> state``. Everything is a 0-dim tensor on the scale's device, so an update
+never reads a value back to the host: it can run inside CUDA graphs and ``torch.compile`` graphs, and a
+training loop that never asks for the scale never synchronises on it.
+
+``ScaleState`` is immutable; the rules return new tensors and the caller decides whether to copy them into
+long-lived buffers (the scaler does, so CUDA graphs that captured those buffers see the new values).
+
+The dynamic rule, applied once per iteration with ``f = 1`` if any gradient was inf/NaN:
+
+1. ``steps_since_rescale += 1``; ``overflows_since_rescale += f``; ``num_skipped_steps += f``.
+2. If ``f`` and ``overflows_since_rescale / steps_since_rescale > overflow_tolerance``: one hysteresis hit;
+   after ``hysteresis`` hits the scale is multiplied by ``backoff_factor`` and the hits reset. The step
+   counters reset on every hit.
+3. Else, if ``steps_since_rescale >= steps_per_increase``: the scale is multiplied by ``growth_factor``
+   unless that would leave float32's finite range; counters and hits reset.
+4. Clamp to ``max_loss_scale`` (this is the *non-clamped* scale that callers can inspect), then to
+   ``min_loss_scale``.
+
+With ``overflow_tolerance=0`` and ``hysteresis=1`` this is ``torch.amp.GradScaler``'s rule with
+``growth_interval = steps_per_increase``, plus the clamps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+class ScaleState(NamedTuple):
+    """The loss scale and its counters. ``loss_scale`` and ``non_clamped_scale`` are float32, the rest int64."""
+
+    loss_scale: torch.Tensor
+    non_clamped_scale: torch.Tensor
+    steps_since_rescale: torch.Tensor
+    overflows_since_rescale: torch.Tensor
+    num_skipped_steps: torch.Tensor
+    hysteresis_hits: torch.Tensor
+
+
+def initial_state(loss_scale: float, device: torch.device | str | None = None) -> ScaleState:
+    """A fresh state holding ``loss_scale`` with every counter at zero."""
+    scale = torch.tensor(loss_scale, dtype=torch.float32, device=device)
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    return ScaleState(scale, scale.clone(), zero, zero.clone(), zero.clone(), zero.clone())
+
+
+def _check_positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a positive number; got {value!r}")
+    if not (math.isfinite(value) and 0 < value <= FLOAT32_MAX):
+        raise ValueError(f"{name} must be a positive finite float32 number; got {value!r}")
+    return float(value)
+
+
+def _check_int(name: str, value: int, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class StaticRule:
+    """A fixed scale. Overflowing steps are still skipped and counted; nothing else changes."""
+
+    def update(self, state: ScaleState, found_inf: torch.Tensor) -> ScaleState:
+        f = (found_inf > 0).to(torch.int64)
+        return state._replace(num_skipped_steps=state.num_skipped_steps + f)
+
+
+@dataclass(frozen=True)
+class DynamicRule:
+    """Grow the scale after ``steps_per_increase`` clean steps, back off on overflow (see module docstring)."""
+
+    steps_per_increase: int = 2000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    overflow_tolerance: float = 0.0
+    hysteresis: int = 1
+    min_loss_scale: float = 2.0**-14
+    max_loss_scale: float = 2.0**15
+
+    def __post_init__(self) -> None:
+        _check_int("steps_per_increase", self.steps_per_increase, 1)
+        _check_int("hysteresis", self.hysteresis, 1)
+        if not _check_positive("growth_factor", self.growth_factor) > 1:
+            raise ValueError(f"growth_factor must be > 1; got {self.growth_factor!r}")
+        if not _check_positive("backoff_factor", self.backoff_factor) < 1:
+            raise ValueError(f"backoff_factor must be in (0, 1); got {self.backoff_factor!r}")
+        tol = self.overflow_tolerance
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < 1:
+            raise ValueError(f"overflow_tolerance must be a number in [0, 1); got {tol!r}")
+        _check_positive("min_loss_scale", self.min_loss_scale)
+        _check_positive("max_loss_scale", self.max_loss_scale)
+        if self.min_loss_scale > self.max_loss_scale:
+            raise ValueError(
+                f"min_loss_scale ({self.min_loss_scale!r}) must not exceed max_loss_scale ({self.max_loss_scale!r})"
+            )
+
+    def update(self, state: ScaleState, found_inf: torch.Tensor) -> ScaleState:
+        overflow = found_inf > 0
+        f = overflow.to(torch.int64)
+        steps = state.steps_since_rescale + 1
+        overflows = state.overflows_since_rescale + f
+        # float32 division on both sides of the comparison: the documented contract of the tolerance test.
+        over_tolerance = overflow & (overflows.float() / steps.float() > self.overflow_tolerance)
+        hits = state.hysteresis_hits + over_tolerance.to(torch.int64)
+        backoff = over_tolerance & (hits >= self.hysteresis)
+        grown = state.loss_scale * self.growth_factor
+        grow = ~over_tolerance & (steps >= self.steps_per_increase)
+        scale = torch.where(backoff, state.loss_scale * self.backoff_factor, state.loss_scale)
+        # Growth that leaves float32's finite range is dropped, but the counters still reset (as in torch).
+        scale = torch.where(grow & torch.isfinite(grown), grown, scale)
+        reset_counters = over_tolerance | grow
+        zero = torch.zeros_like(steps)
+        non_clamped = torch.clamp(scale, max=self.max_loss_scale)
+        return ScaleState(
+            loss_scale=torch.clamp(non_clamped, min=self.min_loss_scale),
+            non_clamped_scale=non_clamped,
+            steps_since_rescale=torch.where(reset_counters, zero, steps),
+            overflows_since_rescale=torch.where(reset_counters, zero, overflows),
+            num_skipped_steps=state.num_skipped_steps + f,
+            hysteresis_hits=torch.where(backoff | grow, zero, hits),
+        )
+
+
+Rule = StaticRule | DynamicRule
