@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml requirements/dev.txt
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/dls demo
+	$(BIN)/python examples/quickstart.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
