@@ -1,13 +1,18 @@
 """dls: dynamic loss scaling for mixed-precision training in PyTorch."""
 
-from dls.formats import get_half_dtype, get_half_dtype_str, set_half_dtype
+from dls import formats
+from dls.emulate import emulate
+from dls.formats import get_half_dtype, get_half_dtype_str, get_half_format, set_half_dtype
 from dls.scaler import GradScaler
 from dls.step import optimizer_step
 
 __all__ = [
     "GradScaler",
+    "emulate",
+    "formats",
     "get_half_dtype",
     "get_half_dtype_str",
+    "get_half_format",
     "optimizer_step",
     "set_half_dtype",
 ]
