@@ -27,6 +27,9 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_scaler.py
+	$(BIN)/python benchmarks/bench_clip.py
+	$(BIN)/python benchmarks/bench_step.py
+	$(BIN)/python benchmarks/bench_overhead.py
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

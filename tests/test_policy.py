@@ -168,3 +168,43 @@ def test_static_rule_counts_skips_only() -> None:
 def test_invalid_rule_settings(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         DynamicRule(**kwargs)  # type: ignore[arg-type]
+
+
+torch_rules = st.builds(
+    DynamicRule,
+    steps_per_increase=st.integers(1, 6),
+    growth_factor=st.sampled_from([2.0, 4.0, 16.0, 1.5]),
+    backoff_factor=st.sampled_from([0.5, 0.25, 0.9]),
+    min_loss_scale=st.sampled_from([2.0**-14, 1.0, 8.0]),
+    max_loss_scale=st.sampled_from([2.0**15, 2.0**31, 3.0e38]),
+    hysteresis=st.sampled_from([1, 1, 2]),
+    overflow_tolerance=st.sampled_from([0.0, 0.0, 0.5]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rule=torch_rules,
+    overflows=st.lists(st.booleans(), min_size=1, max_size=40),
+    init_exp=st.integers(-14, 127),
+    start_steps=st.integers(0, 8),
+)
+def test_in_place_update_equals_pure_update(
+    rule: DynamicRule, overflows: list[bool], init_exp: int, start_steps: int
+) -> None:
+    init = min(max(2.0**init_exp, rule.min_loss_scale), rule.max_loss_scale)
+    pure = initial_state(init)._replace(steps_since_rescale=torch.tensor(start_steps, dtype=torch.int32))
+    in_place = initial_state(init)
+    in_place.steps_since_rescale.fill_(start_steps)  # e.g. loaded, or the interval was shortened since
+    for overflow in overflows:
+        flag = torch.tensor(float(overflow))
+        pure = rule.update(pure, flag)
+        rule.update_(in_place, flag)
+        for name, a, b in zip(pure._fields, pure, in_place):
+            assert a.item() == b.item(), name
+
+
+def test_static_rule_in_place() -> None:
+    state = initial_state(128.0)
+    StaticRule().update_(state, torch.tensor(1.0))
+    assert state.num_skipped_steps.item() == 1 and state.loss_scale.item() == 128.0

@@ -38,6 +38,32 @@ def group_grads(params: Iterable[torch.Tensor]) -> Groups:
     return groups
 
 
+class GradIndex:
+    """Parameters grouped by (device, dtype) once, so each step only collects their current gradients.
+
+    A gradient always has its parameter's dtype and device (torch refuses any other), so the grouping holds
+    across steps. Sparse gradients, and parameters converted after the index was built (``model.half()``),
+    take the general path of ``group_grads``.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self.params = list(params)
+        self._by_key: dict[GroupKey, list[torch.Tensor]] = {}
+        for p in self.params:
+            self._by_key.setdefault((p.device, p.dtype), []).append(p)
+
+    def groups(self) -> Groups:
+        groups: Groups = {}
+        for key, params in self._by_key.items():
+            grads = [p.grad for p in params if p.grad is not None]
+            if not grads:
+                continue
+            if (grads[0].device, grads[0].dtype) != key or any(g.is_sparse for g in grads):
+                return group_grads(self.params)
+            groups[key] = grads
+        return groups
+
+
 def per_device(value: torch.Tensor, devices: Iterable[torch.device]) -> dict[torch.device, torch.Tensor]:
     """``value`` copied to each device (one copy per device, not per group)."""
     return {d: value if value.device == d else value.to(d, non_blocking=True) for d in set(devices)}
@@ -63,13 +89,20 @@ def mul_and_check_(
 
 
 def check_nonfinite(grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
-    """One read pass: raise ``found_inf`` if any element of ``grads`` (same device) is inf or NaN.
+    """Raise ``found_inf`` if any element of ``grads`` (same device and dtype) is inf or NaN.
 
-    The max-abs norm of a tensor is inf for an inf element and NaN for a NaN element, and finite otherwise.
+    On accelerators one read pass: the max-abs norm of a tensor is inf for an inf element, NaN for a NaN element
+    and finite otherwise. On CPU torch's max-abs norm is a slow scalar loop, so the AMP kernel with a factor of 1
+    does the check instead (values unchanged; measured 12-19x faster there, see benchmarks/RESULTS.md).
     """
     if not grads:
         return
-    amax = torch.stack([n.float() for n in torch._foreach_norm(list(grads), float("inf"))])
+    grads = list(grads)
+    if grads[0].device.type == "cpu":
+        one = torch.ones((), dtype=torch.float32)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
+        return
+    amax = torch.stack(torch._foreach_norm(grads, float("inf"), dtype=torch.float32))
     torch.maximum(found_inf, (~torch.isfinite(amax)).any().to(found_inf.dtype), out=found_inf)
 
 

@@ -34,7 +34,8 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class ScaleState(NamedTuple):
-    """The loss scale and its counters. ``loss_scale`` and ``non_clamped_scale`` are float32, the rest int64."""
+    """The loss scale and its counters: scales float32, ``steps_since_rescale`` int32 (the growth tracker torch's
+    kernel takes), the other counters int64."""
 
     loss_scale: torch.Tensor
     non_clamped_scale: torch.Tensor
@@ -48,7 +49,19 @@ def initial_state(loss_scale: float, device: torch.device | str | None = None) -
     """A fresh state holding ``loss_scale`` with every counter at zero."""
     scale = torch.tensor(loss_scale, dtype=torch.float32, device=device)
     zero = torch.zeros((), dtype=torch.int64, device=device)
-    return ScaleState(scale, scale.clone(), zero, zero.clone(), zero.clone(), zero.clone())
+    steps = torch.zeros((), dtype=torch.int32, device=device)
+    return ScaleState(scale, scale.clone(), steps, zero.clone(), zero.clone(), zero.clone())
+
+
+def assign_(state: ScaleState, new: ScaleState) -> None:
+    """Copy ``new`` into the buffers of ``state``, so graphs that captured those buffers see the new values."""
+    for dst, src in zip(state, new):
+        if dst is not src:
+            dst.copy_(src)
+
+
+def _is_power_of_two(x: float) -> bool:
+    return math.frexp(x)[0] == 0.5
 
 
 def _check_positive(name: str, value: float) -> float:
@@ -72,6 +85,10 @@ class StaticRule:
     def update(self, state: ScaleState, found_inf: torch.Tensor) -> ScaleState:
         f = (found_inf > 0).to(torch.int64)
         return state._replace(num_skipped_steps=state.num_skipped_steps + f)
+
+    def update_(self, state: ScaleState, found_inf: torch.Tensor) -> None:
+        """``update`` written into ``state``'s buffers."""
+        state.num_skipped_steps.add_((found_inf > 0).to(torch.int64))
 
 
 @dataclass(frozen=True)
@@ -127,6 +144,39 @@ class DynamicRule:
             overflows_since_rescale=torch.where(reset_counters, zero, overflows),
             num_skipped_steps=state.num_skipped_steps + f,
             hysteresis_hits=torch.where(backoff | grow, zero, hits),
+        )
+
+    def update_(self, state: ScaleState, found_inf: torch.Tensor) -> None:
+        """``update`` written into ``state``'s buffers: the same values, in about 6 ops instead of 35.
+
+        With ``overflow_tolerance=0``, ``hysteresis=1`` and power-of-two factors the rule is exactly torch's, so
+        torch's fused kernel computes it (the overflow counter and the hits then stay 0). Power-of-two factors
+        keep the products exact whether a kernel multiplies in float32 or float64.
+        """
+        if not self._torch_rule:
+            assign_(state, self.update(state, found_inf))
+            return
+        # torch's kernel grows at tracker + 1 == interval; a loaded tracker at or past it must grow next time.
+        state.steps_since_rescale.clamp_(max=self.steps_per_increase - 1)
+        torch._amp_update_scale_(
+            state.loss_scale,
+            state.steps_since_rescale,
+            found_inf,
+            self.growth_factor,
+            self.backoff_factor,
+            self.steps_per_increase,
+        )
+        torch.clamp(state.loss_scale, max=self.max_loss_scale, out=state.non_clamped_scale)
+        torch.clamp(state.non_clamped_scale, min=self.min_loss_scale, out=state.loss_scale)
+        state.num_skipped_steps.add_((found_inf > 0).to(torch.int64))
+
+    @property
+    def _torch_rule(self) -> bool:
+        return (
+            self.overflow_tolerance == 0
+            and self.hysteresis == 1
+            and _is_power_of_two(self.growth_factor)
+            and _is_power_of_two(self.backoff_factor)
         )
 
 

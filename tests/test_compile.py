@@ -1,0 +1,201 @@
+"""``torch.compile`` and CUDA graphs (issue 6, item 3).
+
+Dynamo traces ``scale``, ``unscale_``, ``clip_gradients_and_return_isfinite`` and ``update`` with
+``fullgraph=True`` (any graph break is an error). ``step`` + ``update`` on the sync-free paths (torch's fused
+optimizers, ``sync_free=True``) trace as one graph too once torch's own breaks are taken out of the picture:
+``torch.optim.Optimizer.step`` inserts two (``torch._dynamo.graph_break()`` in ``torch/optim/optimizer.py``,
+``_use_grad``) and the entry points of the fused kernels are ``torch.compiler.disable()``d. In real use those
+breaks remain, and only those. The ``eager`` and ``aot_eager`` backends keep the tests to seconds (no C++ code
+generation).
+
+CUDA graph capture of a whole training iteration, fused optimizer included, runs when a GPU is present.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import dls
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Any:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def make(opt_kwargs: dict[str, Any] | None = None, **scaler_kwargs: Any) -> tuple[Any, Any, dls.GradScaler]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, **(opt_kwargs or {"momentum": 0.9}))
+    return model, opt, dls.GradScaler(**scaler_kwargs)
+
+
+def backward(model: torch.nn.Module, scaler: dls.GradScaler, overflow: bool = False) -> None:
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    scaler.scale(model(x).pow(2).mean()).backward()
+    if overflow:
+        next(model.parameters()).grad.view(-1)[0] = float("inf")
+
+
+def full(fn: Callable[..., Any], backend: str = "eager") -> Callable[..., Any]:
+    return torch.compile(fn, fullgraph=True, backend=backend)
+
+
+# ---------------------------------------------------------------------------------------------- fullgraph
+def test_scale_compiles_to_one_graph() -> None:
+    _, _, scaler = make()
+    loss = torch.tensor(3.0, requires_grad=True) * 1.0
+    scaled = full(scaler.scale)(loss)
+    assert scaled.item() == 3.0 * scaler.get_scale()
+    halves = full(scaler.scale)([loss.half(), loss.bfloat16()])
+    assert [h.dtype for h in halves] == [torch.float32, torch.float32]
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["unscale_", "clip"])
+def test_unscale_and_clip_compile_to_one_graph(clip: bool) -> None:
+    model, opt, scaler = make(max_gradient_norm=0.5)
+    backward(model, scaler, overflow=True)
+    if clip:
+        finite = full(scaler.clip_gradients_and_return_isfinite)(opt)
+        assert not bool(finite)
+    else:
+        full(scaler.unscale_)(opt)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_num_skipped_steps() == 1
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_update_equals_eager_update(backend: str) -> None:
+    """The compiled rule updates the scaler's buffers in place, step after step, like the eager one."""
+    pattern = [False, False, True, False, False, False, True, True, False, False]
+    eager = make(steps_per_increase=2, init_scale=2.0**8)
+    compiled = make(steps_per_increase=2, init_scale=2.0**8)
+    update = full(compiled[2].update, backend)
+    for overflow in pattern:
+        for (model, opt, scaler), do_update in ((eager, eager[2].update), (compiled, update)):
+            backward(model, scaler, overflow)
+            scaler.unscale_(opt)
+            do_update()
+            opt.zero_grad()
+        assert eager[2].state_dict() == compiled[2].state_dict()
+    assert compiled[2].get_num_skipped_steps() == 3
+
+
+# ---------------------------------------------------------------------------------------------- step
+# torch's own optimizer code is not dls's to make traceable: Optimizer.step calls torch._dynamo.graph_break()
+# twice (torch/optim/optimizer.py, _use_grad) and the fused kernels' entry points are torch.compiler.disable()d.
+# The step tests take those two out of the picture, so that fullgraph=True fails on any break dls causes.
+@pytest.fixture
+def no_optimizer_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch._dynamo, "graph_break", lambda: None)
+
+
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["fused", "fused-clip"])
+def test_fused_optimizer_step_and_update_compile_to_one_graph(clip: float | None) -> None:
+    model, opt, scaler = make({"momentum": 0.9, "fused": True}, max_gradient_norm=clip)
+    backward(model, scaler, overflow=True)
+    handed: list[tuple[Any, Any]] = []
+
+    def fused_kernel_stand_in() -> None:  # what torch's fused step reads from the optimizer
+        handed.append((opt.grad_scale, opt.found_inf))  # type: ignore[attr-defined]
+
+    opt.step = fused_kernel_stand_in  # type: ignore[method-assign]
+
+    def iteration() -> None:
+        scaler.step(opt)
+        scaler.update()
+
+    full(iteration)()
+    ((grad_scale, found_inf),) = handed
+    assert float(found_inf) == 1.0
+    assert (grad_scale is None) == (clip is not None)  # clipped gradients are already unscaled
+    assert scaler.get_num_skipped_steps() == 1
+    assert not hasattr(opt, "grad_scale")
+
+
+def test_sync_free_step_and_update_compile_to_one_graph(no_optimizer_breaks: None) -> None:
+    model, opt, scaler = make(sync_free=True)
+    eager_model, eager_opt, eager_scaler = make(sync_free=True)
+
+    def iteration() -> None:
+        scaler.step(opt)
+        scaler.update()
+
+    compiled = full(iteration)
+    for overflow in (True, False, False):
+        backward(model, scaler, overflow)
+        compiled()
+        opt.zero_grad()
+        backward(eager_model, eager_scaler, overflow)
+        eager_scaler.step(eager_opt)
+        eager_scaler.update()
+        eager_opt.zero_grad()
+    assert scaler.state_dict() == eager_scaler.state_dict()
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_default_step_does_not_compile_to_one_graph(no_optimizer_breaks: None) -> None:
+    # The default path reads the flag back (`if found_inf.item()`), which no graph can hold: this is what the
+    # sync-free paths are for. The test pins the difference.
+    model, opt, scaler = make()
+    backward(model, scaler)
+
+    def iteration() -> None:
+        scaler.step(opt)
+        scaler.update()
+
+    with pytest.raises(Exception, match=r"data-dependent|item"):
+        full(iteration)()
+
+
+# ---------------------------------------------------------------------------------------------- CUDA graphs
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device (none here)")
+def test_cuda_graph_captures_a_whole_iteration_with_a_fused_optimizer() -> None:
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True, capturable=True)
+    scaler = dls.GradScaler(init_scale=2.0**10, steps_per_increase=3)
+    static_x = torch.randn(8, 16, device=device)
+    static_y = torch.randn(8, 4, device=device)
+
+    def iteration() -> None:
+        loss = torch.nn.functional.mse_loss(model(static_x), static_y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            iteration()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        iteration()
+
+    scale = scaler.get_scale()
+    params = [p.detach().clone() for p in model.parameters()]
+    static_y.fill_(float("inf"))  # every gradient overflows: the replay must skip and back off
+    graph.replay()
+    torch.cuda.synchronize()
+    assert scaler.get_scale() == scale / 2
+    for p, q in zip(model.parameters(), params):
+        assert torch.equal(p, q)
+    static_y.normal_()
+    for _ in range(3):  # three clean replays: the scale grows back (steps_per_increase=3)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert scaler.get_scale() == scale
+    assert not any(torch.equal(p, q) for p, q in zip(model.parameters(), params))
