@@ -22,7 +22,7 @@ import torch
 
 from dls import distributed, kernels
 from dls.formats import get_half_dtype_str
-from dls.policy import DynamicRule, ScaleState, StaticRule, initial_state
+from dls.policy import DynamicRule, ScaleState, StaticRule, assign_, initial_state
 
 _T = TypeVar("_T")
 
@@ -55,8 +55,20 @@ class _Stage(enum.Enum):
 @dataclasses.dataclass
 class _OptimizerState:
     stage: _Stage = _Stage.READY
-    found_inf: torch.Tensor | None = None  # float32 0-dim on the scale's device, agreed across ranks
+    flag: torch.Tensor | None = None  # float32 0-dim on the scale's device; read it through found_inf
     clipped: bool = False
+    agreement: distributed.Agreement | None = None  # the flag's all-reduce across ranks while in flight
+
+    @property
+    def found_inf(self) -> torch.Tensor | None:
+        """The overflow flag, agreed across ranks: waits for its all-reduce if one is in flight."""
+        if self.agreement is not None:
+            self.flag, self.agreement = self.agreement.wait(), None
+        return self.flag
+
+    @found_inf.setter
+    def found_inf(self, value: torch.Tensor | None) -> None:
+        self.flag, self.agreement = value, None
 
 
 class GradScaler:
@@ -81,6 +93,11 @@ class GradScaler:
             parameters and state per step; the default reads one flag back per optimizer instead.
         process_group: the group whose ranks must agree on overflow; default: the world group when
             ``torch.distributed`` is initialised, nothing otherwise.
+        gradients_sharded: whether each rank holds a disjoint slice of the gradients, so the global norm for
+            ``max_gradient_norm`` sums squared norms across ranks. ``None`` (default): ``DTensor`` gradients
+            (FSDP2, tensor parallel) by their placements, plain gradients as replicated (DDP); ``True``: plain
+            gradients too are shards across ``process_group`` (a ZeRO-style optimizer that owns a slice);
+            ``False``: every rank clips by its local norm.
         device: accepted for ``torch.amp.GradScaler(device=...)`` compatibility: where the scale lives before
             the first ``scale()`` call (after that it follows the loss).
         growth_interval: torch's name for ``steps_per_increase``.
@@ -102,6 +119,7 @@ class GradScaler:
         *,
         sync_free: bool = False,
         process_group: Any = None,
+        gradients_sharded: bool | None = None,
         device: str | torch.device | None = None,
         growth_interval: int | None = None,
     ) -> None:
@@ -109,6 +127,8 @@ class GradScaler:
             raise ValueError(f"enabled must be True or False; got {enabled!r}")
         if not isinstance(sync_free, bool):
             raise ValueError(f"sync_free must be True or False; got {sync_free!r}")
+        if gradients_sharded is not None and not isinstance(gradients_sharded, bool):
+            raise ValueError(f"gradients_sharded must be True, False or None; got {gradients_sharded!r}")
         if steps_per_increase is not None and growth_interval is not None:
             raise ValueError("give steps_per_increase or its torch name growth_interval, not both")
         steps = steps_per_increase if steps_per_increase is not None else growth_interval
@@ -149,11 +169,13 @@ class GradScaler:
         self._max_gradient_norm = None if max_gradient_norm is None else float(max_gradient_norm)
         self._sync_free = sync_free
         self._process_group = process_group
+        self._gradients_sharded = gradients_sharded
         self._state: ScaleState = initial_state(start, device=device)
         self._per_optimizer: dict[int, _OptimizerState] = {}
-        self._params: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[tuple[int, ...], list[Any]]] = (
-            weakref.WeakKeyDictionary()
-        )
+        # Per optimizer: the signature of its param groups, its flat parameter list, whether any is a DTensor.
+        self._params: weakref.WeakKeyDictionary[
+            torch.optim.Optimizer, tuple[tuple[int, ...], kernels.GradIndex, bool]
+        ] = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ queries
     def is_enabled(self) -> bool:
@@ -303,7 +325,9 @@ class GradScaler:
             devices = {device for device, _ in groups}
             found = {d: torch.zeros((), dtype=torch.float32, device=d) for d in devices}
             kernels.mul_and_check_(groups, kernels.per_device(inv_scale, devices), found)
-            state.found_inf = distributed.agree_on_overflow(self._combine(found), self._process_group)
+            # Across ranks the flag is agreed asynchronously: reading state.found_inf waits for the all-reduce.
+            flag = self._combine(found)
+            state.flag, state.agreement = flag, distributed.start_agreement(flag, self._process_group)
             state.stage = _Stage.UNSCALED
 
     def _clip(
@@ -317,10 +341,16 @@ class GradScaler:
         inv_scale = self._state.loss_scale.double().reciprocal().float()
         one = torch.ones((), dtype=torch.float32, device=home)
         parts = [(self._grads_of(scaled), inv_scale), (self._grads_of(unscaled), one)]
-        norms = []
-        for groups, factor in parts:
-            norms.append(kernels.global_norm(groups, kernels.per_device(factor, {d for d, _ in groups}), home))
-        total_norm = torch.linalg.vector_norm(torch.stack(norms))
+        if distributed.norm_is_sharded(scaled + unscaled, self._gradients_sharded, self._process_group):
+            # Each rank holds a slice of the gradients: squared norms are summed across ranks.
+            opts = [(scaled, inv_scale), (unscaled, one)]
+            sharded = self._gradients_sharded is True
+            total_norm = distributed.global_norm(opts, home, self._process_group, plain_sharded=sharded)
+        else:
+            norms = []
+            for groups, factor in parts:
+                norms.append(kernels.global_norm(groups, kernels.per_device(factor, {d for d, _ in groups}), home))
+            total_norm = torch.linalg.vector_norm(torch.stack(norms))
         coef = kernels.clip_coefficient(total_norm, max_norm)
         found = (~torch.isfinite(total_norm)).float()
         for groups, factor in parts:
@@ -347,9 +377,12 @@ class GradScaler:
         signature = tuple(len(g["params"]) for g in optimizer.param_groups)
         cached = self._params.get(optimizer)
         if cached is None or cached[0] != signature:
-            cached = (signature, [p for g in optimizer.param_groups for p in g["params"]])
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            cached = (signature, kernels.GradIndex(params), distributed.has_dtensors(params))
             self._params[optimizer] = cached
-        return kernels.group_grads(cached[1])
+        groups = cached[1].groups()
+        # DTensor (FSDP2) gradients are checked, unscaled and clipped through their local shards.
+        return distributed.local_shards(groups) if cached[2] else groups
 
     # ------------------------------------------------------------------ step
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -440,12 +473,13 @@ class GradScaler:
             scale = _validated_new_scale(new_scale, self._state.loss_scale.device)
             flags = [s.found_inf for s in self._per_optimizer.values() if s.found_inf is not None]
             skipped = (_max_flag(flags) > 0).long() if flags else 0
-            self._assign(
+            assign_(
+                self._state,
                 self._state._replace(
                     loss_scale=scale,
                     non_clamped_scale=scale,
                     num_skipped_steps=self._state.num_skipped_steps + skipped,
-                )
+                ),
             )
         else:
             self._apply_rule(list(self._per_optimizer.values()))
@@ -466,13 +500,7 @@ class GradScaler:
                 "No inf checks were recorded prior to update(): call step() (or unscale_()) on the "
                 "optimizers of this iteration first."
             )
-        self._assign(self._rule.update(self._state, _max_flag(flags)))
-
-    def _assign(self, new: ScaleState) -> None:
-        # In place, so CUDA graphs and compiled code that captured the buffers see the new values.
-        for dst, src in zip(self._state, new):
-            if dst is not src:
-                dst.copy_(src)
+        self._rule.update_(self._state, _max_flag(flags))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -522,7 +550,9 @@ class GradScaler:
         self._dynamic_rule = rule
         if self._mode == "dynamic":
             self._rule = rule
-        self._assign(self._state._replace(**{k: v.to(self._state.loss_scale.device) for k, v in updates.items()}))
+        assign_(
+            self._state, self._state._replace(**{k: v.to(self._state.loss_scale.device) for k, v in updates.items()})
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         if self._per_optimizer:
