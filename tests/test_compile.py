@@ -43,6 +43,14 @@ def backward(model: torch.nn.Module, scaler: dls.GradScaler, overflow: bool = Fa
         next(model.parameters()).grad.view(-1)[0] = float("inf")
 
 
+def take_first_step(model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: dls.GradScaler) -> None:
+    """An optimizer's first step is decided on the host (its state does not exist yet); later ones on device."""
+    backward(model, scaler)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+
+
 def full(fn: Callable[..., Any], backend: str = "eager") -> Callable[..., Any]:
     return torch.compile(fn, fullgraph=True, backend=backend)
 
@@ -100,6 +108,7 @@ def no_optimizer_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["fused", "fused-clip"])
 def test_fused_optimizer_step_and_update_compile_to_one_graph(clip: float | None) -> None:
     model, opt, scaler = make({"momentum": 0.9, "fused": True}, max_gradient_norm=clip)
+    take_first_step(model, opt, scaler)
     backward(model, scaler, overflow=True)
     handed: list[tuple[Any, Any]] = []
 
@@ -123,6 +132,8 @@ def test_fused_optimizer_step_and_update_compile_to_one_graph(clip: float | None
 def test_sync_free_step_and_update_compile_to_one_graph(no_optimizer_breaks: None) -> None:
     model, opt, scaler = make(sync_free=True)
     eager_model, eager_opt, eager_scaler = make(sync_free=True)
+    take_first_step(model, opt, scaler)
+    take_first_step(eager_model, eager_opt, eager_scaler)
 
     def iteration() -> None:
         scaler.step(opt)

@@ -5,6 +5,7 @@ for float16/bfloat16 gradients, where torch's own half-precision norm is the les
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -154,19 +155,29 @@ def test_several_optimizers_share_one_norm() -> None:
     assert_close_fp32(grads(first + second), before)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core gap: with max_gradient_norm, step(opt) clips each optimizer by its own norm when called per "
-    "optimizer; the docstring promises one global norm (clip_gradients_and_return_isfinite([...]) and "
-    "optimizer_step do share it)",
-)
-def test_step_with_max_gradient_norm_on_several_optimizers_shares_one_norm() -> None:
+def test_step_per_optimizer_clips_each_by_its_own_norm_and_says_so() -> None:
+    # The contract: step(opt) clips [opt] when no clip call covered it; one global norm needs one call with all.
+    first, second = make_params(torch.float32, seed=3), make_params(torch.float32, sizes=(50, 3), seed=4)
+    expected = exact_clip(first, 4.0) + exact_clip(second, 4.0)
+    opts = [torch.optim.SGD(first, lr=0.0), torch.optim.SGD(second, lr=0.0)]
+    s = scaler(max_gradient_norm=4.0)
+    s.step(opts[0])
+    with pytest.warns(UserWarning, match="its own gradients"):
+        s.step(opts[1])
+    s.update()
+    assert_close_fp32(grads(first + second), expected)
+
+
+def test_one_clip_call_with_all_optimizers_shares_one_norm_without_warning() -> None:
     first, second = make_params(torch.float32, seed=3), make_params(torch.float32, sizes=(50, 3), seed=4)
     expected = exact_clip(first + second, 4.0)
     opts = [torch.optim.SGD(first, lr=0.0), torch.optim.SGD(second, lr=0.0)]
     s = scaler(max_gradient_norm=4.0)
-    for opt in opts:
-        s.step(opt)
+    s.clip_gradients_and_return_isfinite(opts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for opt in opts:
+            s.step(opt)
     s.update()
     assert_close_fp32(grads(first + second), expected)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
@@ -57,6 +58,7 @@ class _OptimizerState:
     stage: _Stage = _Stage.READY
     flag: torch.Tensor | None = None  # float32 0-dim on the scale's device; read it through found_inf
     clipped: bool = False
+    clipped_by_step: bool = False
     agreement: distributed.Agreement | None = None  # the flag's all-reduce across ranks while in flight
 
     @property
@@ -173,6 +175,7 @@ class GradScaler:
         self._state: ScaleState = initial_state(start, device=device)
         self._per_optimizer: dict[int, _OptimizerState] = {}
         # Per optimizer: the signature of its param groups, its flat parameter list, whether any is a DTensor.
+        self._stepped: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]] = weakref.WeakKeyDictionary()
         self._params: weakref.WeakKeyDictionary[
             torch.optim.Optimizer, tuple[tuple[int, ...], kernels.GradIndex, bool]
         ] = weakref.WeakKeyDictionary()
@@ -374,7 +377,7 @@ class GradScaler:
 
     def _grads(self, optimizer: torch.optim.Optimizer) -> kernels.Groups:
         # The flat parameter list is cached per optimizer; param groups added later change the signature.
-        signature = tuple(len(g["params"]) for g in optimizer.param_groups)
+        signature = _signature(optimizer)
         cached = self._params.get(optimizer)
         if cached is None or cached[0] != signature:
             params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -396,7 +399,15 @@ class GradScaler:
         if state.stage is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         if self._max_gradient_norm is not None and not state.clipped:
+            if any(s.clipped_by_step for s in self._per_optimizer.values()):
+                warnings.warn(
+                    "step() clips each optimizer by the norm of its own gradients; for one global norm over "
+                    "several optimizers call clip_gradients_and_return_isfinite([...]) with all of them before "
+                    "step(), or use dls.optimizer_step with the list.",
+                    stacklevel=2,
+                )
             self._clip_and_check([optimizer], self._max_gradient_norm)
+            state.clipped_by_step = True
         elif state.stage is _Stage.READY:
             if _takes_scale_and_flag(optimizer):
                 return self._fused_step(optimizer, state, args, kwargs)
@@ -430,11 +441,13 @@ class GradScaler:
         if _takes_scale_and_flag(optimizer):
             return self._fused_step(optimizer, state, args, kwargs)
         state.stage = _Stage.STEPPED
-        if self._sync_free:
+        if self._sync_free and self._has_stepped(optimizer):
             return _masked_step(optimizer, state.found_inf, args, kwargs)
         if state.found_inf.item():
             return None
-        return optimizer.step(*args, **kwargs)
+        result = optimizer.step(*args, **kwargs)
+        self._stepped[optimizer] = _signature(optimizer)
+        return result
 
     def _fused_step(
         self,
@@ -443,7 +456,12 @@ class GradScaler:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        """Hand the scale and the flag to an optimizer whose kernel unscales and skips by itself (no sync)."""
+        """Hand the scale and the flag to an optimizer whose kernel unscales and skips by itself (no sync).
+
+        Until the optimizer has taken one step, the skip is decided on the host (one read, once): some fused
+        kernels allocate state uninitialised and return early on overflow (torch's fused SGD with momentum),
+        which would leave garbage behind after an overflowing first step.
+        """
         grad_scale: torch.Tensor | None = None
         if state.stage is _Stage.READY:
             # Only a read pass for the flag: the optimizer kernel divides by grad_scale while it updates.
@@ -453,6 +471,11 @@ class GradScaler:
                 kernels.check_nonfinite(grads, found[device])
             state.found_inf = distributed.agree_on_overflow(self._combine(found), self._process_group)
             grad_scale = self._state.loss_scale
+        assert state.found_inf is not None
+        first_step = not self._has_stepped(optimizer)
+        if first_step and state.found_inf.item():
+            state.stage = _Stage.STEPPED
+            return None
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = state.found_inf  # type: ignore[attr-defined]
         try:
@@ -461,7 +484,14 @@ class GradScaler:
             del optimizer.grad_scale  # type: ignore[attr-defined]
             del optimizer.found_inf  # type: ignore[attr-defined]
         state.stage = _Stage.STEPPED
+        if first_step:
+            self._stepped[optimizer] = _signature(optimizer)
         return result
+
+    def _has_stepped(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the optimizer, with its current param groups, has taken a step through this scaler: only
+        then does all the state a step touches exist, so that a step can be masked or skipped on the device."""
+        return self._stepped.get(optimizer) == _signature(optimizer)
 
     # ------------------------------------------------------------------ update
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -560,13 +590,14 @@ class GradScaler:
                 "A GradScaler may only be pickled at the beginning of an iteration, or after scaler.update()."
             )
         state = self.__dict__.copy()
-        state["_params"] = None
+        state["_params"] = state["_stepped"] = None
         state["_process_group"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._params = weakref.WeakKeyDictionary()
+        self._stepped = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ helpers
     def _optimizer_state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
@@ -640,6 +671,11 @@ def _takes_scale_and_flag(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
+def _signature(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
+    """Parameter counts per param group: changes when ``add_param_group`` adds parameters."""
+    return tuple(len(g["params"]) for g in optimizer.param_groups)
+
+
 def _validated_new_scale(new_scale: float | torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(new_scale, torch.Tensor):
         if new_scale.numel() != 1 or new_scale.requires_grad or not new_scale.is_floating_point():
@@ -663,6 +699,9 @@ def _masked_step(
     optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """Run the step unconditionally, then put back parameters and optimizer state where it overflowed.
+
+    Only called once the optimizer has stepped (see ``GradScaler._has_stepped``). The state must live on
+    the flag's device (e.g. ``capturable=True`` for Adam on CUDA), or each ``torch.where`` copies the flag over.
 
     Exact: ``torch.where`` selects the old bits. This is a loop over parameters (the opt-in price of no sync
     for optimizers without a fused kernel), plus a copy of parameters and state.
