@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml requirements/dev.txt
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/quickstart.py
+	$(BIN)/dls demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

@@ -1,0 +1,161 @@
+"""Embedded data sets and a resumable batch iterator.
+
+No downloads: ``teacher_regression`` is generated from a seed (inputs drawn from a normal distribution, targets
+from a fixed random two-layer "teacher" network), ``char_corpus`` is the small text shipped in
+``dls/train/data/corpus.txt``. Batches come in epochs: each epoch visits every sample once, in an order drawn
+from ``(shuffle_seed, epoch)``, so the iterator's whole state is two integers and resuming is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import torch
+
+from dls.config import DataConfig
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    """What a model needs to know about its data: ``task`` is ``"regression"`` or ``"language_model"``."""
+
+    task: str
+    input_dim: int = 0
+    output_dim: int = 0
+    vocab_size: int = 0
+    sequence_length: int = 0
+
+
+class Dataset:
+    """Samples indexed ``0..len-1``; ``batch(indices)`` stacks them into ``(inputs, targets)``."""
+
+    info: DataInfo
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def batch(self, indices: torch.Tensor, epoch: int) -> Batch:
+        raise NotImplementedError
+
+
+class TeacherRegression(Dataset):
+    """``num_samples`` inputs ``x ~ N(0, 1)`` and targets ``tanh(x W1 / sqrt(d_in)) W2 / sqrt(64)`` (+ noise)."""
+
+    def __init__(self, cfg: DataConfig) -> None:
+        gen = torch.Generator().manual_seed(cfg.dataset_seed)
+        d_in, d_out, hidden = cfg.input_dim, cfg.output_dim, 64
+        self.x = torch.randn(cfg.num_samples, d_in, generator=gen)
+        w1 = torch.randn(d_in, hidden, generator=gen) / math.sqrt(d_in)
+        w2 = torch.randn(hidden, d_out, generator=gen) / math.sqrt(hidden)
+        self.y = torch.tanh(self.x @ w1) @ w2
+        if cfg.noise_std > 0:
+            self.y += cfg.noise_std * torch.randn(self.y.shape, generator=gen)
+        self.info = DataInfo(task="regression", input_dim=d_in, output_dim=d_out)
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def batch(self, indices: torch.Tensor, epoch: int) -> Batch:
+        return self.x[indices], self.y[indices]
+
+
+def corpus_text() -> str:
+    """The character corpus shipped with dls."""
+    return resources.files("dls.train").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+
+
+class CharCorpus(Dataset):
+    """Windows of ``max_sequence_length + 1`` characters; inputs are a window's first ``L`` characters, targets
+    its last ``L``. Each epoch shifts the window grid by a different offset, so the model sees new splits."""
+
+    def __init__(self, cfg: DataConfig) -> None:
+        text = corpus_text()
+        self.chars = sorted(set(text))
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        self.tokens = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
+        self.length = cfg.max_sequence_length
+        self.windows = (len(self.tokens) - self.length) // self.length  # fits at every offset < length
+        if self.windows < 1:
+            raise ValueError(
+                f"data.max_sequence_length ({self.length}) is too long for the corpus ({len(self.tokens)} characters)"
+            )
+        self.info = DataInfo(task="language_model", vocab_size=len(self.chars), sequence_length=self.length)
+
+    def __len__(self) -> int:
+        return self.windows
+
+    def batch(self, indices: torch.Tensor, epoch: int) -> Batch:
+        offset = (epoch * 7919) % self.length
+        starts = offset + indices * self.length
+        rows = starts[:, None] + torch.arange(self.length + 1)[None, :]
+        seq = self.tokens[rows]
+        return seq[:, :-1], seq[:, 1:]
+
+    def decode(self, tokens: torch.Tensor) -> str:
+        return "".join(self.chars[int(t)] for t in tokens)
+
+
+def build_dataset(cfg: DataConfig) -> Dataset:
+    if cfg.dataset == "teacher_regression":
+        return TeacherRegression(cfg)
+    if cfg.dataset == "char_corpus":
+        return CharCorpus(cfg)
+    raise ValueError(f"data.dataset must be one of 'teacher_regression', 'char_corpus'; got {cfg.dataset!r}")
+
+
+class BatchIterator:
+    """Full batches of ``batch_size`` samples, epoch after epoch (an incomplete last batch is dropped).
+
+    State: ``epoch`` and ``position`` (batches already taken from this epoch); the order of an epoch is a
+    function of ``(seed, epoch)`` only.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, shuffle: bool, seed: int) -> None:
+        if batch_size > len(dataset):
+            raise ValueError(
+                f"data.batch_size ({batch_size}) is larger than the data set ({len(dataset)} samples); "
+                "lower batch_size (or raise num_samples)"
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self._order: torch.Tensor | None = None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.dataset) // self.batch_size
+
+    def _epoch_order(self) -> torch.Tensor:
+        if self._order is None:
+            if self.shuffle:
+                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+                self._order = torch.randperm(len(self.dataset), generator=gen)
+            else:
+                self._order = torch.arange(len(self.dataset))
+        return self._order
+
+    def next(self) -> Batch:
+        if self.position >= self.batches_per_epoch:
+            self.epoch += 1
+            self.position = 0
+            self._order = None
+        start = self.position * self.batch_size
+        indices = self._epoch_order()[start : start + self.batch_size]
+        self.position += 1
+        return self.dataset.batch(indices, self.epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self._order = None

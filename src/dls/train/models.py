@@ -1,0 +1,124 @@
+"""Built-in models: ``mlp`` (regression) and ``transformer_lm`` (a small character-level GPT).
+
+Each model's ``loss(batch)`` returns the unweighted training loss as a float32 scalar: the last layer's output is
+cast to float32 before the loss, as mixed-precision recipes do (under ``torch.autocast`` the loss functions run
+in float32 anyway).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dls.config import ModelConfig
+from dls.train.data import Batch, DataInfo
+
+_ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}
+
+
+class TrainModel(nn.Module):
+    """A model that knows its loss."""
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class MLP(TrainModel):
+    """``depth`` hidden layers of ``hidden_size`` with ``activation_fn``; mean squared error."""
+
+    def __init__(self, cfg: ModelConfig, info: DataInfo) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = info.input_dim
+        for _ in range(cfg.depth):
+            layers += [nn.Linear(width, cfg.hidden_size), _ACTIVATIONS[cfg.activation_fn]()]
+            if cfg.dropout > 0:
+                layers.append(nn.Dropout(cfg.dropout))
+            width = cfg.hidden_size
+        layers.append(nn.Linear(width, info.output_dim))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.net(x)
+        return out
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x).float(), y.float())
+
+
+class _Block(nn.Module):
+    """Pre-LayerNorm transformer block: causal self-attention, then a GELU feed-forward layer."""
+
+    def __init__(self, hidden: int, heads: int, filter_size: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.dropout = dropout
+        self.ln1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, filter_size)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(filter_size, hidden)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, c)))
+        return x + self.drop(self.fc2(self.act(self.fc1(self.ln2(x)))))
+
+
+class TransformerLM(TrainModel):
+    """Token and position embeddings, ``num_hidden_layers`` blocks, a final LayerNorm and an untied head;
+    cross-entropy over every position."""
+
+    def __init__(self, cfg: ModelConfig, info: DataInfo) -> None:
+        super().__init__()
+        self.vocab_size = info.vocab_size
+        self.tok = nn.Embedding(info.vocab_size, cfg.hidden_size)
+        self.pos = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.drop = nn.Dropout(cfg.dropout_rate)
+        self.blocks = nn.ModuleList(
+            _Block(cfg.hidden_size, cfg.num_heads, cfg.filter_size, cfg.dropout_rate)
+            for _ in range(cfg.num_hidden_layers)
+        )
+        self.ln_f = nn.LayerNorm(cfg.hidden_size)
+        self.head = nn.Linear(cfg.hidden_size, info.vocab_size)
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = (
+                    0.02 / math.sqrt(2 * cfg.num_hidden_layers)
+                    if name.endswith(("proj.weight", "fc2.weight"))
+                    else 0.02
+                )
+                nn.init.normal_(p, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.drop(self.tok(tokens) + self.pos(positions)[None])
+        for block in self.blocks:
+            x = block(x)
+        logits: torch.Tensor = self.head(self.ln_f(x))
+        return logits
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        tokens, targets = batch
+        logits = self(tokens).float()
+        return F.cross_entropy(logits.reshape(-1, self.vocab_size), targets.reshape(-1))
+
+
+def build_model(cfg: ModelConfig, info: DataInfo) -> TrainModel:
+    if cfg.name == "mlp":
+        return MLP(cfg, info)
+    if cfg.name == "transformer_lm":
+        return TransformerLM(cfg, info)
+    raise ValueError(f"model.name must be one of 'mlp', 'transformer_lm'; got {cfg.name!r}")

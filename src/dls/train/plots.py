@@ -1,0 +1,128 @@
+"""PNG plots of training metrics (matplotlib's Agg canvas: no display, no global backend change)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` file (an unreadable trailing line, e.g. from a crash, is dropped)."""
+    rows: list[dict[str, Any]] = []
+    p = Path(path)
+    if not p.exists():
+        return rows
+    for line in p.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _pow2(value: float, _pos: Any = None) -> str:
+    if value <= 0:
+        return ""
+    exponent = math.log2(value)
+    return f"$2^{{{exponent:.0f}}}$" if abs(exponent - round(exponent)) < 1e-6 else f"{value:g}"
+
+
+def plot_run(rows: Sequence[dict[str, Any]], out: str | Path, title: str = "") -> Path:
+    """Loss (top) and loss scale (bottom) over steps; skipped steps are red crosses on both."""
+    fig = Figure(figsize=(9, 6.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_loss, ax_scale = fig.subplots(2, 1, sharex=True)
+    steps = [r["step"] for r in rows if _finite(r.get("loss"))]
+    losses = [r["loss"] for r in rows if _finite(r.get("loss"))]
+    ax_loss.plot(steps, losses, color="tab:blue", lw=1.2, label="training loss")
+    skipped = [r for r in rows if r.get("skipped")]
+    positive = [v for v in losses if v > 0]
+    if positive and max(positive) / min(positive) > 20:  # a log axis only where the loss spans decades
+        ax_loss.set_yscale("log")
+    if skipped:
+        low = min(positive) if positive else 0.0
+        ys = [r["loss"] if _finite(r.get("loss")) and r["loss"] > 0 else low for r in skipped]
+        ax_loss.scatter([r["step"] for r in skipped], ys, marker="x", color="tab:red", zorder=3, label="skipped step")
+    ax_loss.set_ylabel("loss")
+    ax_loss.grid(True, which="both", alpha=0.3)
+    ax_loss.legend(loc="upper right")
+
+    scaled = [r for r in rows if _finite(r.get("loss_scale"))]
+    if scaled:
+        ax_scale.step([r["step"] for r in scaled], [r["loss_scale"] for r in scaled], where="post", color="tab:green")
+        ax_scale.set_yscale("log", base=2)
+        ax_scale.yaxis.set_major_formatter(FuncFormatter(_pow2))
+        marks = [(r["step"], r["loss_scale"]) for r in skipped if _finite(r.get("loss_scale"))]
+        if marks:
+            ax_scale.scatter(
+                [m[0] for m in marks],
+                [m[1] for m in marks],
+                marker="x",
+                color="tab:red",
+                zorder=3,
+                label=f"skipped step ({len(marks)})",
+            )
+            ax_scale.legend(loc="lower right")
+    else:
+        ax_scale.text(0.5, 0.5, "no loss scaling in this run", ha="center", va="center", transform=ax_scale.transAxes)
+        ax_scale.set_yticks([])
+    ax_scale.set_ylabel("loss scale")
+    ax_scale.set_xlabel("step")
+    ax_scale.grid(True, which="both", alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=11, wrap=True)
+    path = Path(out)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: str | Path, title: str = "") -> Path:
+    """Several runs: loss curves (top) and loss scales (bottom), skipped steps as crosses."""
+    fig = Figure(figsize=(10, 7.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_loss, ax_scale = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
+    colors = ["black", "tab:red", "tab:orange", "tab:blue", "tab:purple", "tab:green", "tab:brown"]
+    any_scale = False
+    for i, (label, rows) in enumerate(runs):
+        color = colors[i % len(colors)]
+        # The first run is the reference: dashed and on top, so it stays visible where others coincide with it.
+        style, width, order = ("--", 2.0, 5) if i == 0 else ("-", 1.4, 2)
+        pts = [(r["step"], r["loss"]) for r in rows if _finite(r.get("loss"))]
+        if pts:
+            ax_loss.plot(*zip(*pts), style, color=color, lw=width, zorder=order, label=label)
+        scaled = [(r["step"], r["loss_scale"]) for r in rows if _finite(r.get("loss_scale"))]
+        if scaled:
+            any_scale = True
+            ax_scale.step(*zip(*scaled), where="post", color=color, lw=1.4, label=label)
+            skipped = [(r["step"], r["loss_scale"]) for r in rows if r.get("skipped") and _finite(r.get("loss_scale"))]
+            if skipped:
+                ax_scale.scatter(*zip(*skipped), marker="x", color=color, zorder=3)
+    ax_loss.set_yscale("log")
+    ax_loss.set_ylabel("training loss (unweighted)")
+    ax_loss.grid(True, which="both", alpha=0.3)
+    ax_loss.legend(loc="center right")
+    if any_scale:
+        ax_scale.set_yscale("log", base=2)
+        ax_scale.yaxis.set_major_formatter(FuncFormatter(_pow2))
+        ax_scale.legend(loc="center right")
+    ax_scale.set_ylabel("loss scale (x = skipped step)")
+    ax_scale.set_xlabel("step")
+    ax_scale.grid(True, which="both", alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    path = Path(out)
+    fig.savefig(path, dpi=110)
+    return path

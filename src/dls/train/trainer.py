@@ -1,0 +1,668 @@
+"""The training loop behind ``dls train``: one config in, a trained model, checkpoints, metrics and plots out.
+
+Per step: forward (under ``torch.autocast`` for float16/bfloat16, or with ``dls.emulate`` hooks for cbfloat16
+and ``precision.emulate``), ``scaler.scale(loss).backward()``, ``scaler.unscale_``, the global gradient norm,
+clipping (``clip_gradients_and_return_isfinite`` for ``max_gradient_norm``, elementwise for
+``max_gradient_value``), ``scaler.step`` (skipped on overflow), ``scaler.update``, the LR schedule, metrics.
+
+Stops with :class:`TrainingStopped` (after writing a checkpoint) when loss scaling cannot help any more: the
+dynamic scale sits at ``min_loss_scale`` and ``max_overflows_at_min_loss_scale`` consecutive steps still
+overflow, a static scale overflows that many steps in a row, or gradients are inf/NaN with no loss scaling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import re
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+import dls
+from dls.config import (
+    CHECKPOINT_STATES,
+    OptimizerConfig,
+    TrainConfig,
+    grad_scaler_kwargs,
+    loss_scaling_mode,
+    to_dict,
+)
+from dls.train import checkpoint as ckpt
+from dls.train.data import Batch, BatchIterator, CharCorpus, build_dataset
+from dls.train.models import build_model
+from dls.train.plots import plot_run, read_metrics
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "plots.png"
+CONFIG_FILE = "config.yaml"
+
+
+class TrainingStopped(RuntimeError):
+    """Training cannot usefully continue; the state was checkpointed first (``checkpoint``)."""
+
+    def __init__(self, message: str, checkpoint: Path | None = None) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
+
+
+@dataclass
+class TrainResult:
+    """What a run did. ``final_loss``: mean training loss over the last 10% of this session's steps;
+    ``eval_loss``: the loss over (up to 4096 samples of) the data set, computed in float32 after training;
+    ``grad_underflow``: mean of the logged ``grad_underflow`` values (``None`` without ``log_summaries``)."""
+
+    model_dir: Path
+    global_step: int
+    steps_run: int
+    final_loss: float | None
+    eval_loss: float | None
+    skipped_steps: int
+    loss_scale: float | None
+    scaling: str
+    grad_underflow: float | None
+    wall_time: float
+    checkpoint: Path | None
+    metrics_path: Path
+    plot_path: Path | None
+
+
+# ---------------------------------------------------------------------- builders
+def build_optimizer(cfg: OptimizerConfig, params: Any) -> torch.optim.Optimizer:
+    """The optimizer with learning rate 1.0: the LR schedule (a ``LambdaLR``) sets the real one."""
+    if cfg.optimizer_type == "SGD":
+        return torch.optim.SGD(params, lr=1.0, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    cls = torch.optim.Adam if cfg.optimizer_type == "Adam" else torch.optim.AdamW
+    return cls(params, lr=1.0, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def learning_rate_at(schedule: float | Sequence[dict[str, Any]], step: int) -> float:
+    """The learning rate of global step ``step`` (0-based): a constant, or the schedule pieces one after
+    another (``Constant``, ``Linear``, ``CosineDecay`` over ``total_iters`` steps each; the last holds its end)."""
+    if isinstance(schedule, (int, float)):
+        return float(schedule)
+    t = step
+    for i, piece in enumerate(schedule):
+        total = piece.get("total_iters")
+        last = i == len(schedule) - 1
+        if total is not None and t >= total and not last:
+            t -= total
+            continue
+        if piece["scheduler"] == "Constant":
+            return float(piece["learning_rate"])
+        start, end = float(piece["initial_learning_rate"]), float(piece["end_learning_rate"])
+        frac = min(t / total, 1.0) if total else 1.0
+        if piece["scheduler"] == "Linear":
+            return start + (end - start) * frac
+        return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * frac))
+    raise AssertionError("unreachable: a schedule has at least one piece")
+
+
+def build_scheduler(cfg: OptimizerConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    schedule = cfg.learning_rate
+
+    def lr_at(step: int) -> float:  # a plain function: LambdaLR.state_dict() does not store it
+        return learning_rate_at(schedule, step)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("runconfig.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _pow2(value: float) -> str:
+    if value > 0 and math.log2(value).is_integer():
+        return f"2^{int(math.log2(value))}"
+    return f"{value:g}"
+
+
+def describe_scaling(cfg: TrainConfig) -> str:
+    mode = loss_scaling_mode(cfg)
+    if mode == "off":
+        return "no loss scaling"
+    kw = grad_scaler_kwargs(cfg)
+    if mode == "static":
+        return f"static loss scale {_pow2(kw['loss_scale'])}"
+    init = kw["init_scale"] if kw["init_scale"] is not None else kw["max_loss_scale"]
+    return (
+        f"dynamic loss scaling (start {_pow2(init)}, x{kw['growth_factor']:g} after {kw['steps_per_increase']} "
+        f"clean steps, range {_pow2(kw['min_loss_scale'])}..{_pow2(kw['max_loss_scale'])})"
+    )
+
+
+def describe_precision(cfg: TrainConfig) -> str:
+    dtype = cfg.precision.compute_dtype
+    if dtype == "float32":
+        return "float32"
+    return f"{dtype} ({'dls.emulate' if cfg.precision.emulated else 'torch.autocast'})"
+
+
+def _json_number(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+# ---------------------------------------------------------------------- progress
+class _Reporter:
+    """A rich progress bar on a terminal; otherwise a plain line about every 10% of the steps."""
+
+    def __init__(self, console: Console, enabled: bool, total: int, start: int, label: str) -> None:
+        self.console = console
+        self.total = total
+        self.every = max(1, (total - start) // 10)
+        self.progress: Progress | None = None
+        self.enabled = enabled
+        if enabled and console.is_terminal:
+            self.progress = Progress(
+                TextColumn("[bold]{task.fields[label]}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.description}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=console,
+            )
+            self.task = self.progress.add_task("", total=total, completed=start, label=label)
+            self.progress.start()
+
+    def update(self, step: int, text: str) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, description=text)
+        elif self.enabled and (step % self.every == 0 or step == self.total):
+            self.console.print(f"step {step}/{self.total}  {text}", highlight=False, soft_wrap=True)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+class _StopRequest:
+    """While active (main thread only), the first Ctrl-C asks the loop to stop after the current step (which then
+    checkpoints a consistent state); a second one interrupts at once."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self.log = log
+        self.requested = False
+        self.forced = False
+        self._previous: Any = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            self.forced = True
+            raise KeyboardInterrupt
+        self.requested = True
+        self.log("Ctrl-C: stopping after this step and saving a checkpoint (press Ctrl-C again to quit at once)")
+
+    def __enter__(self) -> _StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
+# ---------------------------------------------------------------------- trainer
+class Trainer:
+    """Builds everything a config describes; :meth:`train` runs it.
+
+    Args:
+        cfg: a validated config (``dls.config.load_config`` / ``parse_config``).
+        console: where logs, the progress bar and the summary go (default: a new rich ``Console``).
+        progress: show a progress bar (terminal) or progress lines (otherwise).
+        summary: print the summary table at the end.
+        plot: write ``plots.png`` at the end.
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        *,
+        console: Console | None = None,
+        progress: bool = True,
+        summary: bool = True,
+        plot: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.console = console if console is not None else Console()
+        self.show_progress = progress
+        self.show_summary = summary
+        self.write_plot = plot
+        rc = cfg.runconfig
+        self.device = resolve_device(rc.device)
+        self.model_dir = Path(rc.model_dir)
+        self.metrics_path = self.model_dir / METRICS_FILE
+        seed_everything(rc.seed)
+        self.dataset = build_dataset(cfg.data)
+        shuffle_seed = cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else rc.seed
+        self.batches = BatchIterator(self.dataset, cfg.data.batch_size, cfg.data.shuffle, shuffle_seed)
+        self.model = build_model(cfg.model, self.dataset.info).to(self.device)
+        self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
+        self.scheduler = build_scheduler(cfg.optimizer, self.optimizer)
+        self.compute_dtype = cfg.precision.compute_dtype
+        self.scaler = dls.GradScaler(**grad_scaler_kwargs(cfg), device=self.device)
+        self.scaling = loss_scaling_mode(cfg)
+        self.global_step = 0
+        self.elapsed = 0.0
+        self.overflows_at_floor = 0  # consecutive overflowing steps at min_loss_scale (dynamic) / any scale (static)
+        self._emulation: Any = None
+        self._last_checkpoint: Path | None = None
+        self._session_losses: list[float] = []
+        self._last_skipped = False
+        self._last_scale: float | None = None
+        self._underflows: list[float] = []
+
+    # ------------------------------------------------------------------ logging
+    def log(self, message: str) -> None:
+        self.console.print(message, highlight=False, markup=False, soft_wrap=True)
+
+    # ------------------------------------------------------------------ run
+    def train(self, resume: str | Path | None = None, load_states: Sequence[str] | None = None) -> TrainResult:
+        """Train to ``runconfig.max_steps``; with ``resume`` (a model_dir or a checkpoint file) continue from
+        the checkpoint, loading ``load_states`` (default: ``runconfig.load_checkpoint_states``, else all)."""
+        cfg, rc = self.cfg, self.cfg.runconfig
+        session_start = time.perf_counter()
+        if resume is not None:
+            self._restore(resume, load_states)
+        else:
+            self._check_fresh_model_dir()
+        self.model_dir.mkdir(parents=True, exist_ok=True)
+        self._prepare_metrics()
+        (self.model_dir / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+        for warning in cfg.warnings:
+            self.log(f"warning: {warning}")
+        data_name = cfg.data.dataset
+        self.log(
+            f"{cfg.model.name} on {data_name}, {describe_precision(cfg)}, {describe_scaling(cfg)}; "
+            f"steps {self.global_step}->{rc.max_steps}; output in {self.model_dir}"
+        )
+        start_step = self.global_step
+        previous_half = dls.get_half_dtype_str()
+        if self.compute_dtype != "float32":
+            dls.set_half_dtype(self.compute_dtype)
+        self._emulation = dls.emulate(self.model, self.compute_dtype) if cfg.precision.emulated else None
+        reporter = _Reporter(self.console, self.show_progress, rc.max_steps, self.global_step, cfg.model.name)
+        self.model.train()
+        stop_request = _StopRequest(self.log)
+        try:
+            with open(self.metrics_path, "a", encoding="utf-8") as metrics, stop_request:
+                while self.global_step < rc.max_steps:
+                    if stop_request.requested:
+                        raise KeyboardInterrupt
+                    row = self._step(session_start)
+                    if row is not None:
+                        metrics.write(json.dumps(row, allow_nan=False) + "\n")
+                        metrics.flush()
+                    self._check_overflow_streak(session_start)
+                    step = self.global_step
+                    if rc.checkpoint_steps and step % rc.checkpoint_steps == 0 and step < rc.max_steps:
+                        self._save(session_start)
+                    if row is not None:
+                        reporter.update(step, self._progress_text(row))
+        except KeyboardInterrupt:
+            reporter.close()
+            if stop_request.requested and not stop_request.forced:  # between two steps: the state is consistent
+                path = self._save(session_start)
+                self.log(
+                    f"Interrupted at step {self.global_step}; saved {path}. Continue with --resume {self.model_dir}"
+                )
+            else:
+                self.log(f"Interrupted; the last checkpoint is {self._last_checkpoint or 'none (nothing saved)'}")
+            raise
+        except TrainingStopped:
+            reporter.close()
+            self._finish_outputs()
+            raise
+        finally:
+            reporter.close()
+            if self._emulation is not None:
+                self._emulation.remove()
+                self._emulation = None
+            dls.set_half_dtype(previous_half)
+        if self._last_checkpoint is None or self._checkpoint_step(self._last_checkpoint) != self.global_step:
+            self._save(session_start)
+        session_time = time.perf_counter() - session_start
+        plot_path = self._finish_outputs()
+        eval_loss = self.evaluate()
+        tail = self._session_losses[-max(1, len(self._session_losses) // 10) :]
+        result = TrainResult(
+            model_dir=self.model_dir,
+            global_step=self.global_step,
+            steps_run=self.global_step - start_step,
+            final_loss=sum(tail) / len(tail) if tail else None,
+            eval_loss=eval_loss,
+            skipped_steps=self.scaler.get_num_skipped_steps(),
+            loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None,
+            scaling=self.scaling,
+            grad_underflow=sum(self._underflows) / len(self._underflows) if self._underflows else None,
+            wall_time=session_time,
+            checkpoint=self._last_checkpoint,
+            metrics_path=self.metrics_path,
+            plot_path=plot_path,
+        )
+        if self.show_summary:
+            self.print_summary(result)
+        return result
+
+    def _step(self, session_start: float) -> dict[str, Any] | None:
+        cfg, rc, opt_cfg = self.cfg, self.cfg.runconfig, self.cfg.optimizer
+        step = self.global_step + 1
+        log_now = step % rc.log_steps == 0 or step == rc.max_steps or step == 1
+        x, y = self.batches.next()
+        batch: Batch = (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+        underflow = None
+        if opt_cfg.log_summaries and log_now and self.compute_dtype != "float32" and self._emulation is None:
+            underflow = self._probe_underflow(batch)
+        scale_used = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        with self._autocast():
+            loss = self.model.loss(batch)
+        weighted = loss * cfg.model.loss_weight if cfg.model.loss_weight != 1.0 else loss
+        self.scaler.scale(weighted).backward()
+        self.scaler.unscale_(self.optimizer)
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params]).item()) if params else 0.0
+        loss_value = float(loss.item())
+        if not self.scaler.is_enabled() and not (math.isfinite(grad_norm) and math.isfinite(loss_value)):
+            self.optimizer.zero_grad(set_to_none=True)
+            path = self._save(session_start)
+            raise TrainingStopped(
+                f"Step {step}: the loss ({loss_value}) or the gradients (norm {grad_norm}) are inf/NaN and loss "
+                f"scaling is off ({self.compute_dtype}), so nothing can skip this step. Training stopped before "
+                f"applying it; the model as of step {self.global_step} is saved in {path}. Try a lower "
+                "optimizer.learning_rate, optimizer.max_gradient_norm (e.g. 1.0)"
+                + (", or optimizer.loss_scaling_factor: dynamic." if self.compute_dtype != "float32" else "."),
+                path,
+            )
+        if opt_cfg.max_gradient_norm is not None:
+            self.scaler.clip_gradients_and_return_isfinite(self.optimizer)
+        elif opt_cfg.max_gradient_value is not None:
+            torch.nn.utils.clip_grad_value_(params, opt_cfg.max_gradient_value)
+        skipped_before = self.scaler.get_num_skipped_steps()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        skipped = self.scaler.get_num_skipped_steps() > skipped_before
+        with warnings.catch_warnings():
+            # A first step skipped for overflow makes torch warn that the scheduler stepped before the optimizer.
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step = step
+        self._session_losses.append(loss_value)
+        if self._emulation is not None and opt_cfg.log_summaries and log_now:
+            underflow = self._emulation.stats.underflow_fraction
+            self._emulation.stats.reset()
+        if underflow is not None:
+            self._underflows.append(underflow)
+        self._last_skipped, self._last_scale = skipped, scale_used
+        if not (log_now or skipped):
+            return None
+        row: dict[str, Any] = {
+            "step": step,
+            "loss": _json_number(loss_value),
+            "loss_scale": scale_used,
+            "skipped": skipped,
+            "grad_norm": _json_number(grad_norm),
+            "lr": lr,
+            "time": round(self.elapsed + time.perf_counter() - session_start, 4),
+        }
+        if opt_cfg.log_summaries:
+            row["skipped_total"] = self.scaler.get_num_skipped_steps()
+            row["grad_underflow"] = underflow
+        return row
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.compute_dtype in ("float16", "bfloat16") and self._emulation is None:
+            dtype = torch.float16 if self.compute_dtype == "float16" else torch.bfloat16
+            return torch.autocast(self.device.type, dtype=dtype)
+        return contextlib.nullcontext()
+
+    def _probe_underflow(self, batch: Batch) -> float:
+        """The fraction of nonzero activation gradients that the half format flushes to zero at the current
+        loss scale, from one emulated backward pass on ``batch`` (parameters' ``.grad`` and every RNG untouched)."""
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), dls.emulate(self.model, self.compute_dtype) as handle:
+            loss = self.model.loss(batch) * (self.cfg.model.loss_weight * scale)
+            torch.autograd.grad(loss, params, allow_unused=True)
+        assert handle.stats is not None
+        return float(handle.stats.underflow_fraction)
+
+    def _check_overflow_streak(self, session_start: float) -> None:
+        step, skipped, scale_used = self.global_step, self._last_skipped, self._last_scale
+        if self.scaling == "off" or scale_used is None:
+            return
+        min_scale = self.cfg.optimizer.min_loss_scale
+        at_floor = self.scaling == "static" or scale_used <= min_scale
+        self.overflows_at_floor = self.overflows_at_floor + 1 if (skipped and at_floor) else 0
+        limit = self.cfg.runconfig.max_overflows_at_min_loss_scale
+        if self.overflows_at_floor < limit:
+            return
+        path = self._save(session_start)
+        if self.scaling == "static":
+            what = (
+                f"the static loss scale {_pow2(scale_used)} made the gradients overflow on {limit} consecutive "
+                "steps, and a static scale never comes down"
+            )
+            advice = (
+                "use optimizer.loss_scaling_factor: dynamic (it finds the largest scale that does not "
+                "overflow), or a smaller static scale"
+            )
+        else:
+            what = (
+                f"the loss scale is pinned at min_loss_scale ({_pow2(min_scale)}) and the gradients still "
+                f"overflowed on {limit} consecutive steps (Model Zoo: 'Minimum loss scale threshold was reached "
+                "but gradient norms are still encountering NaN or inf values')"
+            )
+            advice = (
+                "lower optimizer.learning_rate or clip with optimizer.max_gradient_norm (the model may have "
+                "diverged); check the data for inf/NaN; switch to bfloat16 (precision.fp16_type: bfloat16), whose "
+                "range matches float32, if the forward pass itself overflows in float16; or lower "
+                "optimizer.min_loss_scale"
+            )
+        raise TrainingStopped(
+            f"Stopped at step {step}: {what}. Skipping more steps cannot help. To try: {advice}. Nothing is lost: "
+            f"the state is saved in {path}; after changing the config, continue with --resume {self.model_dir}",
+            path,
+        )
+
+    def _progress_text(self, row: dict[str, Any]) -> str:
+        loss = row["loss"]
+        parts = [f"loss {loss:.4g}" if loss is not None else "loss nan"]
+        if row["loss_scale"] is not None:
+            parts.append(f"scale {_pow2(row['loss_scale'])}")
+            parts.append(f"skipped {self.scaler.get_num_skipped_steps()}")
+        return "  ".join(parts)
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, max_samples: int = 4096) -> float:
+        """Mean loss in float32 over the first ``max_samples`` samples of the data set (64 sequences for the
+        character corpus), in eval mode (no dropout)."""
+        was_training = self.model.training
+        self.model.eval()
+        n = len(self.dataset) if not isinstance(self.dataset, CharCorpus) else min(len(self.dataset), 64)
+        n = min(n, max_samples)
+        total, count = 0.0, 0
+        for start in range(0, n, 512):
+            idx = torch.arange(start, min(n, start + 512))
+            x, y = self.dataset.batch(idx, epoch=0)
+            loss = self.model.loss((x.to(self.device), y.to(self.device)))
+            total += float(loss.item()) * len(idx)
+            count += len(idx)
+        self.model.train(was_training)
+        return total / max(count, 1)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "global_step": self.global_step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.scheduler.state_dict(),
+            "dataloader": self.batches.state_dict(),
+            "rng": ckpt.rng_state(),
+            "config": to_dict(self.cfg),
+            "dls_version": dls.__version__,
+        }
+        if self.scaler.is_enabled():
+            state["grad_scaler"] = self.scaler.state_dict()
+        return state
+
+    def _save(self, session_start: float) -> Path:
+        state = self.state_dict()
+        state["trainer"] = {
+            "elapsed": self.elapsed + time.perf_counter() - session_start,
+            "overflows_at_floor": self.overflows_at_floor,
+        }
+        path = ckpt.save_checkpoint(
+            state, ckpt.checkpoint_path(self.model_dir, self.global_step), keep=self.cfg.runconfig.keep_checkpoint_max
+        )
+        self._last_checkpoint = path
+        return path
+
+    @staticmethod
+    def _checkpoint_step(path: Path) -> int:
+        return int(path.stem.split("_")[-1])
+
+    def _check_fresh_model_dir(self) -> None:
+        found = ckpt.list_checkpoints(self.model_dir)
+        if found:
+            raise ckpt.CheckpointError(
+                f"runconfig.model_dir {self.model_dir} already holds checkpoints (latest: step {found[-1][0]}). "
+                f"To continue that run, add --resume {self.model_dir}; to start over, choose another model_dir "
+                f"(--override runconfig.model_dir=...) or delete {self.model_dir}."
+            )
+
+    def _restore(self, resume: str | Path, load_states: Sequence[str] | None) -> None:
+        path = ckpt.find_checkpoint(resume)
+        state = ckpt.load_checkpoint(path)
+        states = tuple(load_states or self.cfg.runconfig.load_checkpoint_states or CHECKPOINT_STATES)
+        saved_step = state.get("global_step", "?")
+        self.log(f"Loading {path} (step {saved_step}): {', '.join(states)}")
+        fresh = [s for s in CHECKPOINT_STATES if s not in states]
+        if fresh:
+            self.log(f"Not loaded (fresh from the config): {', '.join(fresh)}")
+        if "model" in states:
+            try:
+                self.model.load_state_dict(state["model"])
+            except RuntimeError as exc:
+                first = str(exc).strip().splitlines()
+                raise ckpt.CheckpointError(
+                    f"the model in {path} does not fit model: in this config ({first[0] if first else exc}); "
+                    "resume with the config the checkpoint was trained with"
+                ) from None
+        for key, target in (
+            ("optimizer", self.optimizer),
+            ("lr_scheduler", self.scheduler),
+            ("dataloader", self.batches),
+        ):
+            if key not in states:
+                continue
+            if key not in state:
+                self.log(f"{path} has no {key} state; {key} starts fresh")
+                continue
+            try:
+                target.load_state_dict(state[key])
+            except (ValueError, KeyError, RuntimeError) as exc:
+                raise ckpt.CheckpointError(f"cannot load the {key} state of {path}: {exc}") from None
+        if "grad_scaler" in states:
+            self._restore_scaler(path, state.get("grad_scaler"))
+        if "global_step" in states:
+            self.global_step = int(state.get("global_step", 0))
+            trainer = state.get("trainer", {})
+            self.elapsed = float(trainer.get("elapsed", 0.0))
+            self.overflows_at_floor = int(trainer.get("overflows_at_floor", 0))
+        if "rng" in states:
+            if "rng" in state:
+                ckpt.set_rng_state(state["rng"])  # last: building the run above must not consume the restored RNG
+            else:
+                self.log(f"{path} has no rng state; random-number generators start from runconfig.seed")
+
+    def _restore_scaler(self, path: Path, saved: dict[str, Any] | None) -> None:
+        if not saved:
+            if self.scaler.is_enabled():
+                self.log(
+                    f"{path} has no grad_scaler state (it was saved by a run without loss scaling); "
+                    f"using the loss scaler built from the config: {describe_scaling(self.cfg)}"
+                )
+            return
+        if not self.scaler.is_enabled():
+            self.log(f"the grad_scaler state in {path} is not used: this config has no loss scaling")
+            return
+        try:
+            self.scaler.load_state_dict(saved)
+        except (ValueError, RuntimeError) as exc:
+            raise ckpt.CheckpointError(f"cannot load the grad_scaler state of {path}: {exc}") from None
+
+    # ------------------------------------------------------------------ outputs
+    def _prepare_metrics(self) -> None:
+        """Fresh run: empty ``metrics.jsonl``. Resumed: keep the rows up to the resumed step (a later crash
+        may have left rows the checkpoint does not cover)."""
+        keep = [r for r in read_metrics(self.metrics_path) if r.get("step", 0) <= self.global_step]
+        tmp = self.metrics_path.with_name(METRICS_FILE + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
+        tmp.replace(self.metrics_path)
+
+    def _finish_outputs(self) -> Path | None:
+        if not self.write_plot:
+            return None
+        rows = read_metrics(self.metrics_path)
+        title = f"{self.cfg.model.name}, {describe_precision(self.cfg)}\n{describe_scaling(self.cfg)}"
+        return plot_run(rows, self.model_dir / PLOT_FILE, title=title)
+
+    def print_summary(self, result: TrainResult) -> None:
+        table = Table(title=f"dls train: {self.model_dir}", show_header=False, title_justify="left")
+        table.add_column(style="bold")
+        table.add_column()
+        table.add_row("global step", f"{result.global_step} ({result.steps_run} in this session)")
+        table.add_row("precision", describe_precision(self.cfg))
+        table.add_row("loss scaling", describe_scaling(self.cfg))
+        if result.final_loss is not None:
+            table.add_row("training loss (last 10%)", f"{result.final_loss:.5g}")
+        if result.eval_loss is not None:
+            table.add_row("eval loss (float32)", f"{result.eval_loss:.5g}")
+        if result.loss_scale is not None:
+            pct = 100 * result.skipped_steps / max(result.global_step, 1)
+            table.add_row("final loss scale", _pow2(result.loss_scale))
+            table.add_row("skipped steps", f"{result.skipped_steps} ({pct:.1f}%)")
+        if result.grad_underflow is not None:
+            table.add_row("gradient underflow", f"{100 * result.grad_underflow:.2f}% of nonzero activation gradients")
+        table.add_row("wall time", f"{result.wall_time:.1f} s")
+        table.add_row("checkpoint", str(result.checkpoint))
+        table.add_row("metrics", str(result.metrics_path))
+        if result.plot_path is not None:
+            table.add_row("plot", str(result.plot_path))
+        self.console.print(table)
+
+
+def iter_metrics(model_dir: str | Path) -> Iterator[dict[str, Any]]:
+    """The rows of ``MODEL_DIR/metrics.jsonl``."""
+    yield from read_metrics(Path(model_dir) / METRICS_FILE)

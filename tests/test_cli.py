@@ -1,0 +1,159 @@
+"""The ``dls`` command: smoke runs of a few steps, exit codes, error messages without tracebacks."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from dls.train.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+MLP = str(ROOT / "configs" / "mlp_fp16_dls.yaml")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def dls_command() -> list[str]:
+    script = Path(sys.executable).parent / "dls"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("dls")
+    return [found] if found else [sys.executable, "-m", "dls.train.cli"]
+
+
+def run_dls(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*dls_command(), *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def short(model_dir: Path, steps: int = 4) -> list[str]:
+    return [
+        "--override",
+        f"runconfig.max_steps={steps}",
+        "runconfig.checkpoint_steps=2",
+        f"runconfig.model_dir={model_dir}",
+    ]
+
+
+# ---------------------------------------------------------------------- help
+def test_help_for_newcomers() -> None:
+    proc = run_dls("--help")
+    assert proc.returncode == 0
+    for text in ("dls demo", "dls train configs/mlp_fp16_dls.yaml", "dls keys", "loss_scaling_factor"):
+        assert text in proc.stdout
+    train = run_dls("train", "--help")
+    assert train.returncode == 0
+    for text in ("--override", "--resume", "--load_checkpoint_states", "examples:", "metrics.jsonl"):
+        assert text in train.stdout
+
+
+def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 0
+    assert "dls demo" in capsys.readouterr().out
+
+
+def test_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["keys"]) == 0
+    out = capsys.readouterr().out
+    assert "loss_scaling_factor" in out and "max_overflows_at_min_loss_scale" in out
+
+
+# ---------------------------------------------------------------------- train
+def test_train_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", MLP, *short(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "final loss scale" in out and "skipped steps" in out
+    for name in ("checkpoint_2.mdl", "checkpoint_4.mdl", "metrics.jsonl", "plots.png", "config.yaml"):
+        assert (tmp_path / "run" / name).exists(), name
+
+
+@pytest.mark.parametrize("config", ["transformer_lm_fp16_dls.yaml", "mlp_cbfloat16_dls.yaml"])
+def test_other_shipped_configs_run(tmp_path: Path, config: str, capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(ROOT / "configs" / config)
+    assert main(["train", path, *short(tmp_path / "run", steps=2), "runconfig.log_steps=1"]) == 0
+    assert (tmp_path / "run" / "checkpoint_2.mdl").exists()
+
+
+def test_resume_from_the_saved_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", MLP, *short(tmp_path / "run")]) == 0
+    assert main(["train", "--resume", str(tmp_path / "run"), "--override", "runconfig.max_steps=6"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint_4.mdl (step 4)" in out
+    assert (tmp_path / "run" / "checkpoint_6.mdl").exists()
+    assert main(["train", MLP, *short(tmp_path / "run", 7), "--resume", str(tmp_path / "run"),
+                 "--load_checkpoint_states", "model,optimizer,global_step"]) == 0  # fmt: skip
+    assert "Not loaded (fresh from the config): dataloader, grad_scaler, lr_scheduler, rng" in capsys.readouterr().out
+
+
+def test_bad_config_exits_2_without_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  name: mlp\noptimizer:\n  loss_scaling_factor: dynamc\n  growth_interval: 10\n")
+    proc = run_dls("train", str(bad))
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert "dls: error: invalid config in" in proc.stderr
+    assert "optimizer.loss_scaling_factor must be 'dynamic'" in proc.stderr
+    assert "optimizer.growth_interval" in proc.stderr and "steps_per_increase" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["train", "missing.yaml"], "cannot read config file"),
+        (["train", MLP, "--override", "runconfig.max_steps"], "must look like section.key=value"),
+        (["train", MLP, "--override", "runconfig.max_steps=0"], "runconfig.max_steps must be an integer >= 1"),
+        (["train", MLP, "--load_checkpoint_states", "model"], "needs --resume"),
+        (["train", MLP, "--resume", "nowhere", "--load_checkpoint_states", "model,weights"], "unknown checkpoint"),
+        (["train", MLP, "--resume", "nowhere"], "nowhere does not exist"),
+        (["train", "--resume", "nowhere"], "nowhere does not exist"),
+        (["validate", "missing.yaml"], "cannot read config file"),
+        (["train"], "give a YAML config"),
+    ],
+)
+def test_usage_errors_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dls: error:") and needle in err
+
+
+def test_existing_model_dir_needs_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", MLP, *short(tmp_path / "run", 2)]) == 0
+    assert main(["train", MLP, *short(tmp_path / "run", 2)]) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err
+
+
+def test_training_stopped_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = [*short(tmp_path / "run", 200), "model.loss_weight=1e39", "optimizer.min_loss_scale=1.0"]
+    args += ["optimizer.initial_loss_scale=4", "runconfig.max_overflows_at_min_loss_scale=2"]
+    assert main(["train", MLP, *args]) == 1
+    err = capsys.readouterr().err
+    assert "dls: training stopped: Stopped at step 4" in err and "min_loss_scale" in err
+    assert (tmp_path / "run" / "checkpoint_4.mdl").exists()
+
+
+def test_validate(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", MLP, "--override", "optimizer.loss_scaling_factor=1024"]) == 0
+    out = capsys.readouterr().out
+    assert "loss_scaling_factor: 1024.0" in out and "OK" in out
+    assert "warning: optimizer.initial_loss_scale is ignored" in out
+
+
+# ---------------------------------------------------------------------- demo
+def test_demo_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--out", str(tmp_path), "--steps", "3", "--no_progress"]) == 0
+    out = capsys.readouterr().out
+    for text in ("float32", "fp16, no scaling", "fp16 + DLS", "cbfloat16 + DLS", "underflow", "Total wall time"):
+        assert text in out
+    assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["demo", "--steps", "0"]) == 2

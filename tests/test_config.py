@@ -1,0 +1,358 @@
+"""dls.config: YAML → validated config → GradScaler kwargs (issue 4)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import dls
+from dls import config as C
+from dls.config import ConfigError, grad_scaler_kwargs, load_config, parse_config
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+
+
+def mlp(**sections: dict) -> dict:
+    raw: dict = {"model": {"name": "mlp"}}
+    for name, body in sections.items():
+        raw[name] = body
+    return raw
+
+
+def errors_of(raw: object) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(raw)  # type: ignore[arg-type]
+    return info.value.errors
+
+
+# ---------------------------------------------------------------------- good files
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_validate_and_build_a_scaler(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.warnings == ()
+    scaler = dls.GradScaler(**grad_scaler_kwargs(cfg))
+    assert scaler.mode == "dynamic"
+
+
+def test_shipped_configs_cover_the_issue() -> None:
+    names = {p.name for p in CONFIGS}
+    assert {"mlp_fp16_dls.yaml", "transformer_lm_fp16_dls.yaml", "mlp_cbfloat16_dls.yaml"} <= names
+
+
+def test_cerebras_spelling_dynamic_in_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        'model: {name: mlp, mixed_precision: true, fp16_type: float16}\noptimizer:\n  loss_scaling_factor: "dynamic"\n'
+        "  learning_rate: 1e-3\n  initial_loss_scale: 2e4\n"
+    )
+    cfg = load_config(path)
+    assert cfg.optimizer.loss_scaling_factor == "dynamic"
+    assert cfg.optimizer.learning_rate == pytest.approx(1e-3)  # YAML 1.1 would read 1e-3 as a string
+    kw = grad_scaler_kwargs(cfg)
+    assert kw["loss_scale"] == "dynamic" and kw["init_scale"] == 2e4 and kw["max_loss_scale"] == 2.0**15
+
+
+def test_defaults_follow_the_precision() -> None:
+    def mode(precision: dict, optimizer: dict | None = None) -> str:
+        return C.loss_scaling_mode(parse_config(mlp(precision=precision, optimizer=optimizer or {})))
+
+    assert mode({"mixed_precision": True, "fp16_type": "float16"}) == "dynamic"
+    assert mode({"mixed_precision": True, "fp16_type": "cbfloat16"}) == "dynamic"
+    assert mode({"mixed_precision": True, "fp16_type": "bfloat16"}) == "off"
+    assert mode({"mixed_precision": False}) == "off"
+    assert mode({"mixed_precision": True, "fp16_type": "bfloat16"}, {"loss_scaling_factor": "dynamic"}) == "dynamic"
+    assert mode({"mixed_precision": True, "fp16_type": "float16"}, {"loss_scaling_factor": 1.0}) == "static"
+
+
+def test_grad_scaler_kwargs_for_each_mode() -> None:
+    off = parse_config(mlp(precision={"mixed_precision": True, "fp16_type": "bfloat16"}))
+    scaler = dls.GradScaler(**grad_scaler_kwargs(off))
+    assert not scaler.is_enabled() and scaler.mode == "off"
+
+    static = parse_config(mlp(optimizer={"loss_scaling_factor": 128, "max_gradient_norm": 2.0}))
+    kw = grad_scaler_kwargs(static)
+    assert kw == {"loss_scale": 128.0, "max_gradient_norm": 2.0}
+    assert dls.GradScaler(**kw).get_scale() == 128.0
+
+    cb = parse_config(mlp(precision={"mixed_precision": True, "fp16_type": "cbfloat16"}))
+    kw = grad_scaler_kwargs(cb)
+    assert kw["max_loss_scale"] == 2.0**31 and kw["init_scale"] is None
+    assert dls.GradScaler(**kw).get_scale() == 2.0**31
+
+    full = parse_config(
+        mlp(
+            precision={"mixed_precision": True, "fp16_type": "float16"},
+            optimizer={
+                "loss_scaling_factor": "dynamic",
+                "initial_loss_scale": 1024,
+                "steps_per_increase": 7,
+                "min_loss_scale": 0.5,
+                "max_loss_scale": 4096,
+                "overflow_tolerance": 0.25,
+                "hysteresis": 2,
+                "growth_factor": 4,
+                "backoff_factor": 0.25,
+            },
+        )
+    )
+    scaler = dls.GradScaler(**grad_scaler_kwargs(full))
+    assert scaler.get_scale() == 1024 and scaler.get_growth_interval() == 7
+    assert scaler.get_growth_factor() == 4 and scaler.get_backoff_factor() == 0.25
+
+
+def test_model_zoo_aliases() -> None:
+    cfg = parse_config(
+        {
+            "model": {"name": "mlp", "mixed_precision": True, "fp16_type": "bfloat16"},
+            "train_input": {"batch_size": 8},
+            "optimizer": {"optimizer_type": "adamw", "weight_decay_rate": 0.1},
+        }
+    )
+    assert cfg.precision.mixed_precision and cfg.precision.fp16_type == "bfloat16"
+    assert cfg.data.batch_size == 8 and cfg.optimizer.optimizer_type == "AdamW"
+    assert cfg.optimizer.weight_decay == 0.1
+    # The same value in both places is fine.
+    parse_config(
+        {
+            "model": {"name": "mlp", "fp16_type": "float16"},
+            "precision": {"fp16_type": "float16", "mixed_precision": True},
+        }
+    )
+
+
+def test_learning_rate_schedules() -> None:
+    cfg = parse_config(
+        mlp(
+            optimizer={
+                "learning_rate": [
+                    {"scheduler": "Linear", "initial_learning_rate": 0, "end_learning_rate": 1e-3, "total_iters": 10},
+                    {
+                        "scheduler": "cosinedecay",
+                        "initial_learning_rate": 1e-3,
+                        "end_learning_rate": 0,
+                        "total_iters": 5,
+                    },
+                    {"scheduler": "Constant", "learning_rate": 1e-5},
+                ]
+            }
+        )
+    )
+    schedule = cfg.optimizer.learning_rate
+    assert isinstance(schedule, tuple) and schedule[1]["scheduler"] == "CosineDecay"
+    from dls.train.trainer import learning_rate_at
+
+    assert learning_rate_at(schedule, 0) == 0.0
+    assert learning_rate_at(schedule, 5) == pytest.approx(5e-4)
+    assert learning_rate_at(schedule, 10) == pytest.approx(1e-3)
+    assert learning_rate_at(schedule, 15) == 1e-5
+    assert learning_rate_at(schedule, 10_000) == 1e-5
+    assert learning_rate_at(0.1, 3) == 0.1
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_round_trip_through_plain_dict(path: Path) -> None:
+    cfg = load_config(path)
+    assert parse_config(C.to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        mlp(),
+        mlp(optimizer={"loss_scaling_factor": 8.0}),
+        mlp(precision={"mixed_precision": True, "fp16_type": "bfloat16"}),
+        {"model": {"name": "transformer_lm"}, "optimizer": {"optimizer_type": "SGD", "momentum": 0.5}},
+    ],
+)
+def test_round_trip_of_every_mode(raw: dict) -> None:
+    cfg = parse_config(raw)
+    assert parse_config(C.to_dict(cfg)) == cfg
+
+
+def test_describe_keys_lists_every_key() -> None:
+    text = C.describe_keys()
+    for section, keys in C._SECTION_KEYS.items():
+        assert f"{section}:" in text
+        for key in keys:
+            assert key.name in text
+
+
+# ---------------------------------------------------------------------- bad files
+def test_unknown_key_names_it_and_the_allowed_keys() -> None:
+    (msg,) = errors_of(mlp(optimizer={"loss_scaling_facter": "dynamic"}))
+    assert "optimizer.loss_scaling_facter" in msg
+    assert "did you mean 'loss_scaling_factor'" in msg
+    assert "allowed keys:" in msg and "steps_per_increase" in msg
+
+
+def test_foreign_names_point_to_the_one_key() -> None:
+    errs = errors_of(mlp(optimizer={"growth_interval": 100, "init_scale": 4.0, "lr": 0.1}))
+    assert any("growth_interval" in e and "steps_per_increase" in e for e in errs)
+    assert any("init_scale" in e and "initial_loss_scale" in e for e in errs)
+    assert any("optimizer.lr" in e and "learning_rate" in e for e in errs)
+
+
+def test_unknown_section() -> None:
+    (msg,) = errors_of({"model": {"name": "mlp"}, "eval_input": {}})
+    assert "unknown section eval_input" in msg and "runconfig" in msg
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (mlp(runconfig={"max_steps": "ten"}), "runconfig.max_steps must be an integer >= 1; got 'ten'"),
+        (mlp(runconfig={"max_steps": 0}), "runconfig.max_steps must be an integer >= 1"),
+        (mlp(runconfig={"max_steps": True}), "runconfig.max_steps must be an integer"),
+        (mlp(optimizer={"loss_scaling_factor": -2}), "optimizer.loss_scaling_factor must be 'dynamic'"),
+        (mlp(optimizer={"loss_scaling_factor": "auto"}), "optimizer.loss_scaling_factor must be 'dynamic'"),
+        (mlp(optimizer={"optimizer_type": "LAMB"}), "optimizer.optimizer_type must be one of 'SGD', 'Adam', 'AdamW'"),
+        (mlp(optimizer={"betas": [0.9]}), "optimizer.betas must be a list of two numbers"),
+        (mlp(optimizer={"min_loss_scale": 0}), "optimizer.min_loss_scale must be a number > 0"),
+        (mlp(optimizer={"overflow_tolerance": 1.5}), "optimizer.overflow_tolerance must be a number in [0, 1)"),
+        (mlp(optimizer={"log_summaries": "yes please"}), "optimizer.log_summaries must be true or false"),
+        (mlp(precision={"fp16_type": "float8"}), "precision.fp16_type must be one of 'float16', 'bfloat16'"),
+        (mlp(runconfig={"device": "tpu"}), "runconfig.device must be one of 'auto', 'cpu', 'cuda'"),
+        (mlp(runconfig={"load_checkpoint_states": "model,weights"}), "unknown checkpoint state(s) 'weights'"),
+        ({"model": {"name": "resnet"}}, "model.name must be one of 'mlp', 'transformer_lm'"),
+        ({"model": {}}, "model.name is required"),
+        (mlp(data="big"), "section data must be a mapping"),
+        (["model"], "the top level must be a mapping"),
+    ],
+)
+def test_wrong_types_and_values(raw: object, needle: str) -> None:
+    errs = errors_of(raw)
+    assert any(needle in e for e in errs), errs
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (
+            {"model": {"name": "mlp", "fp16_type": "bfloat16"}, "precision": {"fp16_type": "float16"}},
+            "model.fp16_type ('bfloat16') and precision.fp16_type ('float16') disagree",
+        ),
+        ({"model": {"name": "mlp"}, "data": {}, "train_input": {}}, "give section 'data' once"),
+        (mlp(optimizer={"weight_decay": 0.1, "weight_decay_rate": 0.1}), "are the same setting"),
+        (
+            mlp(precision={"mixed_precision": True, "fp16_type": "cbfloat16"}, optimizer={"loss_scaling_factor": 8}),
+            "must be 'dynamic' for cbfloat16",
+        ),
+        (
+            mlp(optimizer={"loss_scaling_factor": "dynamic", "min_loss_scale": 8, "max_loss_scale": 4}),
+            "must not exceed optimizer.max_loss_scale",
+        ),
+        (
+            mlp(optimizer={"loss_scaling_factor": "dynamic", "initial_loss_scale": 0.5, "min_loss_scale": 1}),
+            "must not be below optimizer.min_loss_scale",
+        ),
+        (mlp(optimizer={"max_gradient_norm": 1, "max_gradient_value": 1}), "not both"),
+        (mlp(optimizer={"momentum": 0.9}), "optimizer.momentum applies only when optimizer.optimizer_type is 'SGD'"),
+        (mlp(model={"name": "mlp", "num_heads": 2}), "model.num_heads applies only when model.name is"),
+        (mlp(data={"max_sequence_length": 8}), "data.max_sequence_length applies only when data.dataset is"),
+        (mlp(data={"dataset": "char_corpus"}), "does not fit model.name 'mlp'"),
+        ({"model": {"name": "transformer_lm", "hidden_size": 30, "num_heads": 4}}, "must divide model.hidden_size"),
+        (
+            {"model": {"name": "transformer_lm", "max_position_embeddings": 8}, "data": {"max_sequence_length": 9}},
+            "exceeds model.max_position_embeddings",
+        ),
+        (mlp(optimizer={"learning_rate": {"scheduler": "Step"}}), "scheduler must be one of 'Constant'"),
+        (
+            mlp(optimizer={"learning_rate": {"scheduler": "Linear", "initial_learning_rate": 1}}),
+            "optimizer.learning_rate.end_learning_rate is required",
+        ),
+        (
+            mlp(optimizer={"learning_rate": [{"scheduler": "Constant", "learning_rate": 1, "gamma": 2}]}),
+            "unknown key optimizer.learning_rate[0].gamma",
+        ),
+        (mlp(optimizer={"learning_rate": "fast"}), "optimizer.learning_rate must be a number >= 0 or a schedule"),
+    ],
+)
+def test_inconsistent_combinations(raw: dict, needle: str) -> None:
+    errs = errors_of(raw)
+    assert any(needle in e for e in errs), errs
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    raw = mlp(
+        optimizer={"lr": 1, "loss_scaling_factor": "sometimes"},
+        runconfig={"max_steps": -1, "log_stepz": 3},
+        precision={"emulate": 1},
+    )
+    with pytest.raises(ConfigError) as info:
+        parse_config(raw, source="bad.yaml")
+    assert len(info.value.errors) == 5
+    assert str(info.value).startswith("invalid config in bad.yaml (5 problems):")
+    assert isinstance(info.value, ValueError)
+
+
+def test_keys_that_do_nothing_warn() -> None:
+    bf16 = parse_config(
+        mlp(precision={"mixed_precision": True, "fp16_type": "bfloat16"}, optimizer={"steps_per_increase": 10})
+    )
+    assert any("steps_per_increase is ignored" in w and "bfloat16" in w for w in bf16.warnings)
+    static = parse_config(mlp(optimizer={"loss_scaling_factor": 64, "initial_loss_scale": 8}))
+    assert any("initial_loss_scale is ignored" in w and "static" in w for w in static.warnings)
+    fp32 = parse_config(mlp(precision={"fp16_type": "float16"}))
+    assert fp32.precision.compute_dtype == "float32"
+    assert any("fp16_type ('float16') has no effect" in w for w in fp32.warnings)
+    assert "init_scale" not in grad_scaler_kwargs(static)
+    dls.GradScaler(**grad_scaler_kwargs(static))  # would raise if init_scale were passed with a static scale
+
+
+# ---------------------------------------------------------------------- files and overrides
+def test_overrides_are_yaml_scalars(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  name: mlp\nprecision:\n  mixed_precision: true\n")
+    cfg = load_config(
+        path,
+        [
+            "runconfig.max_steps=20",
+            "optimizer.loss_scaling_factor=dynamic",
+            "optimizer.learning_rate=3e-4",
+            "optimizer.betas=[0.8, 0.95]",
+            "optimizer.max_loss_scale=null",
+            "train_input.batch_size=4",
+        ],
+    )
+    assert cfg.runconfig.max_steps == 20 and cfg.optimizer.loss_scaling_factor == "dynamic"
+    assert cfg.optimizer.learning_rate == pytest.approx(3e-4) and cfg.optimizer.betas == (0.8, 0.95)
+    assert cfg.data.batch_size == 4
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("runconfig.max_steps", "must look like section.key=value"),
+        ("max_steps=3", "must look like section.key=value"),
+        ("model.name.x=3", "model.name is not a section"),
+        ("runconfig.max_steps=[1", "not valid YAML"),
+    ],
+)
+def test_bad_overrides(tmp_path: Path, override: str, needle: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {name: mlp}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, [override])
+    assert needle in str(info.value)
+
+
+def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  name: mlp\n   depth: 3\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match=r"model\.name is required"):
+        load_config(empty)
+
+
+def test_parse_checkpoint_states() -> None:
+    assert C.parse_checkpoint_states("model, optimizer") == ("model", "optimizer")
+    assert C.parse_checkpoint_states("all") == C.CHECKPOINT_STATES
+    assert C.parse_checkpoint_states(["grad_scaler"]) == ("grad_scaler",)
+    with pytest.raises(ValueError, match="allowed: model, optimizer, dataloader"):
+        C.parse_checkpoint_states("model,scaler")
