@@ -15,7 +15,8 @@ from dls.policy import DynamicRule, StaticRule, initial_state
 
 @dataclass
 class Reference:
-    """The dynamic rule written out step by step, in Python numbers (float32 where the contract says so)."""
+    """The dynamic rule written out step by step, in Python numbers (float32 where the contract says so: products
+    of the scale and a factor are computed in float64 and rounded once, as torch's update kernel does)."""
 
     rule: DynamicRule
     scale: float
@@ -36,14 +37,15 @@ class Reference:
         if f and ratio > np.float32(r.overflow_tolerance):
             self.hits += 1
             if self.hits >= r.hysteresis:
-                self.scale = float(np.float32(self.scale) * np.float32(r.backoff_factor))
+                self.scale = float(np.float32(np.float64(np.float32(self.scale)) * r.backoff_factor))
                 self.hits = 0
                 event = "backoff"
             else:
                 event = "hit"
             self.steps = self.overflows = 0
         elif self.steps >= r.steps_per_increase:
-            grown = np.float32(self.scale) * np.float32(r.growth_factor)
+            with np.errstate(over="ignore"):
+                grown = np.float32(np.float64(np.float32(self.scale)) * r.growth_factor)
             if np.isfinite(grown):
                 self.scale = float(grown)
             self.steps = self.overflows = self.hits = 0

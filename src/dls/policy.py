@@ -60,8 +60,12 @@ def assign_(state: ScaleState, new: ScaleState) -> None:
             dst.copy_(src)
 
 
-def _is_power_of_two(x: float) -> bool:
-    return math.frexp(x)[0] == 0.5
+def _times(scale: torch.Tensor, factor: float) -> torch.Tensor:
+    """``scale * factor`` computed in float64 and rounded once to float32, as torch's update kernel does (a
+    float32 multiply would round 0.3 first: 90 * 0.3 gives 27.000002). MPS has no float64."""
+    if scale.device.type == "mps":
+        return scale * factor
+    return (scale.double() * factor).float()
 
 
 def _check_positive(name: str, value: float) -> float:
@@ -129,9 +133,9 @@ class DynamicRule:
         over_tolerance = overflow & (overflows.float() / steps.float() > self.overflow_tolerance)
         hits = state.hysteresis_hits + over_tolerance.to(torch.int64)
         backoff = over_tolerance & (hits >= self.hysteresis)
-        grown = state.loss_scale * self.growth_factor
+        grown = _times(state.loss_scale, self.growth_factor)
         grow = ~over_tolerance & (steps >= self.steps_per_increase)
-        scale = torch.where(backoff, state.loss_scale * self.backoff_factor, state.loss_scale)
+        scale = torch.where(backoff, _times(state.loss_scale, self.backoff_factor), state.loss_scale)
         # Growth that leaves float32's finite range is dropped, but the counters still reset (as in torch).
         scale = torch.where(grow & torch.isfinite(grown), grown, scale)
         reset_counters = over_tolerance | grow
@@ -149,9 +153,8 @@ class DynamicRule:
     def update_(self, state: ScaleState, found_inf: torch.Tensor) -> None:
         """``update`` written into ``state``'s buffers: the same values, in about 6 ops instead of 35.
 
-        With ``overflow_tolerance=0``, ``hysteresis=1`` and power-of-two factors the rule is exactly torch's, so
-        torch's fused kernel computes it (the overflow counter and the hits then stay 0). Power-of-two factors
-        keep the products exact whether a kernel multiplies in float32 or float64.
+        With ``overflow_tolerance=0`` and ``hysteresis=1`` the rule is exactly torch's, so torch's fused kernel
+        computes it (the overflow counter and the hits then stay 0).
         """
         if not self._torch_rule:
             assign_(state, self.update(state, found_inf))
@@ -172,12 +175,7 @@ class DynamicRule:
 
     @property
     def _torch_rule(self) -> bool:
-        return (
-            self.overflow_tolerance == 0
-            and self.hysteresis == 1
-            and _is_power_of_two(self.growth_factor)
-            and _is_power_of_two(self.backoff_factor)
-        )
+        return self.overflow_tolerance == 0 and self.hysteresis == 1
 
 
 Rule = StaticRule | DynamicRule

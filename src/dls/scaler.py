@@ -11,6 +11,7 @@ optimizers that take the flag themselves (torch's fused Adam/AdamW/SGD/Adagrad) 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import math
@@ -71,6 +72,19 @@ class _OptimizerState:
     @found_inf.setter
     def found_inf(self, value: torch.Tensor | None) -> None:
         self.flag, self.agreement = value, None
+
+
+@dataclasses.dataclass
+class _OptimizerIndex:
+    """What the scaler caches per optimizer, valid while its param groups keep the same lists and lengths."""
+
+    signature: tuple[tuple[int, int], ...]
+    param_lists: list[list[Any]]  # held so the ids in the signature cannot be reused by new lists
+    grads: kernels.GradIndex
+    has_dtensors: bool
+    # Parameters that have taken a step through this scaler (id → parameter, held so ids stay unique): only for
+    # them does all the state a step touches exist, so that their step can be skipped or masked on the device.
+    stepped: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 class GradScaler:
@@ -172,13 +186,17 @@ class GradScaler:
         self._sync_free = sync_free
         self._process_group = process_group
         self._gradients_sharded = gradients_sharded
+        if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            # torch.amp.GradScaler("cuda", enabled=use_amp) on a machine without CUDA: warn and disable, as torch.
+            if self._enabled:
+                warnings.warn("dls.GradScaler is enabled, but CUDA is not available. Disabling.", stacklevel=2)
+                self._enabled, self._mode = False, "off"
+            device = None
         self._state: ScaleState = initial_state(start, device=device)
         self._per_optimizer: dict[int, _OptimizerState] = {}
-        # Per optimizer: the signature of its param groups, its flat parameter list, whether any is a DTensor.
-        self._stepped: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]] = weakref.WeakKeyDictionary()
-        self._params: weakref.WeakKeyDictionary[
-            torch.optim.Optimizer, tuple[tuple[int, ...], kernels.GradIndex, bool]
-        ] = weakref.WeakKeyDictionary()
+        self._index_cache: weakref.WeakKeyDictionary[torch.optim.Optimizer, _OptimizerIndex] = (
+            weakref.WeakKeyDictionary()
+        )
 
     # ------------------------------------------------------------------ queries
     def is_enabled(self) -> bool:
@@ -300,6 +318,8 @@ class GradScaler:
             # Nothing to unscale or skip; clipping still applies, and the flag still tells the truth.
             if max_norm is None:
                 return torch.ones((), dtype=torch.bool, device=self._state.loss_scale.device)
+            for opt in optimizers:
+                self._optimizer_state(opt).clipped = True
             return self._clip([], optimizers, max_norm) == 0
         states = [self._optimizer_state(opt) for opt in optimizers]
         if any(s.stage is _Stage.STEPPED for s in states):
@@ -375,17 +395,21 @@ class GradScaler:
                 merged.setdefault(key, []).extend(grads)
         return merged
 
+    def _index(self, optimizer: torch.optim.Optimizer) -> _OptimizerIndex:
+        signature = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+        index = self._index_cache.get(optimizer)
+        if index is None or index.signature != signature:
+            lists = [g["params"] for g in optimizer.param_groups]
+            params = [p for ps in lists for p in ps]
+            index = _OptimizerIndex(signature, lists, kernels.GradIndex(params), distributed.has_dtensors(params))
+            self._index_cache[optimizer] = index
+        return index
+
     def _grads(self, optimizer: torch.optim.Optimizer) -> kernels.Groups:
-        # The flat parameter list is cached per optimizer; param groups added later change the signature.
-        signature = _signature(optimizer)
-        cached = self._params.get(optimizer)
-        if cached is None or cached[0] != signature:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            cached = (signature, kernels.GradIndex(params), distributed.has_dtensors(params))
-            self._params[optimizer] = cached
-        groups = cached[1].groups()
+        index = self._index(optimizer)
+        groups = index.grads.groups()
         # DTensor (FSDP2) gradients are checked, unscaled and clipped through their local shards.
-        return distributed.local_shards(groups) if cached[2] else groups
+        return distributed.local_shards(groups) if index.has_dtensors else groups
 
     # ------------------------------------------------------------------ step
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -393,6 +417,9 @@ class GradScaler:
         **kwargs)`` unless the gradients overflowed. Returns what ``optimizer.step`` returned, or ``None`` when
         the step was skipped."""
         if not self._enabled:
+            # No scaling, no skipping; max_gradient_norm still clips (bfloat16 runs use it too).
+            if self._max_gradient_norm is not None and not self._optimizer_state(optimizer).clipped:
+                self._clip([], [optimizer], self._max_gradient_norm)
             return optimizer.step(*args, **kwargs)
         _reject_closure(args, kwargs)
         state = self._optimizer_state(optimizer)
@@ -446,7 +473,7 @@ class GradScaler:
         if state.found_inf.item():
             return None
         result = optimizer.step(*args, **kwargs)
-        self._stepped[optimizer] = _signature(optimizer)
+        self._mark_stepped(optimizer)
         return result
 
     def _fused_step(
@@ -458,9 +485,9 @@ class GradScaler:
     ) -> Any:
         """Hand the scale and the flag to an optimizer whose kernel unscales and skips by itself (no sync).
 
-        Until the optimizer has taken one step, the skip is decided on the host (one read, once): some fused
-        kernels allocate state uninitialised and return early on overflow (torch's fused SGD with momentum),
-        which would leave garbage behind after an overflowing first step.
+        A parameter's first step is decided on the host (one read): some fused kernels allocate state
+        uninitialised and return early on overflow (torch's fused SGD with momentum), which would leave garbage
+        behind after an overflowing first step.
         """
         grad_scale: torch.Tensor | None = None
         if state.stage is _Stage.READY:
@@ -485,19 +512,29 @@ class GradScaler:
             del optimizer.found_inf  # type: ignore[attr-defined]
         state.stage = _Stage.STEPPED
         if first_step:
-            self._stepped[optimizer] = _signature(optimizer)
+            self._mark_stepped(optimizer)
         return result
 
     def _has_stepped(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether the optimizer, with its current param groups, has taken a step through this scaler: only
-        then does all the state a step touches exist, so that a step can be masked or skipped on the device."""
-        return self._stepped.get(optimizer) == _signature(optimizer)
+        """Whether every parameter with a gradient has taken a step through this scaler: only then does all the
+        state a step touches exist, so that the step can be skipped or masked on the device. O(1) once every
+        parameter of the optimizer has stepped; a scan over parameters before that."""
+        index = self._index(optimizer)
+        if len(index.stepped) == len(index.grads.params):
+            return True
+        return all(id(p) in index.stepped for p in index.grads.params if p.grad is not None)
+
+    def _mark_stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        index = self._index(optimizer)
+        if len(index.stepped) < len(index.grads.params):
+            index.stepped.update((id(p), p) for p in index.grads.params if p.grad is not None)
 
     # ------------------------------------------------------------------ update
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Apply the scale rule to this iteration's overflow flag (any optimizer overflowed → back off), or set
         ``new_scale``, then start the next iteration."""
         if not self._enabled:
+            self._per_optimizer.clear()  # only clipping was recorded
             return
         if new_scale is not None:
             scale = _validated_new_scale(new_scale, self._state.loss_scale.device)
@@ -571,6 +608,8 @@ class GradScaler:
             if key == "loss_scale":
                 if not _is_positive_number(number):
                     raise ValueError(f"state_dict['loss_scale'] must be a positive finite number; got {value!r}")
+                if self._mode == "dynamic":  # as init_scale: a scale from elsewhere fits this scaler's bounds
+                    number = min(max(float(number), rule.min_loss_scale), rule.max_loss_scale)
                 updates["loss_scale"] = updates["non_clamped_scale"] = torch.tensor(float(number))
             else:
                 if number != int(number) or number < 0:
@@ -585,19 +624,19 @@ class GradScaler:
         )
 
     def __getstate__(self) -> dict[str, Any]:
-        if self._per_optimizer:
+        if self._enabled and self._per_optimizer:
             raise RuntimeError(
                 "A GradScaler may only be pickled at the beginning of an iteration, or after scaler.update()."
             )
         state = self.__dict__.copy()
-        state["_params"] = state["_stepped"] = None
+        state["_index_cache"] = None
+        state["_per_optimizer"] = {}  # a disabled scaler records only clipping; nothing to carry over
         state["_process_group"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._params = weakref.WeakKeyDictionary()
-        self._stepped = weakref.WeakKeyDictionary()
+        self._index_cache = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ helpers
     def _optimizer_state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
@@ -659,7 +698,7 @@ def _as_optimizer_list(
     items = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
     if not items or not all(isinstance(o, torch.optim.Optimizer) for o in items):
         raise ValueError(f"{name} must be a torch.optim.Optimizer or a non-empty list of them; got {optimizers!r}")
-    return items
+    return list({id(o): o for o in items}.values())  # an optimizer listed twice is still unscaled once
 
 
 def _reject_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -669,11 +708,6 @@ def _reject_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
 
 def _takes_scale_and_flag(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-
-
-def _signature(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
-    """Parameter counts per param group: changes when ``add_param_group`` adds parameters."""
-    return tuple(len(g["params"]) for g in optimizer.param_groups)
 
 
 def _validated_new_scale(new_scale: float | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -700,21 +734,25 @@ def _masked_step(
 ) -> Any:
     """Run the step unconditionally, then put back parameters and optimizer state where it overflowed.
 
-    Only called once the optimizer has stepped (see ``GradScaler._has_stepped``). The state must live on
-    the flag's device (e.g. ``capturable=True`` for Adam on CUDA), or each ``torch.where`` copies the flag over.
+    Only called once every parameter with a gradient has stepped (``GradScaler._has_stepped``), so the state the
+    step touches exists before it. Exact: ``torch.where`` selects the old bits. The state must live on the flag's
+    device (e.g. ``capturable=True`` for Adam on CUDA), or each ``torch.where`` copies the flag over. State that
+    is not a tensor (a custom optimizer's Python step count) cannot be selected on the device: when the step
+    changed some, the flag is read once and the old values are put back on overflow.
 
-    Exact: ``torch.where`` selects the old bits. This is a loop over parameters (the opt-in price of no sync
-    for optimizers without a fused kernel), plus a copy of parameters and state.
+    This is a loop over parameters (the opt-in price of no sync for optimizers without a fused kernel), plus a
+    copy of parameters and state.
     """
     params = [p for g in optimizer.param_groups for p in g["params"]]
     before_params = [p.detach().clone() for p in params]
     before_state = {
-        p: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in optimizer.state[p].items()}
+        p: {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in optimizer.state[p].items()}
         for p in params
         if p in optimizer.state
     }
     result = optimizer.step(*args, **kwargs)
     overflow = found_inf > 0
+    host_values: list[tuple[dict[str, Any], str, Any]] = []
     with torch.no_grad():
         for p, old in zip(params, before_params):
             p.copy_(torch.where(overflow.to(p.device), old, p))
@@ -722,14 +760,19 @@ def _masked_step(
             new_state = optimizer.state.get(p)
             if not new_state:
                 continue
-            old_state = before_state.get(p)
+            old_state = before_state.get(p, {})
             for key, value in new_state.items():
+                old_value = old_state.get(key)
                 if not isinstance(value, torch.Tensor):
+                    if key in old_state and old_value != value:
+                        host_values.append((new_state, key, old_value))
                     continue
-                # State the first step created has no old value: zero is the state of an optimizer that has
-                # not stepped (torch's Adam/AdamW moments and step count; SGD's momentum starts from the grad).
-                old_value = old_state.get(key) if old_state is not None else None
                 if not isinstance(old_value, torch.Tensor):
+                    # A state entry this step created for a parameter that had stepped: zero is what the
+                    # optimizers that create entries lazily start from.
                     old_value = torch.zeros_like(value)
                 value.copy_(torch.where(overflow.to(value.device), old_value, value))
+    if host_values and overflow.item():
+        for state, key, old_value in host_values:
+            state[key] = old_value
     return result
