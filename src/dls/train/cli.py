@@ -2,17 +2,30 @@
 
 Exit status: 0 success; 1 training stopped because loss scaling could not help (state checkpointed first);
 2 a bad config, a bad command line or an unusable checkpoint (message printed, no traceback); 130 interrupted.
+
+Data-parallel: ``torchrun --nproc_per_node=2 -m dls.train.cli train CONFIG.yaml`` (or ``python -m
+torch.distributed.run ... -m dls.train.cli ...``, or ``torchrun ... $(which dls) train ...``); under torchrun
+only rank 0 prints.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dls.config import ConfigError, apply_overrides, describe_keys, load_config, parse_checkpoint_states, parse_config
+from dls.config import (
+    ConfigError,
+    TrainConfig,
+    apply_overrides,
+    describe_keys,
+    load_config,
+    parse_checkpoint_states,
+    parse_config,
+)
 
 DESCRIPTION = """\
 dls: train small PyTorch models in mixed precision with dynamic loss scaling (DLS), configured by
@@ -35,6 +48,12 @@ outputs in runconfig.model_dir: checkpoint_<step>.mdl (the last keep_checkpoint_
 (step, loss, loss_scale = the scale the step used, skipped, grad_norm, lr, time; every log_steps steps
 and every skipped step), plots.png, config.yaml (the resolved config).
 exit status: 0 done; 1 stopped because loss scaling cannot help (checkpointed first); 2 bad config/usage.
+
+data-parallel (DDP, the same YAML; gloo on CPU, NCCL with one GPU per rank):
+  torchrun --nproc_per_node=2 -m dls.train.cli train configs/mlp_fp16_dls.yaml
+  (or: torchrun --nproc_per_node=2 $(which dls) train configs/mlp_fp16_dls.yaml)
+data.batch_size is per rank (global batch = ranks x batch_size); every rank skips and stops at the same steps;
+rank 0 alone writes the outputs and prints; --resume works under torchrun, from single-process checkpoints too.
 """
 
 
@@ -105,8 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_rank() -> bool:
+    """Under torchrun, ranks other than 0 print nothing (every rank meets the same errors)."""
+    return os.environ.get("RANK", "0") != "0" and os.environ.get("WORLD_SIZE", "1") != "1"
+
+
 def _error(message: str) -> int:
-    print(f"dls: error: {message}", file=sys.stderr)
+    if not _quiet_rank():
+        print(f"dls: error: {message}", file=sys.stderr)
     return 2
 
 
@@ -129,7 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         return _error(str(exc))
     except KeyboardInterrupt:
-        print("dls: interrupted", file=sys.stderr)
+        if not _quiet_rank():
+            print("dls: interrupted", file=sys.stderr)
         return 130
     return _error(f"unknown command {args.command!r}")
 
@@ -150,7 +176,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from dls.train.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
-    from dls.train.trainer import Trainer, TrainingStopped
+    from dls.train.trainer import init_distributed, shutdown_distributed
 
     states = None
     if args.load_checkpoint_states is not None:
@@ -171,17 +197,35 @@ def _train(args: argparse.Namespace) -> int:
             cfg = parse_config(apply_overrides(saved, args.override), source=f"the config saved in {path}")
         else:
             return _error("give a YAML config (dls train CONFIG.yaml), or --resume DIR to continue a run")
-        trainer = Trainer(cfg, progress=not args.no_progress)
+        owns_group = init_distributed(cfg.runconfig.device)  # under torchrun (WORLD_SIZE > 1)
     except (CheckpointError, ValueError) as exc:
-        # ConfigError is a ValueError too; other ValueErrors here come from data/model/device set-up.
+        # ConfigError is a ValueError too; other ValueErrors here come from the device set-up.
+        return _error(str(exc))
+    try:
+        return _run(cfg, args, states)
+    finally:
+        if owns_group:
+            shutdown_distributed()
+
+
+def _run(cfg: TrainConfig, args: argparse.Namespace, states: Sequence[str] | None) -> int:
+    from dls.train.checkpoint import CheckpointError
+    from dls.train.trainer import Trainer, TrainingStopped
+
+    try:
+        trainer = Trainer(cfg, progress=not args.no_progress)
+    except ValueError as exc:  # from data/model/device set-up
         return _error(str(exc))
     try:
         trainer.train(resume=args.resume, load_states=states)
     except CheckpointError as exc:
         return _error(str(exc))
     except TrainingStopped as exc:
-        print(f"dls: training stopped: {exc}", file=sys.stderr)
+        if not _quiet_rank():
+            print(f"dls: training stopped: {exc}", file=sys.stderr)
         return 1
+    finally:
+        trainer.close()  # data-parallel: every rank waits for rank 0's outputs; DDP released
     return 0
 
 

@@ -4,6 +4,10 @@ No downloads: ``teacher_regression`` is generated from a seed (inputs drawn from
 from a fixed random two-layer "teacher" network), ``char_corpus`` is the small text shipped in
 ``dls/train/data/corpus.txt``. Batches come in epochs: each epoch visits every sample once, in an order drawn
 from ``(shuffle_seed, epoch)``, so the iterator's whole state is two integers and resuming is exact.
+
+Data-parallel (``rank`` of ``world_size``): the ranks share one epoch order and take strided batches of it (rank
+``r`` the ``r``-th of every ``world_size`` consecutive ones), so a global step covers ``world_size`` distinct
+batches and an epoch still visits every sample at most once.
 """
 
 from __future__ import annotations
@@ -113,25 +117,42 @@ class BatchIterator:
 
     State: ``epoch`` and ``position`` (batches already taken from this epoch); the order of an epoch is a
     function of ``(seed, epoch)`` only.
+
+    With ``world_size`` > 1 this rank takes batches ``rank``, ``rank + world_size``, ... of each epoch (the last
+    ``batches % world_size`` are dropped) and ``position`` counts its own; the saved ``position`` counts the
+    batches all ranks took together, so a state loads into any number of ranks (exactly when the number is the
+    same; otherwise each rank goes on from the first batch slot no rank has taken yet).
     """
 
-    def __init__(self, dataset: Dataset, batch_size: int, shuffle: bool, seed: int) -> None:
+    def __init__(
+        self, dataset: Dataset, batch_size: int, shuffle: bool, seed: int, rank: int = 0, world_size: int = 1
+    ) -> None:
         if batch_size > len(dataset):
             raise ValueError(
                 f"data.batch_size ({batch_size}) is larger than the data set ({len(dataset)} samples); "
                 "lower batch_size (or raise num_samples)"
             )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
+        if len(dataset) // batch_size < world_size:
+            raise ValueError(
+                f"the data set ({len(dataset)} samples) has fewer than one batch of data.batch_size ({batch_size}) "
+                f"per rank for {world_size} ranks; lower batch_size (or raise num_samples)"
+            )
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
         self.epoch = 0
         self.position = 0
         self._order: torch.Tensor | None = None
 
     @property
     def batches_per_epoch(self) -> int:
-        return len(self.dataset) // self.batch_size
+        """Batches this rank takes per epoch."""
+        return len(self.dataset) // self.batch_size // self.world_size
 
     def _epoch_order(self) -> torch.Tensor:
         if self._order is None:
@@ -147,15 +168,24 @@ class BatchIterator:
             self.epoch += 1
             self.position = 0
             self._order = None
-        start = self.position * self.batch_size
+        start = (self.position * self.world_size + self.rank) * self.batch_size
         indices = self._epoch_order()[start : start + self.batch_size]
         self.position += 1
         return self.dataset.batch(indices, self.epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "batch_size": self.batch_size}
+        state: dict[str, Any] = {
+            "epoch": self.epoch,
+            "position": self.position * self.world_size,  # batches of this epoch taken by all ranks
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+        }
+        if self.world_size > 1:
+            state["world_size"] = self.world_size
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
-        self.position = int(state["position"])
+        taken = int(state["position"])
+        self.position = -(-taken // self.world_size)  # rounded up: no batch slot is taken twice
         self._order = None

@@ -8,13 +8,22 @@ clipping (``clip_gradients_and_return_isfinite`` for ``max_gradient_norm``, elem
 Stops with :class:`TrainingStopped` (after writing a checkpoint) when loss scaling cannot help any more: the
 dynamic scale sits at ``min_loss_scale`` and ``max_overflows_at_min_loss_scale`` consecutive steps still
 overflow, a static scale overflows that many steps in a row, or gradients are inf/NaN with no loss scaling.
+
+Data-parallel: under ``torchrun --nproc_per_node=2 -m dls.train.cli train CONFIG.yaml`` (same YAML; gloo on CPU,
+NCCL with one GPU per rank) ``dls train`` initialises ``torch.distributed`` (:func:`init_distributed`) and the
+trainer wraps the model in ``DistributedDataParallel``. Each rank takes its own strided batches
+(``data.batch_size`` per rank), ``dls.GradScaler`` agrees on overflow across ranks, so every rank skips, stops
+and checkpoints at the same steps; the logged loss is the mean over ranks; rank 0 alone writes checkpoints (of
+the unwrapped model: they load in a single process and vice versa), metrics, plots and the terminal output.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
+import os
 import random
 import re
 import signal
@@ -28,12 +37,15 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from torch.nn.parallel import DistributedDataParallel
 
 import dls
+from dls import distributed
 from dls.config import (
     CHECKPOINT_STATES,
     OptimizerConfig,
@@ -44,7 +56,7 @@ from dls.config import (
 )
 from dls.train import checkpoint as ckpt
 from dls.train.data import Batch, BatchIterator, CharCorpus, build_dataset
-from dls.train.models import build_model
+from dls.train.models import TrainModel, build_model
 from dls.train.plots import plot_run, read_metrics
 
 METRICS_FILE = "metrics.jsonl"
@@ -135,6 +147,51 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+# ---------------------------------------------------------------------- data-parallel
+def launched_distributed() -> bool:
+    """Whether this process is one of several ranks started by ``torchrun`` (``WORLD_SIZE`` > 1)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
+
+
+def init_distributed(device: str) -> bool:
+    """Under ``torchrun`` (``WORLD_SIZE`` > 1), initialise the default process group from the environment: NCCL
+    when ``device`` (``runconfig.device``) resolves to CUDA, this rank then using GPU ``LOCAL_RANK``; gloo
+    otherwise. Returns whether it initialised the group (then :func:`shutdown_distributed` ends it); ``False``
+    outside ``torchrun`` or when the group already exists."""
+    if not launched_distributed() or not dist.is_available() or dist.is_initialized():
+        return False
+    resolved = resolve_device(device)
+    if resolved.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+    return True
+
+
+def shutdown_distributed() -> None:
+    """Destroy the default process group, after collecting the objects (DDP's reducer) that still hold it:
+    with gloo, a group referenced at interpreter exit can abort the process as it shuts down."""
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class _LossOf(torch.nn.Module):
+    """What ``DistributedDataParallel`` wraps: ``forward(batch)`` is the model's ``loss(batch)``, so the loss is
+    computed through DDP's forward (which prepares its gradient all-reduce)."""
+
+    def __init__(self, model: TrainModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return self.model.loss(batch)
+
+
 def _pow2(value: float) -> str:
     if value > 0 and math.log2(value).is_integer():
         return f"2^{int(math.log2(value))}"
@@ -202,10 +259,12 @@ class _Reporter:
 
 class _StopRequest:
     """While active (main thread only), the first Ctrl-C asks the loop to stop after the current step (which then
-    checkpoints a consistent state); a second one interrupts at once."""
+    checkpoints a consistent state); a second one interrupts at once. Data-parallel: the request is shared in the
+    all-reduce of the next logged step, after which every rank stops at the same step."""
 
-    def __init__(self, log: Callable[[str], None]) -> None:
+    def __init__(self, log: Callable[[str], None], distributed: bool = False) -> None:
         self.log = log
+        self.distributed = distributed
         self.requested = False
         self.forced = False
         self._previous: Any = None
@@ -215,7 +274,8 @@ class _StopRequest:
             self.forced = True
             raise KeyboardInterrupt
         self.requested = True
-        self.log("Ctrl-C: stopping after this step and saving a checkpoint (press Ctrl-C again to quit at once)")
+        when = "at the next logged step (all ranks together)" if self.distributed else "after this step"
+        self.log(f"Ctrl-C: stopping {when} and saving a checkpoint (press Ctrl-C again to quit at once)")
 
     def __enter__(self) -> _StopRequest:
         if threading.current_thread() is threading.main_thread():
@@ -238,6 +298,10 @@ class Trainer:
         progress: show a progress bar (terminal) or progress lines (otherwise).
         summary: print the summary table at the end.
         plot: write ``plots.png`` at the end.
+
+    When ``torch.distributed`` is initialised with several ranks (``dls train`` under ``torchrun``:
+    :func:`init_distributed`), it trains data-parallel with ``DistributedDataParallel``; only rank 0 writes
+    files or prints. Call :meth:`close` before destroying the process group.
     """
 
     def __init__(
@@ -256,13 +320,26 @@ class Trainer:
         self.write_plot = plot
         rc = cfg.runconfig
         self.device = resolve_device(rc.device)
+        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if distributed.is_active() else (0, 1)
+        self.is_main = self.rank == 0
+        if self.world_size > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())  # one GPU per rank
         self.model_dir = Path(rc.model_dir)
         self.metrics_path = self.model_dir / METRICS_FILE
         seed_everything(rc.seed)
         self.dataset = build_dataset(cfg.data)
         shuffle_seed = cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else rc.seed
-        self.batches = BatchIterator(self.dataset, cfg.data.batch_size, cfg.data.shuffle, shuffle_seed)
+        self.batches = BatchIterator(
+            self.dataset, cfg.data.batch_size, cfg.data.shuffle, shuffle_seed, self.rank, self.world_size
+        )
         self.model = build_model(cfg.model, self.dataset.info).to(self.device)
+        self.ddp: DistributedDataParallel | None = None
+        if self.world_size > 1:
+            # The same initial model everywhere (seeded alike; DDP also broadcasts rank 0's), then a random
+            # stream of its own per rank (dropout).
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.ddp = DistributedDataParallel(_LossOf(self.model), device_ids=ids)
+            seed_everything(rc.seed + self.rank)
         self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
         self.scheduler = build_scheduler(cfg.optimizer, self.optimizer)
         self.compute_dtype = cfg.precision.compute_dtype
@@ -277,10 +354,33 @@ class Trainer:
         self._last_skipped = False
         self._last_scale: float | None = None
         self._underflows: list[float] = []
+        self._stop_agreed = False  # data-parallel: some rank was asked to stop (Ctrl-C), so all stop
+        self._ended_together = False  # data-parallel: train() ended at the same point on every rank
 
     # ------------------------------------------------------------------ logging
     def log(self, message: str) -> None:
-        self.console.print(message, highlight=False, markup=False, soft_wrap=True)
+        if self.is_main:
+            self.console.print(message, highlight=False, markup=False, soft_wrap=True)
+
+    # ------------------------------------------------------------------ data-parallel
+    def close(self) -> None:
+        """Data-parallel: when :meth:`train` ended alike on every rank (done, stopped, Ctrl-C), wait for all
+        ranks (so rank 0 finishes its outputs before any rank exits), then release the DDP wrapper, which holds
+        the process group. Nothing to do in a single process."""
+        if self.ddp is None:
+            return
+        if self._ended_together and distributed.is_active():
+            dist.barrier()
+        self.ddp = None
+        gc.collect()
+
+    def _sum_over_ranks(self, values: Sequence[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return [float(v) for v in tensor.tolist()]
+
+    def _stop_requested(self, stop_request: _StopRequest) -> bool:
+        return self._stop_agreed if self.world_size > 1 else stop_request.requested
 
     # ------------------------------------------------------------------ run
     def train(self, resume: str | Path | None = None, load_states: Sequence[str] | None = None) -> TrainResult:
@@ -288,35 +388,47 @@ class Trainer:
         the checkpoint, loading ``load_states`` (default: ``runconfig.load_checkpoint_states``, else all)."""
         cfg, rc = self.cfg, self.cfg.runconfig
         session_start = time.perf_counter()
+        self._ended_together = False
         if resume is not None:
             self._restore(resume, load_states)
         else:
             self._check_fresh_model_dir()
-        self.model_dir.mkdir(parents=True, exist_ok=True)
-        self._prepare_metrics()
-        (self.model_dir / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+        if self.is_main:
+            self.model_dir.mkdir(parents=True, exist_ok=True)
+            self._prepare_metrics()
+            config_text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+            (self.model_dir / CONFIG_FILE).write_text(config_text, encoding="utf-8")
         for warning in cfg.warnings:
             self.log(f"warning: {warning}")
         data_name = cfg.data.dataset
         self.log(
             f"{cfg.model.name} on {data_name}, {describe_precision(cfg)}, {describe_scaling(cfg)}; "
             f"steps {self.global_step}->{rc.max_steps}; output in {self.model_dir}"
+            + (
+                f"; data-parallel on {self.world_size} ranks ({self.device.type}), global batch "
+                f"{self.world_size} x {cfg.data.batch_size}"
+                if self.world_size > 1
+                else ""
+            )
         )
         start_step = self.global_step
         previous_half = dls.get_half_dtype_str()
         if self.compute_dtype != "float32":
             dls.set_half_dtype(self.compute_dtype)
         self._emulation = dls.emulate(self.model, self.compute_dtype) if cfg.precision.emulated else None
-        reporter = _Reporter(self.console, self.show_progress, rc.max_steps, self.global_step, cfg.model.name)
+        show = self.show_progress and self.is_main
+        reporter = _Reporter(self.console, show, rc.max_steps, self.global_step, cfg.model.name)
         self.model.train()
-        stop_request = _StopRequest(self.log)
+        stop_request = _StopRequest(self.log, distributed=self.world_size > 1)
         try:
-            with open(self.metrics_path, "a", encoding="utf-8") as metrics, stop_request:
+            with contextlib.ExitStack() as stack:
+                metrics = stack.enter_context(open(self.metrics_path, "a", encoding="utf-8")) if self.is_main else None
+                stack.enter_context(stop_request)
                 while self.global_step < rc.max_steps:
-                    if stop_request.requested:
+                    if self._stop_requested(stop_request):
                         raise KeyboardInterrupt
-                    row = self._step(session_start)
-                    if row is not None:
+                    row = self._step(session_start, stop_request.requested)
+                    if row is not None and metrics is not None:
                         metrics.write(json.dumps(row, allow_nan=False) + "\n")
                         metrics.flush()
                     self._check_overflow_streak(session_start)
@@ -327,8 +439,9 @@ class Trainer:
                         reporter.update(step, self._progress_text(row))
         except KeyboardInterrupt:
             reporter.close()
-            if stop_request.requested and not stop_request.forced:  # between two steps: the state is consistent
+            if self._stop_requested(stop_request) and not stop_request.forced:  # between two steps: consistent
                 path = self._save(session_start)
+                self._ended_together = True
                 self.log(
                     f"Interrupted at step {self.global_step}; saved {path}. Continue with --resume {self.model_dir}"
                 )
@@ -337,6 +450,7 @@ class Trainer:
             raise
         except TrainingStopped:
             reporter.close()
+            self._ended_together = True  # decided alike on every rank: the scaler state agrees
             self._finish_outputs()
             raise
         finally:
@@ -348,14 +462,18 @@ class Trainer:
         if self._last_checkpoint is None or self._checkpoint_step(self._last_checkpoint) != self.global_step:
             self._save(session_start)
         session_time = time.perf_counter() - session_start
-        plot_path = self._finish_outputs()
-        eval_loss = self.evaluate()
         tail = self._session_losses[-max(1, len(self._session_losses) // 10) :]
+        final_loss = sum(tail) / len(tail) if tail else None
+        if final_loss is not None and self.world_size > 1:
+            final_loss = self._sum_over_ranks([final_loss])[0] / self.world_size
+        self._ended_together = True
+        plot_path = self._finish_outputs()
+        eval_loss = self.evaluate() if self.is_main else None
         result = TrainResult(
             model_dir=self.model_dir,
             global_step=self.global_step,
             steps_run=self.global_step - start_step,
-            final_loss=sum(tail) / len(tail) if tail else None,
+            final_loss=final_loss,
             eval_loss=eval_loss,
             skipped_steps=self.scaler.get_num_skipped_steps(),
             loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None,
@@ -366,11 +484,11 @@ class Trainer:
             metrics_path=self.metrics_path,
             plot_path=plot_path,
         )
-        if self.show_summary:
+        if self.show_summary and self.is_main:
             self.print_summary(result)
         return result
 
-    def _step(self, session_start: float) -> dict[str, Any] | None:
+    def _step(self, session_start: float, stop_requested: bool = False) -> dict[str, Any] | None:
         cfg, rc, opt_cfg = self.cfg, self.cfg.runconfig, self.cfg.optimizer
         step = self.global_step + 1
         log_now = step % rc.log_steps == 0 or step == rc.max_steps or step == 1
@@ -382,14 +500,17 @@ class Trainer:
         scale_used = self.scaler.get_scale() if self.scaler.is_enabled() else None
         lr = float(self.optimizer.param_groups[0]["lr"])
         with self._autocast():
-            loss = self.model.loss(batch)
+            loss = self.model.loss(batch) if self.ddp is None else self.ddp(batch)
         weighted = loss * cfg.model.loss_weight if cfg.model.loss_weight != 1.0 else loss
         self.scaler.scale(weighted).backward()
         self.scaler.unscale_(self.optimizer)
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params]).item()) if params else 0.0
         loss_value = float(loss.item())
-        if not self.scaler.is_enabled() and not (math.isfinite(grad_norm) and math.isfinite(loss_value)):
+        unscalable = not self.scaler.is_enabled() and not (math.isfinite(grad_norm) and math.isfinite(loss_value))
+        if not self.scaler.is_enabled() and self.world_size > 1:  # the loss is rank-local: decide together
+            unscalable = self._sum_over_ranks([float(unscalable)])[0] > 0
+        if unscalable:
             self.optimizer.zero_grad(set_to_none=True)
             path = self._save(session_start)
             raise TrainingStopped(
@@ -418,6 +539,13 @@ class Trainer:
         if self._emulation is not None and opt_cfg.log_summaries and log_now:
             underflow = self._emulation.stats.underflow_fraction
             self._emulation.stats.reset()
+        logged_loss = loss_value
+        if self.world_size > 1 and (log_now or skipped):  # alike on every rank: skipping is agreed
+            # One all-reduce: the mean loss and underflow over the ranks, and whether any rank got Ctrl-C.
+            sums = self._sum_over_ranks([loss_value, underflow or 0.0, float(stop_requested)])
+            logged_loss = sums[0] / self.world_size
+            underflow = sums[1] / self.world_size if underflow is not None else None
+            self._stop_agreed = self._stop_agreed or sums[2] > 0
         if underflow is not None:
             self._underflows.append(underflow)
         self._last_skipped, self._last_scale = skipped, scale_used
@@ -425,7 +553,7 @@ class Trainer:
             return None
         row: dict[str, Any] = {
             "step": step,
-            "loss": _json_number(loss_value),
+            "loss": _json_number(logged_loss),
             "loss_scale": scale_used,
             "skipped": skipped,
             "grad_norm": _json_number(grad_norm),
@@ -537,14 +665,22 @@ class Trainer:
         return state
 
     def _save(self, session_start: float) -> Path:
-        state = self.state_dict()
-        state["trainer"] = {
-            "elapsed": self.elapsed + time.perf_counter() - session_start,
-            "overflows_at_floor": self.overflows_at_floor,
-        }
-        path = ckpt.save_checkpoint(
-            state, ckpt.checkpoint_path(self.model_dir, self.global_step), keep=self.cfg.runconfig.keep_checkpoint_max
-        )
+        """Checkpoint the current state. Data-parallel: every rank calls it at the same step (it gathers each
+        rank's random-number generators into ``rng_ranks``); rank 0 alone writes."""
+        path = ckpt.checkpoint_path(self.model_dir, self.global_step)
+        rng_ranks: list[Any] = []
+        if self.world_size > 1:
+            rng_ranks = [None] * self.world_size
+            dist.all_gather_object(rng_ranks, ckpt.rng_state())
+        if self.is_main:
+            state = self.state_dict()
+            state["trainer"] = {
+                "elapsed": self.elapsed + time.perf_counter() - session_start,
+                "overflows_at_floor": self.overflows_at_floor,
+            }
+            if rng_ranks:
+                state["rng_ranks"] = rng_ranks
+            ckpt.save_checkpoint(state, path, keep=self.cfg.runconfig.keep_checkpoint_max)
         self._last_checkpoint = path
         return path
 
@@ -601,8 +737,14 @@ class Trainer:
             self.elapsed = float(trainer.get("elapsed", 0.0))
             self.overflows_at_floor = int(trainer.get("overflows_at_floor", 0))
         if "rng" in states:
-            if "rng" in state:
-                ckpt.set_rng_state(state["rng"])  # last: building the run above must not consume the restored RNG
+            # Last: building the run above must not consume the restored RNG.
+            rng_ranks = state.get("rng_ranks")
+            if self.world_size > 1 and isinstance(rng_ranks, list) and len(rng_ranks) == self.world_size:
+                ckpt.set_rng_state(rng_ranks[self.rank])  # saved by as many ranks: each its own
+            elif "rng" in state:
+                ckpt.set_rng_state(state["rng"])  # rank 0's
+                if self.rank > 0:  # saved by fewer ranks: a stream of its own, not a copy of rank 0's
+                    seed_everything(self.cfg.runconfig.seed + self.rank + 1_000_003 * self.global_step)
             else:
                 self.log(f"{path} has no rng state; random-number generators start from runconfig.seed")
 
@@ -632,7 +774,7 @@ class Trainer:
         tmp.replace(self.metrics_path)
 
     def _finish_outputs(self) -> Path | None:
-        if not self.write_plot:
+        if not (self.write_plot and self.is_main):
             return None
         rows = read_metrics(self.metrics_path)
         title = f"{self.cfg.model.name}, {describe_precision(self.cfg)}\n{describe_scaling(self.cfg)}"
