@@ -394,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     ]
                 )
         print_table(
-            "inf check before a fused optimizer step (dls: read-only inf-norm; torch: multiply by 1, read+write)",
+            "inf check before a fused optimizer step (dls: kernels.check_nonfinite; torch: multiply by 1, read+write)",
             ["dtype", "elements", "tensors", "dls ms", "torch ms", "floor ms", "dls/torch", "dls/floor"],
             rows,
         )
