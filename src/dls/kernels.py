@@ -88,6 +88,19 @@ def mul_and_check_(
             torch._foreach_copy_(grads, products)
 
 
+def mul_(groups: Groups, factor: dict[torch.device, torch.Tensor]) -> None:
+    """One read+write pass: ``g *= factor[device]``, in float32 arithmetic for half gradients.
+
+    float32/float64 gradients take ``_foreach_mul_`` (the bandwidth floor); half ones the AMP kernel, because
+    ``_foreach_mul_`` would round the factor to the half dtype first (see ``mul_and_check_``).
+    """
+    for (device, dtype), grads in groups.items():
+        if dtype in (torch.float32, torch.float64):
+            torch._foreach_mul_(grads, factor[device])
+        else:
+            mul_and_check_({(device, dtype): grads}, factor, {device: torch.zeros((), device=device)})
+
+
 def check_nonfinite(grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
     """Raise ``found_inf`` if any element of ``grads`` (same device and dtype) is inf or NaN.
 
