@@ -1,12 +1,13 @@
 """Fused passes over gradients: unscale + inf/NaN check, global norm, clipping.
 
-Every function takes gradients already grouped by (device, dtype) (see ``group_grads``) and issues one
-``torch._foreach_*`` call per group: no Python loop over tensors or elements, and no read back to the host.
+Every function takes gradients already grouped by (device, dtype) (see ``GradIndex`` and ``group_grads``) and
+issues one multi-tensor call per group: no Python loop over elements, and no read back to the host.
 Flags are float32 0-dim tensors (1.0 = found inf/NaN) because that is what torch's AMP kernels and fused
 optimizers consume; they are only ever raised, never cleared, so several passes can share one flag.
 
-Sparse gradients take part through their (coalesced) values; half gradients are multiplied in float32
-arithmetic (``_foreach_mul_`` by a float32 scalar tensor computes in the op-math type), then rounded back.
+Sparse gradients take part through their (coalesced) values. Half gradients are multiplied through torch's AMP
+kernel, in float32 arithmetic, then rounded back: ``_foreach_mul_`` would round the float32 factor to the half
+dtype first.
 """
 
 from __future__ import annotations
