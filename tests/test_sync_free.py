@@ -260,6 +260,7 @@ def test_sync_free_step_reads_nothing_back(name: str) -> None:
 
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["noclip", "clip"])
 @pytest.mark.parametrize("n_optimizers", [1, 2])
+@pytest.mark.filterwarnings("ignore:step\\(\\) clips each optimizer:UserWarning")  # per-optimizer clip on purpose
 def test_default_step_reads_one_flag_per_optimizer(clip: float | None, n_optimizers: int) -> None:
     model = make_model()
     params = list(model.parameters())
