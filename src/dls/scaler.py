@@ -342,11 +342,11 @@ class GradScaler:
 
     def _unscale_and_check(self, optimizers: list[torch.optim.Optimizer], states: list[_OptimizerState]) -> None:
         """Unscale each optimizer's gradients and set its agreed overflow flag (stage → UNSCALED)."""
-        inv_scale = self._state.loss_scale.double().reciprocal().float()
+        inv_scale = self._inv_scale()
         for optimizer, state in zip(optimizers, states):
             groups = self._grads(optimizer)
             devices = {device for device, _ in groups}
-            found = {d: torch.zeros((), dtype=torch.float32, device=d) for d in devices}
+            found = _zero_flags(devices)
             kernels.mul_and_check_(groups, kernels.per_device(inv_scale, devices), found)
             # Across ranks the flag is agreed asynchronously: reading state.found_inf waits for the all-reduce.
             flag = self._combine(found)
@@ -361,7 +361,7 @@ class GradScaler:
         ``clip_coef / scale`` (``clip_coef`` alone for already unscaled gradients). Returns the overflow flag.
         """
         home = self._state.loss_scale.device
-        inv_scale = self._state.loss_scale.double().reciprocal().float()
+        inv_scale = self._inv_scale()
         one = torch.ones((), dtype=torch.float32, device=home)
         parts = [(self._grads_of(scaled), inv_scale), (self._grads_of(unscaled), one)]
         if distributed.norm_is_sharded(scaled + unscaled, self._gradients_sharded, self._process_group):
@@ -380,6 +380,10 @@ class GradScaler:
         for groups, factor in parts:
             kernels.mul_(groups, kernels.per_device(factor * coef, {d for d, _ in groups}))
         return found
+
+    def _inv_scale(self) -> torch.Tensor:
+        # The reciprocal in float64 then rounded once, as torch does: exact for the usual powers of two.
+        return self._state.loss_scale.double().reciprocal().float()
 
     def _combine(self, found: dict[torch.device, torch.Tensor]) -> torch.Tensor:
         home = self._state.loss_scale.device
@@ -491,7 +495,7 @@ class GradScaler:
         if state.stage is _Stage.READY:
             # Only a read pass for the flag: the optimizer kernel divides by grad_scale while it updates.
             groups = self._grads(optimizer)
-            found = {d: torch.zeros((), dtype=torch.float32, device=d) for d, _ in groups}
+            found = _zero_flags(d for d, _ in groups)
             for (device, _dtype), grads in groups.items():
                 kernels.check_nonfinite(grads, found[device])
             state.found_inf = distributed.agree_on_overflow(self._combine(found), self._process_group)
@@ -681,6 +685,11 @@ def _number(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"state_dict[{key!r}] must be a number; got {value!r}")
     return value
+
+
+def _zero_flags(devices: Iterable[torch.device]) -> dict[torch.device, torch.Tensor]:
+    """A clean overflow flag (float32 0-dim, as torch's AMP kernels take) on each device."""
+    return {d: torch.zeros((), dtype=torch.float32, device=d) for d in set(devices)}
 
 
 def _max_flag(flags: Iterable[torch.Tensor | None]) -> torch.Tensor:
