@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml requirements/dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c requirements/dev.txt -e ".[train,dev]"
+	$(BIN)/pip install --quiet -c requirements/dev.txt -e ".[train,dev,tensorboard,lightning,hf]"
 	touch $(STAMP)
 
 setup: $(STAMP)

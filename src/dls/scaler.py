@@ -75,6 +75,21 @@ class _OptimizerState:
 
 
 @dataclasses.dataclass
+class _LastStep:
+    """How the last ``step()`` of an optimizer ended: ``skipped`` when decided on the host, else read lazily from
+    ``found_inf`` (the fused and sync-free paths never read it themselves)."""
+
+    found_inf: torch.Tensor | None
+    skipped: bool | None
+
+    def was_skipped(self) -> bool:
+        if self.skipped is None:
+            assert self.found_inf is not None
+            self.skipped = bool(self.found_inf.item())
+        return self.skipped
+
+
+@dataclasses.dataclass
 class _OptimizerIndex:
     """What the scaler caches per optimizer, valid while its param groups keep the same lists and lengths."""
 
@@ -197,6 +212,7 @@ class GradScaler:
         self._index_cache: weakref.WeakKeyDictionary[torch.optim.Optimizer, _OptimizerIndex] = (
             weakref.WeakKeyDictionary()
         )
+        self._last_steps: weakref.WeakKeyDictionary[torch.optim.Optimizer, _LastStep] = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ queries
     def is_enabled(self) -> bool:
@@ -224,6 +240,33 @@ class GradScaler:
     def get_num_skipped_steps(self) -> int:
         """Iterations whose gradients overflowed (their optimizer steps were skipped)."""
         return int(self._state.num_skipped_steps.item()) if self._enabled else 0
+
+    def step_was_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the last ``step(optimizer)`` (or ``step_if_finite``) through this scaler was skipped because the
+        gradients overflowed. Stays valid after ``update()`` until the next step of that optimizer, so LR
+        schedulers, EMA and step counters can follow real updates (``dls.skip_aware`` does this for you).
+
+        Costs nothing where ``step`` decided on the host (the default path); after a fused-optimizer or
+        ``sync_free`` step it reads the flag once (then remembers it). Raises ``RuntimeError`` before the
+        optimizer's first step through this scaler. A disabled scaler never skips.
+        """
+        return self._last_step(optimizer).was_skipped()
+
+    def step_was_skipped_tensor(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """``step_was_skipped`` as a 0-dim bool tensor on the scale's device, never read back to the host: to
+        select on the device (``torch.where(skipped, old, new)``) in sync-free loops."""
+        last = self._last_step(optimizer)
+        if last.found_inf is None:
+            return torch.tensor(bool(last.skipped), device=self._state.loss_scale.device)
+        return last.found_inf > 0
+
+    def _last_step(self, optimizer: torch.optim.Optimizer) -> _LastStep:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+        last = self._last_steps.get(optimizer)
+        if last is None:
+            raise RuntimeError("step_was_skipped(): this optimizer has not stepped through this scaler yet")
+        return last
 
     def get_scale_tensor(self) -> torch.Tensor:
         """The scale as a 0-dim float32 device tensor (no host sync), e.g. for logging inside compiled code."""
@@ -422,6 +465,7 @@ class GradScaler:
             # No scaling, no skipping; max_gradient_norm still clips (bfloat16 runs use it too).
             if self._max_gradient_norm is not None and not self._optimizer_state(optimizer).clipped:
                 self._clip([], [optimizer], self._max_gradient_norm)
+            self._last_steps[optimizer] = _LastStep(None, False)
             return optimizer.step(*args, **kwargs)
         _reject_closure(args, kwargs)
         state = self._optimizer_state(optimizer)
@@ -447,6 +491,7 @@ class GradScaler:
         """``optimizer.step(*args, **kwargs)`` if the flag recorded by ``unscale_`` or
         ``clip_gradients_and_return_isfinite`` is clean; returns its value, or ``None`` when skipped."""
         if not self._enabled:
+            self._last_steps[optimizer] = _LastStep(None, False)
             return optimizer.step(*args, **kwargs)
         _reject_closure(args, kwargs)
         state = self._optimizer_state(optimizer)
@@ -471,8 +516,11 @@ class GradScaler:
             return self._fused_step(optimizer, state, args, kwargs)
         state.stage = _Stage.STEPPED
         if self._sync_free and self._has_stepped(optimizer):
+            self._last_steps[optimizer] = _LastStep(state.found_inf, None)
             return _masked_step(optimizer, state.found_inf, args, kwargs)
-        if state.found_inf.item():
+        skipped = bool(state.found_inf.item())
+        self._last_steps[optimizer] = _LastStep(state.found_inf, skipped)
+        if skipped:
             return None
         result = optimizer.step(*args, **kwargs)
         self._mark_stepped(optimizer)
@@ -504,7 +552,9 @@ class GradScaler:
         first_step = not self._has_stepped(optimizer)
         if first_step and state.found_inf.item():
             state.stage = _Stage.STEPPED
+            self._last_steps[optimizer] = _LastStep(state.found_inf, True)
             return None
+        self._last_steps[optimizer] = _LastStep(state.found_inf, None if not first_step else False)
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = state.found_inf  # type: ignore[attr-defined]
         try:
@@ -632,6 +682,7 @@ class GradScaler:
             )
         state = self.__dict__.copy()
         state["_index_cache"] = None
+        state["_last_steps"] = None
         state["_per_optimizer"] = {}  # a disabled scaler records only clipping; nothing to carry over
         state["_process_group"] = None
         return state
@@ -639,6 +690,7 @@ class GradScaler:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._index_cache = weakref.WeakKeyDictionary()
+        self._last_steps = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ helpers
     def _optimizer_state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
