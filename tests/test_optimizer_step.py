@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -105,3 +107,40 @@ def test_optimizer_step_with_disabled_scaler_still_clips():
     ref_opt.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("started", ["unscale_", "clip", "step"])
+def test_optimizer_step_in_a_started_iteration_raises_and_changes_nothing(started: str):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = dls.GradScaler("dynamic", init_scale=2.0**10)
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    {
+        "unscale_": lambda: scaler.unscale_(opt),
+        "clip": lambda: scaler.clip_gradients_and_return_isfinite(opt),
+        "step": lambda: scaler.step(opt),
+    }[started]()
+    weights = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    scale = scaler.get_scale()
+    with pytest.raises(RuntimeError, match="already been called"):
+        dls.optimizer_step(model(torch.ones(2, 4)).sum(), opt, scaler)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))  # type: ignore[arg-type]
+    assert scaler.get_scale() == scale
+
+
+def test_optimizer_step_returns_device_tensors_without_reading_them():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = dls.GradScaler("dynamic", init_scale=2.0**10, max_gradient_norm=0.5)
+    result = dls.optimizer_step(model(torch.ones(2, 4)).sum(), opt, scaler)
+    assert result.loss_scale.item() == 2.0**10 and not result.found_inf.item()
+    # The norm before clipping: the gradients of sum(Wx + b) over 2 rows of ones are 2 each (5 of them).
+    assert result.grad_norm is not None and abs(result.grad_norm.item() - math.sqrt(5 * 4.0)) < 1e-5
+    plain = dls.GradScaler("dynamic")
+    assert dls.optimizer_step(model(torch.ones(2, 4)).sum(), opt, plain).grad_norm is None
+    asked = dls.optimizer_step(model(torch.ones(2, 4)).sum(), opt, plain, gradient_norm=True)
+    assert asked.grad_norm is not None and abs(asked.grad_norm.item() - math.sqrt(20.0)) < 1e-4

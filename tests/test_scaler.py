@@ -104,6 +104,11 @@ def test_state_dict_round_trip_continues_bit_identically():
         "overflows_since_rescale",
         "num_skipped_steps",
         "hysteresis_hits",
+        "scale",
+        "_growth_tracker",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
     }
     run(20, model, opt, scaler, 20)
 
@@ -327,8 +332,11 @@ def test_defaults_follow_the_half_dtype():
     assert dls.GradScaler("dynamic").is_enabled()
 
 
-def test_init_scale_is_clamped_to_max_and_must_not_be_below_min():
-    assert dls.GradScaler("dynamic", init_scale=2.0**20, max_loss_scale=2.0**16).get_scale() == 2.0**16
+def test_init_scale_above_the_default_max_raises_it_and_must_fit_explicit_bounds():
+    raised = dls.GradScaler("dynamic", init_scale=2.0**20)
+    assert raised.get_scale() == 2.0**20 and raised.settings.max_loss_scale == 2.0**20
+    with pytest.raises(ValueError, match=r"init_scale .* must not exceed max_loss_scale"):
+        dls.GradScaler("dynamic", init_scale=2.0**20, max_loss_scale=2.0**16)
     with pytest.raises(ValueError, match="init_scale"):
         dls.GradScaler("dynamic", init_scale=0.5, min_loss_scale=1.0)
 
@@ -337,7 +345,7 @@ def test_init_scale_is_clamped_to_max_and_must_not_be_below_min():
     ("kwargs", "message"),
     [
         ({"loss_scale": "dynamc"}, "loss_scale"),
-        ({"loss_scale": "cuda"}, "device="),
+        ({"loss_scale": "cuda"}, "device such as 'cuda'"),
         ({"loss_scale": -1.0}, "loss_scale"),
         ({"loss_scale": 0}, "loss_scale"),
         ({"init_scale": -2.0}, "init_scale"),
@@ -454,7 +462,7 @@ def test_pickle_between_iterations_only():
 
 
 def test_torch_style_aliases():
-    scaler = dls.GradScaler("dynamic", device="cpu", growth_interval=7)
+    scaler = dls.GradScaler(device="cpu", growth_interval=7)
     assert scaler.get_growth_interval() == 7
     scaler.set_growth_factor(4.0)
     assert scaler.get_growth_factor() == 4.0

@@ -951,14 +951,14 @@ def test_cpu_only_machine_with_device_cuda_and_enabled_false_constructs_like_tor
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_disabled_scaler_never_touches_an_unavailable_device():
-    scaler = dls.GradScaler("dynamic", device="cuda", enabled=False)
+    scaler = dls.GradScaler("cuda", enabled=False)
     assert not scaler.is_enabled() and scaler.get_scale() == 1.0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_enabled_scaler_on_unavailable_cuda_warns_and_disables_like_torch():
     with pytest.warns(UserWarning, match="CUDA is not available"):
-        scaler = dls.GradScaler("dynamic", device="cuda")
+        scaler = dls.GradScaler("cuda")
     assert not scaler.is_enabled()
 
 

@@ -3,11 +3,15 @@
 from dls import formats
 from dls.emulate import emulate
 from dls.formats import get_half_dtype, get_half_dtype_str, get_half_format, set_half_dtype
-from dls.scaler import GradScaler
-from dls.step import optimizer_step
+from dls.scaler import GradScaler, Stage
+from dls.settings import ScalerSettings
+from dls.step import StepResult, optimizer_step
 
 __all__ = [
     "GradScaler",
+    "ScalerSettings",
+    "Stage",
+    "StepResult",
     "emulate",
     "formats",
     "get_half_dtype",

@@ -37,7 +37,9 @@ _PROXY_DTYPES: dict[str, torch.dtype] = {
 _half_dtype_str = "float16"
 
 
-def _half_name(value: str | torch.dtype) -> str:
+def half_dtype_name(value: str | torch.dtype) -> str:
+    """The name (``"float16"``, ``"bfloat16"``, ``"cbfloat16"``) of a half dtype given by name or torch dtype;
+    ``ValueError`` naming the allowed values otherwise."""
     if isinstance(value, torch.dtype):
         for name in ("float16", "bfloat16"):
             if value == _PROXY_DTYPES[name]:
@@ -53,7 +55,7 @@ def _half_name(value: str | torch.dtype) -> str:
 def set_half_dtype(value: str | torch.dtype) -> torch.dtype:
     """Choose the half format of the run; returns the torch dtype that computes in it (cbfloat16 → float16)."""
     global _half_dtype_str
-    _half_dtype_str = _half_name(value)
+    _half_dtype_str = half_dtype_name(value)
     return _PROXY_DTYPES[_half_dtype_str]
 
 

@@ -5,9 +5,15 @@ issues one multi-tensor call per group: no Python loop over elements, and no rea
 Flags are float32 0-dim tensors (1.0 = found inf/NaN) because that is what torch's AMP kernels and fused
 optimizers consume; they are only ever raised, never cleared, so several passes can share one flag.
 
-Sparse gradients take part through their (coalesced) values. Half gradients are multiplied through torch's AMP
-kernel, in float32 arithmetic, then rounded back: ``_foreach_mul_`` would round the float32 factor to the half
-dtype first.
+Sparse gradients take part through their (coalesced) values, complex ones through their real view
+(``torch.view_as_real``: same storage, so in-place passes reach the gradient). Half gradients are multiplied through
+torch's AMP kernel, in float32 arithmetic, then rounded back: ``_foreach_mul_`` would round the float32 factor to
+the half dtype first.
+
+Overflow means: some element of the gradient *as the optimizer will receive it* (unscaled, and clipped when the
+scaler clips) is inf/NaN in the gradient's dtype. torch's AMP kernel checks its input, before multiplying; with a
+factor above 1 (a loss scale below 1) a finite scaled gradient can become inf only after it, so the passes below
+take ``factor_may_exceed_one`` from the caller and check the result too in that case.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ def group_grads(params: Iterable[torch.Tensor]) -> Groups:
     """Group the gradients of ``params`` (parameters without one are left out) by device and dtype.
 
     A sparse gradient is coalesced in place (``p.grad = p.grad.coalesce()``) and represented by its values, so
-    norms count each index once and in-place passes reach the gradient itself.
+    norms count each index once and in-place passes reach the gradient itself. A complex gradient is represented
+    by its real view. Raises ``ValueError`` for a gradient that is not floating point or complex.
     """
     groups: Groups = {}
     for p in params:
@@ -35,8 +42,17 @@ def group_grads(params: Iterable[torch.Tensor]) -> Groups:
             if not g.is_coalesced():
                 p.grad = g = g.coalesce()
             g = g._values()
+        g = _real(g)
         groups.setdefault((g.device, g.dtype), []).append(g)
     return groups
+
+
+def _real(grad: torch.Tensor) -> torch.Tensor:
+    if grad.is_complex():
+        return torch.view_as_real(grad)
+    if not grad.is_floating_point():
+        raise ValueError(f"gradients must be floating point or complex; got a {grad.dtype} gradient")
+    return grad
 
 
 class GradIndex:
@@ -59,8 +75,9 @@ class GradIndex:
             grads = [p.grad for p in params if p.grad is not None]
             if not grads:
                 continue
-            if (grads[0].device, grads[0].dtype) != key or any(g.is_sparse for g in grads):
-                return group_grads(self.params)
+            g = grads[0]
+            if (g.device, g.dtype) != key or not g.is_floating_point() or any(g.is_sparse for g in grads):
+                return group_grads(self.params)  # converted, complex or sparse: the general path
             groups[key] = grads
         return groups
 
@@ -71,10 +88,14 @@ def per_device(value: torch.Tensor, devices: Iterable[torch.device]) -> dict[tor
 
 
 def mul_and_check_(
-    groups: Groups, factor: dict[torch.device, torch.Tensor], found_inf: dict[torch.device, torch.Tensor]
+    groups: Groups,
+    factor: dict[torch.device, torch.Tensor],
+    found_inf: dict[torch.device, torch.Tensor],
+    factor_may_exceed_one: bool,
 ) -> None:
-    """One read+write pass: ``g *= factor[device]`` in float32 arithmetic, raising ``found_inf[device]`` if any
-    element is inf/NaN (before or after the multiply).
+    """``g *= factor[device]`` in float32 arithmetic, raising ``found_inf[device]`` if any element is inf/NaN
+    before or after the multiply: one read+write pass, plus a check pass over the result when
+    ``factor_may_exceed_one`` (only then can a finite gradient overflow).
 
     torch's AMP kernel is used for every dtype: ``_foreach_mul_`` would round a float32 factor to the
     gradient's half dtype first (2**-26 becomes 0 in float16), which silently zeroes unscaled gradients.
@@ -87,10 +108,17 @@ def mul_and_check_(
             check_nonfinite(grads, found_inf[device])
             products = torch._foreach_mul([g.float() for g in grads], factor[device])
             torch._foreach_copy_(grads, products)
+        if factor_may_exceed_one:
+            check_nonfinite(grads, found_inf[device])
 
 
-def mul_(groups: Groups, factor: dict[torch.device, torch.Tensor]) -> None:
-    """One read+write pass: ``g *= factor[device]``, in float32 arithmetic for half gradients.
+def mul_(
+    groups: Groups,
+    factor: dict[torch.device, torch.Tensor],
+    found_inf: dict[torch.device, torch.Tensor] | None = None,
+) -> None:
+    """One read+write pass: ``g *= factor[device]``, in float32 arithmetic for half gradients; with ``found_inf``,
+    then a check pass raising it where a product overflowed.
 
     float32/float64 gradients take ``_foreach_mul_`` (the bandwidth floor); half ones the AMP kernel, because
     ``_foreach_mul_`` would round the factor to the half dtype first (see ``mul_and_check_``).
@@ -99,7 +127,10 @@ def mul_(groups: Groups, factor: dict[torch.device, torch.Tensor]) -> None:
         if dtype in (torch.float32, torch.float64):
             torch._foreach_mul_(grads, factor[device])
         else:
-            mul_and_check_({(device, dtype): grads}, factor, {device: torch.zeros((), device=device)})
+            unused = {device: torch.zeros((), device=device)}
+            mul_and_check_({(device, dtype): grads}, factor, unused, factor_may_exceed_one=False)
+        if found_inf is not None:
+            check_nonfinite(grads, found_inf[device])
 
 
 def check_nonfinite(grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
@@ -118,6 +149,36 @@ def check_nonfinite(grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> N
         return
     amax = torch.stack(torch._foreach_norm(grads, float("inf"), dtype=torch.float32))
     torch.maximum(found_inf, (~torch.isfinite(amax)).any().to(found_inf.dtype), out=found_inf)
+
+
+def check_unscaled_(
+    groups: Groups,
+    factor: dict[torch.device, torch.Tensor],
+    found_inf: dict[torch.device, torch.Tensor],
+    factor_may_exceed_one: bool,
+) -> None:
+    """Raise ``found_inf[device]`` where some ``g * factor[device]`` would be inf/NaN once rounded to ``g``'s dtype
+    (what an unscale would write), without writing anything: for optimizers that unscale inside their own kernel.
+
+    One read pass: the largest ``|g|`` of each tensor (NaN if it holds a NaN) times the factor, rounded as the
+    unscale would, is non-finite exactly when some element's product is (a float multiply is monotonic). On CPU,
+    when the factor cannot exceed 1, torch's AMP kernel with a factor of 1 is the faster check.
+    """
+    for (device, dtype), all_grads in groups.items():
+        grads = [g for g in all_grads if g.numel()]
+        if not grads:
+            continue
+        if device.type == "cpu" and not factor_may_exceed_one:
+            check_nonfinite(grads, found_inf[device])
+            continue
+        if device.type == "cpu":
+            amax = torch.stack(torch._foreach_max(torch._foreach_abs(grads)))  # _foreach_norm(inf) is slow on CPU
+        else:
+            amax = torch.stack(torch._foreach_norm(grads, float("inf")))
+        compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        unscaled = (amax.to(compute) * factor[device]).to(dtype)
+        flag = found_inf[device]
+        torch.maximum(flag, (~torch.isfinite(unscaled)).any().to(flag.dtype), out=flag)
 
 
 def global_norm(groups: Groups, factor: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -31,6 +31,8 @@ from typing import NamedTuple
 import torch
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
+FLOAT32_TINY = torch.finfo(torch.float32).tiny  # 2**-126, the smallest normal float32
+MAX_STEPS_PER_INCREASE = 2**31 - 1  # steps_since_rescale is int32, as torch's growth tracker
 
 
 class ScaleState(NamedTuple):
@@ -68,18 +70,54 @@ def _times(scale: torch.Tensor, factor: float) -> torch.Tensor:
     return (scale.double() * factor).float()
 
 
-def _check_positive(name: str, value: float) -> float:
+# Validators shared by the rules, dls.settings and the trainer's config: each returns None when ``value`` is
+# allowed, else a message that names ``name`` and says what is allowed.
+def _real(value: object) -> float | None:
+    """``value`` as a float when it is a real number (not a bool) that a float can hold, else ``None``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a positive number; got {value!r}")
-    if not (math.isfinite(value) and 0 < value <= FLOAT32_MAX):
-        raise ValueError(f"{name} must be a positive finite float32 number; got {value!r}")
-    return float(value)
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float's range
+        return None
 
 
-def _check_int(name: str, value: int, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
-    return value
+def scale_problem(name: str, value: object) -> str | None:
+    """A loss scale must be a normal float32 (2**-126 to float32's max): its inverse is then finite too, so
+    unscaling never multiplies by inf (0 * inf would turn every gradient into NaN)."""
+    v = _real(value)
+    if v is not None and FLOAT32_TINY <= v <= FLOAT32_MAX:
+        return None
+    return f"{name} must be a number from 2**-126 to float32's max 3.4028e38 (a normal float32); got {value!r}"
+
+
+def factor_problem(name: str, value: object, above_one: bool) -> str | None:
+    """``growth_factor`` (``above_one``) must be in (1, float32 max]; ``backoff_factor`` in (0, 1)."""
+    v = _real(value)
+    if v is not None and (1 < v <= FLOAT32_MAX if above_one else 0 < v < 1):
+        return None
+    allowed = "a number > 1" if above_one else "a number in (0, 1)"
+    return f"{name} must be {allowed}; got {value!r}"
+
+
+def count_problem(name: str, value: object, maximum: int = MAX_STEPS_PER_INCREASE) -> str | None:
+    """A positive integer that fits the int32 counters it is compared with."""
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= maximum:
+        return None
+    return f"{name} must be an integer from 1 to 2**31 - 1 (the counters are int32, as torch's); got {value!r}"
+
+
+def tolerance_problem(name: str, value: object) -> str | None:
+    v = _real(value)
+    if v is not None and 0 <= v < 1:
+        return None
+    return f"{name} must be a number in [0, 1); got {value!r}"
+
+
+def _raise_first(*problems: str | None) -> None:
+    for problem in problems:
+        if problem is not None:
+            raise ValueError(problem)
 
 
 @dataclass(frozen=True)
@@ -108,17 +146,15 @@ class DynamicRule:
     max_loss_scale: float = 2.0**15
 
     def __post_init__(self) -> None:
-        _check_int("steps_per_increase", self.steps_per_increase, 1)
-        _check_int("hysteresis", self.hysteresis, 1)
-        if not _check_positive("growth_factor", self.growth_factor) > 1:
-            raise ValueError(f"growth_factor must be > 1; got {self.growth_factor!r}")
-        if not _check_positive("backoff_factor", self.backoff_factor) < 1:
-            raise ValueError(f"backoff_factor must be in (0, 1); got {self.backoff_factor!r}")
-        tol = self.overflow_tolerance
-        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < 1:
-            raise ValueError(f"overflow_tolerance must be a number in [0, 1); got {tol!r}")
-        _check_positive("min_loss_scale", self.min_loss_scale)
-        _check_positive("max_loss_scale", self.max_loss_scale)
+        _raise_first(
+            count_problem("steps_per_increase", self.steps_per_increase),
+            count_problem("hysteresis", self.hysteresis),
+            factor_problem("growth_factor", self.growth_factor, above_one=True),
+            factor_problem("backoff_factor", self.backoff_factor, above_one=False),
+            tolerance_problem("overflow_tolerance", self.overflow_tolerance),
+            scale_problem("min_loss_scale", self.min_loss_scale),
+            scale_problem("max_loss_scale", self.max_loss_scale),
+        )
         if self.min_loss_scale > self.max_loss_scale:
             raise ValueError(
                 f"min_loss_scale ({self.min_loss_scale!r}) must not exceed max_loss_scale ({self.max_loss_scale!r})"
@@ -176,6 +212,3 @@ class DynamicRule:
     @property
     def _torch_rule(self) -> bool:
         return self.overflow_tolerance == 0 and self.hysteresis == 1
-
-
-Rule = StaticRule | DynamicRule

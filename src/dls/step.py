@@ -4,10 +4,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
-from dls.scaler import GradScaler, _as_optimizer_list
+from dls.scaler import GradScaler, Stage, optimizer_list
+
+
+class StepResult(NamedTuple):
+    """What an ``optimizer_step`` saw, as device tensors (nothing is read back to the host).
+
+    ``found_inf``: 0-dim bool, whether the gradients overflowed (the steps were skipped); ``loss_scale``: the scale
+    this step used (a copy, float32); ``grad_norm``: the global L2 norm of the unscaled gradients before clipping
+    (float32), or ``None`` unless clipping by norm or asked for with ``gradient_norm=True``.
+    """
+
+    found_inf: torch.Tensor
+    loss_scale: torch.Tensor
+    grad_norm: torch.Tensor | None
 
 
 def optimizer_step(
@@ -16,15 +30,18 @@ def optimizer_step(
     grad_scaler: GradScaler,
     max_gradient_norm: float | None = None,
     max_gradient_value: float | None = None,
-) -> None:
+    *,
+    gradient_norm: bool = False,
+) -> StepResult:
     """``scale(loss).backward()``, unscale, clip, step (skipped on overflow), ``update()``, ``zero_grad()``.
 
-    Arguments are validated before anything runs. With several optimizers, one global gradient norm covers all
-    of them and one overflow flag decides the skip for all of them. ``max_gradient_norm`` defaults to the
-    scaler's own; ``max_gradient_value`` clips each gradient element to ``[-value, value]`` instead of the
-    norm. Giving both is an error.
+    Arguments are validated before anything runs, and so is the iteration: an optimizer already unscaled or
+    stepped since the last ``update()`` is the misuse error ``unscale_`` raises, with nothing changed. With several
+    optimizers, one global gradient norm covers all of them and one overflow flag decides the skip for all of them.
+    ``max_gradient_norm`` defaults to the scaler's own; ``max_gradient_value`` clips each gradient element to
+    ``[-value, value]`` instead of the norm. Giving both is an error.
     """
-    optimizers = _as_optimizer_list(optimizer, "optimizer")
+    optimizers = optimizer_list(optimizer, "optimizer")
     if not isinstance(grad_scaler, GradScaler):
         raise ValueError(f"grad_scaler must be a dls.GradScaler; got {type(grad_scaler).__name__}")
     if not isinstance(loss, torch.Tensor):
@@ -36,12 +53,26 @@ def optimizer_step(
             isinstance(limit, bool) or not isinstance(limit, (int, float)) or not (0 < limit < math.inf)
         ):
             raise ValueError(f"{name} must be a positive finite number or None; got {limit!r}")
+    for opt in optimizers:
+        stage = grad_scaler.stage(opt)
+        if stage is Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if stage is not Stage.READY:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update(); optimizer_step() runs "
+                "a whole iteration (scale, backward, unscale, clip, step, update)"
+            )
 
     max_norm = max_gradient_norm
     if max_norm is None and max_gradient_value is None:
         max_norm = grad_scaler.max_gradient_norm
+    loss_scale = grad_scaler.get_scale_tensor().clone()
     grad_scaler.scale(loss).backward()
-    grad_scaler._clip_and_check(optimizers, max_norm)
+    want_norm = gradient_norm or max_norm is not None  # clipping by norm computes it anyway
+    checked = grad_scaler.clip_gradients_and_return_isfinite(
+        optimizers, max_gradient_norm=max_norm, return_norm=want_norm
+    )
+    isfinite, norm = checked if want_norm else (checked, None)
     if max_gradient_value is not None:
         params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
         torch.nn.utils.clip_grad_value_(params, max_gradient_value)
@@ -50,3 +81,4 @@ def optimizer_step(
     grad_scaler.update()
     for opt in optimizers:
         opt.zero_grad()
+    return StepResult(found_inf=~isfinite, loss_scale=loss_scale, grad_norm=norm)
