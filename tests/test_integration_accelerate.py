@@ -1,0 +1,149 @@
+"""``use_dls`` on a real ``accelerate.Accelerator`` on CPU: float16 autocast, fused AdamW skipping overflows,
+Accelerate's own ``step_was_skipped`` and prepared scheduler, EMA, ``save_state``/``load_state``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+import dls
+from dls.skip import skip_aware
+
+pytest.importorskip("accelerate")
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import GradScalerKwargs
+
+from dls.integrations.accelerate import DLSAcceleratedOptimizer, use_dls
+
+ACCUMULATE = 2
+OPT_STEPS = 6
+OVERFLOW_STEPS = {0, 3}  # optimizer steps (0-based) whose last micro-batch gets an inf gradient; 0: the first step
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> Iterator[None]:
+    # Accelerate keeps its state in process-wide singletons; every test builds its own Accelerator.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    # These models are tiny: on 2 busy cores one thread runs them many times faster than two.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _setup() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, list[torch.dtype]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    dtypes: list[torch.dtype] = []
+    model[0].register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + s))
+    return model, optimizer, scheduler, dtypes
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 4, 8, generator=gen)
+    return [(xi, xi.sum(1, keepdim=True) * 0.1) for xi in x]
+
+
+def test_fp16_loop_skips_overflows_with_fused_adamw_and_checkpoints(tmp_path: Path) -> None:
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True, gradient_accumulation_steps=ACCUMULATE)
+    assert accelerator.scaler is None  # Accelerate alone: no scaler, no autocast on CPU
+    scaler = use_dls(accelerator)
+    assert accelerator.scaler is scaler and isinstance(scaler, dls.GradScaler)
+    model, optimizer, scheduler, dtypes = _setup()
+    ema = skip_aware(AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5)), scaler, optimizer=optimizer)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    assert isinstance(optimizer, DLSAcceleratedOptimizer)
+
+    seen = []
+    for i, (x, y) in enumerate(_batches(OPT_STEPS * ACCUMULATE)):
+        opt_step, micro = divmod(i, ACCUMULATE)
+        with accelerator.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            if opt_step in OVERFLOW_STEPS and micro == ACCUMULATE - 1:
+                model[0].weight.grad[0, 0] = float("inf")
+            before = [p.detach().clone() for p in model.parameters()]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            ema.update_parameters(model)
+            seen.append(
+                (
+                    optimizer.step_was_skipped,
+                    accelerator.optimizer_step_was_skipped,
+                    scaler.step_was_skipped(optimizer.optimizer),
+                    all(torch.equal(a, b) for a, b in zip(before, model.parameters())),
+                )
+            )
+
+    assert set(dtypes) == {torch.float16}  # really float16 on CPU
+    expected = [i in OVERFLOW_STEPS for i in range(OPT_STEPS)]
+    assert [s[0] for s in seen] == expected  # Accelerate's notion, right with the fused kernel
+    assert [s[1] for s in seen] == expected
+    assert [s[2] for s in seen] == expected
+    assert [s[3] for s in seen] == expected  # parameters bit-identical across skipped steps
+    real = OPT_STEPS - len(OVERFLOW_STEPS)
+    assert scheduler.scheduler.last_epoch == real  # Accelerate's prepared scheduler follows real updates
+    assert int(ema.n_averaged) == real
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert scaler.get_num_skipped_steps() == len(OVERFLOW_STEPS)
+
+    accelerator.save_state(str(tmp_path))
+    saved = torch.load(tmp_path / "scaler.pt", weights_only=True)
+    assert saved == scaler.state_dict()
+
+    # Resume in a new Accelerator; this time dls comes in after prepare(), which it must convert too.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    model, optimizer, scheduler, dtypes = _setup()
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    resumed = use_dls(accelerator)
+    accelerator.load_state(str(tmp_path))
+    assert resumed.state_dict() == saved
+    assert scheduler.scheduler.last_epoch == real
+    x, y = _batches(1)[0]
+    accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+    model[0].weight.grad[0, 0] = float("nan")
+    optimizer.step()
+    scheduler.step()
+    assert dtypes == [torch.float16]
+    assert optimizer.step_was_skipped and scheduler.scheduler.last_epoch == real
+    assert resumed.get_scale() == saved["loss_scale"] / 2
+
+
+def test_use_dls_arguments() -> None:
+    with pytest.raises(ValueError, match=r"must be an accelerate\.Accelerator"):
+        use_dls(object())  # type: ignore[arg-type]
+    plain = Accelerator(cpu=True)
+    with pytest.raises(ValueError, match="mixed_precision='fp16'"):
+        use_dls(plain)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = Accelerator(
+        mixed_precision="fp16", cpu=True, kwargs_handlers=[GradScalerKwargs(init_scale=1024.0, growth_interval=7)]
+    )
+    with pytest.raises(ValueError, match=r"scaler must be a dls\.GradScaler"):
+        use_dls(accelerator, scaler=torch.amp.GradScaler("cpu"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not both"):
+        use_dls(accelerator, scaler=dls.GradScaler(device="cpu"), init_scale=2.0)
+    assert accelerator.scaler is None and not accelerator.native_amp  # errors changed nothing
+    scaler = use_dls(accelerator, growth_interval=3)
+    assert scaler.get_scale() == 1024.0  # from the Accelerator's GradScalerKwargs
+    assert scaler.get_growth_interval() == 3  # scaler_kwargs win over it
+    with pytest.raises(ValueError, match="already called"):
+        use_dls(accelerator)

@@ -1,0 +1,187 @@
+"""``DLSPrecision`` inside a real ``L.Trainer`` on CPU: float16 autocast, skipped steps, schedules, EMA, checkpoints."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+import dls
+from dls.skip import SkipAware, skip_aware
+
+L = pytest.importorskip("lightning")
+from dls.integrations.lightning import DLSPrecision  # noqa: E402
+
+ACCUMULATE = 2
+OPT_STEPS = 6
+OVERFLOW_STEPS = {1, 4}  # optimizer steps (0-based) whose last micro-batch gets an inf gradient
+EMA_DECAY = 0.5
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    # These models are tiny: on 2 busy cores one thread runs them many times faster than two.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Regression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.ema = AveragedModel(self.net, multi_avg_fn=get_ema_multi_avg_fn(EMA_DECAY))
+        self.output_dtypes: set[torch.dtype] = set()
+        self.snapshot: list[torch.Tensor] | None = None
+        self.seen: list[dict[str, Any]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.net(x)
+        self.output_dtypes.add(out.dtype)
+        return torch.nn.functional.mse_loss(out.float(), y)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.net.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_train_start(self) -> None:
+        # The optimizer exists from here on; the wrapper replaces the registered average under the same name.
+        scaler = self.trainer.precision_plugin.scaler
+        self.ema = skip_aware(self.ema, scaler, optimizer=self.optimizers())  # a LightningOptimizer: unwrapped
+
+    def on_after_backward(self) -> None:
+        opt_step, micro = divmod(self.trainer.fit_loop.epoch_loop.batch_idx, ACCUMULATE)
+        if opt_step in OVERFLOW_STEPS and micro == ACCUMULATE - 1:
+            self.net[0].weight.grad[0, 0] = float("inf")
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.snapshot = [p.detach().clone() for p in self.net.parameters()]
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if (batch_idx + 1) % ACCUMULATE:
+            return
+        assert self.snapshot is not None
+        self.ema.update_parameters(self.net)
+        optimizer = self.optimizers().optimizer
+        self.seen.append(
+            {
+                "skipped": self.trainer.precision_plugin.scaler.step_was_skipped(optimizer),
+                "unchanged": all(torch.equal(a, b) for a, b in zip(self.snapshot, self.net.parameters())),
+                "params": [p.detach().clone() for p in self.net.parameters()],
+            }
+        )
+        self.snapshot = None
+
+
+class ScaleAtStart(L.Callback):
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.state = trainer.precision_plugin.scaler.state_dict()
+        self.last_epoch = trainer.lr_scheduler_configs[0].scheduler.last_epoch
+
+
+def _loader() -> torch.utils.data.DataLoader:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 8, generator=gen)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True) * 0.1)
+    return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def _trainer(max_steps: int, plugin: DLSPrecision, callbacks: list[Any] | None = None) -> Any:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[plugin],
+        max_steps=max_steps,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+
+
+def test_fp16_fit_skips_overflows_and_keeps_schedule_ema_and_checkpoint(tmp_path: Path) -> None:
+    plugin = DLSPrecision("16-mixed", "cpu")
+    model = Regression()
+    trainer = _trainer(OPT_STEPS, plugin)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice about dataloader workers
+        trainer.fit(model, _loader())
+
+    assert model.output_dtypes == {torch.float16}  # really float16 on CPU, not bf16
+    expected = [i in OVERFLOW_STEPS for i in range(OPT_STEPS)]
+    assert [s["skipped"] for s in model.seen] == expected
+    assert [s["unchanged"] for s in model.seen] == expected
+    real = OPT_STEPS - len(OVERFLOW_STEPS)
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert isinstance(scheduler, SkipAware) and isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)
+    assert scheduler.last_epoch == real
+    assert scheduler.get_last_lr() == [pytest.approx(1e-2 / (1 + real))]
+    # The EMA took in the parameters of each applied step, once.
+    assert int(model.ema.n_averaged) == real
+    reference: list[torch.Tensor] | None = None
+    for s in model.seen:
+        if s["skipped"]:
+            continue
+        if reference is None:
+            reference = [p.clone() for p in s["params"]]
+        else:
+            reference = [EMA_DECAY * r + (1 - EMA_DECAY) * p for r, p in zip(reference, s["params"])]
+    assert reference is not None
+    for r, p in zip(reference, model.ema.module.parameters()):
+        torch.testing.assert_close(p, r)
+    assert all(torch.isfinite(p).all() for p in model.net.parameters())
+    assert plugin.scaler.get_num_skipped_steps() == len(OVERFLOW_STEPS)
+
+    # The checkpoint carries the scaler; resuming restores it (and the wrapped scheduler) before training goes on.
+    path = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    assert checkpoint["DLSPrecision"] == plugin.scaler.state_dict()
+    initial = DLSPrecision("16-mixed", "cpu").scaler.get_scale()
+    assert checkpoint["DLSPrecision"]["loss_scale"] == plugin.scaler.get_scale() == initial / 4  # two back-offs
+    resumed_plugin, probe = DLSPrecision("16-mixed", "cpu"), ScaleAtStart()
+    resumed = _trainer(OPT_STEPS + 1, resumed_plugin, [probe])
+    resumed_model = Regression()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed.fit(resumed_model, _loader(), ckpt_path=path)
+    assert probe.state == checkpoint["DLSPrecision"]
+    assert probe.last_epoch == real
+    assert resumed.lr_scheduler_configs[0].scheduler.last_epoch == real + 1
+    assert int(resumed_model.ema.n_averaged) == real + 1  # the average rides in the checkpoint as a submodule
+
+
+def test_plugin_arguments_and_defaults() -> None:
+    with pytest.raises(ValueError, match="precision must be one of"):
+        DLSPrecision("16-true", "cpu")
+    with pytest.raises(ValueError, match="device must be"):
+        DLSPrecision("16-mixed", "gpu0")
+    with pytest.raises(ValueError, match=r"scaler must be a dls\.GradScaler"):
+        DLSPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))  # type: ignore[arg-type]
+    assert DLSPrecision("16-mixed", "cpu").scaler.is_enabled()
+    bf16 = DLSPrecision("bf16-mixed", "cpu")
+    assert isinstance(bf16.scaler, dls.GradScaler) and not bf16.scaler.is_enabled()
+    assert bf16.autocast_context_manager().fast_dtype == torch.bfloat16
+    mine = dls.GradScaler(device="cpu", init_scale=64.0)
+    assert DLSPrecision("bf16-mixed", "cpu", scaler=mine).scaler is mine
+    assert DLSPrecision("16-mixed", "cuda:0", scaler=mine).device == "cuda"
+
+    # A checkpoint of Lightning's own MixedPrecision (torch's scaler) resumes with its scale.
+    torch_state = torch.amp.GradScaler("cpu", init_scale=256.0).state_dict()
+    plugin = DLSPrecision("16-mixed", "cpu")
+    plugin.on_load_checkpoint({"MixedPrecision": torch_state})
+    assert plugin.scaler.get_scale() == 256.0
+    plugin.on_load_checkpoint({"MixedPrecision": torch_state | {"scale": 8.0}, "DLSPrecision": {}})
+    assert plugin.scaler.get_scale() == 256.0  # dls's own state wins; the Trainer loads it

@@ -1,0 +1,157 @@
+"""``use_dls`` on a real Hugging Face ``Trainer`` (tiny config-built GPT-2, CPU, its default fused AdamW): float16
+autocast, skipped steps, the Trainer's LR schedule, EMA, checkpoints and resume."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the Hub: the model is built from a config
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from accelerate.state import AcceleratorState
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+from dls.integrations.transformers import use_dls
+from dls.skip import skip_aware
+
+ACCUMULATE = 2
+OPT_STEPS = 6
+OVERFLOW_STEPS = {2, 4}  # Trainer global steps whose accumulated gradients get an inf
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> Iterator[None]:
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    # These models are tiny: on 2 busy cores one thread runs them many times faster than two.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class OverflowingTrainer(Trainer):
+    """Puts an inf into the gradients after backward (before clipping and the step) at ``OVERFLOW_STEPS``."""
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.state.global_step in OVERFLOW_STEPS:
+            model.transformer.wte.weight.grad[0, 0] = float("inf")
+        return loss
+
+
+class Recorder(TrainerCallback):
+    def __init__(self) -> None:
+        self.trainer: Trainer | None = None
+        self.ema: Any = None
+        self.snapshot: list[torch.Tensor] = []
+        self.seen: list[tuple[bool, bool, bool]] = []
+        self.state_at_begin: dict[str, Any] | None = None
+        self.last_epoch_at_begin: int | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        assert self.trainer is not None
+        self.state_at_begin = self.trainer.accelerator.scaler.state_dict()
+        self.last_epoch_at_begin = kwargs["lr_scheduler"].last_epoch
+        average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+        # kwargs["optimizer"] is Accelerate's wrapper; skip_aware follows .optimizer to the fused AdamW.
+        self.ema = skip_aware(average, self.trainer.accelerator.scaler, optimizer=kwargs["optimizer"])
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self.snapshot = [p.detach().clone() for p in model.parameters()]
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        assert self.trainer is not None
+        inner = kwargs["optimizer"].optimizer
+        self.seen.append(
+            (
+                self.trainer.accelerator.optimizer_step_was_skipped,
+                self.trainer.accelerator.scaler.step_was_skipped(inner),
+                all(torch.equal(a, b) for a, b in zip(self.snapshot, model.parameters())),
+            )
+        )
+        self.ema.update_parameters(model)
+
+
+def _trainer(out: Path, max_steps: int, recorder: Recorder) -> Trainer:
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    model = GPT2LMHeadModel(config)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (64, 16), generator=gen)
+    data = [{"input_ids": t, "labels": t} for t in tokens]
+    args = TrainingArguments(
+        output_dir=str(out),
+        fp16=True,
+        use_cpu=True,
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=ACCUMULATE,
+        learning_rate=1e-3,
+        lr_scheduler_type="linear",
+        save_strategy="steps",
+        save_steps=OPT_STEPS,
+        report_to=[],
+        disable_tqdm=True,
+        logging_strategy="no",
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    trainer = OverflowingTrainer(model=model, args=args, train_dataset=data, callbacks=[recorder])
+    recorder.trainer = trainer
+    return trainer
+
+
+def test_trainer_fp16_skips_overflows_keeps_schedule_and_resumes(tmp_path: Path) -> None:
+    recorder = Recorder()
+    trainer = _trainer(tmp_path, OPT_STEPS, recorder)
+    dtypes: list[torch.dtype] = []
+    trainer.model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
+    scaler = use_dls(trainer)
+    trainer.train()
+
+    assert trainer.optimizer.optimizer.defaults["fused"]  # the Trainer's default: fused AdamW
+    assert set(dtypes) == {torch.float16}  # really float16 on CPU
+    expected = [i in OVERFLOW_STEPS for i in range(OPT_STEPS)]
+    assert [s[0] for s in recorder.seen] == expected  # the Trainer's (Accelerate's) notion
+    assert [s[1] for s in recorder.seen] == expected
+    assert [s[2] for s in recorder.seen] == expected  # parameters bit-identical across skipped steps
+    real = OPT_STEPS - len(OVERFLOW_STEPS)
+    assert trainer.lr_scheduler.last_epoch == real
+    assert int(recorder.ema.n_averaged) == real
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert trainer.state.global_step == OPT_STEPS  # the Trainer still counts attempts; the schedule does not
+
+    checkpoint = tmp_path / f"checkpoint-{OPT_STEPS}"
+    saved = torch.load(checkpoint / "scaler.pt", weights_only=True)
+    assert saved == scaler.state_dict() and saved["num_skipped_steps"] == len(OVERFLOW_STEPS)
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    resumed_recorder = Recorder()
+    resumed = _trainer(tmp_path, OPT_STEPS + 1, resumed_recorder)
+    use_dls(resumed)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed_recorder.state_at_begin == saved
+    assert resumed_recorder.last_epoch_at_begin == real
+    assert resumed.lr_scheduler.last_epoch == real + 1
+
+
+def test_use_dls_needs_fp16(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"must be a transformers\.Trainer"):
+        use_dls(object())  # type: ignore[arg-type]
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=8, n_positions=4, n_embd=8, n_layer=1, n_head=1))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match="fp16=True"):
+        use_dls(Trainer(model=model, args=args))
