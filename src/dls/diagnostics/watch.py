@@ -1,0 +1,356 @@
+"""Overflow provenance: which parameters' gradients overflowed, in the order backward produced them.
+
+``watch = OverflowWatch(model)`` names every parameter and module of ``model`` and records the order in which
+backward finishes each parameter's gradient. After a step whose gradients overflowed, ``watch.build_report(loss)``
+scans the gradients once and returns an :class:`OverflowReport`: the first parameter in backward order whose
+gradient is inf/NaN, the innermost module that owns it, every parameter with a non-finite gradient, and whether
+the loss itself was already non-finite (a forward overflow, which no loss scale can fix).
+
+How the order is recorded, and why this way. Each watched parameter gets a ``Tensor.register_post_accumulate_grad_
+hook`` whose callable is ``OrderedDict.move_to_end`` of one dict holding every parameter: when autograd has
+accumulated a parameter's gradient, the parameter moves to the end of that dict. The hook is a C method (no Python
+frame, no tensor op, nothing allocated), so backward runs exactly the same kernels as without it (tested with a
+dispatch mode that lists every aten op); what it costs is torch calling into Python once per parameter per
+backward (about 0.5-1 µs on a CPU; ``benchmarks/bench_watch.py``). The dict holds one entry per parameter, so
+memory stays bounded however long training runs. The alternative, rebuilding the order from the autograd graph
+when a report is asked for, needs the graph of the loss to be alive at that moment (the scaler only keeps the
+detached loss), has to re-implement the engine's scheduling, and misses parameters reached through nested
+backward passes (reentrant activation checkpointing). The hooks record what the engine actually did:
+
+* **DDP**: the hooks sit on the parameters themselves, which ``DistributedDataParallel`` shares with the
+  wrapped module; its reducer's own hooks on the gradient accumulators are separate and unaffected, and
+  ``remove()`` works while the model is wrapped. Names are those of the wrapped module (no ``module.``
+  prefix; likewise ``torch.compile``'s ``_orig_mod.``). The report reads the local rank's gradients (after
+  DDP's all-reduce, an inf from any rank is in every rank's gradients).
+* **gradient accumulation**: each backward moves the parameters again, so the order is that of the most recent
+  backward that reached each parameter; a gradient that overflowed in an earlier micro-batch stays non-finite
+  (accumulation adds to it) and is reported.
+* **dls.emulate**: emulation computes with rounded copies of the parameters, whose gradients flow unchanged
+  (straight through) into the float32 ``Parameter`` objects that carry the hooks.
+
+Parameters whose gradient was not accumulated by autograd since the watch was installed (gradients assigned by
+hand, parameters frozen at watch time) come after all the others, in reverse registration order.
+
+Modules without parameters cannot be named: ``first_module`` is the innermost module owning a parameter. An
+overflow born in a parameter-free module (an activation, a residual addition, an attention softmax) reaches
+parameters only upstream of it, so the report names the nearest module with parameters that runs *before* it in
+the forward pass. ``dls.diagnostics.audit`` looks at every module's outputs and gradients instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from dls import distributed
+
+__all__ = ["NonFiniteGradient", "OverflowReport", "OverflowWatch"]
+
+_LISTED = 12  # parameters listed one per line in str(report); the rest are counted
+
+
+class _Seen:
+    """Marks, in the order dict, where parameters that backward has reached begin."""
+
+    def __repr__(self) -> str:
+        return "<seen>"
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFiniteGradient:
+    """One parameter whose gradient holds inf or NaN values.
+
+    Attributes:
+        name: the parameter's qualified name (as in ``model.named_parameters()``).
+        module: qualified name of the innermost module that owns it (``""`` is the root module).
+        module_type: that module's class name.
+        inf: number of infinite elements; ``nan``: number of NaN elements; ``numel``: elements in the gradient
+            (of the local shard for sharded gradients, of the stored values for sparse ones).
+    """
+
+    name: str
+    module: str
+    module_type: str
+    inf: int
+    nan: int
+    numel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class OverflowReport:
+    """Where a step's gradients overflowed: what :meth:`OverflowWatch.build_report` returns (immutable).
+
+    Attributes:
+        first_module: qualified name of the innermost module owning the first parameter, in backward order, whose
+            gradient is inf/NaN (``""`` is the root module); ``None`` when no watched gradient is non-finite (the
+            overflow was found on another rank, or in parameters this watch does not cover). Modules without
+            parameters are never named (see the module docstring).
+        first_module_type: that module's class name, or ``None``.
+        parameters: names of the parameters with non-finite gradients, in backward order.
+        gradients: one :class:`NonFiniteGradient` per name in ``parameters``, same order.
+        forward: ``True`` when the loss given to ``build_report`` was already inf/NaN (the forward pass
+            overflowed: loss scaling cannot fix that), ``False`` when it was finite, ``None`` when no loss was given.
+        watched: how many parameters the watch covers.
+        loss_scale: the loss scale of the step, when the caller gave it (shown by ``str``).
+    """
+
+    first_module: str | None
+    first_module_type: str | None
+    parameters: tuple[str, ...]
+    gradients: tuple[NonFiniteGradient, ...]
+    forward: bool | None
+    watched: int
+    loss_scale: float | None = None
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """Owning modules of ``parameters``, each once, in backward order of their first parameter."""
+        return tuple(dict.fromkeys(g.module for g in self.gradients))
+
+    def __str__(self) -> str:
+        scale = "" if self.loss_scale is None else f" at loss scale {_pow2(self.loss_scale)}"
+        n = len(self.parameters)
+        lines = [f"Gradient overflow{scale}: {n} of {self.watched} watched parameters have inf/NaN gradients."]
+        if self.first_module is None:
+            lines.append(
+                "No watched parameter has a non-finite gradient: the overflow was found on another rank, or in "
+                "parameters this watch does not cover."
+            )
+        else:
+            lines.append(
+                f"First module, in backward order: {_display(self.first_module)} ({self.first_module_type}). "
+                "(Only modules with parameters can be named: an overflow inside a parameter-free module shows "
+                "at the nearest module with parameters before it in the forward pass.)"
+            )
+            lines.append("Parameters, in backward order:")
+            width = max(len(g.name) for g in self.gradients[:_LISTED])
+            for g in self.gradients[:_LISTED]:
+                lines.append(f"  {g.name:<{width}}  {g.inf} inf, {g.nan} NaN of {g.numel}")
+            if n > _LISTED:
+                rest = dict.fromkeys(_display(g.module) for g in self.gradients[_LISTED:])
+                lines.append(f"  ... and {n - _LISTED} more, in {len(rest)} modules: {_first(rest, 8)}")
+        if self.forward is None:
+            lines.append("Forward pass: not checked (no loss given).")
+        elif self.forward:
+            lines.append(
+                "Forward pass: the loss was already inf/NaN before scaling, so the forward pass overflowed; no "
+                "loss scale can fix that (dls.diagnostics.audit names the first module whose output exceeds the "
+                "format)."
+            )
+        else:
+            lines.append("Forward pass: the loss was finite; the overflow arose in backward.")
+        return "\n".join(lines)
+
+
+class OverflowWatch:
+    """Names the parameters and modules of ``model`` and records the order in which backward produces the
+    parameters' gradients, so that :meth:`build_report` can say where an overflow started.
+
+    Installing it adds one Python-only hook per parameter that requires grad (see the module docstring for the
+    cost and the reasons); nothing else runs until a report is built. Parameters added to the model (or
+    replaced by new ``Parameter`` objects) after the watch was created are not watched. The watch is a context
+    manager; :meth:`remove` takes every hook out and may be called any number of times.
+
+    Args:
+        model: an ``nn.Module``; a ``DistributedDataParallel`` or ``torch.compile`` wrapper is named through the
+            module it wraps.
+
+    Raises:
+        ValueError: ``model`` is not an ``nn.Module``.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+        root = _unwrap(model)
+        self.model = model
+        names: dict[torch.Tensor, str] = {p: name for name, p in root.named_parameters()}
+        owners: dict[torch.Tensor, tuple[str, str]] = {}
+        for module_name, module in root.named_modules():
+            for p in module._parameters.values():
+                if p is not None and p in names and p not in owners:
+                    owners[p] = (module_name, type(module).__name__)
+        self._params: tuple[torch.Tensor, ...] = tuple(names)
+        self._names = names
+        self._owners = owners
+        # Parameters in reverse registration order (a guess at backward order), then the mark; backward moves each
+        # parameter it finishes behind the mark, so the dict's order after the mark is the recorded order.
+        self._seen = _Seen()
+        self._order: OrderedDict[object, None] = OrderedDict((p, None) for p in reversed(self._params))
+        self._order[self._seen] = None
+        self._hooks: list[RemovableHandle] = [
+            p.register_post_accumulate_grad_hook(self._order.move_to_end) for p in self._params if p.requires_grad
+        ]
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def active(self) -> bool:
+        """Whether the hooks are installed."""
+        return bool(self._hooks)
+
+    @property
+    def parameter_names(self) -> tuple[str, ...]:
+        """Names of the watched parameters, in registration order."""
+        return tuple(self._names[p] for p in self._params)
+
+    def owner(self, parameter_name: str) -> str:
+        """Qualified name of the innermost module that owns the named parameter (``""`` is the root)."""
+        for p, name in self._names.items():
+            if name == parameter_name:
+                return self._owners[p][0]
+        raise ValueError(f"parameter_name must be one of the watched parameters' names; got {parameter_name!r}")
+
+    def backward_order(self) -> tuple[str, ...]:
+        """Names of the parameters whose gradients backward has accumulated since the watch was installed, in the
+        order of each one's most recent accumulation."""
+        return tuple(self._names[p] for p in self._split()[1])
+
+    # ------------------------------------------------------------------ the report
+    def build_report(self, loss: Any = None, *, loss_scale: float | None = None) -> OverflowReport:
+        """Scan the watched parameters' gradients for inf/NaN and say where the overflow started.
+
+        Meant for the overflow path: one ``torch._foreach_norm`` (max-abs) pass per (device, dtype) group of
+        gradients, one host read per group, then one more for the element counts of the non-finite ones.
+
+        Args:
+            loss: the (unscaled) loss of the step, a tensor or nested lists/tuples of tensors, e.g. the detached
+                loss given to ``GradScaler.scale``; ``forward`` is ``True`` when any of it is inf/NaN. ``None``:
+                not checked.
+            loss_scale: the step's loss scale, only shown by ``str(report)``.
+
+        Raises:
+            ValueError: ``loss`` holds something other than tensors; ``loss_scale`` is not a positive number.
+        """
+        losses = list(_tensors(loss, "loss"))
+        if loss_scale is not None and (
+            isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not loss_scale > 0
+        ):
+            raise ValueError(f"loss_scale must be a positive number or None; got {loss_scale!r}")
+        forward: bool | None = None
+        if loss is not None:
+            forward = bool(any((~torch.isfinite(t.detach())).any().item() for t in losses if t.numel()))
+        bad = self._non_finite()
+        unrecorded, recorded = self._split()
+        # Recorded parameters first, in recorded order; the others after them, in reverse registration order.
+        rank = {p: i for i, p in enumerate(recorded + unrecorded)}
+        bad.sort(key=lambda item: rank[item[0]])
+        gradients = tuple(
+            NonFiniteGradient(self._names[p], *self._owners[p], inf=n_inf, nan=n_nan, numel=numel)
+            for p, n_inf, n_nan, numel in bad
+        )
+        first = gradients[0] if gradients else None
+        return OverflowReport(
+            first_module=first.module if first else None,
+            first_module_type=first.module_type if first else None,
+            parameters=tuple(g.name for g in gradients),
+            gradients=gradients,
+            forward=forward,
+            watched=len(self._params),
+            loss_scale=None if loss_scale is None else float(loss_scale),
+        )
+
+    def _split(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Watched parameters not yet reached by backward (reverse registration order), and those reached (in the
+        order of their most recent accumulation)."""
+        unrecorded: list[torch.Tensor] = []
+        recorded: list[torch.Tensor] = []
+        target = unrecorded
+        for key in self._order:
+            if key is self._seen:
+                target = recorded
+            else:
+                assert isinstance(key, torch.Tensor)
+                target.append(key)
+        return unrecorded, recorded
+
+    def _non_finite(self) -> list[tuple[torch.Tensor, int, int, int]]:
+        """``(parameter, inf count, NaN count, numel)`` of every watched parameter with a non-finite gradient."""
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for p in self._params:
+            g = p.grad
+            if g is None or not g.is_floating_point():
+                continue
+            if g.is_sparse:
+                g = g._values()
+            groups.setdefault((g.device, g.dtype), []).append((p, g))
+        found: list[tuple[torch.Tensor, int, int, int]] = []
+        for key, members in groups.items():
+            grads = distributed.local_shards({key: [g for _, g in members]})[key]
+            # Max-abs norms: NaN and inf propagate, and no finite gradient can overflow them (a 2-norm could).
+            norms = torch._foreach_norm(grads, math.inf)
+            finite = torch.isfinite(torch.stack([n.reshape(()) for n in norms])).tolist()
+            suspects = [(p, g) for (p, _), g, ok in zip(members, grads, finite) if not ok]
+            if suspects:
+                counts = torch.stack([torch.stack([torch.isinf(g).sum(), torch.isnan(g).sum()]) for _, g in suspects])
+                for (p, g), (n_inf, n_nan) in zip(suspects, counts.tolist()):
+                    found.append((p, int(n_inf), int(n_nan), g.numel()))
+        return found
+
+    # ------------------------------------------------------------------ lifetime
+    def remove(self) -> None:
+        """Take every hook out (safe to call repeatedly, also while the model is wrapped in DDP). Reports can
+        still be built afterwards, with the order recorded until then."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def __enter__(self) -> OverflowWatch:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "removed"
+        return f"OverflowWatch({type(_unwrap(self.model)).__name__}, parameters={len(self._params)}, {state})"
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module that names the parameters: DDP's ``module`` and torch.compile's ``_orig_mod`` are looked through."""
+    while True:
+        inner = None
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            inner = model.module
+        elif type(model).__name__ == "OptimizedModule":
+            inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def _tensors(value: Any, what: str) -> Iterator[torch.Tensor]:
+    if value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item, what)
+    else:
+        raise ValueError(
+            f"{what} must be a tensor, nested lists/tuples of tensors, or None; got {type(value).__name__}"
+        )
+
+
+def _display(module_name: str) -> str:
+    return module_name if module_name else "(root module)"
+
+
+def _first(names: Iterable[str], count: int) -> str:
+    items = list(names)
+    return ", ".join(items[:count]) + (", ..." if len(items) > count else "")
+
+
+def _pow2(value: float) -> str:
+    exponent = math.log2(value) if value > 0 else math.nan
+    return f"2^{exponent:.0f}" if math.isfinite(exponent) and exponent.is_integer() else f"{value:g}"
