@@ -3,6 +3,7 @@ Accelerate's own ``step_was_skipped`` and prepared scheduler, EMA, ``save_state`
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -147,3 +148,19 @@ def test_use_dls_arguments() -> None:
     assert scaler.get_growth_interval() == 3  # scaler_kwargs win over it
     with pytest.raises(ValueError, match="already called"):
         use_dls(accelerator)
+
+
+def _run_example(name: str, **kwargs: Any) -> dict[str, Any]:
+    path = Path(__file__).resolve().parents[1] / "examples" / name
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result: dict[str, Any] = module.main(**kwargs)
+    return result
+
+
+def test_example_runs_and_its_schedule_and_ema_skip_with_the_steps() -> None:
+    result = _run_example("accelerate_fp16.py", steps=20)
+    assert result["steps"] == 20 and result["skipped"] > 0  # the example starts at a scale that overflows
+    assert result["scheduler_steps"] == result["ema_updates"] == 20 - result["skipped"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -185,3 +186,21 @@ def test_plugin_arguments_and_defaults() -> None:
     assert plugin.scaler.get_scale() == 256.0
     plugin.on_load_checkpoint({"MixedPrecision": torch_state | {"scale": 8.0}, "DLSPrecision": {}})
     assert plugin.scaler.get_scale() == 256.0  # dls's own state wins; the Trainer loads it
+
+
+def _run_example(name: str, **kwargs: Any) -> dict[str, Any]:
+    path = Path(__file__).resolve().parents[1] / "examples" / name
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result: dict[str, Any] = module.main(**kwargs)
+    return result
+
+
+def test_example_runs_and_its_schedule_and_ema_skip_with_the_steps() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = _run_example("lightning_fp16.py", steps=20)
+    assert result["steps"] == 20 and result["skipped"] > 0  # the example starts at a scale that overflows
+    assert result["scheduler_steps"] == result["ema_updates"] == 20 - result["skipped"]

@@ -3,6 +3,7 @@ autocast, skipped steps, the Trainer's LR schedule, EMA, checkpoints and resume.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -155,3 +156,19 @@ def test_use_dls_needs_fp16(tmp_path: Path) -> None:
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     with pytest.raises(ValueError, match="fp16=True"):
         use_dls(Trainer(model=model, args=args))
+
+
+def _run_example(name: str, **kwargs: Any) -> dict[str, Any]:
+    path = Path(__file__).resolve().parents[1] / "examples" / name
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result: dict[str, Any] = module.main(**kwargs)
+    return result
+
+
+def test_example_runs_and_its_schedule_skips_with_the_steps(tmp_path: Path) -> None:
+    result = _run_example("hf_trainer_fp16.py", steps=12, output_dir=str(tmp_path))
+    assert result["steps"] == 12 and result["skipped"] > 0  # the example starts at a scale that overflows
+    assert result["scheduler_steps"] == 12 - result["skipped"]
