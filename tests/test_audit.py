@@ -202,6 +202,14 @@ def test_parameters_grads_buffers_and_rng_states_are_left_as_they_were() -> None
     assert not model.lin1._forward_hooks and not model._forward_hooks  # every hook removed
 
 
+def test_no_hook_is_left_on_tensors_the_caller_keeps() -> None:
+    model = nn.Sequential(nn.Identity(), nn.Linear(4, 1))  # Identity returns the caller's tensor as its output
+    x = torch.randn(8, 4, requires_grad=True)
+    audit(model, lambda m: m(x).pow(2).mean(), formats=("float16",), steps=1)
+    assert not x._backward_hooks
+    assert x.grad is None  # gradients go to the model's parameters only
+
+
 def test_bad_arguments_raise_before_anything_runs() -> None:
     model = Noisy()
     calls: list[int] = []

@@ -13,6 +13,9 @@ per module, with hooks of its own:
   downstream of it; from the histogram, the share of values that rounding to the format would flush to zero or
   overflow is known for any power-of-two loss scale.
 
+Values computed inside a module's ``forward`` and not returned (attention scores inside ``nn.MultiheadAttention``,
+a functional ``exp`` in a parent's ``forward``) are not seen on their own; they show in the outputs they feed.
+
 From those, one initial loss scale per format (see :func:`recommend_exponent` for the rule), checked by one more
 emulated pass at that scale with the gradients rounded too (``FormatAudit.measured``), and one verdict sentence.
 
@@ -112,6 +115,7 @@ class _Recorder:
         self.forward_overflow: tuple[int, float] | None = None
         self.forward_nan: int | None = None
         self._hooks: list[RemovableHandle] = []
+        self._tensor_hooks: list[RemovableHandle] = []
         for i, (_, module) in enumerate(self.modules):
             self._hooks.append(module.register_forward_hook(partial(self._on_output, i), prepend=True))
             self._hooks.append(module.register_forward_hook(partial(self._hook_gradients, i)))
@@ -134,7 +138,8 @@ class _Recorder:
             return
         for t in _floating(output):
             if t.requires_grad:
-                t.register_hook(partial(self._on_gradient, index))
+                # Removed after the pass: an output can be a tensor the caller keeps (nn.Identity returns its input).
+                self._tensor_hooks.append(t.register_hook(partial(self._on_gradient, index)))
 
     def _on_gradient(self, index: int, grad: torch.Tensor) -> None:
         self.stats[index].add_gradient(grad, parameter=False)
@@ -157,11 +162,18 @@ class _Recorder:
         for p, index in self.owned:
             if p.grad is not None and p.grad.is_floating_point():
                 self.stats[index].add_gradient(p.grad, parameter=True)
+        self._remove_tensor_hooks()
+
+    def _remove_tensor_hooks(self) -> None:
+        for hook in self._tensor_hooks:
+            hook.remove()
+        self._tensor_hooks.clear()
 
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        self._remove_tensor_hooks()
 
     def results(self) -> tuple[ModuleStats, ...]:
         rows = []
@@ -221,6 +233,12 @@ class _Snapshot:
         numpy = sys.modules.get("numpy")
         self.numpy_rng = numpy.random.get_state() if numpy is not None else None
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """Gradients into the model's parameters only: tensors of the caller's (inputs that require grad) keep
+        their ``.grad``."""
+        trainable = [p for p in self.params if p.requires_grad]
+        torch.autograd.backward(loss, inputs=trainable if trainable else None)
+
     def clear_grads(self) -> None:
         for p in self.params:
             p.grad = None
@@ -274,6 +292,13 @@ def audit(
         An :class:`AuditResult`: ``forward_overflow[fmt]``, ``verdicts[fmt]``, ``recommended_init_scale[fmt]``,
         ``audits[fmt].modules`` (the per-module table), ``to_text()``, ``save_plot(path)``.
 
+        ``recommended_init_scale[fmt]`` is a power of two at which, over all the gradient values seen, at most
+        ``underflow_tolerance`` of them flush to zero with three binades to spare (gradients may shrink 8x) and
+        the largest one stays at most half the format's max: of the scales that satisfy both, the one closest to
+        1; where none does, the largest scale that does not overflow (:func:`recommend_exponent` states it
+        exactly). Pass it as ``GradScaler(init_scale=...)``. ``None`` where loss scaling cannot help (forward
+        overflow or NaN, non-finite gradients) or no nonzero gradient was seen.
+
     Raises:
         ValueError: a bad argument (nothing has run then), or ``loss_fn`` returned something other than a scalar
             floating-point tensor that requires grad (the model is restored first).
@@ -305,7 +330,7 @@ def audit(
                             snapshot.clear_grads()
                             loss = _checked_loss(loss_fn(model))
                             recorder.end_forward()
-                            loss.backward()
+                            snapshot.backward(loss)
                             recorder.end_backward()
                     finally:
                         recorder.remove()
@@ -316,7 +341,7 @@ def audit(
                     snapshot.rewind()
                     with emulate(model, fmt) as handle:
                         loss = _checked_loss(loss_fn(model))
-                        (loss.float() * 2.0**exponent).backward()
+                        snapshot.backward(loss.float() * 2.0**exponent)
                     assert handle.stats is not None
                     measured = types.MappingProxyType(handle.stats.as_dict())
                 runs.append((fmt, recorder, modules, exponent, measured))

@@ -29,7 +29,10 @@ backward passes (reentrant activation checkpointing). The hooks record what the 
   (straight through) into the float32 ``Parameter`` objects that carry the hooks.
 
 Parameters whose gradient was not accumulated by autograd since the watch was installed (gradients assigned by
-hand, parameters frozen at watch time) come after all the others, in reverse registration order.
+hand, parameters frozen at watch time) come after all the others, in reverse registration order. That includes
+every parameter under FSDP2 (``fully_shard``), which assigns the reduce-scattered gradient shards itself: there
+the order is reverse registration order throughout, which is backward order for models whose modules are
+registered in the order they run; the non-finite scan itself works on the local shards.
 
 Modules without parameters cannot be named: ``first_module`` is the innermost module owning a parameter. An
 overflow born in a parameter-free module (an activation, a residual addition, an attention softmax) reaches
@@ -224,12 +227,14 @@ class OverflowWatch:
             loss: the (unscaled) loss of the step, a tensor or nested lists/tuples of tensors, e.g. the detached
                 loss given to ``GradScaler.scale``; ``forward`` is ``True`` when any of it is inf/NaN. ``None``:
                 not checked.
-            loss_scale: the step's loss scale, only shown by ``str(report)``.
+            loss_scale: the step's loss scale (a number or a one-element tensor), only shown by ``str(report)``.
 
         Raises:
             ValueError: ``loss`` holds something other than tensors; ``loss_scale`` is not a positive number.
         """
         losses = list(_tensors(loss, "loss"))
+        if isinstance(loss_scale, torch.Tensor) and loss_scale.numel() == 1:
+            loss_scale = float(loss_scale.item())  # the overflow path: one read is fine
         if loss_scale is not None and (
             isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not loss_scale > 0
         ):
