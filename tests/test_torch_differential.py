@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import pytest
@@ -85,3 +86,37 @@ def test_torch_state_dict_loads_and_continues_identically() -> None:
             opt.zero_grad()
             s.update()
         assert scaler.get_scale() == torch_scaler.get_scale()
+
+
+def _autocast_run(make_scaler: Callable[[], object], steps: int = 60) -> tuple[list[float], list[torch.Tensor]]:
+    """A float16 autocast MLP whose first steps overflow by themselves (no injection) at torch's 2**16."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = make_scaler()
+    data = torch.Generator().manual_seed(3)
+    scales = []
+    for _ in range(steps):
+        x = torch.randn(64, 16, generator=data) * 30
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean() * 50
+        scaler.scale(loss).backward()  # type: ignore[attr-defined]
+        scaler.step(opt)  # type: ignore[attr-defined]
+        scaler.update()  # type: ignore[attr-defined]
+        opt.zero_grad()
+        scales.append(scaler.get_scale())  # type: ignore[attr-defined]
+    return scales, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [(), (2.0**16, 2.0, 0.5, 15), (2.0**20,), (1e38, 16.0, 0.5, 3)],
+    ids=["defaults", "interval", "high", "huge"],
+)
+def test_a_torch_line_swapped_verbatim_trains_bit_identically(args: tuple) -> None:
+    ref_scales, ref_params = _autocast_run(lambda: torch.amp.GradScaler("cpu", *args))
+    scales, params = _autocast_run(lambda: dls.GradScaler("cpu", *args))
+    assert scales == ref_scales
+    assert any(b < a for a, b in itertools.pairwise(scales))  # overflows happened and were skipped alike
+    for p, q in zip(params, ref_params):
+        assert torch.equal(p, q)
