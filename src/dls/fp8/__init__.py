@@ -1,0 +1,44 @@
+"""FP8 training recipes, emulated exactly on any hardware.
+
+Loss scaling gives all gradients one scale; FP8 needs one per tensor (or per row, or per block of 32), because
+E4M3 spans only 2**-9 .. 448 and E5M2 2**-16 .. 57344. This package makes the FP8 recipes of
+TransformerEngine and torchao runnable on a laptop, bit-exactly, so "will this model train in FP8, and with
+which recipe?" can be answered before renting an FP8 GPU:
+
+* :func:`scale_from_amax`: the current-scaling rule (float32-exact);
+* recipes: :class:`CurrentScaling` (per tensor or per row, from the tensor itself: torchao's ``tensorwise`` /
+  ``rowwise``), :class:`DelayedScaling` (TransformerEngine's amax history), :class:`MXFP8` (blocks of 32 with
+  power-of-two E8M0 scales: torchao's ``to_mx``), :class:`StaticScaling` (one fixed scale: FP8 without
+  per-tensor scaling);
+* :func:`emulate`: every ``nn.Linear`` computes its three GEMMs on FP8 operands per the recipe, with
+  ``handle.stats``, ``handle.state_dict()`` for exact resume, DDP-consistent delayed scaling, and
+  ``dls.GradScaler`` on top;
+* :func:`mx_quantize`: an MXFP8 cast, byte-compatible with torchao.
+
+::
+
+    handle = dls.fp8.emulate(model, dls.fp8.DelayedScaling(margin=0, amax_history_len=16))
+    for x, y in batches:
+        loss = loss_fn(model(x), y)
+        scaler.scale(loss).backward(); scaler.step(opt); scaler.update(); opt.zero_grad()
+    print(handle.stats.as_dict()["net.0"]["grad_output"])   # amax, scale, saturated / flushed fractions
+"""
+
+from dls.fp8.emulate import Fp8Handle, Fp8Stats, emulate
+from dls.fp8.recipes import MXFP8, ROLES, CurrentScaling, DelayedScaling, Recipe, StaticScaling, recipe_from_dict
+from dls.fp8.scaling import mx_quantize, scale_from_amax
+
+__all__ = [
+    "MXFP8",
+    "ROLES",
+    "CurrentScaling",
+    "DelayedScaling",
+    "Fp8Handle",
+    "Fp8Stats",
+    "Recipe",
+    "StaticScaling",
+    "emulate",
+    "mx_quantize",
+    "recipe_from_dict",
+    "scale_from_amax",
+]
