@@ -49,9 +49,8 @@ def use_dls(trainer: Trainer, scaler: GradScaler | None = None, **scaler_kwargs:
       fused AdamW (where Accelerate alone reports a skipped step as taken);
     * checkpoints carry the scaler's state (``scaler.pt``) and ``train(resume_from_checkpoint=...)`` restores it.
 
-    ``hyperparameter_search`` rebuilds the Trainer's Accelerator for every trial: call ``use_dls`` in the trial's
-    set-up (e.g. a ``TrainerCallback.on_train_begin`` cannot; subclass the Trainer and call it in
-    ``create_accelerator_and_postprocess``).
+    ``hyperparameter_search`` builds a new Accelerator for every trial, without dls. To keep dls there, subclass the
+    Trainer and call ``use_dls(self)`` at the end of its ``create_accelerator_and_postprocess()``.
 
     Raises:
         ValueError: ``trainer`` is not a Trainer, ``fp16`` is not set, DeepSpeed or FSDP is enabled, or an argument
