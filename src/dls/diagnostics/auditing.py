@@ -33,7 +33,7 @@ import math
 import random
 import sys
 import types
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -43,8 +43,8 @@ from torch.utils.hooks import RemovableHandle
 
 from dls import formats as _formats
 from dls.diagnostics.report import AuditResult, FormatAudit, ModuleStats
-from dls.diagnostics.scales import HIST_BINS, HIST_LOW, percent, pow2, recommend_exponent
-from dls.emulate import emulate
+from dls.diagnostics.scales import HIST_BINS, HIST_LOW, module_label, percent, pow2, recommend_exponent
+from dls.emulate import _map_tensors, emulate
 from dls.formats import FloatFormat
 
 __all__ = ["audit"]
@@ -206,17 +206,16 @@ def _read(value: torch.Tensor | None) -> float | None:
     return None if value is None else float(value.item())
 
 
-def _floating(value: Any) -> Iterator[torch.Tensor]:
-    """Floating-point tensors in nested tuples / lists / dicts."""
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point():
-            yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _floating(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _floating(item)
+def _floating(value: Any) -> list[torch.Tensor]:
+    """Floating-point tensors in nested tuples / lists / dicts, found the way ``dls.emulate`` finds them."""
+    found: list[torch.Tensor] = []
+
+    def collect(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    _map_tensors(value, collect)
+    return found
 
 
 # ------------------------------------------------------------------------------------------- state
@@ -418,17 +417,17 @@ def _verdict(fa: FormatAudit, exponent: int | None, tolerance: float, alternativ
     name, fmt = fa.format.name, fa.format
     wider = " or ".join(alternatives) if alternatives else "a format with a wider range"
     if fa.forward_overflow is not None:
-        module = _display(fa.forward_overflow)
+        module = module_label(fa.forward_overflow)
         return (
             f"{name}: forward overflow at {module} (max |x| {fa.forward_overflow_value:.3g} > {fmt.max:.6g}): loss "
             f"scaling cannot fix this; use {wider}, or keep {module} in float32"
         )
     if fa.forward_nan is not None:
-        return f"{name}: the forward pass produces NaN at {_display(fa.forward_nan)}: loss scaling cannot fix this"
+        return f"{name}: the forward pass produces NaN at {module_label(fa.forward_nan)}: loss scaling cannot fix this"
     bad = next((m for m in fa.modules if m.nonfinite_grads), None)
     if bad is not None:
         return (
-            f"{name}: gradients are inf/NaN at loss scale 1 before any rounding (at {_display(bad.name)}): loss "
+            f"{name}: gradients are inf/NaN at loss scale 1 before any rounding (at {module_label(bad.name)}): loss "
             "scaling cannot fix this"
         )
     if exponent is None:
@@ -449,7 +448,3 @@ def _verdict(fa: FormatAudit, exponent: int | None, tolerance: float, alternativ
         f"{name}: {percent(over)} of gradients overflow at scale 1 (max |grad| {fa.max_grad:.3g}); start at "
         f"{pow2(scale)}"
     )
-
-
-def _display(module_name: str) -> str:
-    return module_name if module_name else "(root module)"

@@ -22,6 +22,7 @@ from dls.diagnostics.scales import (
     count_flushed,
     count_overflowed,
     flush_limit,
+    module_label,
     percent,
     pow2,
     scale_exponent,
@@ -177,10 +178,6 @@ def _number(value: float | None) -> str:
     return f"{value:.3g}" if value == 0 or 1e-3 <= abs(value) < 1e5 else f"{value:.2e}"
 
 
-def _name(module: ModuleStats) -> str:
-    return module.name if module.name else "(root)"
-
-
 def format_table(fa: FormatAudit) -> str:
     """The per-module table of one format: max |activation|, max |output grad|, max |param grad|, and the shares
     of gradient values that underflow / overflow at scale 1 (and underflow at the recommended scale)."""
@@ -192,7 +189,7 @@ def format_table(fa: FormatAudit) -> str:
     rows = []
     for m in fa.modules:
         row = [
-            _name(m),
+            module_label(m.name),
             m.type,
             str(m.calls),
             _number(m.max_activation),
@@ -262,7 +259,7 @@ def save_plot(result: AuditResult, path: str | Path) -> Path:
         if fa.recommended_init_scale is not None:
             title += f"  (recommended scale {pow2(fa.recommended_init_scale)})"
         elif fa.forward_overflow is not None:
-            title += f"  (forward overflow at {fa.forward_overflow or '(root)'})"
+            title += f"  (forward overflow at {module_label(fa.forward_overflow)})"
         ax.set_title(title, fontsize=10)
         if not modules:
             ax.text(0.5, 0.5, "no nonzero gradients", ha="center", va="center", transform=ax.transAxes)
@@ -300,7 +297,7 @@ def save_plot(result: AuditResult, path: str | Path) -> Path:
             ax.axvline(x, linestyle=style, color=color, lw=1.4, label=label)
         far = [f"{mark[3]} at 2^{mark[0]}" for mark in marks if mark not in near]
         ax.set_yticks(range(len(modules)))
-        ax.set_yticklabels([_name(m) for m in modules], fontsize=7 if len(modules) > 20 else 8)
+        ax.set_yticklabels([module_label(m.name) for m in modules], fontsize=7 if len(modules) > 20 else 8)
         note = f"\n(off the chart: {'; '.join(far)})" if far else ""
         ax.set_xlabel("binary exponent of |gradient| (log2)" + note, fontsize=9)
         if ax.get_legend_handles_labels()[0]:

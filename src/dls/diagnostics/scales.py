@@ -20,6 +20,9 @@ __all__ = [
     "count_flushed",
     "count_overflowed",
     "flush_limit",
+    "module_label",
+    "percent",
+    "pow2",
     "recommend_exponent",
     "scale_exponent",
 ]
@@ -107,6 +110,12 @@ def scale_exponent(scale: float) -> int:
     if mantissa != 0.5:
         raise ValueError(f"scale must be a power of two; got {scale!r}")
     return exponent - 1
+
+
+# ------------------------------------------------------------------------------------------- display
+def module_label(name: str) -> str:
+    """A module's qualified name for people: the root module (named ``""``) reads ``(root)``."""
+    return name if name else "(root)"
 
 
 def percent(fraction: float) -> str:

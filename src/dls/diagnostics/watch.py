@@ -54,6 +54,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dls import distributed
+from dls.diagnostics.scales import module_label, pow2
 
 __all__ = ["NonFiniteGradient", "OverflowReport", "OverflowWatch"]
 
@@ -119,7 +120,7 @@ class OverflowReport:
         return tuple(dict.fromkeys(g.module for g in self.gradients))
 
     def __str__(self) -> str:
-        scale = "" if self.loss_scale is None else f" at loss scale {_pow2(self.loss_scale)}"
+        scale = "" if self.loss_scale is None else f" at loss scale {pow2(self.loss_scale)}"
         n = len(self.parameters)
         lines = [f"Gradient overflow{scale}: {n} of {self.watched} watched parameters have inf/NaN gradients."]
         if self.first_module is None:
@@ -129,7 +130,7 @@ class OverflowReport:
             )
         else:
             lines.append(
-                f"First module, in backward order: {_display(self.first_module)} ({self.first_module_type}). "
+                f"First module, in backward order: {module_label(self.first_module)} ({self.first_module_type}). "
                 "(Only modules with parameters can be named: an overflow inside a parameter-free module shows "
                 "at the nearest module with parameters before it in the forward pass.)"
             )
@@ -138,7 +139,7 @@ class OverflowReport:
             for g in self.gradients[:_LISTED]:
                 lines.append(f"  {g.name:<{width}}  {g.inf} inf, {g.nan} NaN of {g.numel}")
             if n > _LISTED:
-                rest = dict.fromkeys(_display(g.module) for g in self.gradients[_LISTED:])
+                rest = dict.fromkeys(module_label(g.module) for g in self.gradients[_LISTED:])
                 lines.append(f"  ... and {n - _LISTED} more, in {len(rest)} modules: {_first(rest, 8)}")
         if self.forward is None:
             lines.append("Forward pass: not checked (no loss given).")
@@ -347,15 +348,6 @@ def _tensors(value: Any, what: str) -> Iterator[torch.Tensor]:
         )
 
 
-def _display(module_name: str) -> str:
-    return module_name if module_name else "(root module)"
-
-
 def _first(names: Iterable[str], count: int) -> str:
     items = list(names)
     return ", ".join(items[:count]) + (", ..." if len(items) > count else "")
-
-
-def _pow2(value: float) -> str:
-    exponent = math.log2(value) if value > 0 else math.nan
-    return f"2^{exponent:.0f}" if math.isfinite(exponent) and exponent.is_integer() else f"{value:g}"
