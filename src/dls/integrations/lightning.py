@@ -57,8 +57,9 @@ class DLSPrecision(MixedPrecision):
         * The scaler's state is saved in Lightning checkpoints under ``"DLSPrecision"`` and restored on resume
           (``ckpt_path=``). A checkpoint written with Lightning's own ``MixedPrecision`` (torch's scaler) resumes
           with its scale.
-        * Fused optimizers (``fused=True``) take the scale and the overflow flag themselves: no host read per step.
-          Lightning refuses ``gradient_clip_val`` with them; ``GradScaler(max_gradient_norm=...)`` clips instead.
+        * Fused optimizers (``fused=True``) take the scale and the overflow flag themselves, so the step reads
+          nothing back; a skip-aware scheduler then reads the flag once per step. Lightning refuses
+          ``gradient_clip_val`` with them; ``GradScaler(max_gradient_norm=...)`` clips instead.
     """
 
     def __init__(self, precision: str, device: str, scaler: GradScaler | None = None) -> None:
