@@ -210,7 +210,7 @@ def test_nothing_happens_when_not_distributed() -> None:
     scaler = dls.GradScaler(init_scale=4.0, max_gradient_norm=1.0, gradients_sharded=True)
     scaler.scale(model(torch.ones(3, 4)).sum()).backward()
     scaler.unscale_(opt)
-    state = scaler._per_optimizer[id(opt)]
+    state = scaler._tracker.iteration[id(opt)]
     assert state.agreement is None
     assert state.found_inf is not None and float(state.found_inf) == 0.0
 

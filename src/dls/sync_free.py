@@ -62,4 +62,7 @@ def masked_step(
     if host_values and overflow.item():
         for state, key, old_value in host_values:
             state[key] = old_value
+    restored = getattr(optimizer, "dls_state_restored", None)
+    if restored is not None:  # e.g. master weights: re-derive what the step wrote from the restored state
+        restored()
     return result

@@ -1,0 +1,136 @@
+"""The loss scale a ``GradScaler`` holds: its value and counters on the device, the rule that updates them, and
+what the host knows of the scale without reading the device.
+
+The device state is a ``policy.ScaleState`` updated in place (graphs that captured its buffers see new values).
+The host keeps ``at_least``, a lower bound of the scale: exact after every read, the new value after a float
+``new_scale``, at most one back-off lower after each rule update, the smallest normal float32 after a tensor
+``new_scale``. Only while that bound is below 1 can a finite scaled gradient overflow when unscaled, so only then
+do the gradient passes check the unscaled values too.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from dls.policy import FLOAT32_MAX, FLOAT32_TINY, ScaleState, assign_, initial_state, scale_problem
+from dls.scaler_state import STATE_KEYS
+from dls.settings import ScalerSettings
+
+
+class LossScale:
+    """The scale and counters of one scaler (see the module docstring)."""
+
+    def __init__(self, settings: ScalerSettings, device: torch.device | None) -> None:
+        self.settings = settings
+        self.rule = settings.rule()
+        self.state: ScaleState = initial_state(settings.init_scale, device=device)
+        self.at_least = settings.init_scale
+        self._rejected: torch.Tensor | None = None  # update(new_scale=tensor) values not taken, on the device
+        self._rejected_warned = 0
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.state.loss_scale
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.loss_scale.device
+
+    @property
+    def may_be_below_one(self) -> bool:
+        return self.at_least < 1.0
+
+    def inverse(self) -> torch.Tensor:
+        """``1 / scale`` in float64 then rounded once, as torch does: exact for the usual powers of two."""
+        return self.state.loss_scale.double().reciprocal().float()
+
+    def replace_settings(self, settings: ScalerSettings) -> None:
+        self.settings, self.rule = settings, settings.rule()
+
+    def follow(self, device: torch.device) -> None:
+        """Move the state to ``device`` (the loss's, before an iteration has started)."""
+        if self.device != device:
+            self.state = ScaleState(*(t.to(device) for t in self.state))
+
+    # ------------------------------------------------------------------ reads
+    def read(self) -> float:
+        """The scale, read from the device (and the host's bound made exact)."""
+        self.warn_rejected()
+        self.at_least = float(self.state.loss_scale.item())
+        return self.at_least
+
+    def read_flag(self, found_inf: torch.Tensor) -> bool:
+        """Read an overflow flag; while the scale may be below 1, read the scale in the same transfer."""
+        if not self.may_be_below_one:
+            return bool(found_inf.item())
+        flag, scale = torch.stack([found_inf.float(), self.state.loss_scale]).tolist()
+        self.at_least = scale
+        return bool(flag)
+
+    def values(self) -> dict[str, Any]:
+        """The ``STATE_KEYS`` as Python numbers (two reads)."""
+        scale = self.read()
+        counters = torch.stack([getattr(self.state, k).long() for k in STATE_KEYS[1:]]).tolist()
+        return {"loss_scale": scale, **dict(zip(STATE_KEYS[1:], counters))}
+
+    def warn_rejected(self) -> None:
+        if self._rejected is None:
+            return
+        count = int(self._rejected.item())
+        if count > self._rejected_warned:
+            warnings.warn(
+                f"update(new_scale=tensor) was given {count - self._rejected_warned} value(s) that are not a normal "
+                "float32 (NaN, inf, 0, negative or below 2**-126); the scale kept its previous value each time",
+                stacklevel=4,
+            )
+            self._rejected_warned = count
+
+    # ------------------------------------------------------------------ changes
+    def apply_rule(self, found_inf: torch.Tensor) -> None:
+        self.rule.update_(self.state, found_inf)
+        if self.settings.mode == "dynamic":  # at most one back-off per update, then the clamps
+            s = self.settings
+            self.at_least = min(max(self.at_least * s.backoff_factor, s.min_loss_scale), s.max_loss_scale)
+
+    def set(self, new_scale: float | torch.Tensor, skipped: torch.Tensor | int) -> None:
+        """``update(new_scale)``: a float must be a normal float32 (else ``ValueError``); a tensor is checked on the
+        device, and a bad value keeps the old scale and is counted (warned at the next read)."""
+        value = self._checked(new_scale)
+        s = self.state
+        assign_(
+            s, s._replace(loss_scale=value, non_clamped_scale=value, num_skipped_steps=s.num_skipped_steps + skipped)
+        )
+
+    def _checked(self, new_scale: float | torch.Tensor) -> torch.Tensor:
+        if not isinstance(new_scale, torch.Tensor):
+            problem = scale_problem("new_scale", new_scale)
+            if problem:
+                raise ValueError(problem)
+            self.at_least = float(new_scale)
+            return torch.tensor(float(new_scale), device=self.device)
+        if new_scale.numel() != 1 or new_scale.requires_grad or not new_scale.is_floating_point():
+            raise ValueError(
+                "new_scale must be a float or a 1-element floating-point tensor without grad; "
+                f"got a tensor of shape {tuple(new_scale.shape)} and dtype {new_scale.dtype}"
+            )
+        value = new_scale.detach().reshape(()).to(device=self.device, dtype=torch.float32)
+        ok = torch.isfinite(value) & (value >= FLOAT32_TINY) & (value <= FLOAT32_MAX)
+        if self._rejected is None:
+            self._rejected = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._rejected.add_((~ok).to(torch.int64))
+        self.at_least = min(self.at_least, FLOAT32_TINY)  # unknown until the next read
+        return torch.where(ok, value, self.state.loss_scale)
+
+    def load(self, values: dict[str, float | int], settings: ScalerSettings) -> None:
+        """Take validated checkpoint values (``dls.scaler_state.parse_state_dict``) and settings."""
+        self.replace_settings(settings)
+        values = dict(values)
+        if "loss_scale" in values:
+            values["non_clamped_scale"] = values["loss_scale"]
+            self.at_least = float(values["loss_scale"])
+        current = self.state._asdict()
+        new = {k: torch.tensor(v, dtype=current[k].dtype, device=current[k].device) for k, v in values.items()}
+        assign_(self.state, self.state._replace(**new))
