@@ -29,8 +29,10 @@ MAX over ``process_group`` (default: the world), so all ranks keep identical his
 reduction is launched asynchronously and waited for at that role's next cast). Every rank must run the same
 casts in the same order, as DDP does. Current, static and MX scaling need no communication.
 
-**torch.compile.** The layers trace with Dynamo (tested with ``backend="aot_eager"``); delayed scaling's
-in-place history updates and the distributed reduction may cause graph breaks.
+**torch.compile.** Everything above is device tensor ops with in-place state updates, which Dynamo traces:
+a model under delayed scaling with statistics compiles to one graph (``fullgraph=True``, tested with the
+``aot_eager`` backend) with results identical to eager. The distributed amax reduction is not covered by
+that test.
 
 **No host synchronisation** in forward or backward: scales, histories and statistics are device tensors, read
 only when you ask (``handle.stats``, ``handle.state_dict()``).
@@ -270,6 +272,7 @@ def _make_forward(module: nn.Linear, caster: _Caster) -> Callable[[torch.Tensor]
             out = out + module.bias.to(out.dtype)
         return out
 
+    forward._dls_fp8 = True  # type: ignore[attr-defined]
     return forward
 
 
@@ -368,9 +371,17 @@ class Fp8Handle:
         self._roles: dict[str, dict[str, _Role]] = {}
         self._previous: dict[str, Any] = {}
         per_axis = isinstance(recipe, MXFP8) or (isinstance(recipe, CurrentScaling) and recipe.granularity == "row")
+        selected = []
         for name, module in model.named_modules():
-            if not isinstance(module, nn.Linear) or (module_filter is not None and not module_filter(name, module)):
+            # Subclasses with a forward of their own (LoRA layers, ...) compute something else: left alone.
+            if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
                 continue
+            if module_filter is not None and not module_filter(name, module):
+                continue
+            if getattr(module.__dict__.get("forward"), "_dls_fp8", False):
+                raise ValueError(f"model: {name!r} is already emulated by another dls.fp8 handle; remove that first")
+            selected.append((name, module))
+        for name, module in selected:
             device = module.weight.device
             roles = {r: _Role(recipe, r, device, track_stats, process_group) for r in ROLES}
             caster: _Caster = _AxisCaster(recipe, roles) if per_axis else _TensorCaster(recipe, roles)
@@ -480,8 +491,9 @@ def emulate(
         recipe: :class:`~dls.fp8.CurrentScaling`, :class:`~dls.fp8.DelayedScaling`, :class:`~dls.fp8.MXFP8`
             or :class:`~dls.fp8.StaticScaling`.
         module_filter: ``fn(name, linear) -> bool``; only the Linear layers it accepts are emulated (e.g. keep
-            the output layer in high precision). Default: all. Layers that call ``F.linear`` on a Linear's
-            weight without calling the Linear (``nn.MultiheadAttention``'s ``out_proj``) are not reached.
+            the output layer in high precision). Default: every ``nn.Linear`` (and subclass) that uses
+            ``nn.Linear.forward``. Subclasses with their own ``forward`` are left alone, and so are layers whose
+            weight is used without calling them (``nn.MultiheadAttention``'s ``out_proj``).
         process_group: the group delayed scaling reduces amaxes over (default: the world, when
             ``torch.distributed`` is initialised).
         track_stats: keep ``handle.stats`` (a few extra reductions per cast).
@@ -490,8 +502,8 @@ def emulate(
         An :class:`Fp8Handle`.
 
     Raises:
-        ValueError: ``model`` is not an ``nn.Module``, ``recipe`` not a recipe, a flag not a bool, or
-            ``module_filter`` not callable.
+        ValueError: ``model`` is not an ``nn.Module`` or is already emulated by another handle, ``recipe`` not a
+            recipe, a flag not a bool, or ``module_filter`` not callable.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module; got {type(model).__name__}")

@@ -79,7 +79,10 @@ class CurrentScaling(_Recipe):
     ``Float8CurrentScaling`` is the same rule.
 
     ``granularity="row"``: one scale per row along each GEMM's reduction axis (torchao's ``axiswise`` /
-    ``rowwise``: with ``power_2_scales=True, fp8_format="e4m3"`` this is its ``rowwise`` recipe).
+    ``rowwise``: with ``power_2_scales=True, fp8_format="e4m3"`` this is its ``rowwise`` recipe, tested equal).
+
+    A tensor (or row) whose amax is 0, inf or NaN is cast with scale 1, TransformerEngine's rule (torchao's
+    scale would be 0 or NaN there): inf saturates to ±max in forward casts, NaN stays NaN.
 
     Args:
         power_2_scales: round every scale down to a power of two (exact; multiplying by it is then exact).
