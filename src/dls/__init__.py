@@ -1,24 +1,32 @@
 """dls: dynamic loss scaling for mixed-precision training in PyTorch."""
 
-from dls import formats
+from dls import formats, integrations
+from dls.diagnostics import OverflowReport, OverflowWatch, audit
 from dls.emulate import emulate
 from dls.formats import get_half_dtype, get_half_dtype_str, get_half_format, set_half_dtype
 from dls.scaler import GradScaler, Stage
 from dls.settings import ScalerSettings
+from dls.skip import SkipAware, skip_aware
 from dls.step import StepResult, optimizer_step
 
 __all__ = [
     "GradScaler",
+    "OverflowReport",
+    "OverflowWatch",
     "ScalerSettings",
+    "SkipAware",
     "Stage",
     "StepResult",
+    "audit",
     "emulate",
     "formats",
     "get_half_dtype",
     "get_half_dtype_str",
     "get_half_format",
+    "integrations",
     "optimizer_step",
     "set_half_dtype",
+    "skip_aware",
 ]
 
 __version__ = "0.1.0"
