@@ -65,18 +65,22 @@ def test_invalid_arguments_raise_value_errors_naming_them(cls: Any, kwargs: dict
 )
 def test_recipes_round_trip_through_plain_dicts(recipe: Any) -> None:
     d = recipe.to_dict()
-    assert d["recipe"] == type(recipe).__name__
+    assert dls.fp8.RECIPE_NAMES[d["recipe"]] is type(recipe)
     assert all(isinstance(v, (str, int, float, bool)) for v in d.values())
     assert dls.fp8.recipe_from_dict(d) == recipe
 
 
-def test_recipe_from_dict_rejects_unknown_recipes_and_fields() -> None:
-    with pytest.raises(ValueError, match="recipe"):
-        dls.fp8.recipe_from_dict({"recipe": "Float8BlockScaling"})
-    with pytest.raises(ValueError, match="DelayedScaling"):
-        dls.fp8.recipe_from_dict({"recipe": "DelayedScaling", "interval": 1})
+def test_recipe_from_dict_reads_config_sections_and_names_bad_keys() -> None:
+    assert dls.fp8.recipe_from_dict({"recipe": "delayed", "amax_history_len": 16}) == DelayedScaling(
+        amax_history_len=16
+    )
+    assert dls.fp8.recipe_from_dict({"recipe": "mxfp8"}) == MXFP8()
+    with pytest.raises(ValueError, match="recipe must be one of 'current', 'delayed', 'mxfp8', 'static'"):
+        dls.fp8.recipe_from_dict({"recipe": "DelayedScaling"})
+    with pytest.raises(ValueError, match="'interval' for recipe 'delayed'; allowed: margin, amax_history_len"):
+        dls.fp8.recipe_from_dict({"recipe": "delayed", "interval": 1})
     with pytest.raises(ValueError, match="margin"):
-        dls.fp8.recipe_from_dict({"recipe": "DelayedScaling", "margin": "2"})
+        dls.fp8.recipe_from_dict({"recipe": "delayed", "margin": "2"})
 
 
 def test_recipes_are_frozen_and_hashable() -> None:

@@ -25,11 +25,21 @@ which recipe?" can be answered before renting an FP8 GPU:
 """
 
 from dls.fp8.emulate import Fp8Handle, Fp8Stats, emulate
-from dls.fp8.recipes import MXFP8, ROLES, CurrentScaling, DelayedScaling, Recipe, StaticScaling, recipe_from_dict
+from dls.fp8.recipes import (
+    MXFP8,
+    RECIPE_NAMES,
+    ROLES,
+    CurrentScaling,
+    DelayedScaling,
+    Recipe,
+    StaticScaling,
+    recipe_from_dict,
+)
 from dls.fp8.scaling import mx_quantize, scale_from_amax
 
 __all__ = [
     "MXFP8",
+    "RECIPE_NAMES",
     "ROLES",
     "CurrentScaling",
     "DelayedScaling",

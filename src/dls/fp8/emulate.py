@@ -100,8 +100,9 @@ class _Role:
         return self.scale
 
     def record(self, amax: torch.Tensor) -> None:
-        """Record a cast's amax: now, or once its all-reduce across ranks has completed."""
-        amax = amax.reshape(1).to(torch.float32)
+        """Record a cast's amax: now, or once its all-reduce across ranks has completed (on a private copy:
+        the collective writes into it while the cast's own amax may still be read)."""
+        amax = amax.reshape(1).to(torch.float32, copy=True)
         agreement = distributed.start_agreement(amax, self.group)
         if agreement is None:
             self._commit(amax)
@@ -199,11 +200,10 @@ class _AxisCaster:
         pad = -n % scaling.MX_BLOCK_SIZE
         if pad:  # zeros change neither a block's amax nor the GEMM
             t = torch.cat([t, t.new_zeros((*t.shape[:dim], pad, *t.shape[dim + 1 :]))], dim)
-        e, payload, counts = scaling.mx_cast(t, dim, role.fmt, recipe.scale_mode, role.saturate, role.track_stats)
-        block_scale = scaling.mx_block_scale(e)
-        dq = payload.mul_(block_scale).flatten(dim, dim + 1)
+        cast = scaling.mx_cast(t, dim, role.fmt, recipe.scale_mode, role.saturate, role.track_stats)
+        dq = cast.payload.mul_(cast.scale).flatten(dim, dim + 1)
         if role.track_stats:
-            role.note(t.abs().amax(), 1.0 / block_scale.amax(), counts)
+            role.note(cast.amax.amax(), cast.scale.amax().reciprocal(), cast.count_sums)
         return dq.narrow(dim, 0, n) if pad else dq
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, record: bool) -> tuple[torch.Tensor, torch.Tensor, tuple]:

@@ -63,8 +63,9 @@ class _Recipe:
         return "float8_e5m2" if role == "grad_output" and self.fp8_format == "hybrid" else "float8_e4m3fn"
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"recipe": class name, **fields}``: enough to rebuild it with :func:`recipe_from_dict`."""
-        return {"recipe": type(self).__name__, **dataclasses.asdict(self)}  # type: ignore[call-overload]
+        """``{"recipe": short name, **fields}`` (plain values): :func:`recipe_from_dict` rebuilds it."""
+        name = next(n for n, cls in RECIPE_NAMES.items() if cls is type(self))
+        return {"recipe": name, **dataclasses.asdict(self)}  # type: ignore[call-overload]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,21 +203,33 @@ class StaticScaling(_Recipe):
 
 
 Recipe = CurrentScaling | DelayedScaling | MXFP8 | StaticScaling
-_RECIPES: dict[str, type[Any]] = {cls.__name__: cls for cls in (CurrentScaling, DelayedScaling, MXFP8, StaticScaling)}
+RECIPE_NAMES: dict[str, type[Any]] = {
+    "current": CurrentScaling,
+    "delayed": DelayedScaling,
+    "mxfp8": MXFP8,
+    "static": StaticScaling,
+}
+"""The short name of each recipe, as :meth:`to_dict` writes it and a config file would (``recipe: delayed``)."""
 
 
 def recipe_from_dict(d: dict[str, Any]) -> Recipe:
-    """Rebuild a recipe from :meth:`to_dict`'s output.
+    """Build a recipe from ``{"recipe": name, **fields}`` (:meth:`to_dict`'s output, or a config section
+    such as ``{"recipe": "delayed", "margin": 0, "amax_history_len": 16}``); absent fields take defaults.
 
     Raises:
-        ValueError: unknown ``"recipe"`` name or fields (the message names them).
+        ValueError: an unknown ``recipe`` name or field, or a bad value (each message names the key).
     """
-    if not isinstance(d, dict) or d.get("recipe") not in _RECIPES:
-        raise ValueError(f"recipe must be one of {', '.join(repr(n) for n in _RECIPES)}; got {d!r}")
+    if not isinstance(d, dict) or d.get("recipe") not in RECIPE_NAMES:
+        got = d.get("recipe") if isinstance(d, dict) else d
+        raise ValueError(f"recipe must be one of {', '.join(repr(n) for n in RECIPE_NAMES)}; got {got!r}")
+    cls = RECIPE_NAMES[d["recipe"]]
     fields = {k: v for k, v in d.items() if k != "recipe"}
-    cls = _RECIPES[d["recipe"]]
-    try:
-        recipe: Recipe = cls(**fields)
-    except TypeError as err:
-        raise ValueError(f"fields of {d['recipe']}: {err}") from None
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(fields) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"unknown field(s) {', '.join(repr(k) for k in unknown)} for recipe {d['recipe']!r}; "
+            f"allowed: {', '.join(allowed)}"
+        )
+    recipe: Recipe = cls(**fields)
     return recipe

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import NamedTuple
 
 import torch
 
@@ -248,11 +249,6 @@ def cast_scaled(
 _F32_MIN_NORMAL = 2.0**-126
 
 
-def _from_biased_exponent(e: torch.Tensor) -> torch.Tensor:
-    """``2**(e - 127)`` as float32 for int32 ``e`` in 1..254 (built from the bits: exact)."""
-    return e.bitwise_left_shift(23).view(torch.float32)
-
-
 def mx_exponents(amax: torch.Tensor, fmt: FloatFormat, scale_mode: str) -> torch.Tensor:
     """Biased E8M0 exponents (int32, 0..255; 255 is NaN) of MX blocks with float32 absolute maxima ``amax``.
 
@@ -264,48 +260,50 @@ def mx_exponents(amax: torch.Tensor, fmt: FloatFormat, scale_mode: str) -> torch
       amax gives 255 (an infinite one 247 or 240).
     """
     if scale_mode == "rceil":
-        bits = (amax / fmt.max).view(torch.int32)
-        field = bits.bitwise_right_shift(23).bitwise_and(255)
-        mantissa = bits.bitwise_and((1 << 23) - 1)
-        normal = (field + (mantissa != 0).to(torch.int32)).clamp_(max=254)
-        # A subnormal quotient rounds up to 2**-126 (exponent 1) above 2**-127, else clamps to 2**-127 (0).
-        subnormal = (mantissa > (1 << 22)).to(torch.int32)
-        e = torch.where(field == 0, subnormal, normal)
+        quotient = amax / fmt.max
+        # Adding 2**23 - 1 to the bits carries into the exponent field exactly when the mantissa is nonzero:
+        # the exponent of the next power of two up, for normal quotients (inf gives 255, clamped to 254).
+        # Subnormal ones round up to 2**-126 (exponent 1) above 2**-127 and clamp to 2**-127 (0) at or below.
+        e = quotient.view(torch.int32).add((1 << 23) - 1).bitwise_right_shift_(23)
+        e = torch.where(quotient <= 2.0**-127, 0, e).clamp_(max=254)
     else:
-        field = amax.view(torch.int32).bitwise_right_shift(23).bitwise_and(255)
-        e = (field - 127 - fmt.emax).clamp_(-127, 128).add_(127)
+        field = amax.view(torch.int32).bitwise_right_shift(23).bitwise_and_(255)
+        e = field.sub_(127 + fmt.emax).clamp_(-127, 128).add_(127)
     return torch.where(torch.isnan(amax), 255, e)
 
 
 def mx_block_scale(e: torch.Tensor) -> torch.Tensor:
-    """The float32 value ``2**(e - 127)`` of biased E8M0 exponents (NaN for 255, ``2**-127`` for 0)."""
-    value = torch.where(e == 0, 2.0**-127, _from_biased_exponent(e.clamp(1, 254)))
+    """The float32 value ``2**(e - 127)`` of biased E8M0 exponents (int32; NaN for 255, ``2**-127`` for 0),
+    built from the bits (exact)."""
+    value = torch.where(e == 0, 2.0**-127, e.bitwise_left_shift(23).view(torch.float32))  # 255: inf
     return torch.where(e == 255, math.nan, value)
 
 
-def _mx_scaled(blocks: torch.Tensor, e: torch.Tensor, scale_mode: str) -> torch.Tensor:
-    """The values a block's cast rounds, as torchao's ``to_mx`` computes them: RCEIL multiplies by the
-    reciprocal of the block scale (1.0 for exponent 0, ``2**-127`` for 254, NaN for 255), FLOOR divides by
-    the scale clamped to at least ``2**-126`` (255, NaN: by inf)."""
-    if scale_mode == "rceil":
-        reciprocal = torch.where(e == 0, 1.0, _from_biased_exponent((254 - e).clamp_(1, 254)))
-        reciprocal = torch.where(e == 254, 2.0**-127, reciprocal)
-        return blocks * torch.where(e == 255, math.nan, reciprocal)
-    return blocks / e.bitwise_left_shift(23).view(torch.float32).clamp(min=_F32_MIN_NORMAL)
+class MxCast(NamedTuple):
+    """An MX cast (see :func:`mx_cast`)."""
+
+    exponents: torch.Tensor  # int32, x's shape with dim split into (blocks, 1)
+    payload: torch.Tensor  # float32 on the FP8 grid, x's shape with dim split into (blocks, 32)
+    scale: torch.Tensor  # float32 decode scale 2**(e - 127) per block (NaN for 255)
+    amax: torch.Tensor  # float32 absolute maximum per block
+    count_sums: torch.Tensor | None  # cast_count_sums, when asked for
 
 
-def mx_cast(
-    x: torch.Tensor, dim: int, fmt: FloatFormat, scale_mode: str, saturate: bool, count: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """MX cast of float32 ``x`` in blocks of 32 along ``dim`` (size a multiple of 32), without copying ``x``:
-    ``(exponents, payload, counts)`` with the int32 exponents shaped like ``x`` split at ``dim`` into
-    ``(blocks, 1)``, the float32 payload split into ``(blocks, 32)``, and :func:`cast_count_sums` when
-    ``count``."""
+def mx_cast(x: torch.Tensor, dim: int, fmt: FloatFormat, scale_mode: str, saturate: bool, count: bool) -> MxCast:
+    """MX cast of float32 ``x`` in blocks of 32 along ``dim`` (a non-negative index whose size is a multiple of
+    32), without copying ``x``. The values cast are computed as torchao's ``to_mx`` does: RCEIL multiplies by
+    the reciprocal of the block scale (1.0 for exponent 0, NaN for 255), FLOOR divides by the scale clamped to
+    at least ``2**-126`` (255: by inf)."""
     blocks = x.unflatten(dim, (x.shape[dim] // MX_BLOCK_SIZE, MX_BLOCK_SIZE))
-    e = mx_exponents(blocks.abs().amax(dim + 1, keepdim=True), fmt, scale_mode)
-    scaled = _mx_scaled(blocks, e, scale_mode)
+    amax = blocks.abs().amax(dim + 1, keepdim=True)
+    e = mx_exponents(amax, fmt, scale_mode)
+    scale = mx_block_scale(e)
+    if scale_mode == "rceil":
+        scaled = blocks * torch.where(e == 0, 1.0, scale.reciprocal())  # 254: 2**-127, exactly
+    else:
+        scaled = blocks / e.bitwise_left_shift(23).view(torch.float32).clamp(min=_F32_MIN_NORMAL)
     payload = round_scaled(scaled, fmt, saturate)
-    return e, payload, cast_count_sums(scaled.abs_(), fmt) if count else None
+    return MxCast(e, payload, scale, amax, cast_count_sums(scaled.abs_(), fmt) if count else None)
 
 
 def mx_quantize(
@@ -350,5 +348,5 @@ def mx_quantize(
         raise ValueError(
             f"x's size along dim must be a multiple of {MX_BLOCK_SIZE}; got shape {tuple(x.shape)}, dim {dim}"
         )
-    e, payload, _ = mx_cast(x.to(torch.float32), dim, fmt, scale_mode, saturate, False)
-    return e.squeeze(dim + 1).to(torch.uint8), payload.flatten(dim, dim + 1)
+    cast = mx_cast(x.to(torch.float32), dim, fmt, scale_mode, saturate, False)
+    return cast.exponents.squeeze(dim + 1).to(torch.uint8), cast.payload.flatten(dim, dim + 1)
