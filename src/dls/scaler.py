@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 
-from dls import distributed, kernels, sync_free
+from dls import sync_free
 from dls.arguments import device_kind, is_available, parse_device, read_arguments
 from dls.loss_scale import LossScale
+from dls.overflow import OverflowCheck, max_flag
 from dls.scaler_state import parse_state_dict, to_state_dict
 from dls.settings import CBFLOAT16_MAX_LOSS_SCALE, DEFAULT_STEPS_PER_INCREASE, TORCH_INIT_SCALE, ScalerSettings
 from dls.settings import CEREBRAS_MAX_LOSS_SCALE as DEFAULT_MAX_LOSS_SCALE
@@ -182,11 +183,12 @@ class GradScaler:
         self._process_group = process_group
         self._gradients_sharded = gradients_sharded
         self._scale = LossScale(settings, device)
+        self._tracker = Tracker()
+        self._check = OverflowCheck(self._tracker, self._scale, self._enabled, process_group, gradients_sharded)
         self._watches: list[OverflowWatch] = []
         self._seen_loss: Any = None  # what the last scale() was given, detached, while a watch is active
         self._report: OverflowReport | None = None
         self._report_stale = False  # update() ran: the next scale() starts an iteration without a report
-        self._tracker = Tracker()
 
     # ------------------------------------------------------------------ queries
     @property
@@ -316,7 +318,7 @@ class GradScaler:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if state.stage is Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        self._unscale_and_check([optimizer], [state])
+        self._check.unscale_and_check([optimizer], [state])
         _tell_unscaled(optimizer)
 
     def clip_gradients_and_return_isfinite(
@@ -338,97 +340,10 @@ class GradScaler:
         if max_norm is not None and not (isinstance(max_norm, (int, float)) and 0 < max_norm < math.inf):
             raise ValueError(f"max_gradient_norm must be a positive finite number or None; got {max_norm!r}")
         opts = optimizer_list(optimizers, "optimizers")
-        isfinite, norm = self._clip_and_check(opts, max_norm, return_norm)
+        isfinite, norm = self._check.clip_and_check(opts, max_norm, return_norm)
         for opt in opts:
             _tell_unscaled(opt)
         return (isfinite, norm) if return_norm else isfinite
-
-    def _clip_and_check(
-        self, optimizers: list[torch.optim.Optimizer], max_norm: float | None, want_norm: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        norm: torch.Tensor | None
-        states = [self._tracker.state(opt) for opt in optimizers]
-        if any(s.stage is Stage.STEPPED for s in states):
-            raise RuntimeError("gradients cannot be clipped after step() on the same optimizer before update().")
-        if not self._enabled:
-            # Nothing to unscale or skip; clipping still applies, and the flag still tells the truth.
-            if max_norm is None and not want_norm:
-                return torch.ones((), dtype=torch.bool, device=self._scale.device), None
-            found_inf, norm = self._clip([], optimizers, max_norm, want_norm)
-            for state in states:
-                state.stage = Stage.CLIPPED if max_norm is not None else state.stage
-            return found_inf == 0, norm
-        ready = [(o, s) for o, s in zip(optimizers, states) if s.stage is Stage.READY]
-        done = [o for o, s in zip(optimizers, states) if s.stage is not Stage.READY]
-        if max_norm is None and not want_norm:
-            if ready:
-                self._unscale_and_check([o for o, _ in ready], [s for _, s in ready])
-            found_inf, norm = _max_flag([s.found_inf for s in states]), None
-        else:
-            found_inf, norm = self._clip([o for o, _ in ready], done, max_norm, want_norm)
-            found_inf = _max_flag([found_inf, *(s.found_inf for s in states if s.stage is not Stage.READY)])
-            found_inf = distributed.agree_on_overflow(found_inf, self._process_group)
-        for state in states:
-            state.stage = Stage.CLIPPED if max_norm is not None else Stage.UNSCALED
-            state.found_inf = found_inf
-        return found_inf == 0, norm
-
-    def _unscale_and_check(self, optimizers: list[torch.optim.Optimizer], states: list[IterationState]) -> None:
-        """Unscale each optimizer's gradients and set its agreed overflow flag (stage → UNSCALED)."""
-        inv_scale = self._scale.inverse()
-        for optimizer, state in zip(optimizers, states):
-            groups = self._tracker.grads(optimizer)
-            devices = {device for device, _ in groups}
-            found = _zero_flags(devices)
-            kernels.mul_and_check_(groups, kernels.per_device(inv_scale, devices), found, self._scale.may_be_below_one)
-            # Across ranks the flag is agreed asynchronously: reading state.found_inf waits for the all-reduce.
-            flag = self._combine(found)
-            state.flag, state.agreement = flag, distributed.start_agreement(flag, self._process_group)
-            state.stage = Stage.UNSCALED
-
-    def _clip(
-        self,
-        scaled: list[torch.optim.Optimizer],
-        unscaled: list[torch.optim.Optimizer],
-        max_norm: float | None,
-        want_norm: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unscale ``scaled`` and clip all gradients of both lists to ``max_norm`` (``None``: unscale only), in two
-        passes: one read for the global norm (of still-scaled gradients times 1/scale), one read+write multiplying
-        by ``clip_coef / scale`` (``clip_coef`` alone for already unscaled gradients). Returns the overflow flag
-        (the norm is inf/NaN exactly when an element is) and the norm."""
-        home = self._scale.device
-        inv_scale = self._scale.inverse() if self._enabled else torch.ones((), device=home)
-        one = torch.ones((), dtype=torch.float32, device=home)
-        parts = [(self._tracker.grads_of(scaled), inv_scale), (self._tracker.grads_of(unscaled), one)]
-        if distributed.norm_is_sharded(scaled + unscaled, self._gradients_sharded, self._process_group):
-            # Each rank holds a slice of the gradients: squared norms are summed across ranks.
-            opts = [(scaled, inv_scale), (unscaled, one)]
-            sharded = self._gradients_sharded is True
-            total_norm = distributed.global_norm(opts, home, self._process_group, plain_sharded=sharded)
-        else:
-            norms = [kernels.global_norm(g, kernels.per_device(f, {d for d, _ in g}), home) for g, f in parts]
-            total_norm = torch.linalg.vector_norm(torch.stack(norms))
-        found = (~torch.isfinite(total_norm)).float()
-        coef = one if max_norm is None else kernels.clip_coefficient(total_norm, max_norm)
-        # A finite norm bounds every clipped element by max_norm: only a max_norm near a gradient dtype's largest
-        # value (or an unscale by more than 1 without clipping) can make a product overflow.
-        for groups, factor in parts:
-            if not groups or (factor is one and max_norm is None):
-                continue
-            dtypes_max = min(torch.finfo(dtype).max for _, dtype in groups)
-            check = (max_norm is None and self._scale.may_be_below_one) or (max_norm or 0) >= dtypes_max / 2
-            devices = {d for d, _ in groups}
-            flags = {d: found.to(d) for d in devices} if check else None
-            kernels.mul_(groups, kernels.per_device(factor * coef, devices), flags)
-            if flags is not None:
-                found = _max_flag([found, *(f.to(home) for f in flags.values())])
-        return found, total_norm
-
-    def _combine(self, found: dict[torch.device, torch.Tensor]) -> torch.Tensor:
-        home = self._scale.device
-        flags = [f.to(home, non_blocking=True) for f in found.values()]
-        return _max_flag(flags) if flags else torch.zeros((), dtype=torch.float32, device=home)
 
     # ------------------------------------------------------------------ step
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -439,7 +354,7 @@ class GradScaler:
         if not self._enabled:
             # No scaling, no skipping; max_gradient_norm still clips (bfloat16 runs use it too).
             if max_norm is not None and self._tracker.state(optimizer).stage is not Stage.CLIPPED:
-                self._clip([], [optimizer], max_norm, want_norm=False)
+                self._check.clip_and_check([optimizer], max_norm, want_norm=False)
             self._tracker.record_step(optimizer, None, False)
             return optimizer.step(*args, **kwargs)
         _reject_closure(args, kwargs)
@@ -455,11 +370,11 @@ class GradScaler:
                     "step(), or use dls.optimizer_step with the list.",
                     stacklevel=2,
                 )
-            self._clip_and_check([optimizer], max_norm)
+            self._check.clip_and_check([optimizer], max_norm)
         elif state.stage is Stage.READY:
             if _takes_scale_and_flag(optimizer):
                 return self._fused_step(optimizer, state, args, kwargs)
-            self._unscale_and_check([optimizer], [state])
+            self._check.unscale_and_check([optimizer], [state])
         return self._step_if_finite(optimizer, state, args, kwargs)
 
     def step_if_finite(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -508,12 +423,7 @@ class GradScaler:
         grad_scale: torch.Tensor | None = None
         if state.stage is Stage.READY:
             # Only a read pass for the flag: the optimizer kernel divides by grad_scale while it updates.
-            groups = self._tracker.grads(optimizer)
-            devices = {d for d, _ in groups}
-            found = _zero_flags(devices)
-            inv = kernels.per_device(self._scale.inverse(), devices)
-            kernels.check_unscaled_(groups, inv, found, self._scale.may_be_below_one)
-            state.found_inf = distributed.agree_on_overflow(self._combine(found), self._process_group)
+            state.found_inf = self._check.check_scaled(optimizer)
             grad_scale = self._scale.tensor
         found_inf = state.found_inf
         assert found_inf is not None
@@ -538,12 +448,13 @@ class GradScaler:
     def _record_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, skipped: bool | None) -> bool:
         """Remember how the step ended; while a watch is active, know it now (one read on the fused and sync-free
         paths) and build the overflow report from the gradients, which still exist. Returns whether skipped."""
-        if skipped is None and any(w.active for w in self._watches):
+        watches = [w for w in self._watches if w.active]
+        if skipped is None and watches:
             skipped = self._scale.read_flag(found_inf)
         self._tracker.record_step(optimizer, found_inf, skipped)
-        if skipped and self._report is None:
+        if skipped and watches and self._report is None:
             scale = float(self._scale.tensor)  # the overflow path: one more read is fine
-            reports = [w.build_report(self._seen_loss, loss_scale=scale) for w in self._watches if w.active]
+            reports = [w.build_report(self._seen_loss, loss_scale=scale) for w in watches]
             self._report = next((r for r in reports if r.first_module is not None), reports[0] if reports else None)
         return bool(skipped)
 
@@ -583,7 +494,7 @@ class GradScaler:
             return
         if new_scale is not None:
             flags = [s.found_inf for s in self._tracker.iteration.values() if s.found_inf is not None]
-            self._scale.set(new_scale, skipped=(_max_flag(flags) > 0).long() if flags else 0)
+            self._scale.set(new_scale, skipped=(max_flag(flags) > 0).long() if flags else 0)
         else:
             self._apply_rule(list(self._tracker.iteration.values()))
         self._tracker.new_iteration()
@@ -604,7 +515,7 @@ class GradScaler:
                 "No inf checks were recorded prior to update(): call step() (or unscale_()) on the "
                 "optimizers of this iteration first."
             )
-        self._scale.apply_rule(_max_flag(flags))
+        self._scale.apply_rule(max_flag(flags))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -637,7 +548,7 @@ class GradScaler:
                 "A GradScaler may only be pickled at the beginning of an iteration, or after scaler.update()."
             )
         state = self.__dict__.copy()
-        state["_tracker"] = None  # a disabled scaler records only clipping; nothing to carry over
+        state["_tracker"] = state["_check"] = None  # a disabled scaler records only clipping: nothing to carry
         state["_watches"], state["_seen_loss"] = [], None  # hooks belong to this process's model
         state["_process_group"] = None
         return state
@@ -645,6 +556,7 @@ class GradScaler:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._tracker = Tracker()
+        self._check = OverflowCheck(self._tracker, self._scale, self._enabled, None, self._gradients_sharded)
 
     # ------------------------------------------------------------------ helpers
     def __repr__(self) -> str:
@@ -657,16 +569,6 @@ class GradScaler:
 
 
 # ---------------------------------------------------------------------- module helpers
-def _zero_flags(devices: Iterable[torch.device]) -> dict[torch.device, torch.Tensor]:
-    """A clean overflow flag (float32 0-dim, as torch's AMP kernels take) on each device."""
-    return {d: torch.zeros((), dtype=torch.float32, device=d) for d in set(devices)}
-
-
-def _max_flag(flags: Iterable[torch.Tensor | None]) -> torch.Tensor:
-    present = [f for f in flags if f is not None]
-    if len(present) == 1:
-        return present[0]
-    return torch.stack(present).amax()
 
 
 def optimizer_list(
