@@ -16,7 +16,21 @@ E5M2 output gradients), from identical initial weights and batches:
 
 Printed per run: the final loss (unweighted mean squared error over the whole data set, evaluated in float32
 after training, as ``dls demo`` reports it), its ratio to float32's, and the share of nonzero output-gradient
-values the E5M2 cast flushed to zero and saturated (over all steps).
+values the E5M2 cast flushed to zero and saturated (over all steps). The loss-scaled run starts at, and is
+capped at, a scale of 2**24 (E5M2's smallest subnormal is 2**-16, float16's 2**-24).
+
+Measured (600 steps, seed 0, about 25 s of CPU time):
+
+    run                      loss  vs fp32  grad flushed  grad saturated  loss scale
+    float32                0.0217    1.00x             -               -           -
+    fp8, scale 1           0.3568   16.41x        100.0%           0.00%           -
+    fp8, scale 1 + DLS     0.0220    1.01x          0.0%           0.00%        2^24
+    current                0.0220    1.01x          0.0%           0.00%           -
+    current, row           0.0219    1.01x          0.0%           0.00%           -
+    delayed                0.0220    1.01x          0.2%           0.00%           -
+    mxfp8                  0.0220    1.01x          0.0%           0.00%           -
+
+(untrained: 0.3609). Delayed scaling's 0.2% is its first step, cast at scale 1.
 
     python examples/fp8_recipes.py [--steps 600] [--seed 0] [--threads 1]
 """
