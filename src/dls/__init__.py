@@ -1,6 +1,6 @@
 """dls: dynamic loss scaling for mixed-precision training in PyTorch."""
 
-from dls import formats, integrations
+from dls import formats, fp8, integrations
 from dls.diagnostics import OverflowReport, OverflowWatch, audit
 from dls.emulate import emulate
 from dls.formats import get_half_dtype, get_half_dtype_str, get_half_format, set_half_dtype
@@ -20,6 +20,7 @@ __all__ = [
     "audit",
     "emulate",
     "formats",
+    "fp8",
     "get_half_dtype",
     "get_half_dtype_str",
     "get_half_format",
