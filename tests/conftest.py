@@ -1,19 +1,50 @@
+"""Shared set-up and helpers of the test suite.
+
+Fixtures: ``_reset_half_dtype`` (every test), ``one_thread`` (requested by name). Plain helpers, imported with
+``from conftest import ...``:
+
+* tiny models and losses: ``tiny_model``, ``batch``, ``loss_of``; overflow injection: ``inject``;
+* exact comparisons: ``snapshot`` (parameters and optimizer state), ``assert_same``, ``assert_bits_equal``,
+  ``assert_tensors_equal``, ``params_of``;
+* torch.amp side by side: ``torch_scaler``, ``dls_scaler``, ``side_by_side``;
+* what a block does on the device: ``host_reads`` (values read back to the host), ``OpLog`` (aten ops);
+* ``ReferenceRule``: the dynamic scale rule written out step by step (the suite's one statement of the rule);
+* ``launch_ranks``, ``free_port``, ``dist_env``: multi-process runs on CPU (gloo, 127.0.0.1 only).
+"""
+
 from __future__ import annotations
 
+import contextlib
+import copy
+import json
+import math
 import os
-from collections.abc import Iterator
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import settings
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dls
+from dls.policy import DynamicRule
 
 # CI machines have 2 cores; keep each test process to its share and hypothesis deterministic there.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+INF, NAN = math.inf, math.nan
+DLS_DIR = os.path.dirname(dls.__file__)
 
 
 @pytest.fixture(autouse=True)
@@ -23,3 +54,297 @@ def _reset_half_dtype() -> Iterator[None]:
     dls.set_half_dtype("float16")
     yield
     dls.set_half_dtype(previous)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One torch thread for the test: on 2 busy cores tiny models run many times faster on one thread than on two.
+    Request it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------------- models and losses
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Sequential:
+    """``Linear(6, 8) → Tanh → Linear(8, 2)``, initialised from ``seed``."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).to(dtype)
+
+
+def batch(step: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs (4 × 6, in ``dtype``) and float32 targets (4 × 2) of a step, the same for every call."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(4, 6, generator=gen).to(dtype), torch.randn(4, 2, generator=gen)
+
+
+def loss_of(model: torch.nn.Module, step: int = 0) -> torch.Tensor:
+    """The float32 mean squared error of ``model`` (any dtype) on ``batch(step)``."""
+    x, y = batch(step, next(model.parameters()).dtype)
+    return torch.nn.functional.mse_loss(model(x).float(), y)
+
+
+def inject(target: torch.nn.Module | torch.Tensor, value: float = INF, index: int = 0) -> None:
+    """Put ``value`` (inf, -inf or NaN) into element ``index`` of a gradient after backward: of ``target`` when it is a
+    gradient, else of the first parameter of ``target`` that has one."""
+    if isinstance(target, torch.nn.Module):
+        grad = next(p.grad for p in target.parameters() if p.grad is not None)
+    else:
+        grad = target
+    grad.view(-1)[index] = value
+
+
+# ---------------------------------------------------------------------------------------------- exact comparisons
+Snapshot = tuple[list[torch.Tensor], list[dict[str, Any]]]
+_INT_OF = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16}
+_INT_OF[torch.bfloat16] = torch.int16
+
+
+def params_of(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Copies of ``model``'s parameters."""
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def snapshot(params: torch.nn.Module | Iterable[torch.Tensor], opt: torch.optim.Optimizer) -> Snapshot:
+    """Copies of the parameters and of the optimizer state of each (``{}`` for a parameter without state)."""
+    params = list(params.parameters() if isinstance(params, torch.nn.Module) else params)
+    state = [
+        {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in opt.state.get(p, {}).items()}
+        for p in params
+    ]
+    return [p.detach().clone() for p in params], state
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().view(_INT_OF[t.dtype]) if t.dtype in _INT_OF else t.detach()
+
+
+def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    """Same dtype, shape and bits (NaN payloads and the sign of zero included)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    assert torch.equal(_bits(a), _bits(b)), f"{what}: {a} != {b}"
+
+
+def assert_tensors_equal(a: Iterable[torch.Tensor | None], b: Iterable[torch.Tensor | None], what: str = "") -> None:
+    """Two equally long sequences of tensors, bit for bit."""
+    a, b = list(a), list(b)
+    assert len(a) == len(b), f"{what}: {len(a)} vs {len(b)} tensors"
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x is not None and y is not None, f"{what}: tensor {i} is None"
+        assert_bits_equal(x, y, f"{what} tensor {i}")
+
+
+def assert_same(a: Snapshot, b: Snapshot, where: str = "") -> None:
+    """Two snapshots hold the same parameters and optimizer state, bit for bit (Python values by ``==``)."""
+    assert_tensors_equal(a[0], b[0], f"{where}: params")
+    assert len(a[1]) == len(b[1])
+    for i, (sa, sb) in enumerate(zip(a[1], b[1])):
+        assert sa.keys() == sb.keys(), f"{where}: state keys of param {i}: {sorted(sa)} vs {sorted(sb)}"
+        for key, value in sa.items():
+            if isinstance(value, torch.Tensor):
+                assert_bits_equal(value, sb[key], f"{where}: state[{i}][{key!r}]")
+            else:
+                assert value == sb[key], f"{where}: state[{i}][{key!r}]"
+
+
+# ---------------------------------------------------------------------------------------------- torch.amp side by side
+def torch_scaler(init_scale: float = 2.0**10, growth_interval: int = 2000) -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+
+
+def dls_scaler(init_scale: float = 2.0**10, steps_per_increase: int = 2000, **kwargs: Any) -> dls.GradScaler:
+    """A dynamic ``dls.GradScaler`` (Cerebras dialect) whose maximum, 2**40, is out of reach: its rule is torch's."""
+    return dls.GradScaler(
+        "dynamic", init_scale=init_scale, steps_per_increase=steps_per_increase, max_loss_scale=2.0**40, **kwargs
+    )
+
+
+def side_by_side(
+    body: Callable[[Any, torch.nn.Module, torch.optim.Optimizer, int], None],
+    make_opt: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    iterations: int,
+    init_scale: float = 2.0**10,
+    interval: int = 2000,
+) -> None:
+    """Run ``body(scaler, model, opt, i)`` with ``torch_scaler`` and with ``dls_scaler`` on identical tiny models:
+    the scales after every iteration, the parameters and the optimizer state must be the same."""
+    results = []
+    for scaler in (torch_scaler(init_scale, interval), dls_scaler(init_scale, interval)):
+        model = tiny_model()
+        opt = make_opt(list(model.parameters()))
+        scales = []
+        for i in range(iterations):
+            body(scaler, model, opt, i)
+            scales.append(scaler.get_scale())
+        results.append((snapshot(model, opt), scales))
+    (torch_state, torch_scales), (dls_state, dls_scales) = results
+    assert dls_scales == torch_scales
+    assert_same(dls_state, torch_state, "dls vs torch")
+
+
+# ---------------------------------------------------------------------------------------------- device activity
+SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__", "__complex__")
+
+
+@contextlib.contextmanager
+def host_reads() -> Iterator[list[tuple[str, str]]]:
+    """Record ``(method, calling file)`` for every read of a tensor's value back to the host inside the block.
+
+    The ``torch.Tensor`` methods that copy a value to the host are patched for the duration of the block. On CPU
+    nothing waits, but each of these calls is a host sync on an accelerator: the count is what a GPU run pays.
+    """
+    calls: list[tuple[str, str]] = []
+    saved = {name: torch.Tensor.__dict__.get(name) for name in SYNC_METHODS}
+
+    def spy(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            calls.append((name, sys._getframe(1).f_code.co_filename))
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    for name in SYNC_METHODS:
+        setattr(torch.Tensor, name, spy(name, getattr(torch.Tensor, name)))
+    try:
+        yield calls
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, value)
+
+
+def from_dls(calls: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The ``host_reads`` made by dls's own code."""
+    return [c for c in calls if c[1].startswith(DLS_DIR)]
+
+
+class OpLog(TorchDispatchMode):
+    """Records the aten ops run inside the block, as ``str(func)`` (``"aten.mul_.Tensor"``), with whether each may
+    write its arguments; given ``watched`` tensors, only the ops that read or write one of their buffers."""
+
+    def __init__(self, watched: Iterable[torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.watched = None if watched is None else {t.data_ptr() for t in watched}
+        self.ops: list[str] = []
+        self.writes: list[bool] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        flat: list[Any] = []
+        for a in [*args, *(kwargs or {}).values()]:
+            flat.extend(a if isinstance(a, (list, tuple)) else [a])
+        if self.watched is None or any(isinstance(t, torch.Tensor) and t.data_ptr() in self.watched for t in flat):
+            self.ops.append(str(func))
+            self.writes.append(func._schema.is_mutable)
+        return func(*args, **(kwargs or {}))
+
+    def names(self) -> list[str]:
+        """The ops without namespace and overload: ``"mul_"``."""
+        return [op.split(".")[1] for op in self.ops]
+
+    def passes(self) -> tuple[int, int]:
+        """(read-only ops, read+write ops)."""
+        writes = sum(self.writes)
+        return len(self.ops) - writes, writes
+
+
+# ---------------------------------------------------------------------------------------------- the scale rule
+@dataclass
+class ReferenceRule:
+    """The dynamic scale rule (README, ``dls.policy``) written out step by step in Python numbers.
+
+    float32 where the contract says so: the overflow ratio is a float32 division, and products of the scale and a
+    factor are computed in float64 and rounded once to float32, as torch's update kernel does.
+    """
+
+    rule: DynamicRule
+    scale: float
+    steps: int = 0
+    overflows: int = 0
+    skipped: int = 0
+    hits: int = 0
+    non_clamped: float = 0.0
+
+    def update(self, overflow: bool) -> str:
+        """One ``update()`` with this iteration's overflow flag; returns what happened: ``"none"``, ``"hit"`` (a
+        hysteresis hit without back-off), ``"backoff"`` or ``"growth"``."""
+        r = self.rule
+        f = int(overflow)
+        self.steps += 1
+        self.overflows += f
+        self.skipped += f
+        event = "none"
+        ratio = np.float32(self.overflows) / np.float32(self.steps)
+        if f and ratio > np.float32(r.overflow_tolerance):
+            self.hits += 1
+            if self.hits >= r.hysteresis:
+                self.scale = float(np.float32(np.float64(np.float32(self.scale)) * r.backoff_factor))
+                self.hits = 0
+                event = "backoff"
+            else:
+                event = "hit"
+            self.steps = self.overflows = 0
+        elif self.steps >= r.steps_per_increase:
+            with np.errstate(over="ignore"):
+                grown = np.float32(np.float64(np.float32(self.scale)) * r.growth_factor)
+            if np.isfinite(grown):  # growth that would reach inf is dropped; the counters still reset
+                self.scale = float(grown)
+            self.steps = self.overflows = self.hits = 0
+            event = "growth"
+        self.scale = min(self.scale, float(np.float32(r.max_loss_scale)))
+        self.non_clamped = self.scale
+        self.scale = max(self.scale, float(np.float32(r.min_loss_scale)))
+        return event
+
+
+# ---------------------------------------------------------------------------------------------- several processes
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def dist_env(**extra: str) -> dict[str, str]:
+    """This process's environment for ranks on 127.0.0.1: one thread each, gloo on the loopback interface."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1", **extra)
+    with contextlib.suppress(AttributeError, OSError, StopIteration):  # else gloo picks the host name's interface
+        env["GLOO_SOCKET_IFNAME"] = next(name for _, name in socket.if_nameindex() if name.startswith("lo"))
+    return env
+
+
+def launch_ranks(
+    worker: Path, args: list[str], out: Path, world_size: int, timeout: float, **env: str
+) -> list[dict[str, Any]]:
+    """Run ``python worker OUT *args`` once per rank (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_*`` set as
+    torchrun sets them, plus ``env``) and return what each rank wrote to ``OUT/rank{r}.json``. A rank that fails, or
+    ranks still running after ``timeout`` seconds (then killed), fail the test with the ranks' logs."""
+    base = dist_env(MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size), **env)
+    logs = [out / f"rank{r}.log" for r in range(world_size)]
+    procs = []
+    for rank, log in enumerate(logs):
+        with log.open("w") as f:
+            cmd = [sys.executable, str(worker), str(out), *args]
+            rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+            procs.append(subprocess.Popen(cmd, env=rank_env, stdout=f, stderr=subprocess.STDOUT))
+
+    def logs_text() -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in logs if p.exists())
+
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                why = f"a rank exited with {failed[0]}" if failed else f"ranks still running after {timeout:.0f}s"
+                pytest.fail(f"{why} ({worker.name} {' '.join(args)}, world size {world_size})\n{logs_text()}")
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * world_size, f"exit codes {codes}\n{logs_text()}"
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]

@@ -35,13 +35,7 @@ def _fresh_accelerate_state() -> Iterator[None]:
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # These models are tiny: on 2 busy cores one thread runs them many times faster than two.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _setup() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, list[torch.dtype]]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +23,7 @@ OVERFLOW_STEPS = {1, 4}  # optimizer steps (0-based) whose last micro-batch gets
 EMA_DECAY = 0.5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # These models are tiny: on 2 busy cores one thread runs them many times faster than two.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Regression(L.LightningModule):

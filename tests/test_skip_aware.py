@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,13 +21,7 @@ OVERFLOWS = {0, 3, 4}  # iterations whose gradients get an inf (0: the optimizer
 STEPS = 7
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # These models are tiny: on 2 busy cores one thread runs them many times faster than two.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model() -> torch.nn.Module:
