@@ -208,7 +208,7 @@ def test_unknown_section() -> None:
         (mlp(optimizer={"loss_scaling_factor": "auto"}), "optimizer.loss_scaling_factor must be 'dynamic'"),
         (mlp(optimizer={"optimizer_type": "LAMB"}), "optimizer.optimizer_type must be one of 'SGD', 'Adam', 'AdamW'"),
         (mlp(optimizer={"betas": [0.9]}), "optimizer.betas must be a list of two numbers"),
-        (mlp(optimizer={"min_loss_scale": 0}), "optimizer.min_loss_scale must be a number > 0"),
+        (mlp(optimizer={"min_loss_scale": 0}), "optimizer.min_loss_scale must be a number in [2**-126, "),
         (mlp(optimizer={"overflow_tolerance": 1.5}), "optimizer.overflow_tolerance must be a number in [0, 1)"),
         (mlp(optimizer={"log_summaries": "yes please"}), "optimizer.log_summaries must be true or false"),
         (mlp(precision={"fp16_type": "float8"}), "precision.fp16_type must be one of 'float16', 'bfloat16'"),
@@ -356,3 +356,114 @@ def test_parse_checkpoint_states() -> None:
     assert C.parse_checkpoint_states(["grad_scaler"]) == ("grad_scaler",)
     with pytest.raises(ValueError, match="allowed: model, optimizer, dataloader"):
         C.parse_checkpoint_states("model,scaler")
+
+
+# ---------------------------------------------------------------------- ranges of the loss-scale and integer keys
+@pytest.mark.parametrize(
+    ("optimizer", "key"),
+    [
+        ({"loss_scaling_factor": 1e-300}, "optimizer.loss_scaling_factor"),
+        ({"loss_scaling_factor": 1e-45}, "optimizer.loss_scaling_factor"),  # a float32 subnormal: 1/scale is inf
+        ({"loss_scaling_factor": 3.5e38}, "optimizer.loss_scaling_factor"),  # inf in float32
+        ({"loss_scaling_factor": "dynamic", "min_loss_scale": 1e-300}, "optimizer.min_loss_scale"),
+        ({"loss_scaling_factor": "dynamic", "min_loss_scale": 2.0**-127}, "optimizer.min_loss_scale"),
+        ({"loss_scaling_factor": "dynamic", "initial_loss_scale": 1e-39}, "optimizer.initial_loss_scale"),
+        ({"loss_scaling_factor": "dynamic", "max_loss_scale": 1e39}, "optimizer.max_loss_scale"),
+    ],
+)
+def test_loss_scales_must_be_normal_float32_with_a_finite_inverse(optimizer: dict, key: str) -> None:
+    (error,) = errors_of(mlp(optimizer=optimizer))
+    assert error.startswith(key) and "[2**-126, 3.4028234663852886e+38]" in error
+
+
+def test_the_loss_scale_range_ends_are_accepted() -> None:
+    low = {"loss_scaling_factor": "dynamic", "min_loss_scale": 2.0**-126, "initial_loss_scale": 2.0**-126}
+    assert parse_config(mlp(optimizer=low)).optimizer.min_loss_scale == 2.0**-126
+    high = {"loss_scaling_factor": 3.4028234663852886e38}
+    assert parse_config(mlp(optimizer=high)).optimizer.loss_scaling_factor == 3.4028234663852886e38
+
+
+STEPS_RANGE = "optimizer.steps_per_increase must be an integer in [1, 2147483647]"
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "needle"),
+    [
+        ("optimizer", "steps_per_increase", 1e10, STEPS_RANGE),
+        ("optimizer", "steps_per_increase", 2**31, STEPS_RANGE),  # torch's growth tracker is an int32
+        ("runconfig", "seed", 1e20, "runconfig.seed must be an integer in [0, 4294967295]"),
+        ("data", "shuffle_seed", 2**32, "data.shuffle_seed must be an integer in [0, 4294967295] or null"),
+        ("runconfig", "max_steps", 2**63, "runconfig.max_steps must be an integer in [1, 9223372036854775807]"),
+    ],
+)
+def test_integer_keys_fit_the_integers_they_feed(section: str, key: str, value: object, needle: str) -> None:
+    (error,) = errors_of(mlp(**{section: {key: value}}))
+    assert error.startswith(needle)
+
+
+def test_the_largest_steps_per_increase_is_accepted() -> None:
+    cfg = parse_config(mlp(optimizer={"loss_scaling_factor": "dynamic", "steps_per_increase": 2**31 - 1}))
+    assert grad_scaler_kwargs(cfg)["steps_per_increase"] == 2**31 - 1
+
+
+# ---------------------------------------------------------------------- hostile files
+def billion_laughs(levels: int) -> str:
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\nmodel: {name: mlp}\n"
+
+
+def test_an_alias_bomb_is_rejected_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(billion_laughs(9))  # 9**10 strings once expanded
+    with pytest.raises(ConfigError, match="expands to more than 100,000 values") as info:
+        load_config(path, ["runconfig.max_steps=3"])
+    assert info.value.source == str(path)
+
+
+def test_anchors_and_merge_keys_still_work(tmp_path: Path) -> None:
+    path = tmp_path / "anchors.yaml"
+    path.write_text(
+        "base: &base {optimizer_type: AdamW, learning_rate: 1e-3}\n"
+        "model: {name: mlp}\n"
+        "optimizer: {<<: *base, learning_rate: 2e-3}\n"
+    )
+    raw = C.read_config(path)
+    raw.pop("base")
+    assert parse_config(raw).optimizer.learning_rate == 2e-3
+    assert parse_config(raw).optimizer.optimizer_type == "AdamW"
+
+
+def test_repeated_merge_keys_do_not_multiply() -> None:
+    lines = ["m0: &m0 {x: 1}"] + [
+        f"m{i}: &m{i} {{<<: [{', '.join([f'*m{i - 1}'] * 9)}], y{i}: {i}}}" for i in range(1, 30)
+    ]
+    data = C.load_yaml("\n".join(lines))  # without de-duplication, 9**29 merged pairs
+    assert data["m29"] == {"x": 1, **{f"y{i}": i for i in range(1, 30)}}
+
+
+def test_recursive_aliases_and_deep_nesting_are_rejected() -> None:
+    with pytest.raises(ConfigError, match="contains itself"):
+        C.load_yaml("a: &a [*a]")
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        C.load_yaml("[" * 1000 + "]" * 1000)
+
+
+def test_overrides_copy_only_what_they_change() -> None:
+    shared = [{"scheduler": "Constant", "learning_rate": 1e-3}]
+    raw = {"model": {"name": "mlp"}, "optimizer": {"learning_rate": shared}, "data": {"batch_size": 8}}
+    out = C.apply_overrides(raw, ["optimizer.momentum=0.5", "runconfig.max_steps=3"])
+    assert raw == {"model": {"name": "mlp"}, "optimizer": {"learning_rate": shared}, "data": {"batch_size": 8}}
+    assert out["optimizer"]["learning_rate"] is shared and out["data"] is raw["data"]
+    assert out["optimizer"]["momentum"] == 0.5 and out["runconfig"] == {"max_steps": 3}
+
+
+def test_config_files_that_are_not_utf8_or_too_large_name_the_file(tmp_path: Path) -> None:
+    latin = tmp_path / "latin1.yaml"
+    latin.write_bytes("model: {name: mlp}  # caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1\.yaml: not UTF-8 text \(byte 0xe9 at offset 25\)"):
+        load_config(latin)
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"# " + b"x" * (1 << 20) + b"\n")
+    with pytest.raises(ConfigError, match=r"big\.yaml: larger than 1 MiB"):
+        load_config(big)

@@ -18,10 +18,11 @@ import pytest
 import torch
 from rich.console import Console
 
-from dls.config import parse_config
-from dls.train import Trainer, TrainingStopped
+from dls.config import CHECKPOINT_STATES, parse_config
+from dls.train import Trainer, TrainingStopped, restore
 from dls.train import checkpoint as ckpt
 from dls.train.data import BatchIterator, CharCorpus, build_dataset
+from dls.train.errors import ModelDirError
 from dls.train.trainer import METRICS_FILE, PLOT_FILE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,6 +101,12 @@ def assert_bit_identical(a: Any, b: Any, path: str = "") -> None:
         assert a == b, path
 
 
+def load_into(trainer: Trainer, resume: Path, states: tuple[str, ...] = CHECKPOINT_STATES) -> None:
+    """Load a checkpoint into ``trainer`` in memory (what ``train(resume=...)`` does before training)."""
+    path, state, _ = ckpt.load_resume_checkpoint(resume)
+    restore.restore(trainer, path, state, states)
+
+
 def metrics(model_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (model_dir / METRICS_FILE).read_text().splitlines()]
 
@@ -169,7 +176,7 @@ def test_checkpoint_written_by_a_run_without_loss_scaling(tmp_path: Path) -> Non
     new = tiny(tmp_path / "old", runconfig={"max_steps": 5})
     resumed, log = make_trainer(new)
     weights = {k: v.clone() for k, v in saved["model"].items()}
-    resumed._restore(tmp_path / "old", None)
+    load_into(resumed, tmp_path / "old")
     text = log.getvalue()
     assert "has no grad_scaler state" in text and "using the loss scaler built from the config" in text
     assert "dynamic loss scaling (start 2^20" in text
@@ -188,21 +195,21 @@ def test_load_checkpoint_states_picks_states(tmp_path: Path) -> None:
 
     raw["runconfig"]["model_dir"] = str(tmp_path / "b")
     fresh, log = make_trainer(raw)
-    fresh._restore(tmp_path / "a", ("model",))
+    load_into(fresh, tmp_path / "a", ("model",))
     assert "Not loaded (fresh from the config): optimizer, dataloader, grad_scaler" in log.getvalue()
     assert_bit_identical(saved["model"], fresh.model.state_dict())
     assert fresh.global_step == 0 and fresh.optimizer.state == {}
     assert fresh.scaler.get_scale() == 2.0**20 and fresh.batches.state_dict()["position"] == 0
 
     both, _ = make_trainer(raw)
-    both._restore(tmp_path / "a" / "checkpoint_6.mdl", ("grad_scaler", "global_step"))
+    load_into(both, tmp_path / "a" / "checkpoint_6.mdl", ("grad_scaler", "global_step"))
     assert both.scaler.state_dict() == saved["grad_scaler"] and both.global_step == 6
 
 
 def test_fresh_run_refuses_a_model_dir_with_checkpoints(tmp_path: Path) -> None:
     raw = tiny(tmp_path / "run", runconfig={"max_steps": 3})
     make_trainer(raw)[0].train()
-    with pytest.raises(ckpt.CheckpointError, match=r"already holds checkpoints.*--resume"):
+    with pytest.raises(ModelDirError, match=r"already holds checkpoints.*--resume"):
         make_trainer(raw)[0].train()
 
 
@@ -229,7 +236,7 @@ def test_resume_errors(tmp_path: Path) -> None:
 def test_failed_rename_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt.save_checkpoint({"model": {"w": torch.ones(2)}, "global_step": 1}, ckpt.checkpoint_path(tmp_path, 1))
 
-    def crash(*args: Any) -> None:
+    def crash(*args: Any, **kwargs: Any) -> None:
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", crash)

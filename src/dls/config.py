@@ -37,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from dls.scaler import CBFLOAT16_MAX_LOSS_SCALE, DEFAULT_MAX_LOSS_SCALE
+from dls.scaler import CBFLOAT16_MAX_LOSS_SCALE, DEFAULT_MAX_LOSS_SCALE, GradScaler
 
 __all__ = [
     "CHECKPOINT_STATES",
@@ -57,6 +57,7 @@ __all__ = [
     "parse_checkpoint_states",
     "parse_config",
     "parse_yaml_value",
+    "read_config",
     "to_dict",
 ]
 
@@ -82,6 +83,16 @@ DYNAMIC_KEYS = (
     "backoff_factor",
     "hysteresis",
 )
+# Every loss scale (static, initial, min, max) is a normal float32 whose inverse is finite.
+MIN_LOSS_SCALE_BOUND = 2.0**-126
+MAX_LOSS_SCALE_BOUND = 3.4028234663852886e38  # float32 max
+_SCALE_RANGE = "a number in [2**-126, 3.4028234663852886e+38] (a normal float32 whose inverse is finite)"
+INT64_MAX = 2**63 - 1
+MAX_SEED = 2**32 - 1  # NumPy's seeds are 32-bit
+# A config is small: the expanded YAML (aliases counted each time they are used) is bounded, so an alias bomb
+# ("billion laughs") is rejected at once instead of filling the memory.
+MAX_CONFIG_NODES = 100_000
+MAX_CONFIG_BYTES = 1 << 20
 # Names from other frameworks, pointed at the one key that does the same thing here.
 _HINTS = {
     "growth_interval": "steps_per_increase (torch's growth_interval)",
@@ -121,7 +132,25 @@ class ConfigError(ValueError):
 
 # ---------------------------------------------------------------------- YAML
 class _Loader(yaml.SafeLoader):
-    """PyYAML's SafeLoader, but ``1e-3`` and ``1e5`` are floats (YAML 1.2) rather than strings (YAML 1.1)."""
+    """PyYAML's SafeLoader, but ``1e-3`` and ``1e5`` are floats (YAML 1.2) rather than strings (YAML 1.1), and
+    merge keys do not multiply: ``<<: [*a, *a]`` would otherwise repeat ``a``'s pairs, doubling them per level."""
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        super().flatten_mapping(node)
+        # The same scalar key twice: one pair, at the first one's place, with the last one's value (as a dict
+        # built from all the pairs would have).
+        last: dict[Any, int] = {}
+        for i, (key, _) in enumerate(node.value):
+            last[(key.tag, key.value) if isinstance(key, yaml.ScalarNode) else id(key)] = i
+        if len(last) < len(node.value):
+            first: dict[Any, int] = {}
+            for i, (key, _) in enumerate(node.value):
+                first.setdefault((key.tag, key.value) if isinstance(key, yaml.ScalarNode) else id(key), i)
+            node.value = [(node.value[i][0], node.value[last[k]][1]) for k, i in sorted(first.items(), key=_second)]
+
+
+def _second(item: tuple[Any, int]) -> int:
+    return item[1]
 
 
 _FLOAT_RE = re.compile(
@@ -141,11 +170,58 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_RE, list("-+0123
 
 
 def load_yaml(text: str, source: str = "<string>") -> Any:
-    """Parse YAML text (floats like ``1e-3`` included); a syntax error becomes a :class:`ConfigError`."""
+    """Parse YAML text (floats like ``1e-3`` included). A syntax error, nesting too deep, a recursive alias or
+    more than :data:`MAX_CONFIG_NODES` values once aliases are expanded is a :class:`ConfigError`."""
     try:
-        return yaml.load(text, Loader=_Loader)  # a SafeLoader subclass
+        data = yaml.load(text, Loader=_Loader)  # a SafeLoader subclass
     except yaml.YAMLError as exc:
         raise ConfigError([f"not valid YAML: {exc}"], source) from None
+    except RecursionError:
+        raise ConfigError(["not a config: the YAML is nested too deeply"], source) from None
+    check_size(data, source)
+    return data
+
+
+def check_size(data: Any, source: str | None = None) -> None:
+    """Raise :class:`ConfigError` if ``data`` (parsed YAML, or a checkpoint's config) has more than
+    :data:`MAX_CONFIG_NODES` values when shared parts (YAML aliases) are counted at each use, or contains itself.
+    Takes time in the number of distinct containers, not in the expanded size."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(value: Any) -> int:
+        if not isinstance(value, (dict, list, tuple)):
+            return 1
+        key = id(value)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            raise ConfigError(
+                ["a value contains itself (a recursive YAML alias); a config cannot be recursive"], source
+            )
+        active.add(key)
+        items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        total = 1
+        for item in items:
+            total += size(item)
+            if total > MAX_CONFIG_NODES:
+                break
+        active.discard(key)
+        sizes[key] = total
+        return total
+
+    try:
+        total = size(data)
+    except RecursionError:
+        raise ConfigError(["not a config: it is nested too deeply"], source) from None
+    if total > MAX_CONFIG_NODES:
+        raise ConfigError(
+            [
+                f"the config expands to more than {MAX_CONFIG_NODES:,} values once its YAML aliases (*name) are "
+                "expanded (an alias bomb?); a training config is far smaller"
+            ],
+            source,
+        )
 
 
 def parse_yaml_value(text: str) -> Any:
@@ -276,15 +352,21 @@ def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _int(minimum: int, nullable: bool = False) -> _Check:
+def _int(minimum: int, nullable: bool = False, maximum: int = INT64_MAX) -> _Check:
+    """An integer in ``[minimum, maximum]`` (an integral float such as ``1e3`` counts). Every integer key has a
+    maximum: the counters and seeds they feed are fixed-width integers in torch and NumPy."""
+    allowed = f">= {minimum}" if maximum == INT64_MAX else f"in [{minimum}, {maximum}]"
+
     def check(key: str, value: Any) -> tuple[Any, str | None]:
         if value is None and nullable:
             return None, None
         if isinstance(value, float) and value.is_integer():
             value = int(value)
+        null = " or null" if nullable else ""
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            null = " or null" if nullable else ""
-            return None, f"{key} must be an integer >= {minimum}{null}; got {value!r} ({_type_name(value)})"
+            return None, f"{key} must be an integer {allowed}{null}; got {value!r} ({_type_name(value)})"
+        if value > maximum:
+            return None, f"{key} must be an integer in [{minimum}, {maximum}]{null}; got {value!r}"
         return value, None
 
     return check
@@ -345,15 +427,32 @@ def _choice(choices: Sequence[str], case_insensitive: bool = False) -> _Check:
     return check
 
 
+def _scale(nullable: bool = False) -> _Check:
+    """A loss scale: a normal float32 whose inverse is a finite float32, i.e. in ``[2**-126, float32 max]``.
+    Outside it the scale rounds to 0 or inf in float32, or ``1/scale`` overflows, and unscaled gradients become
+    NaN without being flagged."""
+
+    def check(key: str, value: Any) -> tuple[Any, str | None]:
+        if value is None and nullable:
+            return None, None
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not MIN_LOSS_SCALE_BOUND <= value <= MAX_LOSS_SCALE_BOUND:
+            null = " or null" if nullable else ""
+            return None, f"{key} must be {_SCALE_RANGE}{null}; got {value!r}"
+        return float(value), None
+
+    return check
+
+
 def _loss_scaling_factor(key: str, value: Any) -> tuple[Any, str | None]:
     if value is None or value == "dynamic":
         return value, None
     if isinstance(value, str) and value.lower() == "dynamic":
         return "dynamic", None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-    if not ok or value > 3.4e38:
-        return None, f"{key} must be 'dynamic', a positive number (a static scale) or null (the default); got {value!r}"
-    return float(value), None
+    number, err = _scale()(key, value)
+    if err:
+        return None, f"{key} must be 'dynamic', null (the default) or a static scale: {_SCALE_RANGE}; got {value!r}"
+    return number, None
 
 
 def _betas(key: str, value: Any) -> tuple[Any, str | None]:
@@ -449,12 +548,21 @@ _SECTION_KEYS: dict[str, tuple[_Key, ...]] = {
         _Key("dataset", _choice(DATASETS), "generated teacher_regression, or the character corpus shipped with dls"),
         _Key("batch_size", _int(1), "samples (sequences) per step"),
         _Key("shuffle", _bool, "reshuffle the samples every epoch"),
-        _Key("shuffle_seed", _int(0, nullable=True), "seed of the sample order (default: runconfig.seed)"),
+        _Key(
+            "shuffle_seed",
+            _int(0, nullable=True, maximum=MAX_SEED),
+            "seed of the sample order (default: runconfig.seed)",
+        ),
         _Key("num_samples", _int(1), "samples in the generated data set", only=("teacher_regression",)),
         _Key("input_dim", _int(1), "features per sample", only=("teacher_regression",)),
         _Key("output_dim", _int(1), "regression targets per sample", only=("teacher_regression",)),
         _Key("noise_std", _float(0.0), "standard deviation of noise added to the targets", ("teacher_regression",)),
-        _Key("dataset_seed", _int(0), "seed that generates the data set (the teacher)", ("teacher_regression",)),
+        _Key(
+            "dataset_seed",
+            _int(0, maximum=MAX_SEED),
+            "seed that generates the data set (the teacher)",
+            ("teacher_regression",),
+        ),
         _Key("max_sequence_length", _int(1), "characters per training sequence", only=("char_corpus",)),
     ),
     "precision": (
@@ -470,10 +578,10 @@ _SECTION_KEYS: dict[str, tuple[_Key, ...]] = {
         _Key("betas", _betas, "Adam/AdamW betas", only=("Adam", "AdamW")),
         _Key("eps", _float(0.0, low_open=True), "Adam/AdamW epsilon", only=("Adam", "AdamW")),
         _Key("loss_scaling_factor", _loss_scaling_factor, "'dynamic', a static scale, or null (precision default)"),
-        _Key("initial_loss_scale", _float(0.0, low_open=True, nullable=True), "first dynamic scale (default: max)"),
-        _Key("steps_per_increase", _int(1), "clean steps before the dynamic scale grows"),
-        _Key("min_loss_scale", _float(0.0, low_open=True), "floor of the dynamic scale"),
-        _Key("max_loss_scale", _float(0.0, low_open=True, nullable=True), "ceiling (2**15; 2**31 for cbfloat16)"),
+        _Key("initial_loss_scale", _scale(nullable=True), "first dynamic scale (default: max)"),
+        _Key("steps_per_increase", _int(1, maximum=2**31 - 1), "clean steps before the dynamic scale grows"),
+        _Key("min_loss_scale", _scale(), "floor of the dynamic scale"),
+        _Key("max_loss_scale", _scale(nullable=True), "ceiling (2**15; 2**31 for cbfloat16)"),
         _Key("overflow_tolerance", _float(0.0, 1.0, high_open=True), "fraction of overflowing steps tolerated"),
         _Key("growth_factor", _float(1.0, low_open=True), "multiplies the scale when it grows"),
         _Key("backoff_factor", _float(0.0, 1.0, low_open=True, high_open=True), "multiplies the scale on overflow"),
@@ -488,7 +596,7 @@ _SECTION_KEYS: dict[str, tuple[_Key, ...]] = {
         _Key("keep_checkpoint_max", _int(1), "keep only the last N checkpoints"),
         _Key("log_steps", _int(1), "write metrics every N steps (skipped steps are always written)"),
         _Key("model_dir", _str, "directory for checkpoints, metrics.jsonl and plots.png"),
-        _Key("seed", _int(0), "seed of model initialisation, data order and dropout"),
+        _Key("seed", _int(0, maximum=MAX_SEED), "seed of model initialisation, data order and dropout"),
         _Key("device", _choice(DEVICES), "'cpu', 'cuda', or 'auto' (cuda when available)"),
         _Key("max_overflows_at_min_loss_scale", _int(1), "stop after N consecutive overflows at min_loss_scale"),
         _Key("load_checkpoint_states", _states, "with --resume: which states to load (default: all)"),
@@ -537,22 +645,43 @@ def parse_checkpoint_states(value: str | Sequence[str]) -> tuple[str, ...]:
 # ---------------------------------------------------------------------- parsing
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
     """Read a YAML config file, apply ``section.key=value`` overrides, validate. Raises :class:`ConfigError`."""
+    return parse_config(read_config(path, overrides), source=str(path))
+
+
+def read_config(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The YAML config file ``path`` as a dict, with ``overrides`` applied, not validated yet. Raises
+    :class:`ConfigError` naming the file when it cannot be read, is larger than 1 MiB, is not UTF-8 or not
+    YAML."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        with open(p, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError([f"cannot read config file: {exc.strerror or exc}"], str(p)) from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            [f"larger than {MAX_CONFIG_BYTES >> 20} MiB: not a YAML config (a checkpoint? see --resume)"], str(p)
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            [f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); save the config as UTF-8"], str(p)
+        ) from None
     raw = load_yaml(text, str(p))
     if raw is None:
         raw = {}
-    return parse_config(apply_overrides(raw, overrides, source=str(p)), source=str(p))
+    return apply_overrides(raw, overrides, source=str(p))
 
 
 def apply_overrides(raw: Any, overrides: Sequence[str], source: str | None = None) -> dict[str, Any]:
-    """A deep copy of ``raw`` with each ``"section.key=value"`` applied (values parsed as YAML scalars)."""
+    """``raw`` with each ``"section.key=value"`` applied (values parsed as YAML). ``raw`` is not changed: the
+    mappings on an override's path are copied, the rest is shared (so a large value is never copied)."""
+    check_size(raw, source)
     if not isinstance(raw, dict):
         raise ConfigError([f"the top level must be a mapping of sections ({', '.join(SECTIONS)}); got {raw!r}"], source)
-    result = _deep_copy(raw)
+    result = dict(raw)
+    copies = {id(result)}  # the mappings that belong to result alone
     errors = []
     for item in overrides:
         path, sep, text = item.partition("=")
@@ -570,9 +699,13 @@ def apply_overrides(raw: Any, overrides: Sequence[str], source: str | None = Non
             child = node.get(k)
             if child is None:
                 child = node[k] = {}
+                copies.add(id(child))
             if not isinstance(child, dict):
                 errors.append(f"override {item!r}: {'.'.join(keys[: i + 1])} is not a section/mapping")
                 break
+            if id(child) not in copies:
+                child = node[k] = dict(child)
+                copies.add(id(child))
             node = child
         else:
             node[keys[-1]] = value
@@ -581,17 +714,10 @@ def apply_overrides(raw: Any, overrides: Sequence[str], source: str | None = Non
     return result
 
 
-def _deep_copy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _deep_copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_deep_copy(v) for v in value]
-    return value
-
-
 def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConfig:
     """Validate a config dict (the parsed YAML) and build the :class:`TrainConfig`. Raises :class:`ConfigError`
     listing every problem."""
+    check_size(dict(raw) if isinstance(raw, Mapping) else raw, source)
     if not isinstance(raw, Mapping):
         raise ConfigError([f"the top level must be a mapping of sections ({', '.join(SECTIONS)}); got {raw!r}"], source)
     errors: list[str] = []
@@ -634,7 +760,12 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
     if errors:
         raise ConfigError(errors, source)
     built = {name: _DATACLASSES[name](**vals) for name, vals in values.items()}
-    return TrainConfig(**built, warnings=tuple(warnings))
+    cfg = TrainConfig(**built, warnings=tuple(warnings))
+    try:  # the keys are checked above; this makes sure the scaler accepts what the config accepts
+        GradScaler(**grad_scaler_kwargs(cfg))
+    except ValueError as exc:
+        raise ConfigError([f"optimizer: the loss-scaling keys do not make a valid GradScaler: {exc}"], source) from None
+    return cfg
 
 
 def _check_section(

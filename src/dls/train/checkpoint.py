@@ -6,34 +6,47 @@ plus ``rng`` (every random-number generator), ``config`` (the run's config as pl
 (elapsed time, overflow counters) and ``format``/``format_version``. Everything in it loads with
 ``torch.load(weights_only=True)``.
 
-Atomic write: the bytes go to a hidden temporary file in the same directory, which is flushed and fsync-ed, then
-renamed over the final name with ``os.replace`` (atomic on POSIX and Windows) and the directory fsync-ed. A
-crash at any point leaves either the old set of checkpoints or the new one complete, never a truncated
-``checkpoint_<step>.mdl``; a leftover temporary file is ignored and removed by the next save.
+Atomic write: the bytes go to a new hidden temporary file in the same directory (created exclusively, never
+through a symbolic link), which is flushed and fsync-ed, then renamed over the final name with ``os.replace``
+(atomic on POSIX and Windows) and the directory fsync-ed. A crash at any point leaves either the old set of
+checkpoints or the new one complete, never a truncated ``checkpoint_<step>.mdl``; a leftover temporary file is
+ignored and removed by the next save. Resuming a directory whose newest checkpoint is unreadable anyway (a disk
+error, a truncated copy) goes back to the newest readable one (:func:`load_resume_checkpoint`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import random
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from dls.train.errors import CheckpointError
+from dls.train.rundir import open_directory, replace_file
+
+__all__ = [
+    "CheckpointError",
+    "checkpoint_path",
+    "find_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_resume_checkpoint",
+    "rng_state",
+    "save_checkpoint",
+    "set_rng_state",
+]
+
 FORMAT = "dls-checkpoint"
 FORMAT_VERSION = 1
 _NAME_RE = re.compile(r"^checkpoint_(\d+)\.mdl$")
 _TMP_PREFIX = ".checkpoint_"
 _TMP_SUFFIX = ".tmp"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, unreadable or does not fit the run."""
 
 
 def checkpoint_path(model_dir: str | Path, step: int) -> Path:
@@ -66,45 +79,57 @@ def find_checkpoint(path: str | Path) -> Path:
     return found[-1][1]
 
 
-def save_checkpoint(state: dict[str, Any], path: str | Path, keep: int | None = None) -> Path:
-    """Write ``state`` to ``path`` atomically; then, with ``keep``, delete all but the ``keep`` newest
-    checkpoints of the directory (never the one just written)."""
+def load_resume_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any], list[tuple[Path, str]]]:
+    """The checkpoint to resume from: the file ``path``, or the newest readable checkpoint of the directory
+    ``path``. Returns ``(file, state, unreadable)`` where ``unreadable`` lists the newer checkpoints of the
+    directory that could not be read (truncated, garbage), each with the reason. A named file that cannot be
+    read, or a directory without a readable checkpoint, raises :class:`CheckpointError`."""
+    p = Path(path)
+    if p.is_file():
+        return p, load_checkpoint(p), []
+    find_checkpoint(p)  # the errors for a missing or empty directory
+    unreadable: list[tuple[Path, str]] = []
+    for _, candidate in reversed(list_checkpoints(p)):
+        try:
+            return candidate, load_checkpoint(candidate), unreadable
+        except CheckpointError as exc:
+            unreadable.append((candidate, str(exc)))
+    raise CheckpointError(f"--resume: no readable checkpoint in {p}: " + "; ".join(reason for _, reason in unreadable))
+
+
+def save_checkpoint(
+    state: dict[str, Any], path: str | Path, keep: int | None = None, *, dir_fd: int | None = None
+) -> Path:
+    """Write ``state`` to ``path`` atomically (a new temporary file, never written through a symbolic link,
+    renamed over ``path``); then, with ``keep``, delete all but the ``keep`` newest checkpoints of the directory
+    (never the one just written). ``dir_fd``: an open descriptor of ``path``'s directory (the trainer's locked
+    model_dir); without it the directory is opened (and created) here."""
     final = Path(path)
-    directory = final.parent
-    directory.mkdir(parents=True, exist_ok=True)
-    for stale in directory.glob(f"{_TMP_PREFIX}*{_TMP_SUFFIX}"):
-        with contextlib.suppress(OSError):
-            stale.unlink()
-    fd, tmp_name = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=_TMP_SUFFIX, dir=directory)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"format": FORMAT, "format_version": FORMAT_VERSION, **state}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_directory(directory)
+    if dir_fd is None:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with _directory(final.parent) as fd:
+            return save_checkpoint(state, final, keep, dir_fd=fd)
+    for name in os.listdir(dir_fd):
+        if name.startswith(_TMP_PREFIX) and name.endswith(_TMP_SUFFIX):  # left by a killed save
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dir_fd)
+    buffer = io.BytesIO()  # in memory first: see dls.train.rundir.replace_file
+    torch.save({"format": FORMAT, "format_version": FORMAT_VERSION, **state}, buffer)
+    replace_file(dir_fd, final.name, buffer.getbuffer(), shown=final)
     if keep is not None:
-        for _, old in list_checkpoints(directory)[:-keep]:
-            if old != final:
+        steps = sorted((int(m.group(1)), n) for n in os.listdir(dir_fd) if (m := _NAME_RE.match(n)))
+        for _, name in steps[:-keep]:
+            if name != final.name:
                 with contextlib.suppress(OSError):
-                    old.unlink()
+                    os.unlink(name, dir_fd=dir_fd)
     return final
 
 
-def _fsync_directory(directory: Path) -> None:
+@contextlib.contextmanager
+def _directory(path: Path) -> Any:
+    fd = open_directory(Path(os.path.realpath(path)))
     try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # e.g. Windows cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        yield fd
     finally:
         os.close(fd)
 

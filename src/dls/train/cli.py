@@ -1,31 +1,48 @@
 """The ``dls`` command: ``dls train``, ``dls demo``, ``dls validate``, ``dls keys``.
 
-Exit status: 0 success; 1 training stopped because loss scaling could not help (state checkpointed first);
-2 a bad config, a bad command line or an unusable checkpoint (message printed, no traceback); 130 interrupted.
+Exit status (one map, :func:`dls.train.errors.exit_status`): 0 success; 1 training stopped because loss scaling
+cannot help (state checkpointed first); 2 bad input: config, command line, checkpoint, a model_dir refused or
+locked by another run, the ``train`` extra missing; 3 the environment failed (a file or directory cannot be read
+or written, disk full, out of memory); 4 internal error (traceback written to a file, which the message names);
+130 Ctrl-C and 143 SIGTERM (both after checkpointing the last finished step). Every message is one
+``dls: ...`` line on stderr (a config's problems are listed below it), without a traceback.
 
 Data-parallel: ``torchrun --nproc_per_node=2 -m dls.train.cli train CONFIG.yaml`` (or ``python -m
 torch.distributed.run ... -m dls.train.cli ...``, or ``torchrun ... $(which dls) train ...``); under torchrun
-only rank 0 prints.
+only rank 0 prints, and torchrun itself exits 1 whenever a rank fails: the code is in rank 0's message.
+
+This module imports the standard library and ``dls.train.errors`` only; everything that needs the ``train``
+extra is imported inside the commands, after checking that the extra is installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+import traceback
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from dls.config import (
-    ConfigError,
-    TrainConfig,
-    apply_overrides,
-    describe_keys,
-    load_config,
-    parse_checkpoint_states,
-    parse_config,
+from dls.train.errors import (
+    CheckpointError,
+    ExitStatus,
+    MissingExtras,
+    Terminated,
+    UsageError,
+    describe,
+    exit_status,
+    write_crash_report,
 )
+
+# What the trainer imports beyond torch (the ``train`` extra): import name -> package name.
+TRAIN_EXTRA = {"yaml": "PyYAML", "numpy": "numpy", "rich": "rich", "matplotlib": "matplotlib"}
+INSTALL_HINT = "pip install 'dls[train]'"
 
 DESCRIPTION = """\
 dls: train small PyTorch models in mixed precision with dynamic loss scaling (DLS), configured by
@@ -41,13 +58,25 @@ TRAIN_EPILOG = """\
 examples:
   dls train configs/mlp_fp16_dls.yaml
   dls train configs/mlp_fp16_dls.yaml --override runconfig.max_steps=20 optimizer.loss_scaling_factor=dynamic
-  dls train configs/mlp_fp16_dls.yaml --override runconfig.max_steps=800 --resume runs/mlp_fp16_dls
-  dls train --resume runs/mlp_fp16_dls --load_checkpoint_states model,optimizer
+  dls train --resume runs/mlp_fp16_dls --override runconfig.max_steps=800      continue the run in place
+  dls train --resume runs/mlp_fp16_dls --load_checkpoint_states model,optimizer -o runconfig.model_dir=runs/ft
+      a new run in the new (or empty) runs/ft from the weights and optimizer of runs/mlp_fp16_dls
+  dls train --resume runs/mlp_fp16_dls -o optimizer.loss_scaling_factor=dynamic \
+      --load_checkpoint_states model,optimizer,dataloader,lr_scheduler,global_step,rng
+      continue in place with the config's loss scaling (Model Zoo: switch DLS on mid-run)
+
+--resume DIR writes into DIR only: it continues DIR's run from its newest readable checkpoint (loading at least
+global_step). Another model_dir (in CONFIG or -o runconfig.model_dir=...) starts a new run from the checkpoint
+there, which must be new or empty; DIR is only read. One run at a time per model_dir (a lock; a second run is
+refused naming the first). The config defines the loss scaling; a checkpoint contributes its scale and counters.
 
 outputs in runconfig.model_dir: checkpoint_<step>.mdl (the last keep_checkpoint_max), metrics.jsonl
 (step, loss, loss_scale = the scale the step used, skipped, grad_norm, lr, time; every log_steps steps
-and every skipped step), plots.png, config.yaml (the resolved config).
-exit status: 0 done; 1 stopped because loss scaling cannot help (checkpointed first); 2 bad config/usage.
+and every skipped step), plots.png, config.yaml (the resolved config; never over the input CONFIG).
+exit status: 0 done; 1 stopped because loss scaling cannot help (checkpointed first); 2 bad config, usage,
+checkpoint, model_dir refused or locked, 'train' extra missing; 3 I/O or environment (unwritable model_dir,
+disk full); 4 internal error (traceback in a file named in the message); 130 Ctrl-C, 143 SIGTERM (both
+checkpoint first). Under torchrun only rank 0 prints, and torchrun exits 1 if any rank fails.
 
 data-parallel (DDP, the same YAML; gloo on CPU, NCCL with one GPU per rank):
   torchrun --nproc_per_node=2 -m dls.train.cli train configs/mlp_fp16_dls.yaml
@@ -129,43 +158,117 @@ def _quiet_rank() -> bool:
     return os.environ.get("RANK", "0") != "0" and os.environ.get("WORLD_SIZE", "1") != "1"
 
 
-def _error(message: str) -> int:
-    if not _quiet_rank():
-        print(f"dls: error: {message}", file=sys.stderr)
-    return 2
+class _Run:
+    """What a failed command's report needs: the model_dir a crash report may go to."""
+
+    crash_dir: Path | None = None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``dls`` command with ``argv`` (default ``sys.argv[1:]``); its exit status (see the module
+    docstring). Usage errors of the command line itself exit 2 through argparse."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
-    if args.command == "keys":
-        print(describe_keys())
-        return 0
+    run = _Run()
     try:
-        if args.command == "validate":
-            return _validate(args)
-        if args.command == "train":
-            return _train(args)
-        if args.command == "demo":
-            return _demo(args)
-    except ConfigError as exc:
-        return _error(str(exc))
-    except KeyboardInterrupt:
-        if not _quiet_rank():
-            print("dls: interrupted", file=sys.stderr)
-        return 130
-    return _error(f"unknown command {args.command!r}")
+        with _sigterm_raises():
+            _require_train_extra()
+            if args.command == "keys":
+                from dls.config import describe_keys
+
+                print(describe_keys())
+                return 0
+            command = {"validate": _validate, "train": _train, "demo": _demo}[args.command]
+            return command(args, run)
+    except (Exception, KeyboardInterrupt) as exc:
+        return _report(exc, run)
 
 
-def _validate(args: argparse.Namespace) -> int:
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` (exit 143) instead of ending the process on the spot; the training loop
+    replaces this by a checkpoint-then-stop handler while it runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame: Any) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _require_train_extra() -> None:
+    missing = []
+    for module, package in TRAIN_EXTRA.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(package)
+    if missing:
+        raise MissingExtras(
+            f"the dls command needs the 'train' extra ({', '.join(TRAIN_EXTRA.values())}); missing: "
+            f"{', '.join(missing)}. Install it with: {INSTALL_HINT}"
+        )
+
+
+def _report(exc: BaseException, run: _Run) -> int:
+    """Print one line for ``exc`` (unless this is a quiet rank) and return its exit status."""
+    if isinstance(exc, ImportError) and not isinstance(exc, MissingExtras):
+        root = (exc.name or "").split(".")[0]
+        if root in TRAIN_EXTRA:  # installed but broken
+            exc = MissingExtras(f"cannot import {root} ({exc}); reinstall the 'train' extra: {INSTALL_HINT}")
+    status = exit_status(exc)
+    if status == ExitStatus.INTERNAL:
+        report = write_crash_report(exc, None if _quiet_rank() else run.crash_dir)
+        where = f"the traceback is in {report}" if report else "no file could be written for the traceback"
+        message = f"dls: internal error: {type(exc).__name__}: {exc} ({where}; please report it)"
+        if report is None:
+            traceback.print_exception(type(exc), exc, exc.__traceback__)
+    elif status == ExitStatus.STOPPED:
+        message = f"dls: training stopped: {exc}"
+    elif status == ExitStatus.INTERRUPTED:
+        message = "dls: interrupted"
+    elif status == ExitStatus.TERMINATED:
+        message = "dls: terminated (SIGTERM)"
+    else:
+        message = f"dls: error: {describe(exc)}"
+    if not _quiet_rank():
+        print(message, file=sys.stderr)
+    return int(status)
+
+
+def _build(cfg: Any, source: str, **kwargs: Any) -> Any:
+    """The :class:`~dls.train.trainer.Trainer` of ``cfg``; what it rejects while building the run (the device, a
+    batch larger than the data set) is a config error (exit 2), for ``dls validate`` as for ``dls train``."""
+    from dls.config import ConfigError
+    from dls.train.trainer import Trainer
+
+    try:
+        return Trainer(cfg, **kwargs)
+    except ValueError as exc:
+        raise ConfigError([str(exc)], source) from None
+
+
+def _validate(args: argparse.Namespace, run: _Run) -> int:
+    import io
+
     import yaml
+    from rich.console import Console
 
-    from dls.config import grad_scaler_kwargs, to_dict
+    from dls.config import grad_scaler_kwargs, load_config, to_dict
 
     cfg = load_config(args.config, args.override)
+    _build(cfg, args.config, console=Console(file=io.StringIO()), progress=False, summary=False, plot=False)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
     print(f"# GradScaler kwargs: {grad_scaler_kwargs(cfg)}")
     for warning in cfg.warnings:
@@ -174,67 +277,62 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace) -> int:
-    from dls.train.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
+def _train(args: argparse.Namespace, run: _Run) -> int:
+    from dls.config import ConfigError, apply_overrides, parse_checkpoint_states, parse_config, read_config
+    from dls.train.checkpoint import load_resume_checkpoint
     from dls.train.trainer import init_distributed, shutdown_distributed
 
     states = None
     if args.load_checkpoint_states is not None:
         if args.resume is None:
-            return _error("--load_checkpoint_states needs --resume DIR_OR_FILE (the checkpoint to load from)")
+            raise UsageError("--load_checkpoint_states needs --resume DIR_OR_FILE (the checkpoint to load from)")
         try:
             states = parse_checkpoint_states(args.load_checkpoint_states)
         except ValueError as exc:
-            return _error(f"--load_checkpoint_states: {exc}")
+            raise UsageError(f"--load_checkpoint_states: {exc}") from None
+    if args.config is not None:
+        raw, source = read_config(args.config, args.override), args.config
+    elif args.resume is not None:
+        path, state, _ = load_resume_checkpoint(args.resume)
+        saved = state.get("config")
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"{path} holds no config: give the YAML config too (dls train CONFIG --resume ...)")
+        source = f"the config saved in {path}"
+        runconfig = saved.get("runconfig")
+        if isinstance(runconfig, dict):  # the run's directory is DIR, not where the checkpoint was written
+            saved = {**saved, "runconfig": {k: v for k, v in runconfig.items() if k != "model_dir"}}
+        raw = apply_overrides(saved, args.override, source=source)
+    else:
+        raise UsageError("give a YAML config (dls train CONFIG.yaml), or --resume DIR to continue a run")
+    section = raw.get("runconfig")
+    if args.resume is not None and not (isinstance(section, dict) and "model_dir" in section):
+        resume = Path(args.resume)
+        directory = resume.parent if resume.is_file() else resume
+        raw = {**raw, "runconfig": {**(section if isinstance(section, dict) else {}), "model_dir": str(directory)}}
+    cfg = parse_config(raw, source=source)
     try:
-        if args.config is not None:
-            cfg = load_config(args.config, args.override)
-        elif args.resume is not None:
-            path = find_checkpoint(args.resume)
-            saved = load_checkpoint(path).get("config")
-            if not isinstance(saved, dict):
-                return _error(f"{path} holds no config: give the YAML config too (dls train CONFIG --resume ...)")
-            cfg = parse_config(apply_overrides(saved, args.override), source=f"the config saved in {path}")
-        else:
-            return _error("give a YAML config (dls train CONFIG.yaml), or --resume DIR to continue a run")
         owns_group = init_distributed(cfg.runconfig.device)  # under torchrun (WORLD_SIZE > 1)
-    except (CheckpointError, ValueError) as exc:
-        # ConfigError is a ValueError too; other ValueErrors here come from the device set-up.
-        return _error(str(exc))
+    except ValueError as exc:  # the device
+        raise ConfigError([str(exc)], source) from None
     try:
-        return _run(cfg, args, states)
+        trainer = _build(cfg, source, progress=not args.no_progress, config_file=args.config)
+        try:
+            trainer.train(resume=args.resume, load_states=states)
+        finally:
+            run.crash_dir = trainer.crash_dir
+            trainer.close()  # data-parallel: every rank waits for rank 0's outputs; DDP released
     finally:
         if owns_group:
             shutdown_distributed()
-
-
-def _run(cfg: TrainConfig, args: argparse.Namespace, states: Sequence[str] | None) -> int:
-    from dls.train.checkpoint import CheckpointError
-    from dls.train.trainer import Trainer, TrainingStopped
-
-    try:
-        trainer = Trainer(cfg, progress=not args.no_progress)
-    except ValueError as exc:  # from data/model/device set-up
-        return _error(str(exc))
-    try:
-        trainer.train(resume=args.resume, load_states=states)
-    except CheckpointError as exc:
-        return _error(str(exc))
-    except TrainingStopped as exc:
-        if not _quiet_rank():
-            print(f"dls: training stopped: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        trainer.close()  # data-parallel: every rank waits for rank 0's outputs; DDP released
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _demo(args: argparse.Namespace, run: _Run) -> int:
     from dls.train.demo import DEFAULT_STEPS, run_demo
 
     steps = args.steps if args.steps is not None else DEFAULT_STEPS
     if steps < 1:
-        return _error(f"--steps must be >= 1; got {steps}")
+        raise UsageError(f"--steps must be >= 1; got {steps}")
     run_demo(Path(args.out), steps=steps, progress=not args.no_progress)
     return 0
 

@@ -185,7 +185,14 @@ class BatchIterator:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch = int(state["epoch"])
-        taken = int(state["position"])
+        """Continue from ``state`` (:meth:`state_dict`); ``ValueError`` naming the field when it is not one."""
+        if not isinstance(state, dict):
+            raise ValueError(f"a mapping with epoch and position is expected; got {type(state).__name__}")
+        for key in ("epoch", "position"):
+            value = state.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+                raise ValueError(f"{key} must be an integer >= 0; got {value!r}")
+        self.epoch = state["epoch"]
+        taken = state["position"]
         self.position = -(-taken // self.world_size)  # rounded up: no batch slot is taken twice
         self._order = None

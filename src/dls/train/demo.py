@@ -16,8 +16,9 @@ format at the run's current loss scale, counts the nonzero gradient values that 
 
 from __future__ import annotations
 
+import io
 import math
-import shutil
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,8 @@ from rich.table import Table
 
 from dls.config import parse_config
 from dls.train.plots import plot_comparison, read_metrics
-from dls.train.trainer import Trainer, TrainResult
+from dls.train.rundir import RunDir, open_directory, replace_file, resolve_model_dir
+from dls.train.trainer import CONFIG_FILE, METRICS_FILE, PLOT_FILE, Trainer, TrainResult
 
 DEFAULT_STEPS = 600
 LOSS_WEIGHT = 1e-4
@@ -125,11 +127,18 @@ def run_demo(
         torch.set_num_threads(threads)
     total = time.perf_counter() - start
     _print_table(console, results, steps)
-    plot = plot_comparison(
-        [(run.label, read_metrics(result.metrics_path)) for run, result in results],
-        out / "demo.png",
+    png = io.BytesIO()
+    plot_comparison(
+        [(run.label, read_metrics(result.metrics_path.read_bytes())) for run, result in results],
+        png,
         title=f"dls demo: MLP regression, loss weight {LOSS_WEIGHT:g}, {steps} steps",
     )
+    plot = out / "demo.png"
+    directory = open_directory(resolve_model_dir(out))
+    try:
+        replace_file(directory, plot.name, png.getbuffer(), shown=plot)
+    finally:
+        os.close(directory)
     console.print(
         "Runs: fp16 = float16 under torch.autocast; 'no scaling' = loss_scaling_factor 1.0 (Model Zoo's value for "
         f"no scaling); 'static {_pow2(STATIC_SCALE)}' = a fixed, hand-picked scale; 'fp16 + DLS' = "
@@ -142,10 +151,20 @@ def run_demo(
     return results
 
 
+def _clear_previous_run(model_dir: Path) -> None:
+    """Delete the outputs a previous ``dls demo`` left in ``model_dir`` (the trainer's file names only; links are
+    removed, never followed), holding the directory's lock so that a run using it is not disturbed."""
+    if not model_dir.exists():
+        return
+    with RunDir(resolve_model_dir(model_dir)) as run_dir:
+        for name in run_dir.names():
+            if name in (METRICS_FILE, PLOT_FILE, CONFIG_FILE) or (name.startswith("checkpoint_") and ".mdl" in name):
+                os.unlink(name, dir_fd=run_dir.fd)
+
+
 def _train_one(run: DemoRun, out: Path, steps: int, progress: bool, console: Console) -> TrainResult:
     model_dir = out / run.slug
-    if model_dir.exists():
-        shutil.rmtree(model_dir)
+    _clear_previous_run(model_dir)
     raw = base_config(steps, model_dir)
     raw["precision"].update(run.precision)
     raw["optimizer"].update(run.optimizer)

@@ -6,27 +6,57 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
+from dls.train.errors import ModelDirError
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a ``metrics.jsonl`` file (an unreadable trailing line, e.g. from a crash, is dropped)."""
+
+def read_metrics(data: bytes) -> list[dict[str, Any]]:
+    """The rows of ``metrics.jsonl`` content, for plotting: lines that are not metrics rows are left out."""
     rows: list[dict[str, Any]] = []
-    p = Path(path)
-    if not p.exists():
-        return rows
-    for line in p.read_text(encoding="utf-8").splitlines():
+    for line in data.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # also UnicodeDecodeError
+            continue
+        if isinstance(row, dict) and _is_step(row.get("step")):
+            rows.append(row)
+    return rows
+
+
+def metrics_to_keep(data: bytes | None, path: Path, step: int) -> bytes:
+    """The lines of ``metrics.jsonl`` content ``data`` (of the file ``path``) whose step is at most ``step``: what a
+    run resumed at ``step`` keeps (a crash may have left rows the checkpoint does not cover). A last line without
+    its newline (a run killed while writing it) is dropped. Any other line that is not a metrics row raises
+    :class:`~dls.train.errors.ModelDirError` naming it: the file is left as it is rather than losing it."""
+    if not data:
+        return b""
+    lines = data.split(b"\n")
+    kept = []
+    for number, line in enumerate(lines[:-1], start=1):  # lines[-1] is b"" or an unfinished last line
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+            row = json.loads(line)
+            ok = isinstance(row, dict) and _is_step(row.get("step"))
+        except ValueError as exc:  # not JSON or not UTF-8
+            ok, row = False, str(exc).splitlines()[0]
+        if not ok:
+            raise ModelDirError(
+                f"{path} line {number} is not a metrics row ({str(row)[:80]}); a resumed run rewrites that file "
+                "and would lose it: move the file away (resuming does not need it) and run again"
+            )
+        if row["step"] <= step:
+            kept.append(line + b"\n")
+    return b"".join(kept)
+
+
+def _is_step(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _finite(value: Any) -> bool:
@@ -40,8 +70,8 @@ def _pow2(value: float, _pos: Any = None) -> str:
     return f"$2^{{{exponent:.0f}}}$" if abs(exponent - round(exponent)) < 1e-6 else f"{value:g}"
 
 
-def plot_run(rows: Sequence[dict[str, Any]], out: str | Path, title: str = "") -> Path:
-    """Loss (top) and loss scale (bottom) over steps; skipped steps are red crosses on both."""
+def plot_run(rows: Sequence[dict[str, Any]], out: IO[bytes], title: str = "") -> None:
+    """Loss (top) and loss scale (bottom) over steps, as PNG into ``out``; skipped steps are red crosses on both."""
     fig = Figure(figsize=(9, 6.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax_loss, ax_scale = fig.subplots(2, 1, sharex=True)
@@ -84,13 +114,11 @@ def plot_run(rows: Sequence[dict[str, Any]], out: str | Path, title: str = "") -
     ax_scale.grid(True, which="both", alpha=0.3)
     if title:
         fig.suptitle(title, fontsize=11, wrap=True)
-    path = Path(out)
-    fig.savefig(path, dpi=110)
-    return path
+    fig.savefig(out, format="png", dpi=110)
 
 
-def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: str | Path, title: str = "") -> Path:
-    """Several runs: loss curves (top) and loss scales (bottom), skipped steps as crosses."""
+def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: IO[bytes], title: str = "") -> None:
+    """Several runs, as PNG into ``out``: loss curves (top) and loss scales (bottom), skipped steps as crosses."""
     fig = Figure(figsize=(10, 7.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax_loss, ax_scale = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
@@ -123,6 +151,4 @@ def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: s
     ax_scale.grid(True, which="both", alpha=0.3)
     if title:
         fig.suptitle(title)
-    path = Path(out)
-    fig.savefig(path, dpi=110)
-    return path
+    fig.savefig(out, format="png", dpi=110)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import io
 import json
 import math
 import os
@@ -55,21 +56,19 @@ from dls.config import (
     to_dict,
 )
 from dls.train import checkpoint as ckpt
+from dls.train import restore
 from dls.train.data import Batch, BatchIterator, CharCorpus, build_dataset
+from dls.train.errors import RankError, Terminated, TrainingStopped, describe, exit_status
 from dls.train.models import TrainModel, build_model
-from dls.train.plots import plot_run, read_metrics
+from dls.train.plots import metrics_to_keep, plot_run, read_metrics
+from dls.train.restore import format_scale as _pow2
+from dls.train.rundir import RunDir, check_unlocked, describe_holder, is_same_file, resolve_model_dir
+
+__all__ = ["TrainResult", "Trainer", "TrainingStopped", "init_distributed", "shutdown_distributed"]
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "plots.png"
 CONFIG_FILE = "config.yaml"
-
-
-class TrainingStopped(RuntimeError):
-    """Training cannot usefully continue; the state was checkpointed first (``checkpoint``)."""
-
-    def __init__(self, message: str, checkpoint: Path | None = None) -> None:
-        super().__init__(message)
-        self.checkpoint = checkpoint
 
 
 @dataclass
@@ -192,12 +191,6 @@ class _LossOf(torch.nn.Module):
         return self.model.loss(batch)
 
 
-def _pow2(value: float) -> str:
-    if value > 0 and math.log2(value).is_integer():
-        return f"2^{int(math.log2(value))}"
-    return f"{value:g}"
-
-
 def describe_scaling(cfg: TrainConfig) -> str:
     mode = loss_scaling_mode(cfg)
     if mode == "off":
@@ -258,8 +251,9 @@ class _Reporter:
 
 
 class _StopRequest:
-    """While active (main thread only), the first Ctrl-C asks the loop to stop after the current step (which then
-    checkpoints a consistent state); a second one interrupts at once. Data-parallel: the request is shared in the
+    """While active (main thread only), the first Ctrl-C (SIGINT) or SIGTERM asks the loop to stop after the current
+    step (which then checkpoints a consistent state and raises :meth:`interrupt`: ``KeyboardInterrupt``, or
+    :class:`Terminated` for SIGTERM); a second one interrupts at once. Data-parallel: the request is shared in the
     all-reduce of the next logged step, after which every rank stops at the same step."""
 
     def __init__(self, log: Callable[[str], None], distributed: bool = False) -> None:
@@ -267,25 +261,33 @@ class _StopRequest:
         self.distributed = distributed
         self.requested = False
         self.forced = False
-        self._previous: Any = None
+        self.signum: int = signal.SIGINT
+        self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:
             self.forced = True
-            raise KeyboardInterrupt
-        self.requested = True
+            raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+        self.requested, self.signum = True, signum
         when = "at the next logged step (all ranks together)" if self.distributed else "after this step"
-        self.log(f"Ctrl-C: stopping {when} and saving a checkpoint (press Ctrl-C again to quit at once)")
+        if signum == signal.SIGTERM:
+            self.log(f"SIGTERM: stopping {when} and saving a checkpoint")
+        else:
+            self.log(f"Ctrl-C: stopping {when} and saving a checkpoint (press Ctrl-C again to quit at once)")
+
+    def interrupt(self) -> KeyboardInterrupt:
+        return Terminated() if self.signum == signal.SIGTERM else KeyboardInterrupt()
 
     def __enter__(self) -> _StopRequest:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
 
 
 # ---------------------------------------------------------------------- trainer
@@ -298,6 +300,11 @@ class Trainer:
         progress: show a progress bar (terminal) or progress lines (otherwise).
         summary: print the summary table at the end.
         plot: write ``plots.png`` at the end.
+        config_file: the YAML file the config was read from, if any: it is never overwritten (``model_dir: .``
+            next to it would otherwise replace it by ``config.yaml``).
+
+    ``runconfig.model_dir`` is resolved once; :meth:`train` locks it for the run and writes nothing outside it
+    (see :mod:`dls.train.rundir` and, for resuming, :mod:`dls.train.restore`).
 
     When ``torch.distributed`` is initialised with several ranks (``dls train`` under ``torchrun``:
     :func:`init_distributed`), it trains data-parallel with ``DistributedDataParallel``; only rank 0 writes
@@ -312,8 +319,10 @@ class Trainer:
         progress: bool = True,
         summary: bool = True,
         plot: bool = True,
+        config_file: str | Path | None = None,
     ) -> None:
         self.cfg = cfg
+        self.config_file = Path(config_file) if config_file is not None else None
         self.console = console if console is not None else Console()
         self.show_progress = progress
         self.show_summary = summary
@@ -324,8 +333,11 @@ class Trainer:
         self.is_main = self.rank == 0
         if self.world_size > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())  # one GPU per rank
-        self.model_dir = Path(rc.model_dir)
+        self.model_dir = resolve_model_dir(rc.model_dir)
         self.metrics_path = self.model_dir / METRICS_FILE
+        self._run_dir: RunDir | None = None  # rank 0, while train() runs: the locked model_dir
+        self._metrics: Any = None  # rank 0, while train() runs: metrics.jsonl open for appending
+        self.crash_dir: Path | None = None  # where a crash report may go: model_dir, once this run has locked it
         seed_everything(rc.seed)
         self.dataset = build_dataset(cfg.data)
         shuffle_seed = cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else rc.seed
@@ -343,7 +355,8 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
         self.scheduler = build_scheduler(cfg.optimizer, self.optimizer)
         self.compute_dtype = cfg.precision.compute_dtype
-        self.scaler = dls.GradScaler(**grad_scaler_kwargs(cfg), device=self.device)
+        # Cerebras' dialect, as the config's keys (no device: the scale moves to the loss's device at scale()).
+        self.scaler = dls.GradScaler(**grad_scaler_kwargs(cfg))
         self.scaling = loss_scaling_mode(cfg)
         self.global_step = 0
         self.elapsed = 0.0
@@ -385,19 +398,83 @@ class Trainer:
     # ------------------------------------------------------------------ run
     def train(self, resume: str | Path | None = None, load_states: Sequence[str] | None = None) -> TrainResult:
         """Train to ``runconfig.max_steps``; with ``resume`` (a model_dir or a checkpoint file) continue from
-        the checkpoint, loading ``load_states`` (default: ``runconfig.load_checkpoint_states``, else all)."""
-        cfg, rc = self.cfg, self.cfg.runconfig
+        the checkpoint, loading ``load_states`` (default: ``runconfig.load_checkpoint_states``, else all).
+
+        A directory's newest checkpoint that cannot be read is skipped (said in the log; in place it is renamed
+        ``checkpoint_<step>.mdl.unreadable``); a named checkpoint file that cannot be read raises
+        :class:`~dls.train.errors.CheckpointError`. Where the run may write: :func:`dls.train.restore.check_model_dir`
+        (a refusal raises :class:`~dls.train.errors.ModelDirError` before anything is written)."""
         session_start = time.perf_counter()
         self._ended_together = False
+        states = tuple(load_states or self.cfg.runconfig.load_checkpoint_states or CHECKPOINT_STATES)
+        path: Path | None = None
+        unreadable: list[tuple[Path, str]] = []
+        self._on_main(lambda: check_unlocked(self.model_dir))
         if resume is not None:
-            self._restore(resume, load_states)
+            path, state, unreadable = ckpt.load_resume_checkpoint(resume)
+            for bad, reason in unreadable:
+                self.log(f"Skipping {bad}: {reason}")
+            restore.check_model_dir(self.model_dir, path, unreadable, states)
+            restore.restore(self, path, state, states)
+            del state
         else:
-            self._check_fresh_model_dir()
+            restore.check_model_dir(self.model_dir, None, [], ())
+        self._on_main(lambda: self._open_outputs(path, unreadable, states))
+        try:
+            return self._train(session_start)
+        finally:
+            self._close_outputs()
+
+    def _open_outputs(self, checkpoint: Path | None, unreadable: list[tuple[Path, str]], states: Sequence[str]) -> None:
+        """Rank 0: lock model_dir, check again under the lock where the run may write, put unreadable checkpoints
+        aside (in place), rewrite metrics.jsonl up to the resumed step and keep it open, write config.yaml."""
+        run_dir = self._run_dir = RunDir(self.model_dir)
+        try:
+            if run_dir.stale:
+                holder = describe_holder(run_dir.stale)
+                self.log(f"Taking over the lock of {holder}: that run ended without releasing it")
+            self.crash_dir = self.model_dir
+            in_place = restore.check_model_dir(self.model_dir, checkpoint, unreadable, states)
+            for bad, _ in unreadable if in_place else []:
+                run_dir.rename(bad.name, bad.name + ".unreadable")
+                self.log(f"Renamed {bad.name} to {bad.name}.unreadable (kept, never resumed from)")
+            keep = metrics_to_keep(run_dir.read(METRICS_FILE), self.metrics_path, self.global_step)
+            self._metrics = run_dir.open_log(METRICS_FILE, keep)
+            if self.config_file is not None and is_same_file(run_dir.fd, CONFIG_FILE, self.config_file):
+                self.log(f"{self.model_dir / CONFIG_FILE} is the input config: left as it is")
+            else:
+                run_dir.replace(CONFIG_FILE, yaml.safe_dump(to_dict(self.cfg), sort_keys=False).encode())
+        except BaseException:
+            self._close_outputs()
+            raise
+
+    def _close_outputs(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        if self._run_dir is not None:
+            self._run_dir.close()
+            self._run_dir = None
+
+    def _on_main(self, action: Callable[[], None]) -> None:
+        """Run ``action`` on rank 0 alone. Data-parallel, its outcome is broadcast: when it failed, every other
+        rank raises :class:`RankError` with rank 0's message and exit status, so all ranks end alike."""
+        error: Exception | None = None
         if self.is_main:
-            self.model_dir.mkdir(parents=True, exist_ok=True)
-            self._prepare_metrics()
-            config_text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
-            (self.model_dir / CONFIG_FILE).write_text(config_text, encoding="utf-8")
+            try:
+                action()
+            except Exception as exc:
+                error = exc
+        if self.world_size > 1:
+            outcome = [None if error is None else (describe(error), int(exit_status(error)))]
+            dist.broadcast_object_list(outcome, src=0)
+            if not self.is_main and outcome[0] is not None:
+                raise RankError(*outcome[0])
+        if error is not None:
+            raise error
+
+    def _train(self, session_start: float) -> TrainResult:
+        cfg, rc = self.cfg, self.cfg.runconfig
         for warning in cfg.warnings:
             self.log(f"warning: {warning}")
         data_name = cfg.data.dataset
@@ -421,16 +498,14 @@ class Trainer:
         self.model.train()
         stop_request = _StopRequest(self.log, distributed=self.world_size > 1)
         try:
-            with contextlib.ExitStack() as stack:
-                metrics = stack.enter_context(open(self.metrics_path, "a", encoding="utf-8")) if self.is_main else None
-                stack.enter_context(stop_request)
+            with stop_request:
                 while self.global_step < rc.max_steps:
                     if self._stop_requested(stop_request):
-                        raise KeyboardInterrupt
+                        raise stop_request.interrupt()
                     row = self._step(session_start, stop_request.requested)
-                    if row is not None and metrics is not None:
-                        metrics.write(json.dumps(row, allow_nan=False) + "\n")
-                        metrics.flush()
+                    if row is not None and self._metrics is not None:
+                        self._metrics.write((json.dumps(row, allow_nan=False) + "\n").encode())
+                        self._metrics.flush()
                     self._check_overflow_streak(session_start)
                     step = self.global_step
                     if rc.checkpoint_steps and step % rc.checkpoint_steps == 0 and step < rc.max_steps:
@@ -680,7 +755,8 @@ class Trainer:
             }
             if rng_ranks:
                 state["rng_ranks"] = rng_ranks
-            ckpt.save_checkpoint(state, path, keep=self.cfg.runconfig.keep_checkpoint_max)
+            assert self._run_dir is not None, "checkpoints are written while train() holds model_dir"
+            ckpt.save_checkpoint(state, path, keep=self.cfg.runconfig.keep_checkpoint_max, dir_fd=self._run_dir.fd)
         self._last_checkpoint = path
         return path
 
@@ -688,97 +764,15 @@ class Trainer:
     def _checkpoint_step(path: Path) -> int:
         return int(path.stem.split("_")[-1])
 
-    def _check_fresh_model_dir(self) -> None:
-        found = ckpt.list_checkpoints(self.model_dir)
-        if found:
-            raise ckpt.CheckpointError(
-                f"runconfig.model_dir {self.model_dir} already holds checkpoints (latest: step {found[-1][0]}). "
-                f"To continue that run, add --resume {self.model_dir}; to start over, choose another model_dir "
-                f"(--override runconfig.model_dir=...) or delete {self.model_dir}."
-            )
-
-    def _restore(self, resume: str | Path, load_states: Sequence[str] | None) -> None:
-        path = ckpt.find_checkpoint(resume)
-        state = ckpt.load_checkpoint(path)
-        states = tuple(load_states or self.cfg.runconfig.load_checkpoint_states or CHECKPOINT_STATES)
-        saved_step = state.get("global_step", "?")
-        self.log(f"Loading {path} (step {saved_step}): {', '.join(states)}")
-        fresh = [s for s in CHECKPOINT_STATES if s not in states]
-        if fresh:
-            self.log(f"Not loaded (fresh from the config): {', '.join(fresh)}")
-        if "model" in states:
-            try:
-                self.model.load_state_dict(state["model"])
-            except RuntimeError as exc:
-                first = str(exc).strip().splitlines()
-                raise ckpt.CheckpointError(
-                    f"the model in {path} does not fit model: in this config ({first[0] if first else exc}); "
-                    "resume with the config the checkpoint was trained with"
-                ) from None
-        for key, target in (
-            ("optimizer", self.optimizer),
-            ("lr_scheduler", self.scheduler),
-            ("dataloader", self.batches),
-        ):
-            if key not in states:
-                continue
-            if key not in state:
-                self.log(f"{path} has no {key} state; {key} starts fresh")
-                continue
-            try:
-                target.load_state_dict(state[key])
-            except (ValueError, KeyError, RuntimeError) as exc:
-                raise ckpt.CheckpointError(f"cannot load the {key} state of {path}: {exc}") from None
-        if "grad_scaler" in states:
-            self._restore_scaler(path, state.get("grad_scaler"))
-        if "global_step" in states:
-            self.global_step = int(state.get("global_step", 0))
-            trainer = state.get("trainer", {})
-            self.elapsed = float(trainer.get("elapsed", 0.0))
-            self.overflows_at_floor = int(trainer.get("overflows_at_floor", 0))
-        if "rng" in states:
-            # Last: building the run above must not consume the restored RNG.
-            rng_ranks = state.get("rng_ranks")
-            if self.world_size > 1 and isinstance(rng_ranks, list) and len(rng_ranks) == self.world_size:
-                ckpt.set_rng_state(rng_ranks[self.rank])  # saved by as many ranks: each its own
-            elif "rng" in state:
-                ckpt.set_rng_state(state["rng"])  # rank 0's
-                if self.rank > 0:  # saved by fewer ranks: a stream of its own, not a copy of rank 0's
-                    seed_everything(self.cfg.runconfig.seed + self.rank + 1_000_003 * self.global_step)
-            else:
-                self.log(f"{path} has no rng state; random-number generators start from runconfig.seed")
-
-    def _restore_scaler(self, path: Path, saved: dict[str, Any] | None) -> None:
-        if not saved:
-            if self.scaler.is_enabled():
-                self.log(
-                    f"{path} has no grad_scaler state (it was saved by a run without loss scaling); "
-                    f"using the loss scaler built from the config: {describe_scaling(self.cfg)}"
-                )
-            return
-        if not self.scaler.is_enabled():
-            self.log(f"the grad_scaler state in {path} is not used: this config has no loss scaling")
-            return
-        try:
-            self.scaler.load_state_dict(saved)
-        except (ValueError, RuntimeError) as exc:
-            raise ckpt.CheckpointError(f"cannot load the grad_scaler state of {path}: {exc}") from None
-
     # ------------------------------------------------------------------ outputs
-    def _prepare_metrics(self) -> None:
-        """Fresh run: empty ``metrics.jsonl``. Resumed: keep the rows up to the resumed step (a later crash
-        may have left rows the checkpoint does not cover)."""
-        keep = [r for r in read_metrics(self.metrics_path) if r.get("step", 0) <= self.global_step]
-        tmp = self.metrics_path.with_name(METRICS_FILE + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
-        tmp.replace(self.metrics_path)
-
     def _finish_outputs(self) -> Path | None:
-        if not (self.write_plot and self.is_main):
+        if not (self.write_plot and self.is_main) or self._run_dir is None:
             return None
-        rows = read_metrics(self.metrics_path)
+        rows = read_metrics(self._run_dir.read(METRICS_FILE) or b"")
         title = f"{self.cfg.model.name}, {describe_precision(self.cfg)}\n{describe_scaling(self.cfg)}"
-        return plot_run(rows, self.model_dir / PLOT_FILE, title=title)
+        png = io.BytesIO()
+        plot_run(rows, png, title=title)
+        return self._run_dir.replace(PLOT_FILE, png.getbuffer())
 
     def print_summary(self, result: TrainResult) -> None:
         table = Table(title=f"dls train: {self.model_dir}", show_header=False, title_justify="left")
@@ -807,4 +801,5 @@ class Trainer:
 
 def iter_metrics(model_dir: str | Path) -> Iterator[dict[str, Any]]:
     """The rows of ``MODEL_DIR/metrics.jsonl``."""
-    yield from read_metrics(Path(model_dir) / METRICS_FILE)
+    path = Path(model_dir) / METRICS_FILE
+    yield from read_metrics(path.read_bytes() if path.exists() else b"")

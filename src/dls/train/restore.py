@@ -1,0 +1,376 @@
+"""Resuming: where a resumed run may write (:func:`check_model_dir`) and loading a checkpoint into a trainer
+(:func:`restore`), every field checked before use.
+
+Where a run writes (``runconfig.model_dir``, called DIR below; ``SRC`` is the directory of the checkpoint):
+
+* a fresh run (no ``--resume``) refuses a DIR that already holds checkpoints;
+* a resumed run continues *in place* (DIR is SRC) only from SRC's newest readable checkpoint and only when it
+  loads ``global_step``: the run goes on where it stopped (Model Zoo's case of loading every state but
+  ``grad_scaler`` to switch loss scaling on is one). Anything else in place (a rewind to an older checkpoint, a
+  restart at step 0) would overwrite the run's metrics and leave checkpoints of the other history behind, so it
+  is refused;
+* a resumed run with another DIR is a *fork*: DIR must be new or empty, SRC is only read, and the step count
+  continues from the checkpoint's (when ``global_step`` is loaded).
+
+The checkpoint's loss-scaling state: the config (YAML and overrides) defines the scaler's mode and settings; the
+checkpoint contributes only its dynamic state (:data:`DYNAMIC_STATE_KEYS`), and each difference between the
+checkpoint's scaling and the config's is logged in one line. From static to dynamic scaling the scale starts
+from the config's initial scale, from dynamic to static it is the config's static scale, and a changed static
+scale takes effect; the count of skipped steps always carries over.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dls.config import CHECKPOINT_STATES, ConfigError, TrainConfig, grad_scaler_kwargs, loss_scaling_mode, parse_config
+from dls.train import checkpoint as ckpt
+from dls.train.errors import CheckpointError, ModelDirError
+from dls.train.rundir import entries, resolve_model_dir
+
+if TYPE_CHECKING:
+    from dls.train.trainer import Trainer
+
+# The scaler's dynamic state; everything else in a grad_scaler state dict is a setting, which the config defines.
+DYNAMIC_STATE_KEYS = (
+    "loss_scale",
+    "steps_since_rescale",
+    "overflows_since_rescale",
+    "num_skipped_steps",
+    "hysteresis_hits",
+)
+# torch.amp.GradScaler's names, read when the dls names are absent.
+_TORCH_NAMES = {"loss_scale": "scale", "steps_since_rescale": "_growth_tracker"}
+# grad_scaler_kwargs() names -> config keys, for the settings compared on resume.
+_SETTING_KEYS = {
+    "init_scale": "initial_loss_scale",
+    "steps_per_increase": "steps_per_increase",
+    "min_loss_scale": "min_loss_scale",
+    "max_loss_scale": "max_loss_scale",
+    "overflow_tolerance": "overflow_tolerance",
+    "growth_factor": "growth_factor",
+    "backoff_factor": "backoff_factor",
+    "hysteresis": "hysteresis",
+}
+# Per-parameter state every optimizer family needs once it has stepped.
+_REQUIRED_STATE = {"SGD": ("momentum_buffer",), "Adam": ("step", "exp_avg", "exp_avg_sq")}
+_INT64_MAX = 2**63 - 1
+
+
+def format_scale(value: float | None) -> str:
+    """``2^k`` for powers of two, else ``%g``."""
+    if value is None:
+        return "none"
+    if value > 0 and math.isfinite(value) and math.log2(value).is_integer():
+        return f"2^{int(math.log2(value))}"
+    return f"{value:g}"
+
+
+# ---------------------------------------------------------------------- where a run writes
+def check_model_dir(
+    model_dir: Path, checkpoint: Path | None, unreadable: Sequence[tuple[Path, str]], states: Sequence[str]
+) -> bool:
+    """Whether the run may write into ``model_dir`` (resolved) when resuming from ``checkpoint`` (``None``: a
+    fresh run) loading ``states``; ``unreadable`` are the newer checkpoints of its directory that could not be
+    read. Returns whether the run continues in place; raises :class:`ModelDirError` (reading only)."""
+    if checkpoint is None:
+        found = ckpt.list_checkpoints(model_dir)
+        if found:
+            raise ModelDirError(
+                f"runconfig.model_dir {model_dir} already holds checkpoints (latest: step {found[-1][0]}). To "
+                f"continue that run, add --resume {model_dir}; to start over, choose another model_dir "
+                f"(--override runconfig.model_dir=...) or delete {model_dir}."
+            )
+        return False
+    source = resolve_model_dir(checkpoint.parent)
+    if source != model_dir:
+        if any(True for _ in entries(model_dir)):
+            raise ModelDirError(
+                f"runconfig.model_dir {model_dir} is not the directory of the checkpoint ({source}), so this run "
+                f"starts a new run from the checkpoint, and a new run needs a new or empty directory: {model_dir} "
+                f"is not empty. To continue {source} itself, resume it without another model_dir "
+                f"(or with -o runconfig.model_dir={source})."
+            )
+        return False
+    skipped = {p.name for p, _ in unreadable}
+    newer = [p for step, p in ckpt.list_checkpoints(source) if p.name not in skipped and p.name != checkpoint.name]
+    newer = [p for p in newer if _step_of(p) > _step_of(checkpoint)]
+    fork_hint = "load it into a new or empty directory instead: -o runconfig.model_dir=NEW_DIR"
+    if newer:
+        raise ModelDirError(
+            f"{checkpoint} is not the latest checkpoint of {source} ({newer[-1].name} is): continuing in {source} "
+            f"would mix two histories of the run. Continue from the latest with --resume {source}, or {fork_hint}"
+        )
+    if "global_step" not in states:
+        raise ModelDirError(
+            f"loading {', '.join(states)} without global_step restarts at step 0, which in {source} would "
+            f"overwrite the run's metrics and leave its checkpoints behind. Add global_step to continue the run "
+            f"in place, or {fork_hint}"
+        )
+    return True
+
+
+def _step_of(path: Path) -> int:
+    name = path.name
+    digits = name[len("checkpoint_") : -len(".mdl")] if name.startswith("checkpoint_") else ""
+    return int(digits) if digits.isdigit() else -1
+
+
+# ---------------------------------------------------------------------- loading
+def restore(trainer: Trainer, path: Path, state: dict[str, Any], states: Sequence[str]) -> None:
+    """Load ``states`` of the checkpoint ``state`` (read from ``path``) into ``trainer``. Every field is checked:
+    a field that does not fit raises :class:`CheckpointError` naming it and the file."""
+    saved_step = state.get("global_step", "?")
+    trainer.log(f"Loading {path} (step {saved_step}): {', '.join(states)}")
+    fresh = [s for s in CHECKPOINT_STATES if s not in states]
+    if fresh:
+        trainer.log(f"Not loaded (fresh from the config): {', '.join(fresh)}")
+    if "global_step" in states:  # checked first: it is what a bad file most often gets wrong
+        step = _count(state.get("global_step", 0), "global_step", path)
+        extra = state.get("trainer", {})
+        if not isinstance(extra, dict):
+            raise CheckpointError(f"the trainer state in {path} must be a mapping; got {type(extra).__name__}")
+        elapsed = extra.get("elapsed", 0.0)
+        if isinstance(elapsed, bool) or not isinstance(elapsed, (int, float)) or not 0 <= elapsed < math.inf:
+            raise CheckpointError(f"trainer.elapsed in {path} must be a number of seconds >= 0; got {elapsed!r}")
+        floor = _count(extra.get("overflows_at_floor", 0), "trainer.overflows_at_floor", path)
+    if "model" in states:
+        try:
+            trainer.model.load_state_dict(state["model"])
+        except (RuntimeError, TypeError, ValueError, KeyError, AttributeError) as exc:
+            first = str(exc).strip().splitlines()
+            raise CheckpointError(
+                f"the model in {path} does not fit model: in this config ({first[0] if first else exc}); "
+                "resume with the config the checkpoint was trained with"
+            ) from None
+    saved_cfg = _saved_config(state)
+    if "optimizer" in states and "optimizer" in state:
+        _load_optimizer(trainer, path, state["optimizer"], saved_cfg)
+    for key, target, check in (
+        ("lr_scheduler", trainer.scheduler, _check_scheduler),
+        ("dataloader", trainer.batches, None),
+    ):
+        if key not in states:
+            continue
+        if key not in state:
+            trainer.log(f"{path} has no {key} state; {key} starts fresh")
+            continue
+        try:
+            if check is not None:
+                check(state[key], len(trainer.optimizer.param_groups))
+            target.load_state_dict(state[key])
+        except (ValueError, KeyError, RuntimeError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"cannot load the {key} state of {path}: {exc}") from None
+    if "optimizer" in states and "optimizer" not in state:
+        trainer.log(f"{path} has no optimizer state; optimizer starts fresh")
+    if "grad_scaler" in states:
+        _restore_scaler(trainer, path, state.get("grad_scaler"), saved_cfg)
+    if "global_step" in states:
+        trainer.global_step, trainer.elapsed, trainer.overflows_at_floor = step, float(elapsed), floor
+    if "rng" in states:
+        _restore_rng(trainer, path, state)  # last: building the run above must not consume the restored RNG
+
+
+def _count(value: Any, what: str, path: Path) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _INT64_MAX:
+        raise CheckpointError(f"{what} in {path} must be an integer >= 0; got {value!r}")
+    return value
+
+
+def _saved_config(state: dict[str, Any]) -> TrainConfig | None:
+    saved = state.get("config")
+    if not isinstance(saved, dict):
+        return None
+    try:
+        return parse_config(saved)
+    except ConfigError:
+        return None
+
+
+def _family(optimizer_type: str) -> str:
+    return "SGD" if optimizer_type == "SGD" else "Adam"
+
+
+def _load_optimizer(trainer: Trainer, path: Path, saved: Any, saved_cfg: TrainConfig | None) -> None:
+    optimizer = trainer.optimizer
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if (
+        not isinstance(groups, list)
+        or not isinstance(saved.get("state"), dict)
+        or not all(isinstance(g, dict) for g in groups)
+    ):
+        raise CheckpointError(f"the optimizer state in {path} is not an optimizer state dict (state, param_groups)")
+    now = trainer.cfg.optimizer.optimizer_type
+    # SGD groups have 'momentum', Adam/AdamW groups 'betas': a state of the other family breaks the first step.
+    then = saved_cfg.optimizer.optimizer_type if saved_cfg is not None else None
+    family_then = _family(then) if then else ("Adam" if all("betas" in g for g in groups) else "SGD")
+    if family_then != _family(now):
+        raise CheckpointError(
+            f"the optimizer state in {path} is {then or family_then}'s and optimizer.optimizer_type is {now} now: "
+            "resume without it (--load_checkpoint_states with every state but optimizer; in the run's own "
+            "directory keep global_step) or with the checkpoint's optimizer_type"
+        )
+    try:
+        optimizer.load_state_dict(saved)
+    except (ValueError, KeyError, RuntimeError, TypeError, AttributeError, IndexError) as exc:
+        raise CheckpointError(f"cannot load the optimizer state of {path}: {exc}") from None
+    required = _REQUIRED_STATE[_family(now)]
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            entry = optimizer.state.get(param)
+            if not entry:
+                continue
+            missing = [k for k in required if k not in entry and not (k == "momentum_buffer" and not group["momentum"])]
+            if missing:
+                raise CheckpointError(f"the optimizer state in {path} lacks {', '.join(missing)} for a parameter")
+            for key, value in entry.items():
+                if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+                    continue
+                if not isinstance(value, torch.Tensor) or (value.dim() > 0 and value.shape != param.shape):
+                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise CheckpointError(
+                        f"the optimizer state in {path} does not fit the model: {key} is {got} for a parameter "
+                        f"of shape {tuple(param.shape)}"
+                    )
+
+
+def _check_scheduler(saved: Any, num_groups: int) -> None:
+    if not isinstance(saved, dict):
+        raise ValueError(f"a mapping is expected; got {type(saved).__name__}")
+    last = saved.get("last_epoch")
+    if isinstance(last, bool) or not isinstance(last, int) or not -1 <= last <= _INT64_MAX:
+        raise ValueError(f"last_epoch must be an integer >= -1; got {last!r}")
+    for key in ("base_lrs", "_last_lr"):
+        values = saved.get(key)
+        if key == "_last_lr" and values is None:
+            continue
+        numbers = isinstance(values, list) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values
+        )
+        if not numbers or len(values or ()) != num_groups:
+            raise ValueError(f"{key} must be a list of {num_groups} finite numbers; got {values!r}")
+
+
+def _restore_rng(trainer: Trainer, path: Path, state: dict[str, Any]) -> None:
+    rng_ranks = state.get("rng_ranks")
+    try:
+        if trainer.world_size > 1 and isinstance(rng_ranks, list) and len(rng_ranks) == trainer.world_size:
+            ckpt.set_rng_state(rng_ranks[trainer.rank])  # saved by as many ranks: each its own
+        elif "rng" in state:
+            ckpt.set_rng_state(state["rng"])  # rank 0's
+            if trainer.rank > 0:  # saved by fewer ranks: a stream of its own, not a copy of rank 0's
+                from dls.train.trainer import seed_everything
+
+                seed_everything(trainer.cfg.runconfig.seed + trainer.rank + 1_000_003 * trainer.global_step)
+        else:
+            trainer.log(f"{path} has no rng state; random-number generators start from runconfig.seed")
+    except (TypeError, ValueError, RuntimeError, KeyError, IndexError, OverflowError) as exc:
+        raise CheckpointError(f"cannot restore the random-number generators (rng) of {path}: {exc}") from None
+
+
+# ---------------------------------------------------------------------- the loss scaler
+def _restore_scaler(trainer: Trainer, path: Path, saved: Any, saved_cfg: TrainConfig | None) -> None:
+    scaler = trainer.scaler
+    if not saved:
+        if scaler.is_enabled():
+            from dls.train.trainer import describe_scaling
+
+            trainer.log(
+                f"{path} has no grad_scaler state (it was saved by a run without loss scaling); "
+                f"using the loss scaler built from the config: {describe_scaling(trainer.cfg)}"
+            )
+        return
+    if not scaler.is_enabled():
+        trainer.log(f"the grad_scaler state in {path} is not used: this config has no loss scaling")
+        return
+    values, lines = scaler_state_to_load(saved, saved_cfg, trainer.cfg, path)
+    for line in lines:
+        trainer.log(line)
+    if not values:
+        return
+    try:
+        scaler.load_state_dict(values)
+    except (ValueError, RuntimeError, TypeError, OverflowError) as exc:
+        raise CheckpointError(f"cannot load the grad_scaler state of {path}: {exc}") from None
+
+
+def scaler_state_to_load(
+    saved: Any, saved_cfg: TrainConfig | None, cfg: TrainConfig, path: Path
+) -> tuple[dict[str, Any], list[str]]:
+    """The part of a checkpoint's ``grad_scaler`` state that a run of ``cfg`` loads (dynamic state only, see the
+    module docstring), and one log line per difference between the checkpoint's scaling (``saved_cfg``, the
+    config stored with it; ``None`` when unreadable) and ``cfg``'s."""
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"the grad_scaler state in {path} must be a mapping; got {type(saved).__name__}")
+    values = {}
+    for key in DYNAMIC_STATE_KEYS:
+        name = key if key in saved else _TORCH_NAMES.get(key)
+        if name in saved:
+            values[key] = saved[name]
+    scale = values.get("loss_scale")
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf
+    ):
+        raise CheckpointError(f"grad_scaler.loss_scale in {path} must be a positive finite number; got {scale!r}")
+    for key in DYNAMIC_STATE_KEYS[1:]:
+        if key in values:
+            _count(values[key], f"grad_scaler.{key}", path)
+    now_mode, now = loss_scaling_mode(cfg), grad_scaler_kwargs(cfg)
+    then_mode = loss_scaling_mode(saved_cfg) if saved_cfg is not None else None
+    then = grad_scaler_kwargs(saved_cfg) if saved_cfg is not None else {}
+    lines = []
+    if then_mode not in ("static", "dynamic"):
+        then_mode = None
+        lines.append(f"the config saved in {path} is unreadable: its loss-scaling settings are not compared")
+    skipped = values.get("num_skipped_steps", 0)
+    if then_mode is not None and then_mode != now_mode:
+        if now_mode == "dynamic":
+            start = now["init_scale"] if now["init_scale"] is not None else now["max_loss_scale"]
+            lines.append(
+                f"loss scaling: static {format_scale(then['loss_scale'])} in the checkpoint, dynamic now: the scale "
+                f"starts from the config's initial scale {format_scale(start)}; {skipped} skipped steps carried over"
+            )
+        else:
+            lines.append(
+                f"loss scaling: dynamic in the checkpoint (scale {format_scale(scale)}), static "
+                f"{format_scale(now['loss_scale'])} now: the config's static scale is used; {skipped} skipped steps "
+                "carried over"
+            )
+        return {k: values[k] for k in ("num_skipped_steps",) if k in values}, lines
+    if now_mode == "static":
+        values.pop("loss_scale", None)  # a static scale is the config's
+        if then_mode == "static" and then["loss_scale"] != now["loss_scale"]:
+            lines.append(
+                f"static loss scale: {format_scale(then['loss_scale'])} in the checkpoint, "
+                f"{format_scale(now['loss_scale'])} now: {format_scale(now['loss_scale'])} is used"
+            )
+        return values, lines
+    for key, config_key in _SETTING_KEYS.items():
+        if then_mode is None or then[key] == now[key]:
+            continue
+        if key == "init_scale":
+            lines.append(
+                f"optimizer.initial_loss_scale: {then[key]} in the checkpoint's config, {now[key]} now: not used, "
+                f"the scale continues from the checkpoint's ({format_scale(scale)})"
+            )
+        else:
+            lines.append(
+                f"optimizer.{config_key}: {then[key]:g} in the checkpoint's config, {now[key]:g} now: "
+                f"{now[key]:g} is used"
+            )
+    if scale is not None:
+        low, high = now["min_loss_scale"], now["max_loss_scale"]
+        clamped = min(max(float(scale), low), high)
+        if clamped != scale:
+            bound = "optimizer.max_loss_scale" if clamped == high else "optimizer.min_loss_scale"
+            lines.append(
+                f"the checkpoint's loss scale {format_scale(scale)} is outside [{format_scale(low)}, "
+                f"{format_scale(high)}]: it continues at {bound} ({format_scale(clamped)})"
+            )
+            values["loss_scale"] = clamped
+    return values, lines

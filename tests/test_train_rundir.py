@@ -1,0 +1,212 @@
+"""The run directory: one run at a time (a lock naming its holder, stale locks of killed runs taken over), no write
+through a symbolic link planted in it, inputs never overwritten, an unreadable metrics file kept as it is."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from dls.train import checkpoint as ckpt
+from dls.train.cli import main
+from dls.train.errors import ModelDirError
+from dls.train.rundir import LOCK_FILE, RunDir
+from test_train import make_trainer, metrics, tiny
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Any:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def small(model_dir: Path, steps: int = 2) -> dict[str, Any]:
+    return tiny(model_dir, runconfig={"max_steps": steps, "checkpoint_steps": 2})
+
+
+def write_config(path: Path, raw: dict[str, Any]) -> str:
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+# ---------------------------------------------------------------------- the lock
+def test_a_second_run_on_a_locked_model_dir_exits_2_naming_the_holder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", small(run))
+    with RunDir(run):  # another run's lock (flock locks conflict between open files, even in one process)
+        assert main(["train", config, "--no_progress"]) == 2
+        err = capsys.readouterr().err
+        assert f"is in use by another dls run: pid {os.getpid()} on host {socket.gethostname()}" in err
+        assert sorted(os.listdir(run)) == [LOCK_FILE]  # nothing written
+        with pytest.raises(ModelDirError, match="in use"):
+            make_trainer(small(run))[0].train()
+    assert main(["train", config, "--no_progress"]) == 0
+    assert LOCK_FILE not in os.listdir(run)  # released and removed
+
+
+def test_a_lock_held_by_another_process_then_left_by_its_kill(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run in another process holds model_dir; once killed (SIGKILL: no clean-up), its lock file is stale and the
+    next run takes it over and resumes."""
+    run = tmp_path / "run"
+    raw = tiny(run, runconfig={"max_steps": 100_000, "checkpoint_steps": 5, "log_steps": 1})
+    config = write_config(tmp_path / "c.yaml", raw)
+    script = "import sys; from dls.train.cli import main; sys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", script, "train", config, "--no_progress"], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(ckpt.list_checkpoints(run)) < 1:
+            time.sleep(0.05)
+        assert main(["train", config, "--no_progress", "--resume", str(run)]) == 2
+        assert f"in use by another dls run: pid {proc.pid} on host" in capsys.readouterr().err
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert (run / LOCK_FILE).exists()  # left behind by the killed run
+    code = main(["train", config, "--no_progress", "--resume", str(run), "-o", "runconfig.max_steps=1"])
+    assert code == 0
+    assert f"Taking over the lock of pid {proc.pid}" in capsys.readouterr().out
+    assert not (run / LOCK_FILE).exists()
+
+
+# ---------------------------------------------------------------------- symbolic links
+def test_links_planted_in_model_dir_are_replaced_never_written_through(tmp_path: Path) -> None:
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    run.mkdir()
+    outside.mkdir()
+    names = ["plots.png", "config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", ".checkpoint_2.mdl.tmp"]
+    for i, name in enumerate(names):
+        (outside / f"target{i}").write_text(f"precious {i}\n")
+        (run / name).symlink_to(outside / f"target{i}")
+    trainer = make_trainer(small(run))[0]
+    trainer.write_plot = True
+    trainer.train()
+    for i, name in enumerate(names):
+        assert (outside / f"target{i}").read_text() == f"precious {i}\n", name
+    for name in ("plots.png", "config.yaml", "metrics.jsonl", "checkpoint_2.mdl"):
+        assert (run / name).is_file() and not (run / name).is_symlink(), name
+    assert [r["step"] for r in metrics(run)] == [1, 2]
+    assert not (run / ".checkpoint_2.mdl.tmp").exists()  # a stale temporary name: the link is removed
+
+
+def test_a_lock_file_that_is_a_link_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run, target = tmp_path / "run", tmp_path / "target"
+    run.mkdir()
+    target.write_text("precious\n")
+    (run / LOCK_FILE).symlink_to(target)
+    assert main(["train", write_config(tmp_path / "c.yaml", small(run)), "--no_progress"]) == 2
+    assert "is a symbolic link" in capsys.readouterr().err
+    assert target.read_text() == "precious\n" and sorted(os.listdir(run)) == [LOCK_FILE]
+
+
+def test_a_symlinked_parent_directory_is_fine(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "runs").symlink_to(tmp_path / "real")
+    result = make_trainer(small(tmp_path / "runs" / "run"))[0].train()
+    assert result.model_dir == tmp_path / "real" / "run"  # resolved once
+    assert (tmp_path / "real" / "run" / "checkpoint_2.mdl").is_file()
+
+
+# ---------------------------------------------------------------------- inputs and existing outputs
+def test_the_input_config_inside_model_dir_is_not_overwritten(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "config.yaml"
+    raw = small(tmp_path / "ignored")
+    raw["runconfig"]["model_dir"] = "."
+    text = "# my experiment: keep this comment\n" + yaml.safe_dump(raw)
+    config.write_text(text)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert main(["train", str(config), "--no_progress"]) == 0
+    finally:
+        os.chdir(cwd)
+    assert config.read_text() == text
+    assert "is the input config: left as it is" in capsys.readouterr().out
+    assert (tmp_path / "checkpoint_2.mdl").exists()
+
+
+@pytest.mark.parametrize(
+    "garbage", [b"not json\n", b"\xff\xfe\x00binary\n", b"[1, 2]\n"], ids=["text", "bytes", "list"]
+)
+def test_an_unreadable_metrics_file_is_kept_and_the_resume_refused(
+    tmp_path: Path, garbage: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    make_trainer(small(run))[0].train()
+    lines = (run / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    corrupt = lines[0] + garbage + b"".join(lines[1:])
+    (run / "metrics.jsonl").write_bytes(corrupt)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    assert main(["train", "--resume", str(run), "--no_progress", "-o", "runconfig.max_steps=4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"{run / 'metrics.jsonl'} line 2 is not a metrics row" in err
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+def test_a_last_metrics_line_cut_by_a_kill_is_dropped(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    make_trainer(small(run))[0].train()
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 3, "lo')  # the run died while writing step 3's row
+    raw = small(run, steps=3)
+    make_trainer(raw)[0].train(resume=run)
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3]
+
+
+# ---------------------------------------------------------------------- a kill during a partial-state load
+def test_kill_during_a_partial_state_resume_leaves_the_run_resumable(tmp_path: Path) -> None:
+    """Model Zoo's in-place load of every state but grad_scaler, killed between writing a checkpoint and renaming
+    it: the previous checkpoint stays the latest, the temporary file is cleaned by the next save."""
+    run = tmp_path / "run"
+    raw = tiny(run, runconfig={"max_steps": 3, "checkpoint_steps": 3})
+    make_trainer(raw)[0].train()
+    states = ("model", "optimizer", "dataloader", "lr_scheduler", "global_step", "rng")
+    script = textwrap.dedent(
+        f"""
+        import os, signal, torch
+        from dls.config import parse_config
+        from dls.train import Trainer
+        torch.set_num_threads(1)
+        raw = {raw!r}
+        raw["runconfig"]["max_steps"] = 6
+        raw["optimizer"]["initial_loss_scale"] = 2.0 ** 10
+        real_replace = os.replace
+        def replace(src, dst, *args, **kwargs):
+            if os.path.basename(str(src)).startswith(".checkpoint_"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_replace(src, dst, *args, **kwargs)
+        os.replace = replace
+        trainer = Trainer(parse_config(raw), progress=False, summary=False, plot=False)
+        trainer.train(resume={str(run)!r}, load_states={states!r})
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    names = os.listdir(run)
+    assert any(n.startswith(".checkpoint_") and n.endswith(".tmp") for n in names) and LOCK_FILE in names
+    assert ckpt.find_checkpoint(run).name == "checkpoint_3.mdl"
+    raw["runconfig"]["max_steps"] = 4
+    result = make_trainer(raw)[0].train(resume=run, load_states=states)
+    assert result.global_step == 4
+    assert not [n for n in os.listdir(run) if n.endswith(".tmp") or n == LOCK_FILE]
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
