@@ -1,4 +1,5 @@
-"""PNG plots of training metrics (matplotlib's Agg canvas: no display, no global backend change)."""
+"""Reading ``metrics.jsonl``, and PNG plots of it (matplotlib's Agg canvas: no display, no global backend change;
+matplotlib is imported by the plotting functions only, so a run starts without paying for it)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,6 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
-
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter
 
 from dls.train.errors import ModelDirError
 
@@ -72,6 +69,10 @@ def _pow2(value: float, _pos: Any = None) -> str:
 
 def plot_run(rows: Sequence[dict[str, Any]], out: IO[bytes], title: str = "") -> None:
     """Loss (top) and loss scale (bottom) over steps, as PNG into ``out``; skipped steps are red crosses on both."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
     fig = Figure(figsize=(9, 6.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax_loss, ax_scale = fig.subplots(2, 1, sharex=True)
@@ -119,6 +120,10 @@ def plot_run(rows: Sequence[dict[str, Any]], out: IO[bytes], title: str = "") ->
 
 def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: IO[bytes], title: str = "") -> None:
     """Several runs, as PNG into ``out``: loss curves (top) and loss scales (bottom), skipped steps as crosses."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
     fig = Figure(figsize=(10, 7.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax_loss, ax_scale = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])

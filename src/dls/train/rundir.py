@@ -280,9 +280,17 @@ class RunDir:
     def names(self) -> list[str]:
         return os.listdir(self.fd)
 
-    def rename(self, name: str, new_name: str) -> None:
-        os.rename(name, new_name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-        _fsync_dir(self.fd)
+    def set_aside(self, name: str, suffix: str) -> str:
+        """Rename ``name`` to the first free ``name + suffix`` (then ``-2``, ``-3``, ...); the new name."""
+        for n in range(1, 1000):
+            new_name = name + suffix + (f"-{n}" if n > 1 else "")
+            try:
+                os.stat(new_name, dir_fd=self.fd, follow_symlinks=False)
+            except FileNotFoundError:
+                os.rename(name, new_name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+                _fsync_dir(self.fd)
+                return new_name
+        raise FileExistsError(errno.EEXIST, "no free name to set the file aside", str(self.path / name))
 
     def close(self) -> None:
         """Release the lock (removing the lock file first, so a waiting run cannot lock a file that is gone)."""

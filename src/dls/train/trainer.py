@@ -435,10 +435,10 @@ class Trainer:
                 self.log(f"Taking over the lock of {holder}: that run ended without releasing it")
             self.crash_dir = self.model_dir
             in_place = restore.check_model_dir(self.model_dir, checkpoint, unreadable, states)
-            for bad, _ in unreadable if in_place else []:
-                run_dir.rename(bad.name, bad.name + ".unreadable")
-                self.log(f"Renamed {bad.name} to {bad.name}.unreadable (kept, never resumed from)")
-            keep = metrics_to_keep(run_dir.read(METRICS_FILE), self.metrics_path, self.global_step)
+            keep = metrics_to_keep(run_dir.read(METRICS_FILE), self.metrics_path, self.global_step)  # may refuse
+            for bad, _ in unreadable if in_place else []:  # out of the way of this run's checkpoints and rotation
+                kept = run_dir.set_aside(bad.name, ".unreadable")
+                self.log(f"Renamed {bad.name} to {kept} (kept, never resumed from)")
             self._metrics = run_dir.open_log(METRICS_FILE, keep)
             if self.config_file is not None and is_same_file(run_dir.fd, CONFIG_FILE, self.config_file):
                 self.log(f"{self.model_dir / CONFIG_FILE} is the input config: left as it is")
