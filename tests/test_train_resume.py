@@ -150,10 +150,12 @@ def test_an_unreadable_newest_checkpoint_of_a_directory_is_skipped(
     newest.write_bytes(truncated)
     assert main(["train", "--resume", str(newest), "--no_progress"]) == 2  # a named file: no fallback
     assert "cannot read checkpoint" in capsys.readouterr().err
+    (run / "checkpoint_6.mdl.unreadable").write_bytes(b"set aside before")
     assert main(["train", "--resume", str(run), "--no_progress", "-o", "runconfig.max_steps=8"]) == 0
     out = capsys.readouterr().out
     assert f"Skipping {newest}" in out and "checkpoint_4.mdl (step 4)" in out
-    assert (run / "checkpoint_6.mdl.unreadable").read_bytes() == truncated  # kept, out of the way
+    assert (run / "checkpoint_6.mdl.unreadable-2").read_bytes() == truncated  # kept, out of the way
+    assert (run / "checkpoint_6.mdl.unreadable").read_bytes() == b"set aside before"
     assert [s for s, _ in ckpt.list_checkpoints(run)] == [2, 4, 6, 8]
     assert ckpt.load_checkpoint(run / "checkpoint_6.mdl")["global_step"] == 6  # the new history's step 6
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6, 7, 8]

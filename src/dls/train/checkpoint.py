@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from dls.train.errors import CheckpointError
-from dls.train.rundir import open_directory, replace_file
+from dls.train.rundir import open_directory, remove_temporaries, replace_file
 
 __all__ = [
     "CheckpointError",
@@ -45,8 +45,7 @@ __all__ = [
 FORMAT = "dls-checkpoint"
 FORMAT_VERSION = 1
 _NAME_RE = re.compile(r"^checkpoint_(\d+)\.mdl$")
-_TMP_PREFIX = ".checkpoint_"
-_TMP_SUFFIX = ".tmp"
+_TMP_PREFIX = ".checkpoint_"  # temporary names: .checkpoint_<step>.mdl.<random>.tmp
 
 
 def checkpoint_path(model_dir: str | Path, step: int) -> Path:
@@ -109,10 +108,7 @@ def save_checkpoint(
         final.parent.mkdir(parents=True, exist_ok=True)
         with _directory(final.parent) as fd:
             return save_checkpoint(state, final, keep, dir_fd=fd)
-    for name in os.listdir(dir_fd):
-        if name.startswith(_TMP_PREFIX) and name.endswith(_TMP_SUFFIX):  # left by a killed save
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=dir_fd)
+    remove_temporaries(dir_fd, (_TMP_PREFIX,))  # left by a killed save
     buffer = io.BytesIO()  # in memory first: see dls.train.rundir.replace_file
     torch.save({"format": FORMAT, "format_version": FORMAT_VERSION, **state}, buffer)
     replace_file(dir_fd, final.name, buffer.getbuffer(), shown=final)

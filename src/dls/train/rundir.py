@@ -12,8 +12,8 @@ following a symbolic link.
   target). Readers see the old file or the new one, never a part.
 * ``metrics.jsonl`` is rewritten that way once, then kept open as one append handle (:meth:`RunDir.open_log`).
 
-Only POSIX systems have ``O_NOFOLLOW`` and ``flock``; elsewhere the lock is skipped (with no protection against
-a second run) and files are still written atomically.
+POSIX only (Linux, macOS): it relies on ``flock``, ``O_NOFOLLOW`` and ``dir_fd``. On NFS, Linux emulates
+``flock`` with byte-range locks, which work across hosts.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import fcntl
 import json
 import os
 import secrets
@@ -32,15 +33,8 @@ from typing import IO, Any
 
 from dls.train.errors import ModelDirError
 
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None  # type: ignore[assignment]
-
 LOCK_FILE = ".dls.lock"
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_NOFOLLOW, _CLOEXEC, _DIRECTORY = os.O_NOFOLLOW, os.O_CLOEXEC, os.O_DIRECTORY
 
 
 def resolve_model_dir(path: str | Path) -> Path:
@@ -116,6 +110,16 @@ def replace_file(
         raise
 
 
+def remove_temporaries(dir_fd: int, prefixes: tuple[str, ...]) -> None:
+    """Delete the files ``<prefix>...tmp`` in ``dir_fd``: temporary files left by a process killed while writing
+    (call it only while no other process writes the directory: under its lock). A link is removed, never
+    followed."""
+    for name in os.listdir(dir_fd):
+        if name.endswith(".tmp") and name.startswith(prefixes):
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dir_fd)
+
+
 def _replace_file(dir_fd: int, name: str, data: bytes | memoryview, keep_open: bool) -> IO[bytes] | None:
     while True:
         tmp = f".{name}.{secrets.token_hex(6)}.tmp"
@@ -174,8 +178,6 @@ def check_unlocked(path: Path) -> None:
     """Raise the :class:`ModelDirError` that :class:`RunDir` would raise if another run holds ``path`` now,
     writing nothing (a shared lock taken and dropped at once): a second run is told that the directory is in use
     before it reads a directory another run is still writing."""
-    if fcntl is None:
-        return
     try:
         fd = os.open(path / LOCK_FILE, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK)
     except OSError:  # no lock file (or one RunDir will report)
@@ -222,8 +224,6 @@ class RunDir:
             raise
 
     def _lock(self) -> None:
-        if fcntl is None:
-            return
         while True:
             try:
                 fd = os.open(

@@ -62,7 +62,14 @@ from dls.train.errors import RankError, Terminated, TrainingStopped, describe, e
 from dls.train.models import TrainModel, build_model
 from dls.train.plots import metrics_to_keep, plot_run, read_metrics
 from dls.train.restore import format_scale as _pow2
-from dls.train.rundir import RunDir, check_unlocked, describe_holder, is_same_file, resolve_model_dir
+from dls.train.rundir import (
+    RunDir,
+    check_unlocked,
+    describe_holder,
+    is_same_file,
+    remove_temporaries,
+    resolve_model_dir,
+)
 
 __all__ = ["TrainResult", "Trainer", "TrainingStopped", "init_distributed", "shutdown_distributed"]
 
@@ -436,6 +443,7 @@ class Trainer:
             self.crash_dir = self.model_dir
             in_place = restore.check_model_dir(self.model_dir, checkpoint, unreadable, states)
             keep = metrics_to_keep(run_dir.read(METRICS_FILE), self.metrics_path, self.global_step)  # may refuse
+            remove_temporaries(run_dir.fd, tuple(f".{name}." for name in (METRICS_FILE, PLOT_FILE, CONFIG_FILE)))
             for bad, _ in unreadable if in_place else []:  # out of the way of this run's checkpoints and rotation
                 kept = run_dir.set_aside(bad.name, ".unreadable")
                 self.log(f"Renamed {bad.name} to {kept} (kept, never resumed from)")
@@ -504,8 +512,7 @@ class Trainer:
                         raise stop_request.interrupt()
                     row = self._step(session_start, stop_request.requested)
                     if row is not None and self._metrics is not None:
-                        self._metrics.write((json.dumps(row, allow_nan=False) + "\n").encode())
-                        self._metrics.flush()
+                        self._write_row(row)
                     self._check_overflow_streak(session_start)
                     step = self.global_step
                     if rc.checkpoint_steps and step % rc.checkpoint_steps == 0 and step < rc.max_steps:
@@ -562,6 +569,14 @@ class Trainer:
         if self.show_summary and self.is_main:
             self.print_summary(result)
         return result
+
+    def _write_row(self, row: dict[str, Any]) -> None:
+        try:
+            self._metrics.write((json.dumps(row, allow_nan=False) + "\n").encode())
+            self._metrics.flush()  # a row is on disk before the next step
+        except OSError as exc:  # e.g. the disk is full: say which file
+            exc.filename = exc.filename or str(self.metrics_path)
+            raise
 
     def _step(self, session_start: float, stop_requested: bool = False) -> dict[str, Any] | None:
         cfg, rc, opt_cfg = self.cfg, self.cfg.runconfig, self.cfg.optimizer
