@@ -3,7 +3,8 @@
 Fixtures: ``_reset_half_dtype`` (every test), ``one_thread`` (requested by name). Plain helpers, imported with
 ``from conftest import ...``:
 
-* tiny models and losses: ``tiny_model``, ``batch``, ``loss_of``; overflow injection: ``inject``;
+* tiny models and losses: ``tiny_model``, ``batch``, ``loss_of``; overflow injection: ``inject``; training loops:
+  ``train`` (a tiny model), ``one_parameter`` with ``one_iteration``;
 * exact comparisons: ``snapshot`` (parameters and optimizer state), ``assert_same``, ``assert_bits_equal``,
   ``assert_tensors_equal``, ``params_of``;
 * torch.amp side by side: ``torch_scaler``, ``dls_scaler``, ``side_by_side``;
@@ -23,7 +24,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,42 @@ def inject(target: torch.nn.Module | torch.Tensor, value: float = INF, index: in
     else:
         grad = target
     grad.view(-1)[index] = value
+
+
+def train(
+    scaler: Any,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: Iterable[int],
+    overflows: Mapping[int, float] | None = None,
+) -> list[dict[str, Any]]:
+    """``scale(loss_of(model, step)).backward() → [inject] → step → update → zero_grad`` for each step, with
+    ``overflows[step]`` (inf, -inf or NaN) injected at the steps ``overflows`` maps; returns the scaler's state dict
+    after each step (torch.amp's scaler works too)."""
+    states = []
+    for step in steps:
+        scaler.scale(loss_of(model, step)).backward()
+        if overflows and step in overflows:
+            inject(model, overflows[step])
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        states.append(scaler.state_dict())
+    return states
+
+
+def one_parameter() -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
+    """``ones(1)`` and an SGD at lr 0 (the scale changes, the parameter never does)."""
+    p = torch.nn.Parameter(torch.ones(1))
+    return p, torch.optim.SGD([p], lr=0.0)
+
+
+def one_iteration(scaler: Any, p: torch.nn.Parameter, opt: torch.optim.Optimizer, overflow: bool = False) -> None:
+    """A whole iteration on the gradient of ``p.sum()``, inf everywhere when ``overflow``."""
+    scaler.scale(p.sum() * (INF if overflow else 1.0)).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
 
 
 # ---------------------------------------------------------------------------------------------- exact comparisons

@@ -1,4 +1,4 @@
-"""``torch.compile`` and CUDA graphs (issue 6, item 3).
+"""``torch.compile`` and CUDA graphs.
 
 Dynamo traces ``scale``, ``unscale_``, ``clip_gradients_and_return_isfinite`` and ``update`` with
 ``fullgraph=True`` (any graph break is an error). ``step`` + ``update`` on the sync-free paths (torch's fused
@@ -20,6 +20,9 @@ import pytest
 import torch
 
 import dls
+from conftest import inject, loss_of, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)
@@ -30,17 +33,15 @@ def _fresh_dynamo() -> Any:
 
 
 def make(opt_kwargs: dict[str, Any] | None = None, **scaler_kwargs: Any) -> tuple[Any, Any, dls.GradScaler]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model = tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, **(opt_kwargs or {"momentum": 0.9}))
     return model, opt, dls.GradScaler(**scaler_kwargs)
 
 
 def backward(model: torch.nn.Module, scaler: dls.GradScaler, overflow: bool = False) -> None:
-    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
-    scaler.scale(model(x).pow(2).mean()).backward()
+    scaler.scale(loss_of(model, 1)).backward()
     if overflow:
-        next(model.parameters()).grad.view(-1)[0] = float("inf")
+        inject(model)
 
 
 def take_first_step(model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: dls.GradScaler) -> None:

@@ -9,9 +9,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import dls
+from conftest import OpLog
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _deep(depth: int = 6) -> torch.nn.Sequential:
@@ -83,16 +85,6 @@ def test_without_a_watch_there_is_no_report_and_removed_watches_stop_reporting()
     assert scaler.overflow_report() is None
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def _ops_of_clean_iteration(watch: bool, path: str) -> dict[str, list[str]]:
     model = _deep(3)
     opt, scaler = _make(model, path)
@@ -107,9 +99,9 @@ def _ops_of_clean_iteration(watch: bool, path: str) -> dict[str, list[str]]:
         }
         ops = {}
         for name, run in phases.items():
-            with _Ops() as mode:
+            with OpLog() as log:
                 run()
-            ops[name] = mode.ops
+            ops[name] = log.ops
         opt.zero_grad()
     return ops
 

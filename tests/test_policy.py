@@ -1,60 +1,16 @@
-"""The scale rule, against a plain-Python reference model of the rule as the issue states it."""
+"""The pure scale rules of ``dls.policy`` against ``conftest.ReferenceRule``, the rule written out step by step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import ReferenceRule
 from dls.policy import DynamicRule, StaticRule, initial_state
 
-
-@dataclass
-class Reference:
-    """The dynamic rule written out step by step, in Python numbers (float32 where the contract says so: products
-    of the scale and a factor are computed in float64 and rounded once, as torch's update kernel does)."""
-
-    rule: DynamicRule
-    scale: float
-    steps: int = 0
-    overflows: int = 0
-    skipped: int = 0
-    hits: int = 0
-    non_clamped: float = 0.0
-
-    def update(self, overflow: bool) -> str:
-        r = self.rule
-        f = int(overflow)
-        self.steps += 1
-        self.overflows += f
-        self.skipped += f
-        event = "none"
-        ratio = np.float32(self.overflows) / np.float32(self.steps)
-        if f and ratio > np.float32(r.overflow_tolerance):
-            self.hits += 1
-            if self.hits >= r.hysteresis:
-                self.scale = float(np.float32(np.float64(np.float32(self.scale)) * r.backoff_factor))
-                self.hits = 0
-                event = "backoff"
-            else:
-                event = "hit"
-            self.steps = self.overflows = 0
-        elif self.steps >= r.steps_per_increase:
-            with np.errstate(over="ignore"):
-                grown = np.float32(np.float64(np.float32(self.scale)) * r.growth_factor)
-            if np.isfinite(grown):
-                self.scale = float(grown)
-            self.steps = self.overflows = self.hits = 0
-            event = "growth"
-        self.scale = min(self.scale, float(np.float32(r.max_loss_scale)))
-        self.non_clamped = self.scale
-        self.scale = max(self.scale, float(np.float32(r.min_loss_scale)))
-        return event
-
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 rules = st.builds(
     DynamicRule,
@@ -72,7 +28,7 @@ rules = st.builds(
 @given(rule=rules, overflows=st.lists(st.booleans(), min_size=1, max_size=60), init_exp=st.integers(-14, 40))
 def test_dynamic_rule_matches_reference(rule: DynamicRule, overflows: list[bool], init_exp: int) -> None:
     init = min(max(2.0**init_exp, rule.min_loss_scale), rule.max_loss_scale)
-    ref = Reference(rule, init)
+    ref = ReferenceRule(rule, init)
     state = initial_state(init)
     for overflow in overflows:
         before = state.loss_scale.item()
@@ -150,6 +106,10 @@ def test_static_rule_counts_skips_only() -> None:
     state = StaticRule().update(state, torch.tensor(0.0))
     assert state.loss_scale.item() == 128.0
     assert state.num_skipped_steps.item() == 1
+    in_place = initial_state(128.0)
+    StaticRule().update_(in_place, torch.tensor(1.0))
+    StaticRule().update_(in_place, torch.tensor(0.0))
+    assert in_place.num_skipped_steps.item() == 1 and in_place.loss_scale.item() == 128.0
 
 
 @pytest.mark.parametrize(
@@ -204,9 +164,3 @@ def test_in_place_update_equals_pure_update(
         rule.update_(in_place, flag)
         for name, a, b in zip(pure._fields, pure, in_place):
             assert a.item() == b.item(), name
-
-
-def test_static_rule_in_place() -> None:
-    state = initial_state(128.0)
-    StaticRule().update_(state, torch.tensor(1.0))
-    assert state.num_skipped_steps.item() == 1 and state.loss_scale.item() == 128.0

@@ -11,7 +11,6 @@ Invariants checked after every rule:
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
@@ -22,6 +21,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import dls
+from conftest import assert_same, snapshot
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY = torch.finfo(torch.float32).tiny
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -32,20 +34,6 @@ OPTIMIZERS = {
     "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=0.01, fused=True),
     "sgd-fused": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.5, fused=True),
 }
-
-
-def _snapshot(params: list[torch.Tensor], opt: torch.optim.Optimizer) -> tuple[list[torch.Tensor], Any]:
-    return [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict()["state"])
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return bool(a == b)
 
 
 class ScalerMachine(RuleBasedStateMachine):
@@ -145,14 +133,13 @@ class ScalerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.stage in ("backward", "unscaled"))
     @rule()
     def step(self) -> None:
-        before = _snapshot(self.params, self.opt)
+        before = snapshot(self.params, self.opt)
         self.scaler.step(self.opt)
         skipped = self.scaler.step_was_skipped(self.opt)
         if self.clean is not None:
             assert skipped == (not self.clean)
         if skipped:
-            after = _snapshot(self.params, self.opt)
-            assert _same(before[0], after[0]) and _same(before[1], after[1])
+            assert_same(before, snapshot(self.params, self.opt), "skipped step")
         for p in self.params:
             assert torch.isfinite(p).all()
         self.stage = "stepped"

@@ -1,4 +1,5 @@
-"""Construction: the two dialects (torch.amp's and cstorch.amp's), their defaults, and every bad argument named."""
+"""Construction: the two dialects (torch.amp's and cstorch.amp's), their defaults, the half dtype they follow,
+the growth setters, and every bad argument named."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch
 
 import dls
 from dls.settings import ScalerSettings, SettingsError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 TINY = torch.finfo(torch.float32).tiny
@@ -48,9 +51,22 @@ def test_without_a_device_the_defaults_are_cerebras():
         2.0**-14,
     )
     assert dls.GradScaler(65536.0).mode == "static"  # the positional difference: a static scale
-    assert dls.GradScaler(half_dtype="cbfloat16").settings.max_loss_scale == 2.0**31
-    assert dls.GradScaler(half_dtype="bfloat16").mode == "off"
-    assert dls.GradScaler(half_dtype=torch.bfloat16, loss_scale="dynamic").mode == "dynamic"
+
+
+@pytest.mark.parametrize("given", ["argument", "set_half_dtype"])
+def test_cerebras_defaults_follow_the_half_dtype(given: str):
+    def make(half: str | torch.dtype, **kwargs: object) -> dls.GradScaler:
+        if given == "argument":
+            return dls.GradScaler(half_dtype=half, **kwargs)  # type: ignore[call-overload]
+        dls.set_half_dtype(half)
+        return dls.GradScaler(**kwargs)  # type: ignore[call-overload]
+
+    assert make("float16").mode == "dynamic" and make("float16").get_scale() == 2.0**15
+    assert make("cbfloat16").settings.max_loss_scale == make("cbfloat16").get_scale() == 2.0**31
+    assert make("cbfloat16", max_loss_scale=2.0**20).get_scale() == 2.0**20
+    assert make("bfloat16").mode == "off" and not make("bfloat16").is_enabled()
+    assert make(torch.bfloat16, loss_scale="dynamic").mode == "dynamic"
+    assert make("bfloat16", loss_scale="dynamic").is_enabled()
 
 
 def test_the_global_half_dtype_is_read_once_at_construction():
@@ -66,6 +82,10 @@ def test_an_explicit_init_scale_raises_the_default_max_and_an_explicit_max_below
     assert dls.GradScaler(max_loss_scale=2.0**10).get_scale() == 2.0**10
     with pytest.raises(ValueError, match=r"init_scale \(1048576.0\) must not exceed max_loss_scale \(1024.0\)"):
         dls.GradScaler(init_scale=2.0**20, max_loss_scale=2.0**10)
+    raised = dls.GradScaler("dynamic", init_scale=2.0**20)
+    assert raised.get_scale() == 2.0**20 and raised.settings.max_loss_scale == 2.0**20
+    with pytest.raises(ValueError, match=r"init_scale \(0.5\) must not be below min_loss_scale \(1.0\)"):
+        dls.GradScaler("dynamic", init_scale=0.5, min_loss_scale=1.0)
 
 
 def test_torch_dialect_accepts_dls_knobs_by_keyword():
@@ -79,6 +99,8 @@ def test_a_cerebras_first_argument_with_device_keyword_is_an_error_that_says_wha
     with pytest.raises(ValueError, match="pass it by keyword"):
         dls.GradScaler("dynamic", device="cpu")
     assert dls.GradScaler(loss_scale="dynamic", device="cpu").settings.dialect == "torch"
+    with pytest.raises(SettingsError, match="device such as 'cuda'"):
+        dls.GradScaler(loss_scale="cuda")
 
 
 def test_from_settings_uses_them_as_they_are():
@@ -116,6 +138,15 @@ def test_from_settings_uses_them_as_they_are():
         ({"max_gradient_norm": math.inf}, "max_gradient_norm"),
         ({"half_dtype": "float8"}, "half_dtype"),
         ({"loss_scale": "dynamc"}, "loss_scale"),
+        ({"loss_scale": "cuda"}, "loss_scale"),
+        ({"loss_scale": -1.0}, "loss_scale"),
+        ({"loss_scale": 0}, "loss_scale"),
+        ({"loss_scale": 8.0, "init_scale": 4.0}, "init_scale"),  # a static scale has no initial scale
+        ({"init_scale": -2.0}, "init_scale"),
+        ({"min_loss_scale": 4.0, "max_loss_scale": 2.0}, "min_loss_scale"),
+        ({"max_loss_scale": -1.0}, "max_loss_scale"),
+        ({"backoff_factor": 1.5}, "backoff_factor"),
+        ({"hysteresis": 0}, "hysteresis"),
     ],
 )
 def test_bad_settings_are_errors_naming_the_argument(kwargs: dict, argument: str):
@@ -129,6 +160,15 @@ def test_bad_settings_are_errors_naming_the_argument(kwargs: dict, argument: str
 def test_bad_torch_settings_are_errors_too(kwargs: dict):
     with pytest.raises(ValueError, match=next(iter(kwargs)).replace("growth_interval", "steps_per_increase")):
         dls.GradScaler("cpu", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [({"steps_per_increase": 5, "growth_interval": 5}, "growth_interval"), ({"enabled": "yes"}, "enabled")],
+)
+def test_bad_runtime_arguments_are_value_errors_naming_the_argument(kwargs: dict, argument: str):
+    with pytest.raises(ValueError, match=argument):
+        dls.GradScaler(**kwargs)
 
 
 def test_every_problem_is_reported_at_once():
@@ -156,31 +196,36 @@ def test_bad_devices_are_named(device: object, message: str):
         dls.GradScaler(device=device)  # type: ignore[call-overload]
 
 
-def test_complex_parameters_are_unscaled_through_their_real_view():
-    torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
-    q = torch.nn.Parameter(p.detach().clone())
-    opt, ref = torch.optim.Adam([p], lr=0.1), torch.optim.Adam([q], lr=0.1)
-    scaler = dls.GradScaler("dynamic", init_scale=2.0**4)
-    for i in range(3):
-        scaler.scale((p.abs() ** 2).sum()).backward()
-        (q.abs() ** 2).sum().backward()
-        if i == 1:
-            p.grad[0] = complex(math.inf, 0.0)  # type: ignore[index]
-        scaler.step(opt)
-        scaler.update()
-        if i != 1:
-            ref.step()
-        opt.zero_grad()
-        ref.zero_grad()
-        assert scaler.step_was_skipped(opt) == (i == 1)
-    assert torch.equal(p.detach(), q.detach())
+def test_growth_settings_have_torch_getters_and_validated_setters():
+    scaler = dls.GradScaler(device="cpu", growth_interval=7)
+    assert scaler.get_growth_interval() == 7
+    scaler.set_growth_factor(4.0)
+    assert scaler.get_growth_factor() == 4.0
+    with pytest.raises(ValueError, match="backoff_factor"):
+        scaler.set_backoff_factor(2.0)
+    assert scaler.get_backoff_factor() == 0.5
 
 
-def test_integer_gradients_are_a_clear_error():
-    from dls import kernels
+# ---------------------------------------------------------------------- the process-wide half dtype
+@pytest.mark.parametrize(
+    ("value", "dtype", "name"),
+    [
+        ("float16", torch.float16, "float16"),
+        ("bfloat16", torch.bfloat16, "bfloat16"),
+        ("cbfloat16", torch.float16, "cbfloat16"),
+        (torch.float16, torch.float16, "float16"),
+        (torch.bfloat16, torch.bfloat16, "bfloat16"),
+    ],
+)
+def test_set_half_dtype(value: str | torch.dtype, dtype: torch.dtype, name: str) -> None:
+    assert dls.set_half_dtype(value) == dtype
+    assert dls.get_half_dtype() == dtype
+    assert dls.get_half_dtype_str() == name
 
-    p = torch.zeros(2, dtype=torch.int64)
-    p.grad = torch.zeros(2, dtype=torch.int64)  # what a buggy custom Function could leave behind
-    with pytest.raises(ValueError, match="floating point or complex"):
-        kernels.group_grads([p])
+
+@pytest.mark.parametrize("bad", ["fp16", "float32", torch.float32, 16, None])
+def test_unknown_half_dtype_is_an_error_and_changes_nothing(bad: object) -> None:
+    dls.set_half_dtype("bfloat16")
+    with pytest.raises(ValueError, match="half_dtype must be one of"):
+        dls.set_half_dtype(bad)  # type: ignore[arg-type]
+    assert dls.get_half_dtype_str() == "bfloat16"
