@@ -1,4 +1,4 @@
-"""dls.config: YAML → validated config → GradScaler kwargs (issue 4)."""
+"""dls.train.config: YAML → validated config → GradScaler settings."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 import dls
-from dls import config as C
-from dls.config import ConfigError, grad_scaler_kwargs, load_config, parse_config
+from dls.train import config as C
+from dls.train.config import ConfigError, grad_scaler_kwargs, load_config, parse_config
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from dls.config import CHECKPOINT_STATES, parse_config
 from dls.train import Trainer, TrainingStopped, restore
 from dls.train import checkpoint as ckpt
+from dls.train.config import CHECKPOINT_STATES, parse_config
 from dls.train.data import BatchIterator, CharCorpus, build_dataset
 from dls.train.errors import ModelDirError
 from dls.train.trainer import METRICS_FILE, PLOT_FILE
@@ -252,7 +252,7 @@ def test_kill_between_write_and_rename_leaves_previous_checkpoint_loadable(tmp_p
     script = textwrap.dedent(
         f"""
         import os, signal, torch
-        from dls.config import parse_config
+        from dls.train.config import parse_config
         from dls.train import Trainer
         raw = {raw!r}
         raw["runconfig"]["max_steps"] = 6
@@ -431,7 +431,7 @@ def test_ctrl_c_finishes_the_step_and_checkpoints(tmp_path: Path) -> None:
     raw = tiny(tmp_path / "run", runconfig={"max_steps": 100_000, "checkpoint_steps": 0, "log_steps": 1})
     script = textwrap.dedent(
         f"""
-        from dls.config import parse_config
+        from dls.train.config import parse_config
         from dls.train import Trainer
         Trainer(parse_config({raw!r}), progress=False, summary=False, plot=False).train()
         """

@@ -139,9 +139,9 @@ def test_rank0_alone_writes_and_prints(runs: dict[str, Any]) -> None:
 def test_checkpoint_loads_in_a_single_process(runs: dict[str, Any], tmp_path: Path) -> None:
     from rich.console import Console
 
-    from dls.config import parse_config
     from dls.train import Trainer
     from dls.train import checkpoint as ckpt
+    from dls.train.config import parse_config
 
     saved = ckpt.load_checkpoint(runs["a"] / f"checkpoint_{STEPS}.mdl")
     assert saved["global_step"] == STEPS and saved["grad_scaler"]["loss_scale"] == 2.0**8
@@ -194,7 +194,7 @@ def test_resumed_metrics_are_written_once_with_the_mean_loss_over_ranks(runs: di
 
 # ---------------------------------------------------------------------- data sharding (in process)
 def test_ranks_take_disjoint_strided_batches_and_the_state_moves_between_world_sizes() -> None:
-    from dls.config import parse_config
+    from dls.train.config import parse_config
     from dls.train.data import BatchIterator, build_dataset
 
     dataset = build_dataset(parse_config({"model": {"name": "mlp"}, "data": {"num_samples": 50, "batch_size": 8}}).data)

@@ -165,8 +165,8 @@ def test_an_unreadable_newest_checkpoint_of_a_directory_is_skipped(
 def resumed(run: Path, **optimizer: Any) -> tuple[Any, str]:
     """A trainer of ``run``'s config with ``optimizer`` changes, the checkpoint loaded as ``train`` loads it."""
     trainer, log = make_trainer(config(run, **optimizer))
-    from dls.config import CHECKPOINT_STATES
     from dls.train import restore
+    from dls.train.config import CHECKPOINT_STATES
 
     path, state, _ = ckpt.load_resume_checkpoint(run)
     restore.restore(trainer, path, state, CHECKPOINT_STATES)

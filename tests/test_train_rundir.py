@@ -185,7 +185,7 @@ def test_kill_during_a_partial_state_resume_leaves_the_run_resumable(tmp_path: P
     script = textwrap.dedent(
         f"""
         import os, signal, torch
-        from dls.config import parse_config
+        from dls.train.config import parse_config
         from dls.train import Trainer
         torch.set_num_threads(1)
         raw = {raw!r}

@@ -177,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _sigterm_raises():
             _require_train_extra()
             if args.command == "keys":
-                from dls.config import describe_keys
+                from dls.train.config import describe_keys
 
                 print(describe_keys())
                 return 0
@@ -250,7 +250,7 @@ def _report(exc: BaseException, run: _Run) -> int:
 def _build(cfg: Any, source: str, **kwargs: Any) -> Any:
     """The :class:`~dls.train.trainer.Trainer` of ``cfg``; what it rejects while building the run (the device, a
     batch larger than the data set) is a config error (exit 2), for ``dls validate`` as for ``dls train``."""
-    from dls.config import ConfigError
+    from dls.train.config import ConfigError
     from dls.train.trainer import Trainer
 
     try:
@@ -265,7 +265,7 @@ def _validate(args: argparse.Namespace, run: _Run) -> int:
     import yaml
     from rich.console import Console
 
-    from dls.config import grad_scaler_kwargs, load_config, to_dict
+    from dls.train.config import grad_scaler_kwargs, load_config, to_dict
 
     cfg = load_config(args.config, args.override)
     _build(cfg, args.config, console=Console(file=io.StringIO()), progress=False, summary=False, plot=False)
@@ -278,8 +278,8 @@ def _validate(args: argparse.Namespace, run: _Run) -> int:
 
 
 def _train(args: argparse.Namespace, run: _Run) -> int:
-    from dls.config import ConfigError, apply_overrides, parse_checkpoint_states, parse_config, read_config
     from dls.train.checkpoint import load_resume_checkpoint
+    from dls.train.config import ConfigError, apply_overrides, parse_checkpoint_states, parse_config, read_config
     from dls.train.trainer import init_distributed, shutdown_distributed
 
     states = None

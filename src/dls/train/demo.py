@@ -29,7 +29,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from dls.config import parse_config
+from dls.train.config import parse_config
 from dls.train.plots import plot_comparison, read_metrics
 from dls.train.rundir import RunDir, open_directory, replace_file, resolve_model_dir
 from dls.train.trainer import CONFIG_FILE, METRICS_FILE, PLOT_FILE, Trainer, TrainResult

@@ -114,8 +114,8 @@ def exit_status(exc: BaseException) -> ExitStatus:
 
 
 def _is_config_error(exc: BaseException) -> bool:
-    # dls.config needs PyYAML; compare by name so that this module imports without it.
-    return any(c.__name__ == "ConfigError" and c.__module__ == "dls.config" for c in type(exc).__mro__)
+    # dls.train.config needs PyYAML; compare by name so that this module imports without it.
+    return any(c.__name__ == "ConfigError" and c.__module__ == "dls.train.config" for c in type(exc).__mro__)
 
 
 def describe(exc: BaseException) -> str:

@@ -28,8 +28,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dls.config import CHECKPOINT_STATES, ConfigError, TrainConfig, grad_scaler_kwargs, loss_scaling_mode, parse_config
 from dls.train import checkpoint as ckpt
+from dls.train.config import (
+    CHECKPOINT_STATES,
+    ConfigError,
+    TrainConfig,
+    grad_scaler_kwargs,
+    loss_scaling_mode,
+    parse_config,
+)
 from dls.train.errors import CheckpointError, ModelDirError
 from dls.train.rundir import entries, resolve_model_dir
 

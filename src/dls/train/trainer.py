@@ -47,7 +47,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dls
 from dls import distributed
-from dls.config import (
+from dls.train import checkpoint as ckpt
+from dls.train import restore
+from dls.train.config import (
     CHECKPOINT_STATES,
     OptimizerConfig,
     TrainConfig,
@@ -55,8 +57,6 @@ from dls.config import (
     loss_scaling_mode,
     to_dict,
 )
-from dls.train import checkpoint as ckpt
-from dls.train import restore
 from dls.train.data import Batch, BatchIterator, CharCorpus, build_dataset
 from dls.train.errors import RankError, Terminated, TrainingStopped, describe, exit_status
 from dls.train.models import TrainModel, build_model
@@ -302,7 +302,7 @@ class Trainer:
     """Builds everything a config describes; :meth:`train` runs it.
 
     Args:
-        cfg: a validated config (``dls.config.load_config`` / ``parse_config``).
+        cfg: a validated config (``dls.train.config.load_config`` / ``parse_config``).
         console: where logs, the progress bar and the summary go (default: a new rich ``Console``).
         progress: show a progress bar (terminal) or progress lines (otherwise).
         summary: print the summary table at the end.
