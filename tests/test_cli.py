@@ -47,15 +47,21 @@ def short(model_dir: Path, steps: int = 4) -> list[str]:
 
 
 # ---------------------------------------------------------------------- help
-def test_help_for_newcomers() -> None:
+def test_the_dls_script_prints_help_for_newcomers() -> None:
+    """The installed entry point (a process boundary: the console script itself)."""
     proc = run_dls("--help")
     assert proc.returncode == 0
     for text in ("dls demo", "dls train configs/mlp_fp16_dls.yaml", "dls keys", "loss_scaling_factor"):
         assert text in proc.stdout
-    train = run_dls("train", "--help")
-    assert train.returncode == 0
+
+
+def test_train_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
     for text in ("--override", "--resume", "--load_checkpoint_states", "examples:", "metrics.jsonl"):
-        assert text in train.stdout
+        assert text in out
 
 
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
@@ -96,15 +102,15 @@ def test_resume_from_the_saved_config(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "Not loaded (fresh from the config): dataloader, grad_scaler, lr_scheduler, rng" in capsys.readouterr().out
 
 
-def test_bad_config_exits_2_without_traceback(tmp_path: Path) -> None:
+def test_bad_config_exits_2_without_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  name: mlp\noptimizer:\n  loss_scaling_factor: dynamc\n  growth_interval: 10\n")
-    proc = run_dls("train", str(bad))
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr and proc.stdout == ""
-    assert "dls: error: invalid config in" in proc.stderr
-    assert "optimizer.loss_scaling_factor must be 'dynamic'" in proc.stderr
-    assert "optimizer.growth_interval" in proc.stderr and "steps_per_increase" in proc.stderr
+    assert main(["train", str(bad)]) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and out == ""
+    assert "dls: error: invalid config in" in err
+    assert "optimizer.loss_scaling_factor must be 'dynamic'" in err
+    assert "optimizer.growth_interval" in err and "steps_per_increase" in err
 
 
 @pytest.mark.parametrize(
@@ -147,6 +153,15 @@ def test_validate(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "loss_scaling_factor: 1024.0" in out and "OK" in out
     assert "warning: optimizer.initial_loss_scale is ignored" in out
+    assert "# loss scaling: dls.GradScaler.from_settings(ScalerSettings(mode='static', init_scale=1024.0" in out
+
+
+def test_validate_accepts_exactly_what_the_scaler_accepts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", MLP, "-o", "optimizer.max_loss_scale=1e39"]) == 2
+    assert "optimizer.max_loss_scale must be a number from 2**-126 to float32's max" in capsys.readouterr().err
+    static = ["optimizer.loss_scaling_factor=3.402e38"]  # the dynamic-only keys of the file are ignored (warned)
+    assert main(["validate", MLP, "-o", *static]) == 0
+    assert "init_scale=3.402e+38" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------- demo

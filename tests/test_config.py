@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import inspect
+import re
 from pathlib import Path
 
 import pytest
 
 import dls
+from dls.settings import ScalerSettings, SettingsError
 from dls.train import config as C
-from dls.train.config import ConfigError, grad_scaler_kwargs, load_config, parse_config
+from dls.train.config import ConfigError, load_config, parse_config, scaler_settings
+from dls.train.keys import section_keys
+from dls.train.yamlfile import load_yaml
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 
 
 def mlp(**sections: dict) -> dict:
-    raw: dict = {"model": {"name": "mlp"}}
+    """An MLP config in float16 mixed precision (loss scaling on by default), ``sections`` replacing sections."""
+    raw: dict = {"model": {"name": "mlp"}, "precision": {"mixed_precision": True}}
     for name, body in sections.items():
         raw[name] = body
     return raw
@@ -31,7 +37,7 @@ def errors_of(raw: object) -> list[str]:
 def test_shipped_configs_validate_and_build_a_scaler(path: Path) -> None:
     cfg = load_config(path)
     assert cfg.warnings == ()
-    scaler = dls.GradScaler(**grad_scaler_kwargs(cfg))
+    scaler = dls.GradScaler.from_settings(scaler_settings(cfg))
     assert scaler.mode == "dynamic"
 
 
@@ -49,8 +55,8 @@ def test_cerebras_spelling_dynamic_in_yaml(tmp_path: Path) -> None:
     cfg = load_config(path)
     assert cfg.optimizer.loss_scaling_factor == "dynamic"
     assert cfg.optimizer.learning_rate == pytest.approx(1e-3)  # YAML 1.1 would read 1e-3 as a string
-    kw = grad_scaler_kwargs(cfg)
-    assert kw["loss_scale"] == "dynamic" and kw["init_scale"] == 2e4 and kw["max_loss_scale"] == 2.0**15
+    settings = scaler_settings(cfg)
+    assert settings.mode == "dynamic" and settings.init_scale == 2e4 and settings.max_loss_scale == 2.0**15
 
 
 def test_defaults_follow_the_precision() -> None:
@@ -65,40 +71,46 @@ def test_defaults_follow_the_precision() -> None:
     assert mode({"mixed_precision": True, "fp16_type": "float16"}, {"loss_scaling_factor": 1.0}) == "static"
 
 
-def test_grad_scaler_kwargs_for_each_mode() -> None:
+def test_scaler_settings_for_each_mode() -> None:
     off = parse_config(mlp(precision={"mixed_precision": True, "fp16_type": "bfloat16"}))
-    scaler = dls.GradScaler(**grad_scaler_kwargs(off))
-    assert not scaler.is_enabled() and scaler.mode == "off"
+    assert C.loss_scaling_mode(off) == "off" and scaler_settings(off).mode == "off"
 
-    static = parse_config(mlp(optimizer={"loss_scaling_factor": 128, "max_gradient_norm": 2.0}))
-    kw = grad_scaler_kwargs(static)
-    assert kw == {"loss_scale": 128.0, "max_gradient_norm": 2.0}
-    assert dls.GradScaler(**kw).get_scale() == 128.0
+    static = parse_config(mlp(precision={"mixed_precision": True}, optimizer={"loss_scaling_factor": 128}))
+    assert scaler_settings(static) == ScalerSettings.cerebras(loss_scale=128.0, half_dtype="float16")
 
     cb = parse_config(mlp(precision={"mixed_precision": True, "fp16_type": "cbfloat16"}))
-    kw = grad_scaler_kwargs(cb)
-    assert kw["max_loss_scale"] == 2.0**31 and kw["init_scale"] is None
-    assert dls.GradScaler(**kw).get_scale() == 2.0**31
+    assert scaler_settings(cb) == ScalerSettings.cerebras(half_dtype="cbfloat16")  # the scaler's defaults
+    assert scaler_settings(cb).init_scale == scaler_settings(cb).max_loss_scale == 2.0**31
 
-    full = parse_config(
-        mlp(
-            precision={"mixed_precision": True, "fp16_type": "float16"},
-            optimizer={
-                "loss_scaling_factor": "dynamic",
-                "initial_loss_scale": 1024,
-                "steps_per_increase": 7,
-                "min_loss_scale": 0.5,
-                "max_loss_scale": 4096,
-                "overflow_tolerance": 0.25,
-                "hysteresis": 2,
-                "growth_factor": 4,
-                "backoff_factor": 0.25,
-            },
-        )
-    )
-    scaler = dls.GradScaler(**grad_scaler_kwargs(full))
-    assert scaler.get_scale() == 1024 and scaler.get_growth_interval() == 7
-    assert scaler.get_growth_factor() == 4 and scaler.get_backoff_factor() == 0.25
+    keys = {
+        "loss_scaling_factor": "dynamic",
+        "initial_loss_scale": 1024,
+        "steps_per_increase": 7,
+        "min_loss_scale": 0.5,
+        "max_loss_scale": 4096,
+        "overflow_tolerance": 0.25,
+        "hysteresis": 2,
+        "growth_factor": 4,
+        "backoff_factor": 0.25,
+        "max_gradient_norm": 3.0,
+    }
+    full = parse_config(mlp(precision={"mixed_precision": True, "fp16_type": "float16"}, optimizer=keys))
+    assert scaler_settings(full) == ScalerSettings.cerebras(
+        "dynamic", 1024, 7, 0.5, 4096, 0.25, 3.0, growth_factor=4, backoff_factor=0.25, hysteresis=2,
+        half_dtype="float16",
+    )  # fmt: skip
+
+
+def test_a_float32_run_has_no_loss_scaling_and_says_which_keys_it_ignores() -> None:
+    keys = {"loss_scaling_factor": "dynamic", "steps_per_increase": 3, "max_gradient_norm": 1}
+    cfg = parse_config(mlp(precision={}, optimizer=keys))
+    assert C.loss_scaling_mode(cfg) == "off" and cfg.optimizer.max_gradient_norm == 1  # clipping still applies
+    assert cfg.optimizer.loss_scaling_factor is None and cfg.optimizer.steps_per_increase is None
+    assert [w.split(" is ignored")[0] for w in cfg.warnings] == [
+        "optimizer.loss_scaling_factor",
+        "optimizer.steps_per_increase",
+    ]
+    assert all("computes in float32" in w for w in cfg.warnings)
 
 
 def test_model_zoo_aliases() -> None:
@@ -140,7 +152,7 @@ def test_learning_rate_schedules() -> None:
     )
     schedule = cfg.optimizer.learning_rate
     assert isinstance(schedule, tuple) and schedule[1]["scheduler"] == "CosineDecay"
-    from dls.train.trainer import learning_rate_at
+    from dls.train.optim import learning_rate_at
 
     assert learning_rate_at(schedule, 0) == 0.0
     assert learning_rate_at(schedule, 5) == pytest.approx(5e-4)
@@ -160,6 +172,7 @@ def test_round_trip_through_plain_dict(path: Path) -> None:
     "raw",
     [
         mlp(),
+        mlp(precision={}),
         mlp(optimizer={"loss_scaling_factor": 8.0}),
         mlp(precision={"mixed_precision": True, "fp16_type": "bfloat16"}),
         {"model": {"name": "transformer_lm"}, "optimizer": {"optimizer_type": "SGD", "momentum": 0.5}},
@@ -172,10 +185,13 @@ def test_round_trip_of_every_mode(raw: dict) -> None:
 
 def test_describe_keys_lists_every_key() -> None:
     text = C.describe_keys()
-    for section, keys in C._SECTION_KEYS.items():
+    for section in C.SECTIONS:
         assert f"{section}:" in text
-        for key in keys:
-            assert key.name in text
+        for key in section_keys(section):
+            assert f"  {key} " in text
+    # A loss-scaling key shows the scaler's default, for cbfloat16 too, read from the settings.
+    (line,) = [line for line in text.splitlines() if line.strip().startswith("max_loss_scale ")]
+    assert "null: 2^15" in line and "(cbfloat16: 2^31)" in line
 
 
 # ---------------------------------------------------------------------- bad files
@@ -204,11 +220,11 @@ def test_unknown_section() -> None:
         (mlp(runconfig={"max_steps": "ten"}), "runconfig.max_steps must be an integer >= 1; got 'ten'"),
         (mlp(runconfig={"max_steps": 0}), "runconfig.max_steps must be an integer >= 1"),
         (mlp(runconfig={"max_steps": True}), "runconfig.max_steps must be an integer"),
-        (mlp(optimizer={"loss_scaling_factor": -2}), "optimizer.loss_scaling_factor must be 'dynamic'"),
+        (mlp(optimizer={"loss_scaling_factor": -2}), "optimizer.loss_scaling_factor must be a number from 2**-126"),
         (mlp(optimizer={"loss_scaling_factor": "auto"}), "optimizer.loss_scaling_factor must be 'dynamic'"),
         (mlp(optimizer={"optimizer_type": "LAMB"}), "optimizer.optimizer_type must be one of 'SGD', 'Adam', 'AdamW'"),
         (mlp(optimizer={"betas": [0.9]}), "optimizer.betas must be a list of two numbers"),
-        (mlp(optimizer={"min_loss_scale": 0}), "optimizer.min_loss_scale must be a number in [2**-126, "),
+        (mlp(optimizer={"min_loss_scale": 0}), "optimizer.min_loss_scale must be a number from 2**-126 to float32"),
         (mlp(optimizer={"overflow_tolerance": 1.5}), "optimizer.overflow_tolerance must be a number in [0, 1)"),
         (mlp(optimizer={"log_summaries": "yes please"}), "optimizer.log_summaries must be true or false"),
         (mlp(precision={"fp16_type": "float8"}), "precision.fp16_type must be one of 'float16', 'bfloat16'"),
@@ -296,8 +312,8 @@ def test_keys_that_do_nothing_warn() -> None:
     fp32 = parse_config(mlp(precision={"fp16_type": "float16"}))
     assert fp32.precision.compute_dtype == "float32"
     assert any("fp16_type ('float16') has no effect" in w for w in fp32.warnings)
-    assert "init_scale" not in grad_scaler_kwargs(static)
-    dls.GradScaler(**grad_scaler_kwargs(static))  # would raise if init_scale were passed with a static scale
+    assert static.optimizer.initial_loss_scale is None  # dropped: ScalerSettings refuses it with a static scale
+    assert scaler_settings(static).mode == "static"
 
 
 # ---------------------------------------------------------------------- files and overrides
@@ -358,52 +374,94 @@ def test_parse_checkpoint_states() -> None:
         C.parse_checkpoint_states("model,scaler")
 
 
-# ---------------------------------------------------------------------- ranges of the loss-scale and integer keys
+# ---------------------------------------------------------------------- the loss-scaling keys are the scaler's
+YAML_NAMES = {"loss_scale": "loss_scaling_factor", "init_scale": "initial_loss_scale"}
+SCALER_NAMES = {v: k for k, v in YAML_NAMES.items()}
+
+
+def scaler_kwargs(optimizer: dict) -> dict:
+    """The ``dls.GradScaler`` arguments of the optimizer keys (integral floats as integers, as YAML's 1e3 reads)."""
+    return {
+        SCALER_NAMES.get(k, k): int(v) if isinstance(v, float) and v.is_integer() and k in INTEGER_KEYS else v
+        for k, v in optimizer.items()
+    }
+
+
+INTEGER_KEYS = ("steps_per_increase", "hysteresis")
+
+
 @pytest.mark.parametrize(
-    ("optimizer", "key"),
+    "optimizer",
     [
-        ({"loss_scaling_factor": 1e-300}, "optimizer.loss_scaling_factor"),
-        ({"loss_scaling_factor": 1e-45}, "optimizer.loss_scaling_factor"),  # a float32 subnormal: 1/scale is inf
-        ({"loss_scaling_factor": 3.5e38}, "optimizer.loss_scaling_factor"),  # inf in float32
-        ({"loss_scaling_factor": "dynamic", "min_loss_scale": 1e-300}, "optimizer.min_loss_scale"),
-        ({"loss_scaling_factor": "dynamic", "min_loss_scale": 2.0**-127}, "optimizer.min_loss_scale"),
-        ({"loss_scaling_factor": "dynamic", "initial_loss_scale": 1e-39}, "optimizer.initial_loss_scale"),
-        ({"loss_scaling_factor": "dynamic", "max_loss_scale": 1e39}, "optimizer.max_loss_scale"),
+        {"loss_scaling_factor": 3.402e38},  # accepted: a static scale below float32's max
+        {"loss_scaling_factor": 3.4028234663852886e38},
+        {"loss_scaling_factor": 1e-300},
+        {"loss_scaling_factor": 1e-45},  # a float32 subnormal: 1/scale is inf
+        {"loss_scaling_factor": 3.5e38},  # inf in float32
+        {"max_loss_scale": 1e39},
+        {"min_loss_scale": 1e-300},
+        {"min_loss_scale": 2.0**-127},
+        {"min_loss_scale": 2.0**-126, "initial_loss_scale": 2.0**-126},
+        {"initial_loss_scale": 1e-39},
+        {"initial_loss_scale": 2.0**20},  # above the default max: raises the max
+        {"initial_loss_scale": 2.0**20, "max_loss_scale": 2.0**16},
+        {"min_loss_scale": 8, "max_loss_scale": 4},
+        {"initial_loss_scale": 0.5, "min_loss_scale": 1},
+        {"steps_per_increase": 1e10},
+        {"steps_per_increase": 2**31},  # torch's growth tracker is an int32
+        {"steps_per_increase": 2**31 - 1},
+        {"steps_per_increase": 2.5},
+        {"hysteresis": 0},
+        {"growth_factor": 1.0},
+        {"backoff_factor": 1.0},
+        {"overflow_tolerance": 1.0},
+        {"overflow_tolerance": "none"},
+        {"max_gradient_norm": -1.0},
     ],
+    ids=str,
 )
-def test_loss_scales_must_be_normal_float32_with_a_finite_inverse(optimizer: dict, key: str) -> None:
-    (error,) = errors_of(mlp(optimizer=optimizer))
-    assert error.startswith(key) and "[2**-126, 3.4028234663852886e+38]" in error
+def test_the_config_accepts_exactly_what_the_scaler_accepts(optimizer: dict) -> None:
+    """``dls validate`` and ``dls.GradScaler`` agree, and each problem is the scaler's, under its YAML key."""
+    try:
+        dls.GradScaler(**scaler_kwargs(optimizer))
+    except SettingsError as exc:
+        problems = exc.problems
+    else:
+        problems = []
+    if not problems:
+        assert parse_config(mlp(optimizer=optimizer)).warnings == ()
+        return
+    errors = errors_of(mlp(optimizer=optimizer))
+    relabelled = []
+    for _, message in problems:
+        for name in sorted(inspect.signature(ScalerSettings.cerebras).parameters, key=len, reverse=True):
+            message = re.sub(rf"\b{name}\b", f"optimizer.{YAML_NAMES.get(name, name)}", message)
+        relabelled.append(message)
+    assert errors and set(errors) <= set(relabelled), (errors, relabelled)
+    given = {f"optimizer.{k}" for k in optimizer}
+    assert all(any(key in e for key in given) for e in errors)  # every error names a key the file gave
 
 
-def test_the_loss_scale_range_ends_are_accepted() -> None:
-    low = {"loss_scaling_factor": "dynamic", "min_loss_scale": 2.0**-126, "initial_loss_scale": 2.0**-126}
-    assert parse_config(mlp(optimizer=low)).optimizer.min_loss_scale == 2.0**-126
-    high = {"loss_scaling_factor": 3.4028234663852886e38}
-    assert parse_config(mlp(optimizer=high)).optimizer.loss_scaling_factor == 3.4028234663852886e38
-
-
-STEPS_RANGE = "optimizer.steps_per_increase must be an integer in [1, 2147483647]"
+def test_a_loss_scale_error_names_the_key_and_the_range() -> None:
+    (error,) = errors_of(mlp(optimizer={"max_loss_scale": 1e39}))
+    assert error == (
+        "optimizer.max_loss_scale must be a number from 2**-126 to float32's max 3.4028e38 (a normal float32); "
+        "got 1e+39"
+    )
 
 
 @pytest.mark.parametrize(
     ("section", "key", "value", "needle"),
     [
-        ("optimizer", "steps_per_increase", 1e10, STEPS_RANGE),
-        ("optimizer", "steps_per_increase", 2**31, STEPS_RANGE),  # torch's growth tracker is an int32
         ("runconfig", "seed", 1e20, "runconfig.seed must be an integer in [0, 4294967295]"),
         ("data", "shuffle_seed", 2**32, "data.shuffle_seed must be an integer in [0, 4294967295] or null"),
         ("runconfig", "max_steps", 2**63, "runconfig.max_steps must be an integer in [1, 9223372036854775807]"),
+        ("runconfig", "num_threads", 0, "runconfig.num_threads must be an integer in [1, 1024] or null"),
     ],
 )
 def test_integer_keys_fit_the_integers_they_feed(section: str, key: str, value: object, needle: str) -> None:
     (error,) = errors_of(mlp(**{section: {key: value}}))
     assert error.startswith(needle)
-
-
-def test_the_largest_steps_per_increase_is_accepted() -> None:
-    cfg = parse_config(mlp(optimizer={"loss_scaling_factor": "dynamic", "steps_per_increase": 2**31 - 1}))
-    assert grad_scaler_kwargs(cfg)["steps_per_increase"] == 2**31 - 1
 
 
 # ---------------------------------------------------------------------- hostile files
@@ -438,15 +496,15 @@ def test_repeated_merge_keys_do_not_multiply() -> None:
     lines = ["m0: &m0 {x: 1}"] + [
         f"m{i}: &m{i} {{<<: [{', '.join([f'*m{i - 1}'] * 9)}], y{i}: {i}}}" for i in range(1, 30)
     ]
-    data = C.load_yaml("\n".join(lines))  # without de-duplication, 9**29 merged pairs
+    data = load_yaml("\n".join(lines))  # without de-duplication, 9**29 merged pairs
     assert data["m29"] == {"x": 1, **{f"y{i}": i for i in range(1, 30)}}
 
 
 def test_recursive_aliases_and_deep_nesting_are_rejected() -> None:
     with pytest.raises(ConfigError, match="contains itself"):
-        C.load_yaml("a: &a [*a]")
+        load_yaml("a: &a [*a]")
     with pytest.raises(ConfigError, match="nested too deeply"):
-        C.load_yaml("[" * 1000 + "]" * 1000)
+        load_yaml("[" * 1000 + "]" * 1000)
 
 
 def test_overrides_copy_only_what_they_change() -> None:

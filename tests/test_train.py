@@ -23,7 +23,7 @@ from dls.train import checkpoint as ckpt
 from dls.train.config import CHECKPOINT_STATES, parse_config
 from dls.train.data import BatchIterator, CharCorpus, build_dataset
 from dls.train.errors import ModelDirError
-from dls.train.trainer import METRICS_FILE, PLOT_FILE
+from dls.train.outputs import METRICS_FILE, PLOT_FILE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -356,7 +356,7 @@ def test_stops_when_the_scale_is_pinned_at_min_and_still_overflows(tmp_path: Pat
     with pytest.raises(TrainingStopped) as info:
         trainer.train()
     message = str(info.value)
-    assert "pinned at min_loss_scale (2^-2)" in message and "3 consecutive steps" in message
+    assert "pinned at min_loss_scale (2^-2)" in message and "3 steps without a clean step between" in message
     assert "--resume" in message and "learning_rate" in message and "bfloat16" in message
     # scale 1 -> 0.5 -> 0.25 (floor) then 3 overflows at the floor: stopped after step 5, checkpointed.
     assert trainer.global_step == 5 and info.value.checkpoint == tmp_path / "run" / "checkpoint_5.mdl"

@@ -218,9 +218,10 @@ def test_ranks_take_disjoint_strided_batches_and_the_state_moves_between_world_s
 def _worker(argv: list[str]) -> int:
     """One rank of launch B: ``python test_train_ddp.py DUMP_DIR OVERFLOWS_JSON DLS_ARGS...`` under torchrun.
 
-    Runs ``dls train`` (``dls.train.cli.main``) with two patches: an inf goes into this rank's first gradient
-    after DDP reduced it (before ``unscale_``) on the steps ``OVERFLOWS_JSON`` lists for it; and before the
-    trainer closes, it dumps its global step, skipped steps, scaler state, own losses and a parameter digest.
+    Runs ``dls train`` (``dls.train.cli.main``) with patches: an inf goes into this rank's first gradient after
+    DDP reduced it (before the scaler's overflow check) on the steps ``OVERFLOWS_JSON`` lists for it; each step's
+    rank-local loss is recorded as the trainer hands it to ``dls.optimizer_step``; and before the trainer closes, it
+    dumps its global step, skipped steps, scaler state, own losses and a parameter digest.
     """
     import dls
     from dls.train import cli
@@ -229,23 +230,28 @@ def _worker(argv: list[str]) -> int:
     dump_dir, overflows, args = Path(argv[0]), json.loads(argv[1]), argv[2:]
     rank = int(os.environ["RANK"])
     mine = set(overflows.get(str(rank), []))
-    current = {"step": 0, "skipped": []}
+    current: dict[str, Any] = {"step": 0, "skipped": [], "losses": []}
     result: dict[str, Any] = {}
 
-    original_step, original_unscale, original_close = Trainer._step, dls.GradScaler.unscale_, Trainer.close
+    original_step, original_close = Trainer._step, Trainer.close
+    original_check, original_optimizer_step = dls.GradScaler.clip_gradients_and_return_isfinite, dls.optimizer_step
 
     def step(self: Trainer, *a: Any, **k: Any) -> Any:
         current["step"] = self.global_step + 1
         row = original_step(self, *a, **k)
-        if self._last_skipped:
+        if self.scaler.step_was_skipped(self.optimizer):
             current["skipped"].append(self.global_step)
         return row
 
-    def unscale_(self: Any, optimizer: torch.optim.Optimizer) -> Any:
+    def check(self: Any, optimizers: Any, **kwargs: Any) -> Any:
         if current["step"] in mine:
-            grad = next(p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
+            grad = next(p.grad for g in optimizers[0].param_groups for p in g["params"] if p.grad is not None)
             grad.view(-1)[0] = float("inf")
-        return original_unscale(self, optimizer)
+        return original_check(self, optimizers, **kwargs)
+
+    def optimizer_step(loss: torch.Tensor, *a: Any, **k: Any) -> Any:
+        current["losses"].append(float(loss.detach()))
+        return original_optimizer_step(loss, *a, **k)
 
     def close(self: Trainer) -> None:
         state = self.model.state_dict()
@@ -254,13 +260,14 @@ def _worker(argv: list[str]) -> int:
             global_step=self.global_step,
             skipped_steps=current["skipped"],
             scaler=self.scaler.state_dict(),
-            losses=self._session_losses,
+            losses=current["losses"],
             params=digest.hexdigest(),
         )
         original_close(self)
 
     Trainer._step = step  # type: ignore[method-assign]
-    dls.GradScaler.unscale_ = unscale_  # type: ignore[method-assign]
+    dls.GradScaler.clip_gradients_and_return_isfinite = check  # type: ignore[method-assign]
+    dls.optimizer_step = optimizer_step
     Trainer.close = close  # type: ignore[method-assign]
     status = cli.main(args)
     (dump_dir / f"rank{rank}.json").write_text(json.dumps({**result, "exit_status": status}))

@@ -6,6 +6,15 @@ plus ``rng`` (every random-number generator), ``config`` (the run's config as pl
 (elapsed time, overflow counters) and ``format``/``format_version``. Everything in it loads with
 ``torch.load(weights_only=True)``.
 
+Format versions (:data:`FORMAT_VERSION`; a file without one is version 1):
+
+* 1: the LR schedule advanced on every step, skipped ones included (``lr_scheduler.last_epoch`` = global step).
+* 2: the LR schedule advances on applied steps only (``last_epoch`` = optimizer updates); the config's
+  loss-scaling keys may be null (the scaler's defaults); ``runconfig.num_threads``.
+
+Both load: a version-1 schedule goes on from where it was (its position counted the skipped steps too). A file
+of a later version than this dls knows is refused, naming both versions.
+
 Atomic write: the bytes go to a new hidden temporary file in the same directory (created exclusively, never
 through a symbolic link), which is flushed and fsync-ed, then renamed over the final name with ``os.replace``
 (atomic on POSIX and Windows) and the directory fsync-ed. A crash at any point leaves either the old set of
@@ -34,16 +43,18 @@ __all__ = [
     "CheckpointError",
     "checkpoint_path",
     "find_checkpoint",
+    "format_version",
     "list_checkpoints",
     "load_checkpoint",
     "load_resume_checkpoint",
     "rng_state",
     "save_checkpoint",
+    "seed_everything",
     "set_rng_state",
 ]
 
 FORMAT = "dls-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _NAME_RE = re.compile(r"^checkpoint_(\d+)\.mdl$")
 _TMP_PREFIX = ".checkpoint_"  # temporary names: .checkpoint_<step>.mdl.<random>.tmp
 
@@ -141,7 +152,21 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"cannot read checkpoint {p}: {type(exc).__name__}: {exc}") from None
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{p} is not a dls training checkpoint (no 'model' state)")
+    version = format_version(state)
+    if version is None or version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{p} has checkpoint format version {state.get('format_version')!r}; this dls reads versions 1 to "
+            f"{FORMAT_VERSION} (a newer dls wrote it?)"
+        )
     return state
+
+
+def format_version(state: dict[str, Any]) -> int | None:
+    """The checkpoint format version of ``state`` (1 when absent); ``None`` when it is not a positive integer."""
+    version = state.get("format_version", 1)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        return None
+    return version
 
 
 # ---------------------------------------------------------------------- random-number generators
@@ -156,6 +181,13 @@ def rng_state() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

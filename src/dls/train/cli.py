@@ -11,8 +11,8 @@ Data-parallel: ``torchrun --nproc_per_node=2 -m dls.train.cli train CONFIG.yaml`
 torch.distributed.run ... -m dls.train.cli ...``, or ``torchrun ... $(which dls) train ...``); under torchrun
 only rank 0 prints, and torchrun itself exits 1 whenever a rank fails: the code is in rank 0's message.
 
-This module imports the standard library and ``dls.train.errors`` only; everything that needs the ``train``
-extra is imported inside the commands, after checking that the extra is installed.
+This module imports the standard library, ``dls.train.errors`` and ``dls.train.launch`` only; everything that
+needs the ``train`` extra is imported inside the commands, after checking that the extra is installed.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import os
 import signal
 import sys
 import threading
@@ -31,6 +30,7 @@ from typing import Any
 
 from dls.train.errors import (
     CheckpointError,
+    ConfigError,
     ExitStatus,
     MissingExtras,
     Terminated,
@@ -39,6 +39,7 @@ from dls.train.errors import (
     exit_status,
     write_crash_report,
 )
+from dls.train.launch import init_distributed, shutdown_distributed, torchrun_env
 
 # What the trainer imports beyond torch (the ``train`` extra): import name -> package name.
 TRAIN_EXTRA = {"yaml": "PyYAML", "numpy": "numpy", "rich": "rich", "matplotlib": "matplotlib"}
@@ -144,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     validate = sub.add_parser(
         "validate",
         help="check a YAML config and print it with every default filled in",
-        description="Check a YAML config (with overrides) without training; print the resolved config.",
+        description="Check a YAML config (with overrides) without training; print the resolved config and the loss "
+        "scaler's settings (null loss-scaling keys take the scaler's defaults, shown there).",
     )
     validate.add_argument("config")
     validate.add_argument("--override", "-o", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE")
@@ -155,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _quiet_rank() -> bool:
     """Under torchrun, ranks other than 0 print nothing (every rank meets the same errors)."""
-    return os.environ.get("RANK", "0") != "0" and os.environ.get("WORLD_SIZE", "1") != "1"
+    env = torchrun_env()
+    return env.launched and env.rank != 0
 
 
 class _Run:
@@ -250,7 +253,6 @@ def _report(exc: BaseException, run: _Run) -> int:
 def _build(cfg: Any, source: str, **kwargs: Any) -> Any:
     """The :class:`~dls.train.trainer.Trainer` of ``cfg``; what it rejects while building the run (the device, a
     batch larger than the data set) is a config error (exit 2), for ``dls validate`` as for ``dls train``."""
-    from dls.train.config import ConfigError
     from dls.train.trainer import Trainer
 
     try:
@@ -265,12 +267,15 @@ def _validate(args: argparse.Namespace, run: _Run) -> int:
     import yaml
     from rich.console import Console
 
-    from dls.train.config import grad_scaler_kwargs, load_config, to_dict
+    from dls.train.config import load_config, loss_scaling_mode, scaler_settings, to_dict
 
     cfg = load_config(args.config, args.override)
     _build(cfg, args.config, console=Console(file=io.StringIO()), progress=False, summary=False, plot=False)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
-    print(f"# GradScaler kwargs: {grad_scaler_kwargs(cfg)}")
+    if loss_scaling_mode(cfg) == "off":
+        print(f"# loss scaling: off ({cfg.precision.compute_dtype})")
+    else:  # null loss-scaling keys above take these defaults
+        print(f"# loss scaling: dls.GradScaler.from_settings({scaler_settings(cfg)})")
     for warning in cfg.warnings:
         print(f"# warning: {warning}")
     print(f"# {args.config}: OK")
@@ -279,8 +284,7 @@ def _validate(args: argparse.Namespace, run: _Run) -> int:
 
 def _train(args: argparse.Namespace, run: _Run) -> int:
     from dls.train.checkpoint import load_resume_checkpoint
-    from dls.train.config import ConfigError, apply_overrides, parse_checkpoint_states, parse_config, read_config
-    from dls.train.trainer import init_distributed, shutdown_distributed
+    from dls.train.config import apply_overrides, parse_checkpoint_states, parse_config, read_config
 
     states = None
     if args.load_checkpoint_states is not None:

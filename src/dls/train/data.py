@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dls.train.config import DataConfig
+from dls.train.keys import DataConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -17,22 +17,23 @@ format at the run's current loss scale, counts the nonzero gradient values that 
 from __future__ import annotations
 
 import io
-import math
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from dls.diagnostics.scales import pow2
 from dls.train.config import parse_config
+from dls.train.outputs import CONFIG_FILE, METRICS_FILE, PLOT_FILE
 from dls.train.plots import plot_comparison, read_metrics
+from dls.train.reporting import TrainResult
 from dls.train.rundir import RunDir, open_directory, replace_file, resolve_model_dir
-from dls.train.trainer import CONFIG_FILE, METRICS_FILE, PLOT_FILE, Trainer, TrainResult
+from dls.train.trainer import Trainer
 
 DEFAULT_STEPS = 600
 LOSS_WEIGHT = 1e-4
@@ -55,6 +56,8 @@ def base_config(steps: int, model_dir: Path) -> dict[str, Any]:
             "keep_checkpoint_max": 1,
             "model_dir": str(model_dir),
             "seed": 0,
+            # These matrices are tiny: one thread is as fast as two, and far faster when other work shares the cores.
+            "num_threads": 1,
         },
     }
 
@@ -77,7 +80,7 @@ RUNS = (
     ),
     DemoRun(
         "float16_static",
-        f"fp16, static 2^{int(math.log2(STATIC_SCALE))}",
+        f"fp16, static {pow2(STATIC_SCALE)}",
         {"mixed_precision": True, "fp16_type": "float16"},
         {"loss_scaling_factor": STATIC_SCALE},
     ),
@@ -96,11 +99,8 @@ RUNS = (
 )
 
 
-def _pow2(value: float | None) -> str:
-    if value is None:
-        return "-"
-    exponent = math.log2(value)
-    return f"2^{exponent:.0f}" if exponent.is_integer() else f"{value:g}"
+def _scale(value: float | None) -> str:
+    return "-" if value is None else pow2(value)
 
 
 def run_demo(
@@ -117,14 +117,8 @@ def run_demo(
     )
     results: list[tuple[DemoRun, TrainResult]] = []
     start = time.perf_counter()
-    threads = torch.get_num_threads()
-    # These matrices are tiny: one thread is as fast as two, and far faster when other work shares the cores.
-    torch.set_num_threads(1)
-    try:
-        for run in RUNS:
-            results.append((run, _train_one(run, out, steps, progress, console)))
-    finally:
-        torch.set_num_threads(threads)
+    for run in RUNS:
+        results.append((run, _train_one(run, out, steps, progress, console)))
     total = time.perf_counter() - start
     _print_table(console, results, steps)
     png = io.BytesIO()
@@ -141,8 +135,8 @@ def run_demo(
         os.close(directory)
     console.print(
         "Runs: fp16 = float16 under torch.autocast; 'no scaling' = loss_scaling_factor 1.0 (Model Zoo's value for "
-        f"no scaling); 'static {_pow2(STATIC_SCALE)}' = a fixed, hand-picked scale; 'fp16 + DLS' = "
-        f"loss_scaling_factor: dynamic, started at {_pow2(DLS_MAX_SCALE)} so it has to back off; 'cbfloat16 + DLS' = "
+        f"no scaling); 'static {_scale(STATIC_SCALE)}' = a fixed, hand-picked scale; 'fp16 + DLS' = "
+        f"loss_scaling_factor: dynamic, started at {_scale(DLS_MAX_SCALE)} so it has to back off; 'cbfloat16 + DLS' = "
         "cbfloat16 emulated exactly by dls.emulate, with the Cerebras defaults (start 2^31).",
         highlight=False,
     )
@@ -191,7 +185,7 @@ def _print_table(console: Console, results: list[tuple[DemoRun, TrainResult]], s
             f"{r.eval_loss:.4g}" if r.eval_loss is not None else "-",
             ratio,
             str(r.skipped_steps) if r.loss_scale is not None else "-",
-            _pow2(r.loss_scale),
+            _scale(r.loss_scale),
             underflow,
             f"{r.wall_time:.1f} s",
         )

@@ -31,10 +31,12 @@ import secrets
 import socket
 import tempfile
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = [
     "CheckpointError",
+    "ConfigError",
     "ExitStatus",
     "MissingExtras",
     "ModelDirError",
@@ -64,6 +66,22 @@ class TrainingStopped(RuntimeError):
     def __init__(self, message: str, checkpoint: Path | None = None) -> None:
         super().__init__(message)
         self.checkpoint = checkpoint
+
+
+class ConfigError(ValueError):
+    """An invalid config. ``errors`` lists every problem found, each naming its key (``section.key``); ``source``
+    names where the config came from (a file, an override, a checkpoint). Exit status 2."""
+
+    def __init__(self, errors: Sequence[str], source: str | None = None) -> None:
+        self.errors = list(errors)
+        self.source = source
+        where = f" in {source}" if source else ""
+        if len(self.errors) == 1:
+            message = f"invalid config{where}: {self.errors[0]}"
+        else:
+            problems = "\n".join(f"  - {e}" for e in self.errors)
+            message = f"invalid config{where} ({len(self.errors)} problems):\n{problems}"
+        super().__init__(message)
 
 
 class CheckpointError(ValueError):
@@ -106,16 +124,11 @@ def exit_status(exc: BaseException) -> ExitStatus:
         return ExitStatus.INTERRUPTED
     if isinstance(exc, TrainingStopped):
         return ExitStatus.STOPPED
-    if isinstance(exc, (CheckpointError, ModelDirError, MissingExtras, UsageError)) or _is_config_error(exc):
+    if isinstance(exc, (ConfigError, CheckpointError, ModelDirError, MissingExtras, UsageError)):
         return ExitStatus.USAGE
     if isinstance(exc, (OSError, MemoryError)) or type(exc).__name__ == "OutOfMemoryError":  # torch's OOM
         return ExitStatus.ENVIRONMENT
     return ExitStatus.INTERNAL
-
-
-def _is_config_error(exc: BaseException) -> bool:
-    # dls.train.config needs PyYAML; compare by name so that this module imports without it.
-    return any(c.__name__ == "ConfigError" and c.__module__ == "dls.train.config" for c in type(exc).__mro__)
 
 
 def describe(exc: BaseException) -> str:

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dls.train.config import ModelConfig
 from dls.train.data import Batch, DataInfo
+from dls.train.keys import ModelConfig
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}
 

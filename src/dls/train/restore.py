@@ -28,14 +28,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dls.diagnostics.scales import pow2
+from dls.settings import ScalerSettings
 from dls.train import checkpoint as ckpt
 from dls.train.config import (
     CHECKPOINT_STATES,
     ConfigError,
     TrainConfig,
-    grad_scaler_kwargs,
     loss_scaling_mode,
     parse_config,
+    scaler_settings,
+    section_keys,
 )
 from dls.train.errors import CheckpointError, ModelDirError
 from dls.train.rundir import entries, resolve_model_dir
@@ -53,29 +56,11 @@ DYNAMIC_STATE_KEYS = (
 )
 # torch.amp.GradScaler's names, read when the dls names are absent.
 _TORCH_NAMES = {"loss_scale": "scale", "steps_since_rescale": "_growth_tracker"}
-# grad_scaler_kwargs() names -> config keys, for the settings compared on resume.
-_SETTING_KEYS = {
-    "init_scale": "initial_loss_scale",
-    "steps_per_increase": "steps_per_increase",
-    "min_loss_scale": "min_loss_scale",
-    "max_loss_scale": "max_loss_scale",
-    "overflow_tolerance": "overflow_tolerance",
-    "growth_factor": "growth_factor",
-    "backoff_factor": "backoff_factor",
-    "hysteresis": "hysteresis",
-}
+# The settings of the dynamic rule (ScalerSettings attribute -> config key), compared on resume.
+_SETTING_KEYS = {k.scaler: name for name, k in section_keys("optimizer").items() if k.scaler and k.scaling == "dynamic"}
 # Per-parameter state every optimizer family needs once it has stepped.
 _REQUIRED_STATE = {"SGD": ("momentum_buffer",), "Adam": ("step", "exp_avg", "exp_avg_sq")}
 _INT64_MAX = 2**63 - 1
-
-
-def format_scale(value: float | None) -> str:
-    """``2^k`` for powers of two, else ``%g``."""
-    if value is None:
-        return "none"
-    if value > 0 and math.isfinite(value) and math.log2(value).is_integer():
-        return f"2^{int(math.log2(value))}"
-    return f"{value:g}"
 
 
 # ---------------------------------------------------------------------- where a run writes
@@ -173,12 +158,17 @@ def restore(trainer: Trainer, path: Path, state: dict[str, Any], states: Sequenc
             target.load_state_dict(state[key])
         except (ValueError, KeyError, RuntimeError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"cannot load the {key} state of {path}: {exc}") from None
+        if key == "lr_scheduler" and ckpt.format_version(state) == 1:
+            trainer.log(
+                f"{path} has checkpoint format 1, whose LR schedule advanced on skipped steps too: it goes on from "
+                f"its position ({state[key]['last_epoch']} steps) and from now on advances on applied steps only"
+            )
     if "optimizer" in states and "optimizer" not in state:
         trainer.log(f"{path} has no optimizer state; optimizer starts fresh")
     if "grad_scaler" in states:
         _restore_scaler(trainer, path, state.get("grad_scaler"), saved_cfg)
     if "global_step" in states:
-        trainer.global_step, trainer.elapsed, trainer.overflows_at_floor = step, float(elapsed), floor
+        trainer.global_step, trainer.elapsed, trainer.floor.count = step, float(elapsed), floor
     if "rng" in states:
         _restore_rng(trainer, path, state)  # last: building the run above must not consume the restored RNG
 
@@ -271,9 +261,7 @@ def _restore_rng(trainer: Trainer, path: Path, state: dict[str, Any]) -> None:
         elif "rng" in state:
             ckpt.set_rng_state(state["rng"])  # rank 0's
             if trainer.rank > 0:  # saved by fewer ranks: a stream of its own, not a copy of rank 0's
-                from dls.train.trainer import seed_everything
-
-                seed_everything(trainer.cfg.runconfig.seed + trainer.rank + 1_000_003 * trainer.global_step)
+                ckpt.seed_everything(trainer.cfg.runconfig.seed + trainer.rank + 1_000_003 * trainer.global_step)
         else:
             trainer.log(f"{path} has no rng state; random-number generators start from runconfig.seed")
     except (TypeError, ValueError, RuntimeError, KeyError, IndexError, OverflowError) as exc:
@@ -285,7 +273,7 @@ def _restore_scaler(trainer: Trainer, path: Path, saved: Any, saved_cfg: TrainCo
     scaler = trainer.scaler
     if not saved:
         if scaler.is_enabled():
-            from dls.train.trainer import describe_scaling
+            from dls.train.reporting import describe_scaling
 
             trainer.log(
                 f"{path} has no grad_scaler state (it was saved by a run without loss scaling); "
@@ -327,57 +315,59 @@ def scaler_state_to_load(
     for key in DYNAMIC_STATE_KEYS[1:]:
         if key in values:
             _count(values[key], f"grad_scaler.{key}", path)
-    now_mode, now = loss_scaling_mode(cfg), grad_scaler_kwargs(cfg)
+    now_mode, now = loss_scaling_mode(cfg), scaler_settings(cfg)
     then_mode = loss_scaling_mode(saved_cfg) if saved_cfg is not None else None
-    then = grad_scaler_kwargs(saved_cfg) if saved_cfg is not None else {}
+    then: ScalerSettings | None = scaler_settings(saved_cfg) if saved_cfg is not None else None
     lines = []
-    if then_mode not in ("static", "dynamic"):
-        then_mode = None
+    if then is None or then_mode not in ("static", "dynamic"):
+        then = None
         lines.append(f"the config saved in {path} is unreadable: its loss-scaling settings are not compared")
     skipped = values.get("num_skipped_steps", 0)
-    if then_mode is not None and then_mode != now_mode:
+    if then is not None and then_mode != now_mode:
         if now_mode == "dynamic":
-            start = now["init_scale"] if now["init_scale"] is not None else now["max_loss_scale"]
             lines.append(
-                f"loss scaling: static {format_scale(then['loss_scale'])} in the checkpoint, dynamic now: the scale "
-                f"starts from the config's initial scale {format_scale(start)}; {skipped} skipped steps carried over"
+                f"loss scaling: static {pow2(then.init_scale)} in the checkpoint, dynamic now: the scale starts from "
+                f"the config's initial scale {pow2(now.init_scale)}; {skipped} skipped steps carried over"
             )
         else:
             lines.append(
-                f"loss scaling: dynamic in the checkpoint (scale {format_scale(scale)}), static "
-                f"{format_scale(now['loss_scale'])} now: the config's static scale is used; {skipped} skipped steps "
-                "carried over"
+                f"loss scaling: dynamic in the checkpoint (scale {_shown(scale)}), static {pow2(now.init_scale)} now: "
+                f"the config's static scale is used; {skipped} skipped steps carried over"
             )
         return {k: values[k] for k in ("num_skipped_steps",) if k in values}, lines
     if now_mode == "static":
         values.pop("loss_scale", None)  # a static scale is the config's
-        if then_mode == "static" and then["loss_scale"] != now["loss_scale"]:
+        if then is not None and then.init_scale != now.init_scale:
             lines.append(
-                f"static loss scale: {format_scale(then['loss_scale'])} in the checkpoint, "
-                f"{format_scale(now['loss_scale'])} now: {format_scale(now['loss_scale'])} is used"
+                f"static loss scale: {pow2(then.init_scale)} in the checkpoint, {pow2(now.init_scale)} now: "
+                f"{pow2(now.init_scale)} is used"
             )
         return values, lines
-    for key, config_key in _SETTING_KEYS.items():
-        if then_mode is None or then[key] == now[key]:
+    for attribute, config_key in _SETTING_KEYS.items():
+        before, after = (getattr(then, attribute), getattr(now, attribute)) if then is not None else (0, 0)
+        if before == after:
             continue
-        if key == "init_scale":
+        if attribute == "init_scale":
             lines.append(
-                f"optimizer.initial_loss_scale: {then[key]} in the checkpoint's config, {now[key]} now: not used, "
-                f"the scale continues from the checkpoint's ({format_scale(scale)})"
+                f"optimizer.initial_loss_scale: {before} in the checkpoint's config, {after} now: not used, "
+                f"the scale continues from the checkpoint's ({_shown(scale)})"
             )
         else:
             lines.append(
-                f"optimizer.{config_key}: {then[key]:g} in the checkpoint's config, {now[key]:g} now: "
-                f"{now[key]:g} is used"
+                f"optimizer.{config_key}: {before:g} in the checkpoint's config, {after:g} now: {after:g} is used"
             )
     if scale is not None:
-        low, high = now["min_loss_scale"], now["max_loss_scale"]
+        low, high = now.min_loss_scale, now.max_loss_scale
         clamped = min(max(float(scale), low), high)
         if clamped != scale:
             bound = "optimizer.max_loss_scale" if clamped == high else "optimizer.min_loss_scale"
             lines.append(
-                f"the checkpoint's loss scale {format_scale(scale)} is outside [{format_scale(low)}, "
-                f"{format_scale(high)}]: it continues at {bound} ({format_scale(clamped)})"
+                f"the checkpoint's loss scale {pow2(scale)} is outside [{pow2(low)}, {pow2(high)}]: it continues at "
+                f"{bound} ({pow2(clamped)})"
             )
             values["loss_scale"] = clamped
     return values, lines
+
+
+def _shown(scale: float | None) -> str:
+    return "none" if scale is None else pow2(scale)

@@ -1,0 +1,131 @@
+"""How a run is launched and stopped: the device, ``torchrun``'s environment and process group, and the signals
+that ask a run to stop.
+
+Data-parallel: under ``torchrun --nproc_per_node=2 -m dls.train.cli train CONFIG.yaml`` (same YAML; gloo on CPU,
+NCCL with one GPU per rank) ``dls train`` initialises ``torch.distributed`` (:func:`init_distributed`) and the
+trainer wraps the model in ``DistributedDataParallel``.
+
+Imports torch, ``dls.train.errors`` and the standard library only: the ``dls`` command uses :func:`torchrun_env`
+before it knows whether the ``train`` extra is installed.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from dls.train.errors import Terminated
+
+__all__ = [
+    "StopRequest",
+    "TorchrunEnv",
+    "init_distributed",
+    "resolve_device",
+    "shutdown_distributed",
+    "torchrun_env",
+]
+
+
+class TorchrunEnv(NamedTuple):
+    """What ``torchrun`` tells each process (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``; 0, 0, 1 outside it)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @property
+    def launched(self) -> bool:
+        """Whether this process is one of several ranks (``WORLD_SIZE`` > 1)."""
+        return self.world_size > 1
+
+
+def torchrun_env() -> TorchrunEnv:
+    """The one reader of ``torchrun``'s environment variables; a value that is not an integer reads as unset."""
+
+    def read(name: str, default: int) -> int:
+        try:
+            return int(os.environ.get(name, default))
+        except ValueError:
+            return default
+
+    return TorchrunEnv(read("RANK", 0), read("LOCAL_RANK", 0), read("WORLD_SIZE", 1))
+
+
+def resolve_device(name: str) -> torch.device:
+    """``runconfig.device``: ``auto`` is CUDA when available; ``cuda`` without CUDA is a ``ValueError``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("runconfig.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+def init_distributed(device: str) -> bool:
+    """Under ``torchrun`` (``WORLD_SIZE`` > 1), initialise the default process group from the environment: NCCL
+    when ``device`` (``runconfig.device``) resolves to CUDA, this rank then using GPU ``LOCAL_RANK``; gloo
+    otherwise. Returns whether it initialised the group (then :func:`shutdown_distributed` ends it); ``False``
+    outside ``torchrun`` or when the group already exists."""
+    env = torchrun_env()
+    if not env.launched or not dist.is_available() or dist.is_initialized():
+        return False
+    if resolve_device(device).type == "cuda":
+        torch.cuda.set_device(env.local_rank)
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+    return True
+
+
+def shutdown_distributed() -> None:
+    """Destroy the default process group, after collecting the objects (DDP's reducer) that still hold it:
+    with gloo, a group referenced at interpreter exit can abort the process as it shuts down."""
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class StopRequest:
+    """While active (main thread only), the first Ctrl-C (SIGINT) or SIGTERM asks the loop to stop after the current
+    step (which then checkpoints a consistent state and raises :meth:`interrupt`: ``KeyboardInterrupt``, or
+    :class:`Terminated` for SIGTERM); a second one interrupts at once. Data-parallel: the request is shared in the
+    all-reduce of the next logged step, after which every rank stops at the same step."""
+
+    def __init__(self, log: Callable[[str], None], distributed: bool = False) -> None:
+        self.log = log
+        self.distributed = distributed
+        self.requested = False
+        self.forced = False
+        self.signum: int = signal.SIGINT
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            self.forced = True
+            raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+        self.requested, self.signum = True, signum
+        when = "at the next logged step (all ranks together)" if self.distributed else "after this step"
+        if signum == signal.SIGTERM:
+            self.log(f"SIGTERM: stopping {when} and saving a checkpoint")
+        else:
+            self.log(f"Ctrl-C: stopping {when} and saving a checkpoint (press Ctrl-C again to quit at once)")
+
+    def interrupt(self) -> KeyboardInterrupt:
+        return Terminated() if self.signum == signal.SIGTERM else KeyboardInterrupt()
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}

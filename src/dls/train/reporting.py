@@ -1,0 +1,135 @@
+"""What a run shows: the progress display, one-line descriptions of its precision and loss scaling, and the
+summary table at the end. Everything here is built from values the loop has already read (the logged row), so
+showing progress costs no extra read of the device."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from dls.diagnostics.scales import pow2
+from dls.train.config import TrainConfig, loss_scaling_mode, scaler_settings
+
+__all__ = ["ProgressDisplay", "TrainResult", "describe_precision", "describe_scaling", "json_number", "print_summary"]
+
+
+@dataclass
+class TrainResult:
+    """What a run did. ``final_loss``: mean training loss over the last 10% of this session's steps;
+    ``eval_loss``: the loss over (up to 4096 samples of) the data set, computed in float32 after training;
+    ``grad_underflow``: mean of the logged ``grad_underflow`` values (``None`` without ``log_summaries``)."""
+
+    model_dir: Path
+    global_step: int
+    steps_run: int
+    final_loss: float | None
+    eval_loss: float | None
+    skipped_steps: int
+    loss_scale: float | None
+    scaling: str
+    grad_underflow: float | None
+    wall_time: float
+    checkpoint: Path | None
+    metrics_path: Path
+    plot_path: Path | None
+
+
+def json_number(value: float | None) -> float | None:
+    """``value``, or ``None`` for inf/NaN (JSON has neither)."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+def describe_scaling(cfg: TrainConfig) -> str:
+    """The run's loss scaling in one line, from the scaler's settings."""
+    mode = loss_scaling_mode(cfg)
+    if mode == "off":
+        return "no loss scaling"
+    s = scaler_settings(cfg)
+    if mode == "static":
+        return f"static loss scale {pow2(s.init_scale)}"
+    return (
+        f"dynamic loss scaling (start {pow2(s.init_scale)}, x{s.growth_factor:g} after {s.steps_per_increase} "
+        f"clean steps, range {pow2(s.min_loss_scale)}..{pow2(s.max_loss_scale)})"
+    )
+
+
+def describe_precision(cfg: TrainConfig) -> str:
+    dtype = cfg.precision.compute_dtype
+    if dtype == "float32":
+        return "float32"
+    return f"{dtype} ({'dls.emulate' if cfg.precision.emulated else 'torch.autocast'})"
+
+
+class ProgressDisplay:
+    """A rich progress bar on a terminal; otherwise a plain line about every 10% of the steps. Updated with the
+    logged rows only."""
+
+    def __init__(self, console: Console, enabled: bool, total: int, start: int, label: str) -> None:
+        self.console = console
+        self.total = total
+        self.every = max(1, (total - start) // 10)
+        self.progress: Progress | None = None
+        self.enabled = enabled
+        if enabled and console.is_terminal:
+            self.progress = Progress(
+                TextColumn("[bold]{task.fields[label]}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.description}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=console,
+            )
+            self.task = self.progress.add_task("", total=total, completed=start, label=label)
+            self.progress.start()
+
+    def update(self, row: dict[str, Any], skipped_total: int | None) -> None:
+        """Show the logged ``row`` (and the run's count of skipped steps, read with it)."""
+        if not self.enabled:
+            return
+        step = row["step"]
+        parts = [f"loss {row['loss']:.4g}" if row["loss"] is not None else "loss nan"]
+        if row["loss_scale"] is not None:
+            parts.append(f"scale {pow2(row['loss_scale'])}")
+        if skipped_total is not None:
+            parts.append(f"skipped {skipped_total}")
+        text = "  ".join(parts)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, description=text)
+        elif step % self.every == 0 or step == self.total:
+            self.console.print(f"step {step}/{self.total}  {text}", highlight=False, soft_wrap=True)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def print_summary(console: Console, cfg: TrainConfig, result: TrainResult) -> None:
+    table = Table(title=f"dls train: {result.model_dir}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("global step", f"{result.global_step} ({result.steps_run} in this session)")
+    table.add_row("precision", describe_precision(cfg))
+    table.add_row("loss scaling", describe_scaling(cfg))
+    if result.final_loss is not None:
+        table.add_row("training loss (last 10%)", f"{result.final_loss:.5g}")
+    if result.eval_loss is not None:
+        table.add_row("eval loss (float32)", f"{result.eval_loss:.5g}")
+    if result.loss_scale is not None:
+        pct = 100 * result.skipped_steps / max(result.global_step, 1)
+        table.add_row("final loss scale", pow2(result.loss_scale))
+        table.add_row("skipped steps", f"{result.skipped_steps} ({pct:.1f}%)")
+    if result.grad_underflow is not None:
+        table.add_row("gradient underflow", f"{100 * result.grad_underflow:.2f}% of nonzero activation gradients")
+    table.add_row("wall time", f"{result.wall_time:.1f} s")
+    table.add_row("checkpoint", str(result.checkpoint))
+    table.add_row("metrics", str(result.metrics_path))
+    if result.plot_path is not None:
+        table.add_row("plot", str(result.plot_path))
+    console.print(table)
