@@ -68,13 +68,12 @@ def train(
 ) -> dict[str, Any]:
     """Full-batch Adam on ``loss_weight * mse``; returns final loss, flushed fraction and scaler facts."""
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, eps=1e-30)  # eps far below the tiny gradients
-    previous_half = dls.get_half_dtype_str()
     scaler = None
     if use_dls:
         assert fmt is not None
-        dls.set_half_dtype(fmt)  # cbfloat16: the scaler's defaults follow Cerebras (max and init 2**31)
-        # float16's default ceiling (2**15) is too low for gradients this small: give it cbfloat16's 2**31.
-        scaler = dls.GradScaler(max_loss_scale=2.0**31)
+        # half_dtype picks Cerebras' defaults for the format (cbfloat16: max and init 2**31); float16's default
+        # ceiling (2**15) is too low for gradients this small: give it cbfloat16's 2**31.
+        scaler = dls.GradScaler(half_dtype=fmt, max_loss_scale=2.0**31)
     handle = dls.emulate(model, fmt) if fmt is not None else None
     try:
         for _ in range(steps):
@@ -93,7 +92,6 @@ def train(
     finally:
         if handle is not None:
             handle.remove()
-        dls.set_half_dtype(previous_half)
     return {
         "final_loss": final,
         "flushed_fraction": stats["underflow_fraction"] if stats else 0.0,

@@ -61,7 +61,7 @@ def test_dynamic_loss_scaling_rescues_both_formats(results: dict[str, dict[str, 
 
 
 def test_run_leaves_the_half_dtype_alone(results: dict[str, dict[str, Any]]) -> None:
-    assert dls.get_half_dtype_str() == "float16"  # the conftest default, after set_half_dtype("cbfloat16") inside
+    assert dls.get_half_dtype_str() == "float16"  # the conftest default: the scalers were given half_dtype
 
 
 def test_main_prints_every_configuration(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,205 @@
+"""The training loop as a client of dls: reads of the device per step, one gradient-norm pass, an LR schedule that
+follows applied steps, runconfig.num_threads, and checkpoints of the previous format (written by an earlier dls)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import OpLog, from_dls, host_reads
+from dls.train import checkpoint as ckpt
+from dls.train import optim
+from dls.train.cli import main
+from dls.train.optim import learning_rate_at
+from dls.train.trainer import Trainer
+from test_train import assert_bit_identical, load_into, make_trainer, metrics, tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FORMAT1 = Path(__file__).resolve().parent / "data" / "format1" / "checkpoint_6.mdl"
+
+
+def steady(model_dir: Path, steps: int = 10, **changes: dict[str, Any]) -> dict[str, Any]:
+    """The tiny config at a scale that never overflows by itself (growth never reached), logging every 5 steps."""
+    raw = tiny(model_dir, runconfig={"max_steps": steps, "log_steps": 5, "checkpoint_steps": 0})
+    raw["optimizer"].update(initial_loss_scale=2.0**4, steps_per_increase=10_000)
+    for section, body in changes.items():
+        raw[section].update(body)
+    return raw
+
+
+def inject_overflows(trainer: Trainer, steps: set[int]) -> None:
+    """An inf in the first parameter's gradient during backward of each step in ``steps`` (before any check)."""
+    param = next(trainer.model.parameters())
+
+    def hook(p: torch.Tensor) -> None:
+        if trainer.global_step + 1 in steps:
+            assert p.grad is not None
+            p.grad.view(-1)[0] = float("inf")
+
+    param.register_post_accumulate_grad_hook(hook)
+
+
+def reads_per_step(trainer: Trainer) -> tuple[list[int], list[int]]:
+    """Train, counting the reads of a tensor's value back to the host made by dls's code (trainer included) in
+    each iteration of the loop (its step, metrics, checks and checkpoints): ``(all reads, reads by dls)`` for
+    steps 1 .. max_steps - 1 (the last iteration runs into the end of training)."""
+    marks: list[tuple[int, int]] = []
+    original: Callable[..., Any] = trainer._step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        marks.append((len(calls), len(from_dls(calls))))
+        return original(*args, **kwargs)
+
+    trainer._step = step  # type: ignore[method-assign]
+    with host_reads() as calls:
+        trainer.train()
+    every = [b[0] - a[0] for a, b in itertools.pairwise(marks)]
+    ours = [b[1] - a[1] for a, b in itertools.pairwise(marks)]
+    return every, ours
+
+
+# ---------------------------------------------------------------------- reads of the device
+def _fused(cfg: Any, params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1.0, weight_decay=cfg.weight_decay, fused=True)
+
+
+@pytest.mark.parametrize(
+    ("case", "changes", "fused"),
+    [
+        ("float16 + DLS, AdamW, max_gradient_norm", {}, False),
+        ("float16 + DLS, AdamW, max_gradient_value", {"optimizer": {"max_gradient_norm": None}}, False),
+        ("float16 + DLS, fused AdamW, max_gradient_norm", {}, True),
+        ("float32 (no loss scaling), AdamW", {"precision": {"mixed_precision": False}}, False),
+    ],
+)
+def test_steps_that_are_not_logged_read_the_device_at_most_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str, changes: dict[str, Any], fused: bool
+) -> None:
+    """The default path reads the overflow flag the scaler's step decides on; a fused optimizer skips inside its
+    kernel, and the one read is the skip-aware LR schedule asking whether the step was taken; a run without loss
+    scaling reads the flag of its guard against inf/NaN gradients. Logged steps (1, 5, 10) read what they log."""
+    raw = steady(tmp_path / "run", **changes)
+    if "max_gradient_norm" in changes.get("optimizer", {}):
+        raw["optimizer"].pop("max_gradient_norm")
+        raw["optimizer"]["max_gradient_value"] = 100.0
+    if fused:
+        monkeypatch.setattr(optim, "build_optimizer", _fused)
+        monkeypatch.setattr("dls.train.trainer.build_optimizer", _fused)
+    trainer = make_trainer(raw)[0]
+    assert bool(trainer.optimizer.defaults.get("fused")) is fused
+    every, ours = reads_per_step(trainer)
+    logged = {1, 5}
+    quiet = [n for step, n in enumerate(ours, start=1) if step not in logged]
+    print(f"\nhost reads per step, {case}: steps not logged {quiet}; logged steps 1 and 5: {ours[0]}, {ours[4]}")
+    print(f"  (with torch's own reads, e.g. Adam's step counter on the CPU: {every})")
+    assert len(quiet) == 7 and max(quiet) <= 1
+    assert quiet == [1] * 7  # exactly the one flag, every step
+
+
+# ---------------------------------------------------------------------- one norm pass
+def test_clipping_by_norm_computes_the_norm_once_per_step(tmp_path: Path) -> None:
+    """The logged norm comes from the clipping pass: one ``_foreach_norm`` per step (one dtype group), logged or
+    not; clipping by value computes it on logged steps only."""
+    for name, optimizer, expected in (
+        ("norm", {}, 10),
+        ("value", {"max_gradient_norm": None, "max_gradient_value": 100.0}, 3),  # steps 1, 5, 10
+    ):
+        raw = steady(tmp_path / name)
+        raw["optimizer"].update(optimizer)
+        raw["optimizer"] = {k: v for k, v in raw["optimizer"].items() if v is not None}
+        trainer = make_trainer(raw)[0]
+        with OpLog() as log:
+            trainer.train()
+        assert log.names().count("_foreach_norm") == expected, name
+        rows = metrics(tmp_path / name)
+        assert all(r["grad_norm"] is not None and r["grad_norm"] > 0 for r in rows)
+
+
+# ---------------------------------------------------------------------- the LR schedule follows applied steps
+def test_the_lr_schedule_advances_on_applied_steps_only(tmp_path: Path) -> None:
+    raw = steady(tmp_path / "run", runconfig={"log_steps": 1})
+    skipped = {2, 3, 7}
+    trainer = make_trainer(raw)[0]
+    inject_overflows(trainer, skipped)
+    trainer.train()
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows if r["skipped"]] == sorted(skipped)
+    applied = 10 - len(skipped)
+    assert trainer.scheduler.last_epoch == applied  # LambdaLR's position: the updates the weights received
+    schedule = trainer.cfg.optimizer.learning_rate
+    updates_before = [sum(1 for s in range(1, r["step"]) if s not in skipped) for r in rows]
+    assert [r["lr"] for r in rows] == [learning_rate_at(schedule, n) for n in updates_before]
+    saved = ckpt.load_checkpoint(tmp_path / "run" / "checkpoint_10.mdl")
+    assert saved["format_version"] == ckpt.FORMAT_VERSION == 2
+    assert saved["lr_scheduler"]["last_epoch"] == applied and saved["grad_scaler"]["num_skipped_steps"] == 3
+
+
+def test_a_resumed_run_keeps_following_applied_steps(tmp_path: Path) -> None:
+    straight = make_trainer(steady(tmp_path / "straight"))[0]
+    inject_overflows(straight, {2, 7})
+    straight.train()
+    raw = steady(tmp_path / "split", steps=5)
+    first = make_trainer(raw)[0]
+    inject_overflows(first, {2, 7})
+    first.train()
+    raw["runconfig"]["max_steps"] = 10
+    second = make_trainer(raw)[0]
+    inject_overflows(second, {2, 7})
+    second.train(resume=tmp_path / "split")
+    assert second.scheduler.last_epoch == straight.scheduler.last_epoch == 8
+    assert_bit_identical(straight.model.state_dict(), second.model.state_dict())
+
+
+# ---------------------------------------------------------------------- runconfig.num_threads
+def test_num_threads_holds_during_the_run_and_is_restored(tmp_path: Path) -> None:
+    torch.set_num_threads(2)  # the one_thread fixture restores the count it found
+    raw = steady(tmp_path / "run", steps=2, runconfig={"num_threads": 1})
+    trainer = make_trainer(raw)[0]
+    seen: list[int] = []
+    trainer.optimizer.register_step_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    trainer.train()
+    assert seen == [1, 1] and torch.get_num_threads() == 2
+    default = make_trainer(steady(tmp_path / "default", steps=1))[0]
+    default.optimizer.register_step_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    default.train()
+    assert seen[-1] == 2  # null: torch's setting is left alone
+
+
+# ---------------------------------------------------------------------- checkpoints of format 1
+def test_a_format_1_checkpoint_loads_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint written by dls before format 2 (see tests/data/format1/config.yaml): its schedule counted the
+    two skipped steps too (position 6 after 4 updates); it goes on from there, on applied steps only."""
+    saved = ckpt.load_checkpoint(FORMAT1)
+    assert saved["format_version"] == 1 and saved["global_step"] == 6
+    assert saved["lr_scheduler"]["last_epoch"] == 6 and saved["grad_scaler"]["num_skipped_steps"] == 2
+    config = ckpt.load_checkpoint(FORMAT1)["config"]
+    raw = {**config, "runconfig": {**config["runconfig"], "model_dir": str(tmp_path / "loaded")}}
+    trainer = make_trainer(raw)[0]
+    load_into(trainer, FORMAT1)
+    assert_bit_identical(saved["model"], trainer.model.state_dict())
+    assert trainer.scaler.state_dict()["loss_scale"] == saved["grad_scaler"]["loss_scale"] == 2.0**17
+    assert trainer.global_step == 6 and trainer.scheduler.last_epoch == 6
+
+    fork = tmp_path / "fork"
+    args = ["train", "--resume", str(FORMAT1), "--no_progress", "-o", f"runconfig.model_dir={fork}"]
+    assert main([*args, "runconfig.max_steps=8"]) == 0
+    assert "has checkpoint format 1, whose LR schedule advanced on skipped steps too" in capsys.readouterr().out
+    rows = metrics(fork)
+    assert [r["step"] for r in rows] == [7, 8]
+    resumed = ckpt.load_checkpoint(fork / "checkpoint_8.mdl")
+    assert resumed["format_version"] == 2 and resumed["global_step"] == 8
+    applied = sum(1 for r in rows if not r["skipped"])
+    assert resumed["lr_scheduler"]["last_epoch"] == 6 + applied
+
+
+def test_a_checkpoint_of_a_later_format_is_refused_naming_both_versions(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint_1.mdl"
+    torch.save({"format": "dls-checkpoint", "format_version": 99, "model": {}, "global_step": 1}, path)
+    with pytest.raises(ckpt.CheckpointError, match="format version 99; this dls reads versions 1 to 2"):
+        ckpt.load_checkpoint(path)
