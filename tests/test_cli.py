@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
-from collections.abc import Iterator
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
-import torch
 
 from dls.train.cli import main
 
@@ -17,24 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MLP = str(ROOT / "configs" / "mlp_fp16_dls.yaml")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def dls_command() -> list[str]:
-    script = Path(sys.executable).parent / "dls"
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("dls")
-    return [found] if found else [sys.executable, "-m", "dls.train.cli"]
-
-
-def run_dls(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*dls_command(), *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def short(model_dir: Path, steps: int = 4) -> list[str]:
@@ -47,12 +26,18 @@ def short(model_dir: Path, steps: int = 4) -> list[str]:
 
 
 # ---------------------------------------------------------------------- help
-def test_the_dls_script_prints_help_for_newcomers() -> None:
-    """The installed entry point (a process boundary: the console script itself)."""
-    proc = run_dls("--help")
-    assert proc.returncode == 0
+def test_help_for_newcomers(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
     for text in ("dls demo", "dls train configs/mlp_fp16_dls.yaml", "dls keys", "loss_scaling_factor"):
-        assert text in proc.stdout
+        assert text in out
+
+
+def test_the_dls_command_is_this_main() -> None:
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "dls"]
+    assert script.load() is main
 
 
 def test_train_help(capsys: pytest.CaptureFixture[str]) -> None:

@@ -27,12 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MLP = str(ROOT / "configs" / "mlp_fp16_dls.yaml")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write_config(path: Path, raw: dict[str, Any]) -> str:

@@ -316,6 +316,12 @@ def test_keys_that_do_nothing_warn() -> None:
     assert scaler_settings(static).mode == "static"
 
 
+def test_intervals_longer_than_the_run_are_fine() -> None:
+    """The last step is always checkpointed and logged: no warning."""
+    cfg = parse_config(mlp(runconfig={"max_steps": 5, "checkpoint_steps": 100, "log_steps": 100}))
+    assert cfg.warnings == ()
+
+
 # ---------------------------------------------------------------------- files and overrides
 def test_overrides_are_yaml_scalars(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"

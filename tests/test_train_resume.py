@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import yaml
 
 from dls.train import checkpoint as ckpt
@@ -19,12 +18,7 @@ from test_train import make_trainer, metrics, tiny
 ALL_BUT_SCALER = "model,optimizer,dataloader,lr_scheduler,global_step,rng"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write_config(path: Path, raw: dict[str, Any]) -> str:

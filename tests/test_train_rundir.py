@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import yaml
 
 from dls.train import checkpoint as ckpt
@@ -23,13 +22,7 @@ from dls.train.errors import ModelDirError
 from dls.train.rundir import LOCK_FILE, RunDir
 from test_train import make_trainer, metrics, tiny
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small(model_dir: Path, steps: int = 2) -> dict[str, Any]:

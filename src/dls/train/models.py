@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dls.train.data import Batch, DataInfo
+from dls.train.data import Batch, CharCorpus, DataInfo, Dataset
 from dls.train.keys import ModelConfig
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}
@@ -122,3 +122,19 @@ def build_model(cfg: ModelConfig, info: DataInfo) -> TrainModel:
     if cfg.name == "transformer_lm":
         return TransformerLM(cfg, info)
     raise ValueError(f"model.name must be one of 'mlp', 'transformer_lm'; got {cfg.name!r}")
+
+
+@torch.no_grad()
+def evaluate(model: TrainModel, dataset: Dataset, device: torch.device, max_samples: int = 4096) -> float:
+    """Mean loss in float32 over the first ``max_samples`` samples of ``dataset`` (64 sequences for the character
+    corpus), in eval mode (no dropout); one read of the device at the end."""
+    was_training = model.training
+    model.eval()
+    n = min(len(dataset) if not isinstance(dataset, CharCorpus) else min(len(dataset), 64), max_samples)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for start in range(0, n, 512):
+        idx = torch.arange(start, min(n, start + 512))
+        x, y = dataset.batch(idx, epoch=0)
+        total += model.loss((x.to(device), y.to(device))).double() * len(idx)
+    model.train(was_training)
+    return float(total) / max(n, 1)

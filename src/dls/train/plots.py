@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from dls.diagnostics.scales import pow2
 from dls.train.errors import ModelDirError
 
 
@@ -60,11 +61,12 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def _pow2(value: float, _pos: Any = None) -> str:
+def _scale_tick(value: float, _pos: Any = None) -> str:
+    """A loss-scale axis label: ``dls.diagnostics.scales.pow2``'s ``2^k`` as a mathtext exponent."""
     if value <= 0:
         return ""
-    exponent = math.log2(value)
-    return f"$2^{{{exponent:.0f}}}$" if abs(exponent - round(exponent)) < 1e-6 else f"{value:g}"
+    text = pow2(value)
+    return f"$2^{{{text[2:]}}}$" if text.startswith("2^") else text
 
 
 def plot_run(rows: Sequence[dict[str, Any]], out: IO[bytes], title: str = "") -> None:
@@ -95,7 +97,7 @@ def plot_run(rows: Sequence[dict[str, Any]], out: IO[bytes], title: str = "") ->
     if scaled:
         ax_scale.step([r["step"] for r in scaled], [r["loss_scale"] for r in scaled], where="post", color="tab:green")
         ax_scale.set_yscale("log", base=2)
-        ax_scale.yaxis.set_major_formatter(FuncFormatter(_pow2))
+        ax_scale.yaxis.set_major_formatter(FuncFormatter(_scale_tick))
         marks = [(r["step"], r["loss_scale"]) for r in skipped if _finite(r.get("loss_scale"))]
         if marks:
             ax_scale.scatter(
@@ -149,7 +151,7 @@ def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: I
     ax_loss.legend(loc="center right")
     if any_scale:
         ax_scale.set_yscale("log", base=2)
-        ax_scale.yaxis.set_major_formatter(FuncFormatter(_pow2))
+        ax_scale.yaxis.set_major_formatter(FuncFormatter(_scale_tick))
         ax_scale.legend(loc="center right")
     ax_scale.set_ylabel("loss scale (x = skipped step)")
     ax_scale.set_xlabel("step")

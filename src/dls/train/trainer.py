@@ -46,10 +46,10 @@ from dls import distributed
 from dls.train import checkpoint as ckpt
 from dls.train import restore
 from dls.train.config import CHECKPOINT_STATES, TrainConfig, loss_scaling_mode, scaler_settings, to_dict
-from dls.train.data import Batch, BatchIterator, CharCorpus, build_dataset
+from dls.train.data import Batch, BatchIterator, build_dataset
 from dls.train.errors import RankError, TrainingStopped, describe, exit_status
 from dls.train.launch import StopRequest, resolve_device
-from dls.train.models import TrainModel, build_model
+from dls.train.models import TrainModel, build_model, evaluate
 from dls.train.optim import build_optimizer, build_scheduler
 from dls.train.outputs import RunOutputs
 from dls.train.reporting import (
@@ -182,6 +182,10 @@ class Trainer:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return [float(v) for v in tensor.tolist()]
 
+    def _stop_requested(self, stop_request: StopRequest) -> bool:
+        """Whether to stop before the next step: data-parallel, once the ranks agreed (at a logged step)."""
+        return self._stop_agreed if self.world_size > 1 else stop_request.requested
+
     def _on_main(self, action: Callable[[], None]) -> None:
         """Run ``action`` on rank 0 alone. Data-parallel, its outcome is broadcast: when it failed, every other
         rank raises :class:`RankError` with rank 0's message and exit status, so all ranks end alike."""
@@ -280,7 +284,7 @@ class Trainer:
         try:
             with stop_request:
                 while self.global_step < rc.max_steps:
-                    if self._stop_agreed if self.world_size > 1 else stop_request.requested:
+                    if self._stop_requested(stop_request):
                         raise stop_request.interrupt()
                     row = self._step(session_start, stop_request.requested)
                     if row is not None and self.is_main:
@@ -293,7 +297,7 @@ class Trainer:
                         display.update(row, self._skipped_total)
         except KeyboardInterrupt:
             display.close()
-            if (self._stop_agreed or stop_request.requested) and not stop_request.forced:  # between two steps
+            if self._stop_requested(stop_request) and not stop_request.forced:  # between two steps: consistent
                 path = self._save(session_start)
                 self._ended_together = True
                 self.log(
@@ -329,7 +333,7 @@ class Trainer:
             global_step=self.global_step,
             steps_run=self.global_step - start_step,
             final_loss=final_loss,
-            eval_loss=self.evaluate() if self.is_main else None,
+            eval_loss=evaluate(self.model, self.dataset, self.device) if self.is_main else None,
             skipped_steps=self.scaler.get_num_skipped_steps(),
             loss_scale=self.scaler.get_scale() if enabled else None,
             scaling=self.scaling,
@@ -445,23 +449,6 @@ class Trainer:
             f"changing the config, continue with --resume {self.model_dir}",
             path,
         )
-
-    # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
-    def evaluate(self, max_samples: int = 4096) -> float:
-        """Mean loss in float32 over the first ``max_samples`` samples of the data set (64 sequences for the
-        character corpus), in eval mode (no dropout)."""
-        was_training = self.model.training
-        self.model.eval()
-        n = len(self.dataset) if not isinstance(self.dataset, CharCorpus) else min(len(self.dataset), 64)
-        n = min(n, max_samples)
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for start in range(0, n, 512):
-            idx = torch.arange(start, min(n, start + 512))
-            x, y = self.dataset.batch(idx, epoch=0)
-            total += self.model.loss((x.to(self.device), y.to(self.device))).double() * len(idx)
-        self.model.train(was_training)
-        return float(total) / max(n, 1)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
