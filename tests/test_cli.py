@@ -58,6 +58,8 @@ def test_keys(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["keys"]) == 0
     out = capsys.readouterr().out
     assert "loss_scaling_factor" in out and "max_overflows_at_min_loss_scale" in out
+    (threads,) = [line for line in out.splitlines() if line.strip().startswith("num_threads ")]
+    assert "null" in threads and "faster with 1 thread than 2" in threads
 
 
 # ---------------------------------------------------------------------- train

@@ -448,6 +448,19 @@ def test_the_config_accepts_exactly_what_the_scaler_accepts(optimizer: dict) -> 
     assert all(any(key in e for key in given) for e in errors)  # every error names a key the file gave
 
 
+@pytest.mark.parametrize(
+    ("precision", "optimizer"),
+    [
+        ({}, {"max_loss_scale": 1e39}),  # float32: loss scaling off
+        ({"mixed_precision": True, "fp16_type": "bfloat16"}, {"steps_per_increase": 0}),  # off for bfloat16
+        ({"mixed_precision": True}, {"loss_scaling_factor": 8.0, "initial_loss_scale": -1.0}),  # static
+    ],
+)
+def test_a_key_without_effect_is_still_checked(precision: dict, optimizer: dict) -> None:
+    (error,) = errors_of(mlp(precision=precision, optimizer=optimizer))
+    assert error.startswith(f"optimizer.{next(k for k in optimizer if k != 'loss_scaling_factor')} must be")
+
+
 def test_a_loss_scale_error_names_the_key_and_the_range() -> None:
     (error,) = errors_of(mlp(optimizer={"max_loss_scale": 1e39}))
     assert error == (

@@ -22,10 +22,11 @@ static scale) are warnings (``TrainConfig.warnings``) and are dropped.
 Loss scaling is the library's to define: the keys that configure the scaler (``loss_scaling_factor`` is its
 ``loss_scale``, ``initial_loss_scale`` its ``init_scale``, the others keep their names) are validated by building
 ``dls.settings.ScalerSettings.cerebras`` with the run's ``precision.fp16_type`` as the half dtype, and each problem
-it finds is reported under the YAML key. So the config accepts exactly what ``GradScaler`` accepts, a key left out
-(or null) takes the scaler's default, and the mode follows the scaler's rule: dynamic for float16 and cbfloat16,
-off for bfloat16, unless ``loss_scaling_factor`` says otherwise. Two rules are the trainer's own: a run computing
-in float32 has no loss scaling (its scaler is disabled), and cbfloat16 takes only dynamic scaling (as on Cerebras).
+it finds is reported under the YAML key (a key is checked even where the run's mode ignores it). So the config
+accepts exactly what ``GradScaler`` accepts, a key left out (or null) takes the scaler's default, and the mode
+follows the scaler's rule: dynamic for float16 and cbfloat16, off for bfloat16, unless ``loss_scaling_factor`` says
+otherwise. Two rules are the trainer's own: a run computing in float32 has no loss scaling (its scaler is
+disabled), and cbfloat16 takes only dynamic scaling (as on Cerebras).
 """
 
 from __future__ import annotations
@@ -328,37 +329,34 @@ def _check_combinations(values: dict[str, dict[str, Any]], errors: list[str], wa
 
 
 def _check_loss_scaling(values: dict[str, dict[str, Any]], errors: list[str], warnings: list[str]) -> None:
-    """Drop (with a warning) the loss-scaling keys the mode ignores, then let ``ScalerSettings`` judge the rest."""
+    """Let ``ScalerSettings`` judge every loss-scaling key that was given, whether or not it takes effect in this run
+    (``loss_scaling_factor`` on its own, the others as dynamic scaling's settings), then drop with a warning the keys
+    the run's mode ignores."""
     opt, prec = values["optimizer"], values["precision"]
     half = prec.get("fp16_type", PrecisionConfig.fp16_type)
     factor = opt.get("loss_scaling_factor")
+    given = _scaler_arguments(opt)
+    others = {k: v for k, v in given.items() if k != "loss_scale"}
+    try:
+        mode = _settings({"loss_scaling_factor": factor}, half).mode  # the scaler's own rule for the mode
+        _settings({**opt, "loss_scaling_factor": "dynamic"}, half)
+    except SettingsError as exc:
+        errors.extend(_relabel(exc, given if "loss_scale" in {a for a, _ in exc.problems} else others))
+        return
     if not prec.get("mixed_precision", PrecisionConfig.mixed_precision) or half == "float32":
         mode, why = "off", "the run computes in float32 (precision.mixed_precision is false), without loss scaling"
-    else:
-        try:
-            mode = ScalerSettings.cerebras(loss_scale=factor, half_dtype=half).mode  # the scaler's own mode rule
-        except SettingsError as exc:
-            errors.extend(_relabel(exc, {"loss_scale": factor}))
-            return
-        if half == "cbfloat16" and mode != "dynamic":
-            errors.append(
-                f"optimizer.loss_scaling_factor must be 'dynamic' for cbfloat16 (as on Cerebras); got {factor!r}"
-            )
-            return
-        why = (
-            f"loss_scaling_factor is a static {factor:g}"
-            if mode == "static"
-            else f"loss scaling is off for {half} (set optimizer.loss_scaling_factor: dynamic to use it)"
-        )
+    elif half == "cbfloat16" and mode != "dynamic":
+        errors.append(f"optimizer.loss_scaling_factor must be 'dynamic' for cbfloat16 (as on Cerebras); got {factor!r}")
+        return
+    elif mode == "static":
+        why = f"loss_scaling_factor is a static {factor:g}"
+    else:  # off (dynamic scaling ignores nothing)
+        why = f"loss scaling is off for {half} (set optimizer.loss_scaling_factor: dynamic to use it)"
     for name, spec in section_keys("optimizer").items():
         ignored = (spec.scaling == "any" and mode == "off") or (spec.scaling == "dynamic" and mode != "dynamic")
         if ignored and opt.get(name) is not None:
             warnings.append(f"optimizer.{name} is ignored: {why}")
             opt.pop(name)
-    try:
-        _settings(opt, half)
-    except SettingsError as exc:
-        errors.extend(_relabel(exc, _scaler_arguments(opt)))
 
 
 # ---------------------------------------------------------------------- output

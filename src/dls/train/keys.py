@@ -232,7 +232,7 @@ class RunConfig:
         None,
         checks.integer(1, nullable=True, maximum=MAX_THREADS),
         "torch CPU threads for the run, restored after (null: leave torch's setting). Tiny models on busy cores "
-        "train fastest with 1: a tiny MLP on 2 cores shared with other work ran 40x faster with 1 thread than 2",
+        "train fastest with 1: a tiny MLP on 2 cores shared with other work ran 25-40x faster with 1 thread than 2",
     )
     max_overflows_at_min_loss_scale: int = key(
         10, checks.integer(1), "stop after N overflows with the scale pinned at min_loss_scale (no clean step between)"
