@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import json
 import os
 import statistics
@@ -88,6 +89,29 @@ def make_step(
     return through_step, finish
 
 
+class Diverged(RuntimeError):
+    """Every step overflows (e.g. AdamW on float16 parameters and state: its eps=1e-8 is 0 in float16)."""
+
+
+def clean_step(
+    step: Callable[[], None],
+    finish: Callable[[], None],
+    scaler: dls.GradScaler,
+    opt: torch.optim.Optimizer,
+    keep_grads: bool = False,
+) -> None:
+    """``step(); finish()``, repeated (at most 30 times) until the step was not skipped for overflow; with
+    ``keep_grads`` the clean step's gradients are left alive (no ``finish``)."""
+    for _ in range(30):
+        step()
+        skipped = scaler.step_was_skipped(opt)
+        if skipped or not keep_grads:
+            finish()
+        if not skipped:
+            return
+    raise Diverged(f"30 overflowing steps in a row, scale {scaler.get_scale():g}")
+
+
 def counted_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
     def size(t: torch.Tensor | None) -> int:
         return 0 if t is None else t.numel() * t.element_size()
@@ -133,12 +157,17 @@ def measure_memory(
             model, opt = build(base, variant, opt_name, dtype)
             scaler = dls.GradScaler(loss_scale="dynamic")
             step, finish = make_step(model, opt, scaler, batches, dtype if variant == "autocast" else None)
-            step()  # state exists before anything is measured
-            finish()
-            step()
-            counts = counted_bytes(model, opt)
-            finish()
-            peak = profiled_peak(lambda step=step, finish=finish: (step(), finish()), device)  # type: ignore[misc]
+            try:
+                clean_step(step, finish, scaler, opt)  # the scale has settled and the state exists
+                clean_step(step, finish, scaler, opt, keep_grads=True)
+                counts = counted_bytes(model, opt)
+                finish()
+                # A skipped step would not touch the optimizer state, and the profile would not see it.
+                peak = profiled_peak(functools.partial(clean_step, step, finish, scaler, opt), device)
+            except Diverged as why:
+                rows.append([f"{opt_name} b{batch}", variant, *["-"] * 8, "diverged"])
+                print(f"  {opt_name} b{batch} {variant}: diverged ({why})", flush=True)
+                continue
             peaks[(opt_name, variant)] = peak
             total = sum(counts.values())
             rows.append(
@@ -149,12 +178,9 @@ def measure_memory(
                     f"{total / MB:.1f}",
                     f"{total / params:.1f}",
                     f"{peak / MB:.1f}",
+                    f"{peak / peaks[(opt_name, 'autocast')]:.2f}",
                 ]
             )
-    for row in rows:
-        opt_name = row[0].split()[0]
-        peak = peaks[(opt_name, row[1])]
-        row.append(f"{peak / peaks[(opt_name, 'autocast')]:.2f}")
     return rows, peaks
 
 
@@ -162,7 +188,7 @@ def measure_time(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     base, batches = model_and_batches(args, device, batch)
     rows = []
     for opt_name in ("SGD", "AdamW"):
-        cases = {}
+        cases, scalers = {}, {}
         for variant in (*VARIANTS, "autocast again"):
             model, opt = build(base, variant.removesuffix(" again"), opt_name, dtype)
             scaler = dls.GradScaler(loss_scale="dynamic")
@@ -175,8 +201,10 @@ def measure_time(args: argparse.Namespace, device: torch.device, dtype: torch.dt
                 finish()
 
             cases[variant] = Case(run=run)
+            scalers[variant] = scaler
         times = interleave(cases, device, args.reps, args.warmup)
         for variant in cases:
+            skipped = scalers[variant].get_num_skipped_steps()
             rows.append(
                 [
                     f"{opt_name} b{batch}",
@@ -184,6 +212,7 @@ def measure_time(args: argparse.Namespace, device: torch.device, dtype: torch.dt
                     f"{statistics.median(times[variant]) * 1e3:.2f}",
                     f"{ratio(times, variant, 'autocast'):.3f}",
                     "[{:.2f},{:.2f}]".format(*spread(times, variant, "autocast")),
+                    f"{skipped} of {args.reps + args.warmup + 1}" if skipped else "",
                 ]
             )
     return rows
@@ -240,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     print_table(
         "step time (forward, backward, step, update, zero_grad): median of per-round ratios [25%, 75%]",
-        ["run", "variant", "ms", "/autocast", "[iqr]"],
+        ["run", "variant", "ms", "/autocast", "[iqr]", "skipped"],
         time_rows,
     )
 

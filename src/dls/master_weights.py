@@ -28,8 +28,10 @@ gradients, freed with them otherwise):
 
 * with a ``dls.GradScaler``: before the scaler first reads the gradients of the iteration (``dls.tracking``'s
   protocol), so the unscale, the overflow check and ``max_gradient_norm`` clipping run on float32;
-* otherwise (no scaler, a disabled one, ``torch.amp.GradScaler`` is *not* supported: it does not call the
-  protocol), in ``step()``.
+* otherwise (no scaler, or a disabled one), in ``step()``.
+
+``torch.amp.GradScaler`` does not call that protocol and is not supported (it would unscale stale master
+gradients).
 
 After an explicit ``scaler.unscale_(optimizer)`` (or ``clip_gradients_and_return_isfinite``) user code looks at
 the model's gradients, so the unscaled values are written back into them (rounded; float16 gradients beyond
@@ -41,6 +43,11 @@ place or replaced it: ``clip_grad_norm_(model.parameters(), c)`` clips what the 
 
 The model's parameters changed from outside (``model.load_state_dict``, a DDP broadcast after wrapping) are
 noticed by their version counter: where the new value is not the rounded master, the master is re-read from it.
+
+Memory, per parameter: 2 bytes of half weights + 4 of master, and while gradients are alive 2 + 4 of gradients,
+against autocast's 4 + 4: masters cost memory where parameters and optimizer state dominate, and save it where
+activations do (the model runs wholly in half precision, so nothing is kept in float32 for autocast's sake).
+``benchmarks/bench_master_weights.py`` measures both.
 
 Skipped steps leave model parameters, masters and optimizer state bit-identical on every path: the host path
 does not call ``step()``; fused optimizers get ``grad_scale``/``found_inf`` forwarded and leave the masters
