@@ -4,6 +4,7 @@ from dls import formats, fp8, integrations
 from dls.diagnostics import OverflowReport, OverflowWatch, audit
 from dls.emulate import emulate
 from dls.formats import get_half_dtype, get_half_dtype_str, get_half_format, set_half_dtype
+from dls.master_weights import MasterWeights, master_weights
 from dls.scaler import GradScaler, Stage
 from dls.settings import ScalerSettings
 from dls.skip import SkipAware, skip_aware
@@ -11,6 +12,7 @@ from dls.step import StepResult, optimizer_step
 
 __all__ = [
     "GradScaler",
+    "MasterWeights",
     "OverflowReport",
     "OverflowWatch",
     "ScalerSettings",
@@ -25,6 +27,7 @@ __all__ = [
     "get_half_dtype_str",
     "get_half_format",
     "integrations",
+    "master_weights",
     "optimizer_step",
     "set_half_dtype",
     "skip_aware",
