@@ -229,3 +229,9 @@ def test_unknown_half_dtype_is_an_error_and_changes_nothing(bad: object) -> None
     with pytest.raises(ValueError, match="half_dtype must be one of"):
         dls.set_half_dtype(bad)  # type: ignore[arg-type]
     assert dls.get_half_dtype_str() == "bfloat16"
+
+
+def test_a_bad_max_is_reported_once_not_again_through_the_init_scale_it_implies():
+    with pytest.raises(SettingsError) as info:
+        ScalerSettings.cerebras(max_loss_scale=1e39)
+    assert [name for name, _ in info.value.problems] == ["max_loss_scale"]

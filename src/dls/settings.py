@@ -142,6 +142,7 @@ class ScalerSettings:
             top = max_loss_scale
         return cls._build(
             problems,
+            {"init_scale"} if start is None else set(),
             mode=mode,
             init_scale=top if start is None else start,
             min_loss_scale=CEREBRAS_MIN_LOSS_SCALE if min_loss_scale is None else min_loss_scale,
@@ -183,6 +184,7 @@ class ScalerSettings:
         start: Any = loss_scale if mode == "static" else init_scale
         return cls._build(
             problems,
+            set(),
             mode=mode,
             init_scale=start,
             min_loss_scale=FLOAT32_TINY if min_loss_scale is None else min_loss_scale,
@@ -198,10 +200,16 @@ class ScalerSettings:
         )
 
     @classmethod
-    def _build(cls, problems: list[tuple[str, str]], **values: Any) -> ScalerSettings:
-        if problems:  # the dialect's own problems, reported together with those of the values
-            named = {name for name, _ in problems}
-            raise SettingsError(problems + [p for p in _problems(values, skip=named) if p[0] not in named])
+    def _build(cls, problems: list[tuple[str, str]], derived: set[str], **values: Any) -> ScalerSettings:
+        """Construct, reporting the dialect's own ``problems`` together with those of the values. A value in
+        ``derived`` was not given but follows another (``init_scale`` defaults to the maximum): a problem it has
+        is reported under that other argument only."""
+        named = {name for name, _ in problems}
+        found = [p for p in _problems(values, skip=named) if p[0] not in named]
+        if len(found) > 1:
+            found = [p for p in found if p[0] not in derived] or found
+        if problems or found:
+            raise SettingsError(problems + found)
         return cls(**values)
 
     # ------------------------------------------------------------------ use
