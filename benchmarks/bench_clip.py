@@ -3,15 +3,21 @@
 Methods, timed interleaved in one loop (in a random order each repetition), gradients restored from a master copy
 before each call (untimed) and the scaler's iteration closed with ``update()`` after it (untimed):
 
-* ``dls``   -- ``dls.GradScaler(max_gradient_norm=...).clip_gradients_and_return_isfinite(opt)``: one read for
-  the norm of the still-scaled gradients, one read+write multiplying by ``clip_coef / scale`` (3 passes);
+* ``dls``   -- ``dls.GradScaler(device, ..., max_gradient_norm=...).clip_gradients_and_return_isfinite(opt)``: one
+  read for the norm of the still-scaled gradients, one read+write multiplying by ``clip_coef / scale`` (3 passes);
 * ``torch`` -- ``torch.amp.GradScaler.unscale_(opt)`` then ``torch.nn.utils.clip_grad_norm_(params, max_norm)``
   (foreach, as torch picks on CPU and CUDA): read+write, read, read+write (5 passes);
 * ``floor`` -- ``torch._foreach_norm`` then ``torch._foreach_mul_`` by a device scalar: the two bare passes
   dls's clip cannot do without.
 
-The gradients are big enough (scaled norm / scale > max_norm) that the clip is active. Target (issue 6):
-dls / torch <= 0.7.
+Both scalers take the same arguments (scale 2**15, no growth). The gradients are big enough (scaled norm / scale
+> max_norm) that the clip is active. With a clip limit far below the dtype's largest value, a finite norm bounds
+every clipped element, so dls adds no check pass whatever its bound of the scale.
+
+Target: ``dls/torch <= 0.7`` (three passes instead of five should cost at most 70 % of torch's unscale + clip).
+Every ratio is the median over repetitions of ``time(A) / time(B)`` measured in the same round of one run
+(``[iqr]``: 25th and 75th percentiles). ``ok``: the ratio measured in this run is at or below the target;
+``MISS``: above it in this run.
 
     python benchmarks/bench_clip.py            # 10M and 100M float32 elements in 10, 100, 1000 tensors
     python benchmarks/bench_clip.py --quick    # 1M and 10M
@@ -27,7 +33,6 @@ import torch
 from bench_scaler import (
     DTYPES,
     GRAD_STD,
-    SCALE,
     Case,
     add_common_args,
     describe,
@@ -46,8 +51,6 @@ from bench_scaler import (
     verdict,
 )
 
-import dls
-
 TARGET = 0.7
 HEADER = ["dtype", "elements", "tensors", "dls ms", "torch ms", "floor ms", "floor GB/s"]
 
@@ -61,9 +64,7 @@ def bench_clip(
     params = [p for g in opt.param_groups for p in g["params"]]
     # The norm of the unscaled gradients is about GRAD_STD * sqrt(numel): clip to a tenth of it.
     max_norm = 0.1 * GRAD_STD * numel**0.5
-    _, theirs = scalers(device)
-    ours = dls.GradScaler(init_scale=SCALE, steps_per_increase=10**9, max_gradient_norm=max_norm)
-    ours.scale(torch.ones((), device=device))
+    ours, theirs = scalers(device, max_gradient_norm=max_norm)
     allow_fp16 = dtype == torch.float16
 
     def torch_clip() -> None:
@@ -127,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 )
                 print(f"  ... {dtype_name} {human(numel)} x{count}: dls/torch {r:.3f}")
     print_table(
-        "unscale + clip to a global L2 norm: dls fused vs torch unscale_ + clip_grad_norm_ (issue 6)",
+        f"unscale + clip to a global L2 norm: dls fused vs torch unscale_ + clip_grad_norm_ (target <= {TARGET})",
         [*HEADER, "dls/torch", "[iqr]", f"<={TARGET}", "dls/floor"],
         rows,
     )

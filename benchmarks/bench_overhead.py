@@ -1,21 +1,30 @@
-"""Per-step host overhead against the number of parameters (issue 6, item 4).
+"""Per-step host overhead against the number of parameters: how dls's per-step cost grows with the tensor count.
 
 Many tiny gradients (``--elements`` each, default 16): the passes over memory cost nothing, what remains is
 per-tensor work on the host. For 10, 100, 1000 and 10000 tensors, timed interleaved in one loop:
 
 * ``floor``      -- one ``torch._foreach_mul_`` over a pre-built list of the gradients (the kernel alone);
-* ``dls``        -- ``dls.GradScaler.unscale_(opt)`` (then ``update()``, untimed);
-* ``torch``      -- ``torch.amp.GradScaler.unscale_(opt)`` (then ``update()``, untimed);
-* ``dls step``   -- ``scaler.step(opt); scaler.update()`` on ``SGD(fused=True, lr=0)``: the sync-free path,
-  whole (read-only inf check, fused kernel, rule update);
-* ``torch step`` -- the same with ``torch.amp.GradScaler``;
+* ``dls``        -- ``dls.GradScaler(device).unscale_(opt)`` (then ``update()`` and a read of the scale, untimed:
+  the one-pass case, host bound of the scale >= 1);
+* ``torch``      -- ``torch.amp.GradScaler(device).unscale_(opt)`` (then ``update()``, untimed);
+* ``dls step``   -- ``scaler.step(opt); scaler.update()`` on ``SGD(fused=True, lr=0)``, the sync-free path whole
+  (overflow check, fused kernel, rule update), as in a long run: after ``--preroll`` untimed steps without a host
+  read, dls's lower bound of the scale has fallen below 1 and the check takes its scale-below-1 form;
+* ``dls step >=1`` -- the same with the bound made exact before each step (untimed read): the first
+  log2(scale) + 1 steps of a run;
+* ``torch step`` -- ``step`` + ``update`` with ``torch.amp.GradScaler``;
 * ``bare step``  -- ``opt.step()`` of the same fused SGD without any scaler;
-* ``grouping``   -- ``dls.kernels.group_grads`` alone: the per-step Python walk over parameters that dls does.
+* ``grouping``   -- ``GradIndex.groups()`` alone: the per-step collection of gradients by (device, dtype) that dls
+  does (its grouping of parameters is cached per optimizer).
 
 Also the fixed per-iteration costs: ``scale(loss)`` and ``update()`` of each scaler.
 
 Printed: microseconds per step, nanoseconds per parameter, and the growth of the overhead above the floor per
-added parameter between consecutive sizes (flat ns/param = overhead linear in the parameter count).
+added parameter between consecutive sizes (flat ns/param = overhead linear in the parameter count; 0 would be an
+overhead independent of the parameter count). No targets: these tables explain the ratios of the other scripts.
+
+    python benchmarks/bench_overhead.py
+    python benchmarks/bench_overhead.py --quick      # 10, 100, 1000 tensors
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from bench_scaler import (
     SCALE,
     Case,
     add_common_args,
+    close_iteration,
     describe,
     interleave,
     print_table,
@@ -41,11 +51,13 @@ import dls
 from dls import kernels
 
 
-def bench(count: int, elements: int, device: torch.device, reps: int, warmup: int) -> dict[str, list[float]]:
+def bench(
+    count: int, elements: int, device: torch.device, reps: int, warmup: int, preroll: int
+) -> dict[str, list[float]]:
     params = [torch.nn.Parameter(torch.zeros(elements, device=device)) for _ in range(count)]
-    for p in params:
-        p.grad = torch.full_like(p, SCALE)
-    grads = [p.grad for p in params]
+    grads = [torch.full_like(p, SCALE) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g
     master = [g.clone() for g in grads]
     opt = torch.optim.SGD(params, lr=0.0)
 
@@ -55,24 +67,34 @@ def bench(count: int, elements: int, device: torch.device, reps: int, warmup: in
             p.grad = torch.full_like(p, SCALE)
         return torch.optim.SGD(ps, lr=0.0, fused=True)
 
-    fused, fused_bare = fused_sgd(), fused_sgd()
-    ours = dls.GradScaler(init_scale=SCALE, steps_per_increase=NO_GROWTH)
-    theirs = torch.amp.GradScaler(device.type, init_scale=SCALE, growth_interval=NO_GROWTH)
-    ours_step = dls.GradScaler(init_scale=SCALE, steps_per_increase=NO_GROWTH)
-    theirs_step = torch.amp.GradScaler(device.type, init_scale=SCALE, growth_interval=NO_GROWTH)
+    fused, fused_exact, fused_bare = fused_sgd(), fused_sgd(), fused_sgd()
+    ours, ours_step, ours_exact = (
+        dls.GradScaler(device.type, init_scale=SCALE, growth_interval=NO_GROWTH) for _ in range(3)
+    )
+    theirs, theirs_step = (
+        torch.amp.GradScaler(device.type, init_scale=SCALE, growth_interval=NO_GROWTH) for _ in range(2)
+    )
     probe = torch.ones((), device=device)
-    for s in (ours, theirs, ours_step, theirs_step):
+    for s in (ours, theirs, ours_step, ours_exact, theirs_step):
         s.scale(probe)
     one = torch.ones((), device=device)
 
     def restore() -> None:  # unscale_ divides by SCALE: put the values back (untimed) before each one
         torch._foreach_copy_(grads, master)
 
-    walk = [p for g in opt.param_groups for p in g["params"]]
+    index = kernels.GradIndex(p for g in opt.param_groups for p in g["params"])
 
     def dls_step() -> None:
         ours_step.step(fused)
         ours_step.update()
+
+    def dls_step_exact() -> None:
+        ours_exact.step(fused_exact)
+        ours_exact.update()
+
+    for _ in range(preroll):
+        dls_step()
+    assert ours_step._scale.may_be_below_one, "the pre-roll did not bring the scale bound below 1"
 
     def torch_step() -> None:
         theirs_step.step(fused)
@@ -80,12 +102,13 @@ def bench(count: int, elements: int, device: torch.device, reps: int, warmup: in
 
     cases = {
         "floor": Case(run=lambda: torch._foreach_mul_(grads, one)),
-        "dls": Case(run=lambda: ours.unscale_(opt), prep=restore, reset=ours.update),
+        "dls": Case(run=lambda: ours.unscale_(opt), prep=restore, reset=lambda: close_iteration(ours)),
         "torch": Case(run=lambda: theirs.unscale_(opt), prep=restore, reset=theirs.update),
         "dls step": Case(run=dls_step),
+        "dls step >=1": Case(run=dls_step_exact, prep=ours_exact.get_scale),
         "torch step": Case(run=torch_step),
         "bare step": Case(run=lambda: fused_bare.step()),
-        "grouping": Case(run=lambda: kernels.group_grads(walk)),
+        "grouping": Case(run=index.groups),
     }
     return interleave(cases, device, reps, warmup)
 
@@ -96,7 +119,7 @@ def fixed_costs(device: torch.device, reps: int, warmup: int) -> dict[str, list[
     for p in params:
         p.grad = torch.ones_like(p)
     opt = torch.optim.SGD(params, lr=0.0)
-    ours = dls.GradScaler(init_scale=SCALE, steps_per_increase=NO_GROWTH)
+    ours = dls.GradScaler(device.type, init_scale=SCALE, growth_interval=NO_GROWTH)
     theirs = torch.amp.GradScaler(device.type, init_scale=SCALE, growth_interval=NO_GROWTH)
     loss = torch.ones((), device=device)
     for s in (ours, theirs):
@@ -123,16 +146,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_common_args(parser, reps=21, warmup=3)
     parser.add_argument("--counts", type=int, nargs="+", default=[10, 100, 1000, 10000])
     parser.add_argument("--elements", type=int, default=16, help="elements per tensor (default 16)")
+    parser.add_argument(
+        "--preroll", type=int, default=20, help="untimed fused steps first, more than log2(2**15) + 1 (default 20)"
+    )
     parser.add_argument("--quick", action="store_true", help="counts 10, 100, 1000")
     args = parser.parse_args(argv)
     device = setup(args)
     counts = [10, 100, 1000] if args.quick else args.counts
     print(f"bench_overhead: {describe(device, args.threads)}; {args.elements} elements per tensor")
 
-    names = ["floor", "dls", "torch", "grouping", "bare step", "dls step", "torch step"]
+    names = ["floor", "dls", "torch", "grouping", "bare step", "dls step", "dls step >=1", "torch step"]
     medians: dict[int, dict[str, float]] = {}
     for count in counts:
-        t = bench(count, args.elements, device, args.reps, args.warmup)
+        t = bench(count, args.elements, device, args.reps, args.warmup, args.preroll)
         medians[count] = {k: statistics.median(v) * 1e6 for k, v in t.items()}
         print(f"  ... {count} tensors done")
 
@@ -150,12 +176,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                 slope(pair, "dls", "floor"),
                 slope(pair, "torch", "floor"),
                 slope(pair, "dls step", "bare step"),
+                slope(pair, "dls step >=1", "bare step"),
                 slope(pair, "torch step", "bare step"),
             ]
         )
     print_table(
         "overhead above the kernel, growth per added parameter (ns); 0 = overhead independent of parameter count",
-        ["tensors", "dls-floor", "torch-floor", "dls step-bare", "torch step-bare"],
+        ["tensors", "dls-floor", "torch-floor", "dls step-bare", "dls step >=1-bare", "torch step-bare"],
         rows,
     )
     fixed = {k: statistics.median(v) * 1e6 for k, v in fixed_costs(device, args.reps, args.warmup).items()}
@@ -172,7 +199,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     last = counts[-1]
     print(
         f"\nat {last} tensors: dls/torch unscale_ {medians[last]['dls'] / medians[last]['torch']:.3f}, "
-        f"dls/torch step {medians[last]['dls step'] / medians[last]['torch step']:.3f}, "
+        f"dls/torch step {medians[last]['dls step'] / medians[last]['torch step']:.3f} "
+        f"(bound >= 1: {medians[last]['dls step >=1'] / medians[last]['torch step']:.3f}), "
         f"dls step / bare fused step {medians[last]['dls step'] / medians[last]['bare step']:.3f}"
     )
 

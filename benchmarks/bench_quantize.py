@@ -15,16 +15,9 @@ patterns over the normal range of +-2**-40 .. 2**40, so every branch of the roun
 Printed: the median per-repetition time ratio ``method / cast`` (lower is better; 1.0 = as fast as the cast),
 with the interquartile range, and the cast's median time.
 
-Recorded (torch 2.13.0+cpu, Python 3.11, x86_64, 1 torch thread, thread CPU clock, 40 repetitions, on a
-shared 2-core machine; median [IQR] of time / cast time):
-
-    elements  cast ms  cbfloat16         float16 (arith.)  float16           float8_e4m3fn     count
-       65536    0.012  6.43 [6.05-6.71]  6.35 [6.01-6.63]  1.21 [1.18-1.30]  5.91 [5.59-6.31]  15.85 [15.16-17.10]
-     1048576    0.281  5.12 [4.35-5.86]  4.67 [4.06-5.68]  0.98 [0.86-1.28]  4.57 [4.00-5.09]  11.45 [10.05-12.81]
-    16777216   50.555  2.54 [2.43-3.02]  2.53 [2.40-2.68]  1.01 [0.99-1.04]  2.48 [2.36-2.69]   4.44 [4.27-4.86]
-
-That is, cbfloat16 (and any format without a torch dtype) rounds at 2.5x to 6.5x the cost of a float16 round
-trip; the small sizes are dominated by per-op dispatch (about ten ops against two).
+No targets: ``quantize`` is an emulation tool, not on the training step's hot path; the latest figures are in
+benchmarks/RESULTS.md. Every ratio is the median over repetitions of ``time(method) / time(cast)`` measured in
+the same round of one run.
 
     python benchmarks/bench_quantize.py                  # 64k, 1M, 16M elements on CPU, 1 thread
     python benchmarks/bench_quantize.py --quick          # 64k and 1M
