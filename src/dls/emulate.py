@@ -28,7 +28,6 @@ statistics accumulate in device tensors and are read when you ask for them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 
 from dls import formats
 from dls.formats import FloatFormat
+from dls.handles import Removable
 
 __all__ = ["EmulationHandle", "EmulationStats", "emulate"]
 
@@ -165,7 +165,7 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 _Slot = tuple[nn.Module, str, torch.Tensor]
 
 
-class EmulationHandle:
+class EmulationHandle(Removable):
     """What :func:`emulate` returns: ``remove()`` uninstalls the hooks (idempotent), and the handle is a
     context manager that removes them on exit.
 
@@ -271,17 +271,8 @@ class EmulationHandle:
             while module in self._saved:
                 self._swap_out(module)
 
-    def __enter__(self) -> EmulationHandle:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.remove()
-
     def __repr__(self) -> str:
-        state = "active" if self.active else "removed"
-        return f"EmulationHandle(fmt={self.fmt.name!r}, modules={len(self.modules)}, {state})"
+        return f"EmulationHandle(fmt={self.fmt.name!r}, modules={len(self.modules)}, {self._state()})"
 
 
 def emulate(

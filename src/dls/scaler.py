@@ -355,8 +355,7 @@ class GradScaler:
             # No scaling, no skipping; max_gradient_norm still clips (bfloat16 runs use it too).
             if max_norm is not None and self._tracker.state(optimizer).stage is not Stage.CLIPPED:
                 self._check.clip_and_check([optimizer], max_norm, want_norm=False)
-            self._tracker.record_step(optimizer, None, False)
-            return optimizer.step(*args, **kwargs)
+            return self._unchecked_step(optimizer, args, kwargs)
         _reject_closure(args, kwargs)
         state = self._tracker.state(optimizer)
         if state.stage is Stage.STEPPED:
@@ -381,8 +380,7 @@ class GradScaler:
         """``optimizer.step(*args, **kwargs)`` if the flag recorded by ``unscale_`` or
         ``clip_gradients_and_return_isfinite`` is clean; returns its value, or ``None`` when skipped."""
         if not self._enabled:
-            self._tracker.record_step(optimizer, None, False)
-            return optimizer.step(*args, **kwargs)
+            return self._unchecked_step(optimizer, args, kwargs)
         _reject_closure(args, kwargs)
         state = self._tracker.state(optimizer)
         if state.stage is Stage.STEPPED:
@@ -393,6 +391,11 @@ class GradScaler:
                 "clip_gradients_and_return_isfinite() first, or use step()."
             )
         return self._step_if_finite(optimizer, state, args, kwargs)
+
+    def _unchecked_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A disabled scaler's step: never skipped (closures pass through, as in torch)."""
+        self._tracker.record_step(optimizer, None, False)
+        return optimizer.step(*args, **kwargs)
 
     def _step_if_finite(
         self, optimizer: torch.optim.Optimizer, state: IterationState, args: tuple[Any, ...], kwargs: dict[str, Any]

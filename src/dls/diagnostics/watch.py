@@ -46,7 +46,6 @@ import dataclasses
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -55,6 +54,7 @@ from torch.utils.hooks import RemovableHandle
 
 from dls import distributed
 from dls.diagnostics.scales import module_label, pow2
+from dls.handles import Removable
 
 __all__ = ["NonFiniteGradient", "OverflowReport", "OverflowWatch"]
 
@@ -154,7 +154,7 @@ class OverflowReport:
         return "\n".join(lines)
 
 
-class OverflowWatch:
+class OverflowWatch(Removable):
     """Names the parameters and modules of ``model`` and records the order in which backward produces the
     parameters' gradients, so that :meth:`build_report` can say where an overflow started.
 
@@ -308,17 +308,8 @@ class OverflowWatch:
             hook.remove()
         self._hooks.clear()
 
-    def __enter__(self) -> OverflowWatch:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.remove()
-
     def __repr__(self) -> str:
-        state = "active" if self.active else "removed"
-        return f"OverflowWatch({type(_unwrap(self.model)).__name__}, parameters={len(self._params)}, {state})"
+        return f"OverflowWatch({type(_unwrap(self.model)).__name__}, parameters={len(self._params)}, {self._state()})"
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

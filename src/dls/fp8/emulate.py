@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -61,6 +60,7 @@ from dls.fp8.recipes import (
     StaticScaling,
     recipe_from_dict,
 )
+from dls.handles import Removable
 
 __all__ = ["Fp8Handle", "Fp8Stats", "emulate"]
 
@@ -348,7 +348,7 @@ class Fp8Stats:
         return f"Fp8Stats(modules={len(self._roles)})"
 
 
-class Fp8Handle:
+class Fp8Handle(Removable):
     """What :func:`emulate` returns. ``remove()`` restores the modules (idempotent); the handle is a context
     manager that removes on exit.
 
@@ -462,17 +462,8 @@ class Fp8Handle:
                 module.forward = previous  # type: ignore[method-assign]
         self._previous.clear()
 
-    def __enter__(self) -> Fp8Handle:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.remove()
-
     def __repr__(self) -> str:
-        state = "active" if self.active else "removed"
-        return f"Fp8Handle({self.recipe!r}, modules={len(self.modules)}, {state})"
+        return f"Fp8Handle({self.recipe!r}, modules={len(self.modules)}, {self._state()})"
 
 
 def emulate(
