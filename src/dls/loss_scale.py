@@ -6,10 +6,18 @@ The host keeps ``at_least``, a lower bound of the scale: exact after every read,
 ``new_scale``, at most one back-off lower after each rule update, the smallest normal float32 after a tensor
 ``new_scale``. Only while that bound is below 1 can a finite scaled gradient overflow when unscaled, so only then
 do the gradient passes check the unscaled values too.
+
+Left alone, the bound would fall by one back-off per update on paths that never read the device (fused optimizers,
+``sync_free``) and cost the extra check on every step after a few dozen. So every change of the scale is also
+*published* to host memory without waiting: a CPU scale is read where it lies, a CUDA scale is copied to pinned
+memory asynchronously with an event behind the copy; when the bound is next needed and the event has completed, the
+host reads the copy (no synchronisation) and the bound is exact again. Inside ``torch.compile`` or CUDA-graph
+capture nothing is published, and the bound decays as described (correct, one pass dearer).
 """
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from typing import Any
 
@@ -30,6 +38,7 @@ class LossScale:
         self.at_least = settings.init_scale
         self._rejected: torch.Tensor | None = None  # update(new_scale=tensor) values not taken, on the device
         self._rejected_warned = 0
+        self._published: tuple[torch.Tensor, Any] | None = None  # (host copy, event or None) of the latest scale
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -41,7 +50,33 @@ class LossScale:
 
     @property
     def may_be_below_one(self) -> bool:
+        if self.at_least < 1.0 and self._published is not None and not torch.compiler.is_compiling():
+            self._take_published()
         return self.at_least < 1.0
+
+    def _publish(self) -> None:
+        """Make the current scale readable on the host later without a synchronisation (see module docstring)."""
+        self._published = None
+        if torch.compiler.is_compiling():
+            return
+        scale = self.state.loss_scale
+        if scale.device.type == "cpu":
+            self._published = (scale, None)  # host memory already: read where it lies
+        elif scale.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            copy = torch.empty((), dtype=torch.float32, pin_memory=True)
+            copy.copy_(scale, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._published = (copy, event)
+
+    def _take_published(self) -> None:
+        assert self._published is not None
+        copy, event = self._published
+        if event is not None and not event.query():
+            return  # the copy is still in flight: keep the bound
+        # Read the float32 in host memory directly: no tensor method, hence no device synchronisation.
+        self.at_least = float(ctypes.c_float.from_address(copy.data_ptr()).value)
+        self._published = None
 
     def inverse(self) -> torch.Tensor:
         """``1 / scale`` in float64 then rounded once, as torch does: exact for the usual powers of two."""
@@ -54,6 +89,7 @@ class LossScale:
         """Move the state to ``device`` (the loss's, before an iteration has started)."""
         if self.device != device:
             self.state = ScaleState(*(t.to(device) for t in self.state))
+            self._published = None
 
     # ------------------------------------------------------------------ reads
     def read(self) -> float:
@@ -94,6 +130,7 @@ class LossScale:
         if self.settings.mode == "dynamic":  # at most one back-off per update, then the clamps
             s = self.settings
             self.at_least = min(max(self.at_least * s.backoff_factor, s.min_loss_scale), s.max_loss_scale)
+            self._publish()
 
     def set(self, new_scale: float | torch.Tensor, skipped: torch.Tensor | int) -> None:
         """``update(new_scale)``: a float must be a normal float32 (else ``ValueError``); a tensor is checked on the
@@ -103,6 +140,7 @@ class LossScale:
         assign_(
             s, s._replace(loss_scale=value, non_clamped_scale=value, num_skipped_steps=s.num_skipped_steps + skipped)
         )
+        self._publish()
 
     def _checked(self, new_scale: float | torch.Tensor) -> torch.Tensor:
         if not isinstance(new_scale, torch.Tensor):
