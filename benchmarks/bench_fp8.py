@@ -15,7 +15,7 @@ new random order every round (``bench_scaler.interleave``). Variants:
 * ``current, no stats`` -- ``CurrentScaling()`` with ``track_stats=False``: the price of ``handle.stats``;
 * ``float32 again`` -- a second float32 copy: its ratio to ``float32`` (the A/A row) is the run's noise.
 
-Printed: the median per-round ratio ``variant / float32`` with its interquartile range. Target (issue 14):
+Printed: the median per-round ratio ``variant / float32`` with its interquartile range. Target:
 an emulated FP8 step costs at most 3x a float32 step.
 
 Recorded (torch 2.13.0+cpu, Python 3.11, x86_64, 1 torch thread, thread CPU clock, on a shared 2-core machine;

@@ -6,12 +6,8 @@ forward pass of each variant runs untimed (``prep``), then its backward of the s
 
 * ``none``       -- no watch;
 * ``none again`` -- a second copy of ``none``: its ratio to ``none`` (the A/A row) is the noise of the run;
-* ``watch``      -- ``attach_watch(scaler, model)`` installed, used the way the scaler uses it: the report is built
-  only after a skipped step (``scaler.step_was_skipped``, free on the default path), which never happens here
-  (checked: a skipped step stops the benchmark, since its report pass would be timed).
-
-``attach_watch`` calls ``scaler.watch(model)`` when the scaler has it, so this script times the wired version
-unchanged once it lands; until then it installs ``dls.diagnostics.OverflowWatch`` itself.
+* ``watch``      -- ``scaler.watch(model)`` installed: the scaler builds a report only after a step it skipped,
+  which never happens here (checked: a skipped step stops the benchmark, since its report pass would be timed).
 
 Models: the small transformer of ``bench_step.py`` (the target: watch / none <= 1.01) and a deep MLP of many
 small layers, the worst case for hooks that cost per parameter. ``us/param``: the median per-round difference to
@@ -34,18 +30,9 @@ from bench_scaler import Case, add_common_args, describe, interleave, print_tabl
 from bench_step import TinyLM
 
 import dls
-from dls.diagnostics import OverflowReport, OverflowWatch
 
 TARGET = 1.01
 HEADER = ["model", "params", "variant", "ms", "none ms", "/none", "[iqr]", f"<={TARGET}", "us/param"]
-
-
-def attach_watch(scaler: Any, model: torch.nn.Module) -> Any:
-    """What a training loop does to get overflow reports: ``scaler.watch(model)`` once the scaler offers it,
-    else the diagnostics module directly (what the scaler will call)."""
-    if hasattr(scaler, "watch"):
-        return scaler.watch(model)
-    return OverflowWatch(model)
 
 
 class Variant:
@@ -58,9 +45,8 @@ class Variant:
         self.loss_of = loss_of
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.scaler = dls.GradScaler(loss_scale="dynamic", init_scale=2.0**10, steps_per_increase=10**9)
-        self.watch = attach_watch(self.scaler, model) if watch else None
+        self.watch = self.scaler.watch(model) if watch else None
         self.loss: torch.Tensor | None = None
-        self.reports: list[OverflowReport] = []
         self.round = 0
 
     def forward(self) -> None:
@@ -72,8 +58,6 @@ class Variant:
         self.scaler.scale(self.loss).backward()
         self.scaler.step(self.opt)
         if self.scaler.step_was_skipped(self.opt):
-            if self.watch is not None and hasattr(self.watch, "build_report"):
-                self.reports.append(self.watch.build_report(self.loss.detach()))
             raise RuntimeError("a step overflowed: this benchmark times clean steps only")
         self.scaler.update()
         self.opt.zero_grad(set_to_none=True)
