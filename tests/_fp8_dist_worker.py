@@ -1,6 +1,7 @@
 """One rank of the FP8 distributed test (``tests/test_fp8_distributed.py``): DDP with delayed FP8 scaling.
 
-Started once per rank with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` in the environment::
+Started once per rank by ``conftest.launch_ranks`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` in
+the environment)::
 
     python tests/_fp8_dist_worker.py OUT_DIR
 
@@ -16,10 +17,7 @@ and scales) and the amax of the first layer's input as this rank saw it at each 
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
-import sys
 from typing import Any
 
 import torch
@@ -27,6 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import dls.fp8
+from conftest import run_rank
 
 RANK = int(os.environ["RANK"])
 WS = int(os.environ["WORLD_SIZE"])
@@ -61,17 +60,13 @@ def train(process_group: Any) -> dict[str, Any]:
     }
 
 
+def scenarios() -> dict[str, Any]:
+    own_groups = [dist.new_group([r]) for r in range(WS)]  # every rank creates every group, in order
+    return {"agree": train(None), "local": train(own_groups[RANK])}
+
+
 def main() -> None:
-    out_dir = sys.argv[1]
-    dist.init_process_group("gloo", rank=RANK, world_size=WS, timeout=datetime.timedelta(seconds=60))
-    try:
-        own_groups = [dist.new_group([r]) for r in range(WS)]  # every rank creates every group, in order
-        results = {"agree": train(None), "local": train(own_groups[RANK])}
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
-        json.dump(results, f)
+    run_rank(scenarios)
 
 
 if __name__ == "__main__":

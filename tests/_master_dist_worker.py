@@ -2,15 +2,12 @@
 (gloo, CPU) with ``dls.master_weights`` and a dynamic ``dls.GradScaler``; an overflow is injected on rank 1 only,
 after the all-reduce. Writes ``OUT_DIR/rank{r}.json``: per dtype, what the test compares across ranks.
 
-    python tests/_master_dist_worker.py OUT_DIR      (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment)
+    python tests/_master_dist_worker.py OUT_DIR      (started once per rank by ``conftest.launch_ranks``)
 """
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
-import sys
 from typing import Any
 
 import torch
@@ -18,6 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import dls
+from conftest import run_rank
 from dls.master_weights import master_weights
 
 RANK = int(os.environ["RANK"])
@@ -79,15 +77,7 @@ def run(dtype: torch.dtype) -> dict[str, Any]:
 
 
 def main() -> None:
-    out_dir = sys.argv[1]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    try:
-        results = {name: run(getattr(torch, name)) for name in ("float16", "bfloat16")}
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
-        json.dump(results, f)
+    run_rank(lambda: {name: run(getattr(torch, name)) for name in ("float16", "bfloat16")})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Shared set-up and helpers of the test suite.
 
-Fixtures: ``_reset_half_dtype`` (every test), ``one_thread`` (requested by name). Plain helpers, imported with
-``from conftest import ...``:
+Fixtures: ``_reset_half_dtype`` (every test); ``one_thread`` and ``fresh_accelerate_state`` (requested by name).
+Plain helpers, imported with ``from conftest import ...``:
 
 * tiny models and losses: ``tiny_model``, ``batch``, ``loss_of``; overflow injection: ``inject``; training loops:
   ``train`` (a tiny model), ``one_parameter`` with ``one_iteration``;
@@ -10,13 +10,17 @@ Fixtures: ``_reset_half_dtype`` (every test), ``one_thread`` (requested by name)
 * torch.amp side by side: ``torch_scaler``, ``dls_scaler``, ``side_by_side``;
 * what a block does on the device: ``host_reads`` (values read back to the host), ``OpLog`` (aten ops);
 * ``ReferenceRule``: the dynamic scale rule written out step by step (the suite's one statement of the rule);
-* ``launch_ranks``, ``free_port``, ``dist_env``: multi-process runs on CPU (gloo, 127.0.0.1 only).
+* ``load_example``: a script of ``examples/`` as a module;
+* ``launch_ranks``, ``free_port``, ``dist_env``: multi-process runs on CPU (gloo, 127.0.0.1 only); ``run_rank``: the
+  worker's side of ``launch_ranks``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
+import importlib.util
 import json
 import math
 import os
@@ -27,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -48,6 +53,7 @@ if os.environ.get("CI"):
 
 INF, NAN = math.inf, math.nan
 DLS_DIR = os.path.dirname(dls.__file__)
+EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
 
 
 @pytest.fixture(autouse=True)
@@ -61,12 +67,25 @@ def _reset_half_dtype() -> Iterator[None]:
 
 @pytest.fixture
 def one_thread() -> Iterator[None]:
-    """One torch thread for the test: on 2 busy cores tiny models run many times faster on one thread than on two.
-    Request it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    """One torch thread for the test, and the count the test found restored after it, for tests that change it. The
+    suite already runs on one thread (set above), so a module that changes nothing needs no fixture for it. Request
+    it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fresh_accelerate_state() -> Iterator[None]:
+    """Accelerate keeps its state in process-wide singletons: reset before and after the test, so that every test
+    builds its own ``Accelerator`` (a Hugging Face ``Trainer`` builds one too). Request it by name, like
+    ``one_thread``; the test module must have skipped already where accelerate is not installed."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 # ---------------------------------------------------------------------------------------------- models and losses
@@ -338,6 +357,18 @@ class ReferenceRule:
         return event
 
 
+# ---------------------------------------------------------------------------------------------- examples
+def load_example(name: str) -> ModuleType:
+    """``examples/{name}`` (``"underflow.py"``) executed as a fresh module: ``examples/`` is not a package, and each
+    call gives a new module, so nothing one test does to a module's globals reaches another."""
+    path = EXAMPLES_DIR / name
+    spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # ---------------------------------------------------------------------------------------------- several processes
 def free_port() -> int:
     with socket.socket() as s:
@@ -387,3 +418,20 @@ def launch_ranks(
     codes = [p.returncode for p in procs]
     assert codes == [0] * world_size, f"exit codes {codes}\n{logs_text()}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def run_rank(results: Callable[[], dict[str, Any]]) -> None:
+    """The worker's side of ``launch_ranks``, called by a worker script's ``main``: join the gloo process group that
+    the environment describes (60 s timeout), run ``results()``, wait for every rank at a barrier, leave the group
+    (also when ``results`` raises) and write what it returned, as JSON, to ``OUT/rank{RANK}.json`` (``OUT``: the
+    script's first argument)."""
+    import torch.distributed as dist
+
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    try:
+        result = results()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))

@@ -4,34 +4,18 @@ and barely trains; dynamic loss scaling rescues it."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
-import torch
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fp8_recipes.py"
+from conftest import load_example
+
 RECIPES = ("current", "current, row", "delayed", "mxfp8")
-
-
-def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fp8_recipes_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict[str, Any]]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: a second thread only adds synchronisation
-    try:
-        out: dict[str, dict[str, Any]] = load_example().run(100, samples=512, width=32, batch_size=64)
-    finally:
-        torch.set_num_threads(threads)
+    out: dict[str, dict[str, Any]] = load_example("fp8_recipes.py").run(100, samples=512, width=32, batch_size=64)
     return out
 
 

@@ -3,8 +3,6 @@ Accelerate's own ``step_was_skipped`` and prepared scheduler, EMA, ``save_state`
 
 from __future__ import annotations
 
-import importlib.util
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +11,7 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import dls
+from conftest import load_example
 from dls.skip import skip_aware
 
 pytest.importorskip("accelerate")
@@ -27,15 +26,7 @@ OPT_STEPS = 6
 OVERFLOW_STEPS = {0, 3}  # optimizer steps (0-based) whose last micro-batch gets an inf gradient; 0: the first step
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state() -> Iterator[None]:
-    # Accelerate keeps its state in process-wide singletons; every test builds its own Accelerator.
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_accelerate_state")
 
 
 def _setup() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, list[torch.dtype]]:
@@ -144,17 +135,7 @@ def test_use_dls_arguments() -> None:
         use_dls(accelerator)
 
 
-def _run_example(name: str, **kwargs: Any) -> dict[str, Any]:
-    path = Path(__file__).resolve().parents[1] / "examples" / name
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    result: dict[str, Any] = module.main(**kwargs)
-    return result
-
-
 def test_example_runs_and_its_schedule_and_ema_skip_with_the_steps() -> None:
-    result = _run_example("accelerate_fp16.py", steps=20)
+    result = load_example("accelerate_fp16.py").main(steps=20)
     assert result["steps"] == 20 and result["skipped"] > 0  # the example starts at a scale that overflows
     assert result["scheduler_steps"] == result["ema_updates"] == 20 - result["skipped"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import dls
+from conftest import load_example
 from dls.skip import SkipAware, skip_aware
 
 L = pytest.importorskip("lightning")
@@ -181,19 +181,9 @@ def test_plugin_arguments_and_defaults() -> None:
     assert plugin.scaler.get_scale() == 256.0  # dls's own state wins; the Trainer loads it
 
 
-def _run_example(name: str, **kwargs: Any) -> dict[str, Any]:
-    path = Path(__file__).resolve().parents[1] / "examples" / name
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    result: dict[str, Any] = module.main(**kwargs)
-    return result
-
-
 def test_example_runs_and_its_schedule_and_ema_skip_with_the_steps() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = _run_example("lightning_fp16.py", steps=20)
+        result = load_example("lightning_fp16.py").main(steps=20)
     assert result["steps"] == 20 and result["skipped"] > 0  # the example starts at a scale that overflows
     assert result["scheduler_steps"] == result["ema_updates"] == 20 - result["skipped"]

@@ -3,15 +3,15 @@ autocast, skipped steps, the Trainer's LR schedule, EMA, checkpoints and resume.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from conftest import load_example
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the Hub: the model is built from a config
 pytest.importorskip("transformers")
@@ -27,14 +27,7 @@ OPT_STEPS = 6
 OVERFLOW_STEPS = {2, 4}  # Trainer global steps whose accumulated gradients get an inf
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state() -> Iterator[None]:
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_accelerate_state")
 
 
 class OverflowingTrainer(Trainer):
@@ -152,17 +145,7 @@ def test_use_dls_needs_fp16(tmp_path: Path) -> None:
         use_dls(Trainer(model=model, args=args))
 
 
-def _run_example(name: str, **kwargs: Any) -> dict[str, Any]:
-    path = Path(__file__).resolve().parents[1] / "examples" / name
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    result: dict[str, Any] = module.main(**kwargs)
-    return result
-
-
 def test_example_runs_and_its_schedule_skips_with_the_steps(tmp_path: Path) -> None:
-    result = _run_example("hf_trainer_fp16.py", steps=12, output_dir=str(tmp_path))
+    result = load_example("hf_trainer_fp16.py").main(steps=12, output_dir=str(tmp_path))
     assert result["steps"] == 12 and result["skipped"] > 0  # the example starts at a scale that overflows
     assert result["scheduler_steps"] == 12 - result["skipped"]

@@ -5,17 +5,8 @@ rejected with nothing changed."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import importlib.util
 import io
-import json
-import os
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +15,11 @@ import torch
 import torch.distributed as dist
 
 import dls
+from conftest import from_dls, host_reads, launch_ranks, load_example
 from dls.master_weights import MasterWeights, master_weights
-from test_sync_free import host_reads
 
 HALF = [torch.float16, torch.bfloat16]
 WORKER = Path(__file__).with_name("_master_dist_worker.py")
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "master_weights.py"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny half-precision models run many times faster on one thread when the cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -296,7 +277,7 @@ def test_fused_steps_with_masters_read_nothing_back_after_the_first() -> None:
     train(model, opt, scaler, range(1))
     with host_reads() as reads:
         train(model, opt, scaler, range(1, 4), poison=(2,))
-    assert [r for r in reads if "dls" in r[1]] == []
+    assert from_dls(reads) == []
     assert scaler.get_num_skipped_steps() == 1
 
 
@@ -511,33 +492,7 @@ def test_bad_input_raises_value_error_naming_the_argument_and_changes_nothing() 
 # ---------------------------------------------------------------------------------------------- DDP (gloo, 2 ranks)
 @pytest.fixture(scope="module")
 def ddp_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("master_ddp")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", OMP_NUM_THREADS="1")
-    with contextlib.suppress(AttributeError, OSError, StopIteration):  # else gloo picks the host name's interface
-        env["GLOO_SOCKET_IFNAME"] = next(name for _, name in socket.if_nameindex() if name.startswith("lo"))
-    logs = [out / f"rank{r}.log" for r in range(2)]
-    procs = []
-    for rank, log in enumerate(logs):
-        with log.open("w") as f:
-            cmd = [sys.executable, str(WORKER), str(out)]
-            procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(rank)), stdout=f, stderr=f))
-    deadline = time.monotonic() + 120
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.returncode not in (None, 0) for p in procs):
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    text = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs)
-    assert [p.returncode for p in procs] == [0, 0], text
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return launch_ranks(WORKER, [], tmp_path_factory.mktemp("master_ddp"), 2, timeout=120)
 
 
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed+gloo")
@@ -568,10 +523,7 @@ def test_a_deep_copy_trains_like_the_original() -> None:
 
 
 def test_the_example_runs_and_masters_beat_half_parameters() -> None:
-    spec = importlib.util.spec_from_file_location("master_weights_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_example("master_weights.py")
     threads = torch.get_num_threads()
     try:
         rows = {label: reduction for label, reduction, _ in example.main(["--steps", "40"])}

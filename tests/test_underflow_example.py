@@ -2,36 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
 import dls
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "underflow.py"
-
-
-def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("underflow_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_example
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict[str, Any]]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: a second thread only adds synchronisation
-    try:
-        out: dict[str, dict[str, Any]] = load_example().run(steps=40, samples=128, width=32, depth=3, loss_weight=1e-9)
-    finally:
-        torch.set_num_threads(threads)
+    example = load_example("underflow.py")
+    out: dict[str, dict[str, Any]] = example.run(steps=40, samples=128, width=32, depth=3, loss_weight=1e-9)
     return out
 
 
@@ -65,7 +49,7 @@ def test_run_leaves_the_half_dtype_alone(results: dict[str, dict[str, Any]]) -> 
 
 
 def test_main_prints_every_configuration(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    example = load_example()
+    example = load_example("underflow.py")
     threads = str(torch.get_num_threads())  # main() sets the thread count: keep this process's
     monkeypatch.setattr(sys, "argv", ["underflow.py", "--steps", "3", "--threads", threads])
     example.main()
