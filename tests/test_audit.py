@@ -6,7 +6,7 @@ import copy
 import random
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy
 import pytest
@@ -19,15 +19,6 @@ from dls.diagnostics import audit, recommend_exponent
 from dls.diagnostics.scales import HIST_BINS, HIST_LOW, count_flushed, count_overflowed
 
 T5_OUTPUT = 66246.0  # a bf16-pretrained T5 feed-forward output that float16 cannot hold
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """These models are tiny: one thread is as fast as two, and far faster when other work shares the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------------------------- models

@@ -39,15 +39,6 @@ with warnings.catch_warnings():  # torchao warns about its CUDA-only extensions 
 FLT_MAX = torch.finfo(torch.float32).max
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Small tensors: a second OpenMP thread on a shared 2-core machine only adds stalls."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def linear_pair(in_features: int, out_features: int, bias: bool = True) -> tuple[nn.Linear, nn.Linear]:
     torch.manual_seed(0)
     lin = nn.Linear(in_features, out_features, bias=bias)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
 from fractions import Fraction
 
 import numpy as np
@@ -55,15 +54,6 @@ def numpy_reference(amax: np.ndarray, fp8_max: float, margin: int, power_2: bool
             scale = np.where(scale > 0, np.ldexp(np.float32(0.5), exponent), scale).astype(np.float32)
         special = (a == 0) | ~np.isfinite(a)
         return np.where(special, np.float32(1.0), scale).astype(np.float32)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Million-element passes: a second OpenMP thread on a shared 2-core machine only adds stalls."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -11,28 +11,18 @@ import copy
 import dataclasses
 import math
 from collections import OrderedDict
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import dls
+from conftest import OpLog
 from dls.diagnostics import OverflowReport, OverflowWatch
 
 DEPTH = 6
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """These models are tiny: one thread is as fast as two, and far faster when other work shares the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Block(nn.Module):
@@ -228,18 +218,6 @@ def test_bad_arguments_raise_value_errors() -> None:
         watch.build_report(None, loss_scale=-1.0)
     with pytest.raises(ValueError, match="parameter_name"):
         watch.owner("nope")
-
-
-class OpLog(TorchDispatchMode):
-    """Every aten op dispatched while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def backward_ops(model: nn.Module, x: torch.Tensor) -> list[str]:
