@@ -1,6 +1,6 @@
 """Shared set-up and helpers of the test suite.
 
-Fixtures: ``_reset_half_dtype`` (every test); ``one_thread`` and ``fresh_accelerate_state`` (requested by name).
+Fixtures: ``_reset_half_dtype`` and ``one_thread`` (every test); ``fresh_accelerate_state`` (requested by name).
 Plain helpers, imported with ``from conftest import ...``:
 
 * tiny models and losses: ``tiny_model``, ``batch``, ``loss_of``; overflow injection: ``inject``; training loops:
@@ -65,22 +65,20 @@ def _reset_half_dtype() -> Iterator[None]:
     dls.set_half_dtype(previous)
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
-    """One torch thread for the test, and the count the test found restored after it, for tests that change it. The
-    suite already runs on one thread (set above), so a module that changes nothing needs no fixture for it. Request
-    it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
-    threads = torch.get_num_threads()
+    """Every test starts on one torch thread (tiny models on 2 busy cores run many times faster on one), and the
+    count is restored after it, whatever the test set."""
     torch.set_num_threads(1)
     yield
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)
 
 
 @pytest.fixture
 def fresh_accelerate_state() -> Iterator[None]:
     """Accelerate keeps its state in process-wide singletons: reset before and after the test, so that every test
-    builds its own ``Accelerator`` (a Hugging Face ``Trainer`` builds one too). Request it by name, like
-    ``one_thread``; the test module must have skipped already where accelerate is not installed."""
+    builds its own ``Accelerator`` (a Hugging Face ``Trainer`` builds one too). Request it by name; the test
+    module must have skipped already where accelerate is not installed."""
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)

@@ -22,8 +22,6 @@ import torch
 import dls
 from conftest import inject, loss_of, tiny_model
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo() -> Any:

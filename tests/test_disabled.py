@@ -13,8 +13,6 @@ import torch
 import dls
 from conftest import INF, assert_tensors_equal, dls_scaler, loss_of, tiny_model, torch_scaler
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 
 

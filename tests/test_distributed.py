@@ -25,7 +25,6 @@ from dls import distributed
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.usefixtures("one_thread"),
     pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed+gloo"),
 ]
 

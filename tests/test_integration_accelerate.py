@@ -26,7 +26,7 @@ OPT_STEPS = 6
 OVERFLOW_STEPS = {0, 3}  # optimizer steps (0-based) whose last micro-batch gets an inf gradient; 0: the first step
 
 
-pytestmark = pytest.mark.usefixtures("one_thread", "fresh_accelerate_state")
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 def _setup() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, list[torch.dtype]]:

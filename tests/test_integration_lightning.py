@@ -23,7 +23,6 @@ OVERFLOW_STEPS = {1, 4}  # optimizer steps (0-based) whose last micro-batch gets
 EMA_DECAY = 0.5
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Regression(L.LightningModule):

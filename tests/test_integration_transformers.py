@@ -27,7 +27,7 @@ OPT_STEPS = 6
 OVERFLOW_STEPS = {2, 4}  # Trainer global steps whose accumulated gradients get an inf
 
 
-pytestmark = pytest.mark.usefixtures("one_thread", "fresh_accelerate_state")
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 class OverflowingTrainer(Trainer):

@@ -13,8 +13,6 @@ import torch
 import dls
 from conftest import OpLog
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _deep(depth: int = 6) -> torch.nn.Sequential:
     torch.manual_seed(0)

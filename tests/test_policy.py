@@ -10,8 +10,6 @@ from hypothesis import strategies as st
 from conftest import ReferenceRule
 from dls.policy import DynamicRule, StaticRule, initial_state
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 rules = st.builds(
     DynamicRule,
     steps_per_increase=st.integers(1, 6),

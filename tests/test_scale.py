@@ -12,8 +12,6 @@ import torch
 import dls
 from conftest import dls_scaler, loss_of, side_by_side, tiny_model, torch_scaler
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_losses_are_scaled_in_float32(dtype: torch.dtype) -> None:

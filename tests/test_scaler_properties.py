@@ -23,8 +23,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import dls
 from conftest import assert_same, snapshot
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 TINY = torch.finfo(torch.float32).tiny
 FLOAT32_MAX = torch.finfo(torch.float32).max
 MIN_SCALE, MAX_SCALE = 2.0**-10, 2.0**16

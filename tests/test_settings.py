@@ -11,8 +11,6 @@ import torch
 import dls
 from dls.settings import ScalerSettings, SettingsError
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 FLOAT32_MAX = torch.finfo(torch.float32).max
 TINY = torch.finfo(torch.float32).tiny
 

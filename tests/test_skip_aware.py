@@ -21,7 +21,6 @@ OVERFLOWS = {0, 3, 4}  # iterations whose gradients get an inf (0: the optimizer
 STEPS = 7
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model() -> torch.nn.Module:

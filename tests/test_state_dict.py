@@ -25,8 +25,6 @@ from conftest import (
     train,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 STATE_KEYS = {"loss_scale", "steps_since_rescale", "overflows_since_rescale", "num_skipped_steps", "hysteresis_hits"}
 TORCH_KEYS = {"scale", "_growth_tracker", "growth_factor", "backoff_factor", "growth_interval"}
 

@@ -32,8 +32,6 @@ from conftest import (
     train,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),

@@ -35,8 +35,6 @@ from conftest import (
     train,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 FUSED = ["Adam", "AdamW", "SGD", "Adagrad"]
 
 

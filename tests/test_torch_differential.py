@@ -14,8 +14,6 @@ import torch
 import dls
 from conftest import INF, NAN, assert_same, dls_scaler, snapshot, tiny_model, torch_scaler, train
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 STEPS = 200
 # Overflows isolated, in bursts, at the start, and at a growth boundary.
 INJECT = {0, 3, 4, 50, 51, 52, 53, 99, 120, 121, 180}

@@ -36,8 +36,6 @@ from conftest import (
 )
 from dls import kernels
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 SCALE = 2.0**12
 HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPES = {"float32": torch.float32, **HALF}

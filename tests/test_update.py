@@ -27,8 +27,6 @@ from conftest import (
 )
 from dls.policy import DynamicRule
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 # ---------------------------------------------------------------------------------------------- the rule
 @pytest.mark.parametrize(
