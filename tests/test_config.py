@@ -544,3 +544,68 @@ def test_config_files_that_are_not_utf8_or_too_large_name_the_file(tmp_path: Pat
     big.write_bytes(b"# " + b"x" * (1 << 20) + b"\n")
     with pytest.raises(ConfigError, match=r"big\.yaml: larger than 1 MiB"):
         load_config(big)
+
+
+# ---------------------------------------------------------------------- half parameters and FP8
+def test_half_params_need_a_half_precision_run() -> None:
+    (msg,) = errors_of(mlp(precision={"half_params": True}))
+    assert msg.startswith("precision.half_params needs a half-precision run") and "mixed_precision: true" in msg
+    cfg = parse_config(mlp(precision={"mixed_precision": True, "fp16_type": "bfloat16", "half_params": True}))
+    assert cfg.precision.param_dtype == "bfloat16" and cfg.precision.master_weights
+    cb = parse_config(mlp(precision={"mixed_precision": True, "fp16_type": "cbfloat16", "half_params": True}))
+    assert cb.precision.param_dtype == "float32" and cb.precision.emulated  # float32 values on the cbfloat16 grid
+    (msg,) = errors_of(
+        mlp(precision={"mixed_precision": True, "fp16_type": "cbfloat16", "half_params": True, "master_weights": False})
+    )
+    assert "master_weights: false does not work with cbfloat16" in msg
+
+
+def test_keys_without_effect_in_the_half_params_modes_warn() -> None:
+    cfg = parse_config(mlp(precision={"mixed_precision": True, "master_weights": False}))
+    assert cfg.warnings == ("precision.master_weights has no effect without precision.half_params: true",)
+    assert cfg.precision.master_weights  # dropped: the default
+    native = parse_config(mlp(precision={"mixed_precision": True, "half_params": True, "emulate": True}))
+    assert not native.precision.emulated and any("precision.emulate has no effect" in w for w in native.warnings)
+
+
+@pytest.mark.parametrize(
+    ("fp8", "needle"),
+    [
+        ("delayed", "precision.fp8 must be null (no FP8) or a mapping {recipe: current | delayed | mxfp8 | static"),
+        ({"margin": 1}, "precision.fp8.recipe must be one of 'current', 'delayed', 'mxfp8', 'static'; got nothing"),
+        ({"recipe": "tensorwise"}, "precision.fp8.recipe must be one of"),
+        ({"recipe": "delayed", "margin": 0.5}, "precision.fp8.margin must be an int from -1000 to 1000; got 0.5"),
+        ({"recipe": "delayed", "amax_history_len": 0}, "precision.fp8.amax_history_len must be an int >= 1"),
+        ({"recipe": "delayed", "amax_compute_algo": "mean"}, "precision.fp8.amax_compute_algo must be one of"),
+        ({"recipe": "current", "margin": 2}, "unknown key precision.fp8.margin; allowed keys: recipe, power_2"),
+        ({"recipe": "mxfp8", "scale_mod": "floor"}, "unknown key precision.fp8.scale_mod (did you mean 'scale_mode'?)"),
+        ({"recipe": "static", "scale": -1}, "precision.fp8.scale must be a finite float > 0; got -1"),
+        ({"recipe": "static", "fp8_format": "e5m2"}, "precision.fp8.fp8_format must be one of 'hybrid', 'e4m3'"),
+    ],
+)
+def test_fp8_errors_name_the_key(fp8: object, needle: str) -> None:
+    (msg,) = errors_of(mlp(precision={"fp8": fp8}))
+    assert needle in msg, msg
+
+
+def test_fp8_config_holds_every_field_and_round_trips() -> None:
+    cfg = parse_config(mlp(precision={"fp8": {"recipe": "delayed", "amax_history_len": 16.0, "margin": 1}}))
+    assert cfg.precision.fp8 == {
+        "recipe": "delayed",
+        "margin": 1,
+        "amax_history_len": 16,  # YAML's 16.0 read as the integer it is
+        "amax_compute_algo": "max",
+        "fp8_format": "hybrid",
+        "saturate_gradients": True,
+    }
+    assert parse_config(C.to_dict(cfg)) == cfg
+    (msg,) = errors_of(mlp(precision={"mixed_precision": True, "fp16_type": "cbfloat16", "fp8": {"recipe": "current"}}))
+    assert msg.startswith("precision.fp8 cannot be combined with dls.emulate's rounding")
+    assert parse_config(mlp(precision={"mixed_precision": True, "fp8": {"recipe": "mxfp8"}})).warnings == ()
+
+
+def test_fp8_keys_come_from_overrides_too(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  name: mlp\n")
+    cfg = load_config(path, ["precision.fp8.recipe=static", "precision.fp8.scale=4", "runconfig.tensorboard=true"])
+    assert cfg.precision.fp8 is not None and cfg.precision.fp8["scale"] == 4.0 and cfg.runconfig.tensorboard

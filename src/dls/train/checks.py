@@ -9,6 +9,7 @@ values into the types the scaler takes (``1e3`` → ``1000`` for integer keys).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -198,3 +199,43 @@ def unknown_key(path: str, key: str, allowed: Iterable[str], hint: str | None = 
         close = difflib.get_close_matches(key, allowed, n=1)
         hint = repr(close[0]) if close else None
     return f"unknown key {path}{f' (did you mean {hint}?)' if hint else ''}; allowed keys: {', '.join(allowed)}"
+
+
+def fp8_recipe(key: str, value: Any) -> tuple[Any, Problem]:
+    """null (no FP8), or ``{recipe: current | delayed | mxfp8 | static, <the recipe's fields>}``: the fields of
+    :mod:`dls.fp8`'s recipe classes, each judged by the recipe itself and reported under ``key.<field>``. Returns the
+    recipe's :meth:`~dls.fp8.recipes.CurrentScaling.to_dict` (every field, defaults filled in)."""
+    if value is None:
+        return None, None
+    from dls.fp8 import RECIPE_NAMES, recipe_from_dict
+
+    names = ", ".join(repr(n) for n in RECIPE_NAMES)
+    if not isinstance(value, dict):
+        shape = f"{{recipe: {' | '.join(RECIPE_NAMES)}, <the recipe's fields>}}"
+        return None, f"{key} must be null (no FP8) or a mapping {shape}; got {value!r} ({type_name(value)})"
+    name = value.get("recipe")
+    if name not in RECIPE_NAMES:
+        got = "nothing" if "recipe" not in value else repr(name)
+        return None, f"{key}.recipe must be one of {names}; got {got}"
+    cls = RECIPE_NAMES[name]
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
+    fields: dict[str, Any] = {}
+    problems: list[str] = []
+    for k, v in value.items():
+        if k == "recipe":
+            continue
+        if not isinstance(k, str) or k not in types:
+            problems.append(unknown_key(f"{key}.{k}", str(k), ["recipe", *types]))
+            continue
+        if types[k] == "int":
+            v = integral(k, v)[0]
+        try:
+            cls(**{k: v})  # each field alone, so that each problem names its own key
+        except ValueError as exc:
+            message = str(exc)
+            problems.append(f"{key}.{message}" if message.startswith(f"{k} ") else f"{key}.{k}: {message}")
+            continue
+        fields[k] = v
+    if problems:
+        return None, problems
+    return recipe_from_dict({"recipe": name, **fields}).to_dict(), None

@@ -4,11 +4,13 @@ A config has five sections::
 
     model:      {name: mlp | transformer_lm, <sizes>, loss_weight}
     data:       {dataset: teacher_regression | char_corpus, batch_size, ...}    (Model Zoo: train_input)
-    precision:  {fp16_type: float16 | bfloat16 | cbfloat16 | float32, mixed_precision, emulate}
+    precision:  {fp16_type: float16 | bfloat16 | cbfloat16 | float32, mixed_precision, emulate, half_params,
+                 master_weights, fp8: {recipe: current | delayed | mxfp8 | static, ...}}
     optimizer:  {optimizer_type, learning_rate, loss_scaling_factor: dynamic | <number>, initial_loss_scale,
                  steps_per_increase, min_loss_scale, max_loss_scale, overflow_tolerance, max_gradient_norm,
                  max_gradient_value, log_summaries, ...}
-    runconfig:  {max_steps, checkpoint_steps, log_steps, model_dir, seed, num_threads, keep_checkpoint_max, ...}
+    runconfig:  {max_steps, checkpoint_steps, log_steps, model_dir, seed, num_threads, keep_checkpoint_max,
+                 tensorboard, ...}
 
 Every key is declared once, in ``dls.train.keys`` (a dataclass field with its check, help and scope in its
 metadata); this module reads, validates and writes configs. Key names follow the Cerebras Model Zoo: the
@@ -27,6 +29,14 @@ accepts exactly what ``GradScaler`` accepts, a key left out (or null) takes the 
 follows the scaler's rule: dynamic for float16 and cbfloat16, off for bfloat16, unless ``loss_scaling_factor`` says
 otherwise. Two rules are the trainer's own: a run computing in float32 has no loss scaling (its scaler is
 disabled), and cbfloat16 takes only dynamic scaling (as on Cerebras).
+
+Precision modes beyond autocast: ``precision.half_params`` (the parameters themselves in ``fp16_type``, with float32
+master weights unless ``master_weights: false``) needs a half-precision run (``mixed_precision: true`` and a half
+``fp16_type``): a float32 run already has float32 parameters, so asking for half parameters there is an error rather
+than a silent no-op. ``precision.fp8`` (FP8 Linear layers, ``dls.fp8``) works with float32 and with float16/bfloat16
+under autocast; it is an error with ``dls.emulate``'s rounding (cbfloat16, ``precision.emulate``), which would
+decide what the Linear layers compute too. Its fields are judged by the recipe classes, each problem under its key
+(``precision.fp8.margin must be an int ...``).
 """
 
 from __future__ import annotations
@@ -324,8 +334,44 @@ def _check_combinations(values: dict[str, dict[str, Any]], errors: list[str], wa
         )
     if prec.get("emulate") and not (mixed and prec.get("fp16_type", PrecisionConfig.fp16_type) != "float32"):
         warnings.append("precision.emulate has no effect: the run computes in float32")
+    _check_precision_modes(prec, errors, warnings)
     if opt.get("max_gradient_norm") is not None and opt.get("max_gradient_value") is not None:
         errors.append("give optimizer.max_gradient_norm or optimizer.max_gradient_value, not both")
+
+
+def _check_precision_modes(prec: dict[str, Any], errors: list[str], warnings: list[str]) -> None:
+    """``half_params``, ``master_weights`` and ``fp8`` against the compute precision (see ``dls.train.keys``)."""
+    mixed = prec.get("mixed_precision", PrecisionConfig.mixed_precision)
+    half = prec.get("fp16_type", PrecisionConfig.fp16_type)
+    compute = half if mixed else "float32"
+    if prec.get("half_params"):
+        if compute == "float32":
+            errors.append(
+                "precision.half_params needs a half-precision run: the run computes in float32 (set "
+                "precision.mixed_precision: true and precision.fp16_type to float16, bfloat16 or cbfloat16), and "
+                "float32 parameters are what it keeps without half_params"
+            )
+        elif half == "cbfloat16" and prec.get("master_weights") is False:
+            errors.append(
+                "precision.master_weights: false does not work with cbfloat16 half_params: cbfloat16 has no torch "
+                "dtype, and its parameters stay on the cbfloat16 grid only through the master weights"
+            )
+        elif half != "cbfloat16" and prec.get("emulate"):
+            warnings.append(
+                f"precision.emulate has no effect: with half_params the model's parameters are {half} and it computes "
+                f"in {half} natively"
+            )
+            prec.pop("emulate")
+    elif "master_weights" in prec:
+        warnings.append("precision.master_weights has no effect without precision.half_params: true")
+        prec.pop("master_weights")
+    emulated = compute == "cbfloat16" or (compute != "float32" and prec.get("emulate", False))
+    if prec.get("fp8") is not None and emulated:
+        errors.append(
+            "precision.fp8 cannot be combined with dls.emulate's rounding (fp16_type cbfloat16, or "
+            "precision.emulate: true): both decide what the Linear layers compute; with fp8 the rest of the model "
+            "computes in float32, or in float16/bfloat16 under torch.autocast"
+        )
 
 
 def _check_loss_scaling(values: dict[str, dict[str, Any]], errors: list[str], warnings: list[str]) -> None:
@@ -390,4 +436,6 @@ def to_dict(cfg: TrainConfig) -> dict[str, Any]:
         out[name] = body
     if not cfg.precision.mixed_precision:
         out["precision"].pop("fp16_type")
+    if not cfg.precision.half_params:
+        out["precision"].pop("master_weights")
     return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,6 +159,26 @@ class PrecisionConfig:
     emulate: bool = key(
         False, checks.boolean, "round with dls.emulate instead of torch.autocast (cbfloat16 always emulates)"
     )
+    half_params: bool = key(
+        False,
+        checks.boolean,
+        "keep the model's parameters in fp16_type, without autocast (cbfloat16: float32 values on its grid), "
+        "stepped through float32 master weights (dls.master_weights); needs mixed_precision",
+    )
+    master_weights: bool = key(
+        True,
+        checks.boolean,
+        "with half_params: step float32 masters (false: the optimizer steps the half parameters themselves; "
+        "float16/bfloat16 only)",
+    )
+    fp8: Mapping[str, Any] | None = key(
+        None,
+        checks.fp8_recipe,
+        "FP8 Linear layers (dls.fp8.emulate): {recipe: current|delayed|mxfp8|static, <fields>}, e.g. "
+        "{recipe: delayed, margin: 0, amax_history_len: 16}; fields: current: power_2_scales, amax_epsilon, "
+        "granularity; delayed: margin, amax_history_len, amax_compute_algo; mxfp8: scale_mode; static: scale; "
+        "all: fp8_format (hybrid|e4m3), saturate_gradients (null: no FP8)",
+    )
 
     @property
     def compute_dtype(self) -> str:
@@ -169,6 +189,12 @@ class PrecisionConfig:
         """Whether the run rounds through ``dls.emulate`` (always for cbfloat16) instead of ``torch.autocast``."""
         dtype = self.compute_dtype
         return dtype == "cbfloat16" or (self.emulate and dtype != "float32")
+
+    @property
+    def param_dtype(self) -> str:
+        """The dtype of the model's parameters: ``fp16_type`` for float16/bfloat16 ``half_params``, else float32
+        (cbfloat16 parameters are float32 values kept on its grid)."""
+        return self.fp16_type if self.half_params and self.fp16_type in ("float16", "bfloat16") else "float32"
 
 
 @dataclass(frozen=True)
@@ -233,6 +259,11 @@ class RunConfig:
         checks.integer(1, nullable=True, maximum=MAX_THREADS),
         "torch CPU threads for the run, restored after (null: leave torch's setting). Tiny models on busy cores "
         "train fastest with 1: a tiny MLP on 2 cores shared with other work ran 25-40x faster with 1 thread than 2",
+    )
+    tensorboard: bool = key(
+        False,
+        checks.boolean,
+        "also write the logged metrics as TensorBoard events into model_dir/tensorboard/ (needs dls[tensorboard])",
     )
     max_overflows_at_min_loss_scale: int = key(
         10, checks.integer(1), "stop after N overflows with the scale pinned at min_loss_scale (no clean step between)"
