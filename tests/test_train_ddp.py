@@ -1,4 +1,5 @@
-"""``dls train`` under torchrun: data-parallel (DDP) on 2 CPU ranks (gloo, 127.0.0.1 only).
+"""``dls train`` under torchrun: data-parallel (DDP) on 2 CPU ranks (gloo, 127.0.0.1 only), with float16 parameters
+and float32 master weights (gradients all-reduced in float16) and FP8 delayed scaling (amaxes all-reduced).
 
 Two launches share one run directory: (A) a fresh run through the real command line, ``torchrun -m
 dls.train.cli train``; (B) ``--resume`` of that run under torchrun, through this file as the worker script (see
@@ -34,7 +35,12 @@ CONFIG: dict[str, Any] = {
     "model": {"name": "mlp", "hidden_size": 16, "depth": 2, "dropout": 0.1},
     # 16 batches per epoch, 8 per rank: launch A crosses into epoch 1.
     "data": {"batch_size": 16, "num_samples": 256, "input_dim": 8, "output_dim": 4},
-    "precision": {"mixed_precision": True, "fp16_type": "float16"},
+    "precision": {
+        "mixed_precision": True,
+        "fp16_type": "float16",
+        "half_params": True,
+        "fp8": {"recipe": "delayed", "amax_history_len": 4},
+    },
     "optimizer": {
         "optimizer_type": "AdamW",
         "learning_rate": 1e-2,
@@ -145,6 +151,13 @@ def test_checkpoint_loads_in_a_single_process(runs: dict[str, Any], tmp_path: Pa
 
     saved = ckpt.load_checkpoint(runs["a"] / f"checkpoint_{STEPS}.mdl")
     assert saved["global_step"] == STEPS and saved["grad_scaler"]["loss_scale"] == 2.0**8
+    assert all(v.dtype == torch.float16 for v in saved["model"].values())
+    assert all(m.dtype == torch.float32 for m in saved["optimizer"]["master_weights"].values())
+    assert saved["fp8"]["recipe"]["recipe"] == "delayed" and saved["fp8"]["modules"].keys() == {
+        "net.0",
+        "net.3",
+        "net.6",
+    }  # the Linear layers (dropout between)
     # 12 steps x 2 ranks = 24 of the 16-batch epochs' batches: epoch 1, 8 taken by the ranks together.
     assert saved["dataloader"] == {"epoch": 1, "position": 8, "seed": 3, "batch_size": 16, "world_size": 2}
     assert len(saved["rng_ranks"]) == WORLD
@@ -158,6 +171,10 @@ def test_checkpoint_loads_in_a_single_process(runs: dict[str, Any], tmp_path: Pa
         assert torch.equal(value, saved["model"][name]), name
     assert trainer.scaler.state_dict() == saved["grad_scaler"]
     assert (trainer.batches.epoch, trainer.batches.position) == (1, 8)  # the slot the two ranks reached
+    assert trainer.fp8 is not None
+    for name, roles in trainer.fp8.state_dict()["modules"].items():
+        for role, entry in roles.items():
+            assert torch.equal(entry["amax_history"], saved["fp8"]["modules"][name][role]["amax_history"]), role
 
 
 # ---------------------------------------------------------------------- launch B: resume, overflows, stop
@@ -172,6 +189,7 @@ def test_rank_local_overflows_are_skipped_by_every_rank_and_all_stop_together(ru
     assert first["scaler"]["num_skipped_steps"] == len(SKIPPED) and first["scaler"]["loss_scale"] == 2.0**4
     assert all(r["scaler"] == first["scaler"] for r in ranks)  # identical scaler state ...
     assert all(r["params"] == first["params"] for r in ranks)  # ... and bit-identical parameters on every rank
+    assert all(r["fp8"] == first["fp8"] for r in ranks)  # FP8 histories agree: the amaxes are reduced over ranks
     from dls.train import checkpoint as ckpt
 
     saved = ckpt.load_checkpoint(runs["b"] / f"checkpoint_{STOP_STEP}.mdl")  # written before stopping
@@ -218,8 +236,8 @@ def test_ranks_take_disjoint_strided_batches_and_the_state_moves_between_world_s
 def _worker(argv: list[str]) -> int:
     """One rank of launch B: ``python test_train_ddp.py DUMP_DIR OVERFLOWS_JSON DLS_ARGS...`` under torchrun.
 
-    Runs ``dls train`` (``dls.train.cli.main``) with patches: an inf goes into this rank's first gradient after
-    DDP reduced it (before the scaler's overflow check) on the steps ``OVERFLOWS_JSON`` lists for it; each step's
+    Runs ``dls train`` (``dls.train.cli.main``) with patches: an inf goes into this rank's first model gradient
+    after DDP reduced it (before the scaler's overflow check) on the steps ``OVERFLOWS_JSON`` lists for it; each step's
     rank-local loss is recorded as the trainer hands it to ``dls.optimizer_step``; and before the trainer closes, it
     dumps its global step, skipped steps, scaler state, own losses and a parameter digest.
     """
@@ -237,15 +255,15 @@ def _worker(argv: list[str]) -> int:
     original_check, original_optimizer_step = dls.GradScaler.clip_gradients_and_return_isfinite, dls.optimizer_step
 
     def step(self: Trainer, *a: Any, **k: Any) -> Any:
-        current["step"] = self.global_step + 1
+        current["step"], current["model"] = self.global_step + 1, self.model
         row = original_step(self, *a, **k)
         if self.scaler.step_was_skipped(self.optimizer):
             current["skipped"].append(self.global_step)
         return row
 
     def check(self: Any, optimizers: Any, **kwargs: Any) -> Any:
-        if current["step"] in mine:
-            grad = next(p.grad for g in optimizers[0].param_groups for p in g["params"] if p.grad is not None)
+        if current["step"] in mine:  # the model's (float16) gradient, which the master gradients are taken from
+            grad = next(p.grad for p in current["model"].parameters() if p.grad is not None)
             grad.view(-1)[0] = float("inf")
         return original_check(self, optimizers, **kwargs)
 
@@ -256,12 +274,20 @@ def _worker(argv: list[str]) -> int:
     def close(self: Trainer) -> None:
         state = self.model.state_dict()
         digest = hashlib.sha256(b"".join(state[k].detach().cpu().numpy().tobytes() for k in sorted(state)))
+        assert self.fp8 is not None
+        fp8 = self.fp8.state_dict()["modules"]
+        fp8_digest = hashlib.sha256(
+            b"".join(
+                fp8[m][r][k].numpy().tobytes() for m in sorted(fp8) for r in sorted(fp8[m]) for k in sorted(fp8[m][r])
+            )
+        )
         result.update(
             global_step=self.global_step,
             skipped_steps=current["skipped"],
             scaler=self.scaler.state_dict(),
             losses=current["losses"],
             params=digest.hexdigest(),
+            fp8=fp8_digest.hexdigest(),
         )
         original_close(self)
 

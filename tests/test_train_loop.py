@@ -76,14 +76,18 @@ def _fused(cfg: Any, params: Any) -> torch.optim.Optimizer:
         ("float16 + DLS, AdamW, max_gradient_value", {"optimizer": {"max_gradient_norm": None}}, False),
         ("float16 + DLS, fused AdamW, max_gradient_norm", {}, True),
         ("float32 (no loss scaling), AdamW", {"precision": {"mixed_precision": False}}, False),
+        ("float16 parameters + float32 masters, AdamW", {"precision": {"half_params": True}}, False),
+        ("float16 + DLS, FP8 delayed scaling", {"precision": {"fp8": {"recipe": "delayed"}}}, False),
     ],
 )
 def test_steps_that_are_not_logged_read_the_device_at_most_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str, changes: dict[str, Any], fused: bool
 ) -> None:
     """The default path reads the overflow flag the scaler's step decides on; a fused optimizer skips inside its
-    kernel, and the one read is the skip-aware LR schedule asking whether the step was taken; a run without loss
-    scaling reads the flag of its guard against inf/NaN gradients. Logged steps (1, 5, 10) read what they log."""
+    kernel, and the one read is the scaler's step reading that flag for its overflow watch (which the skip-aware
+    LR schedule then reuses); a run without loss scaling reads the flag of its guard against inf/NaN gradients.
+    Master weights and FP8's device-side scales and statistics add none. Every run watches its model for overflow
+    provenance, which reads only on overflowing steps. Logged steps (1, 5, 10) read what they log."""
     raw = steady(tmp_path / "run", **changes)
     if "max_gradient_norm" in changes.get("optimizer", {}):
         raw["optimizer"].pop("max_gradient_norm")
@@ -92,7 +96,7 @@ def test_steps_that_are_not_logged_read_the_device_at_most_once(
         monkeypatch.setattr(optim, "build_optimizer", _fused)
         monkeypatch.setattr("dls.train.trainer.build_optimizer", _fused)
     trainer = make_trainer(raw)[0]
-    assert bool(trainer.optimizer.defaults.get("fused")) is fused
+    assert bool(trainer.optimizer.defaults.get("fused")) is fused and trainer.watch.active
     every, ours = reads_per_step(trainer)
     logged = {1, 5}
     quiet = [n for step, n in enumerate(ours, start=1) if step not in logged]

@@ -3,8 +3,11 @@
 A checkpoint is a ``torch.save``-d dict with the Model Zoo state names ``model``, ``optimizer``,
 ``grad_scaler`` (absent when the run had no loss scaling), ``lr_scheduler``, ``dataloader``, ``global_step``,
 plus ``rng`` (every random-number generator), ``config`` (the run's config as plain data), ``trainer``
-(elapsed time, overflow counters) and ``format``/``format_version``. Everything in it loads with
-``torch.load(weights_only=True)``.
+(elapsed time, overflow counters), ``fp8`` (with ``precision.fp8``: ``dls.fp8``'s handle state, loaded with
+``model``) and ``format``/``format_version``. With ``precision.half_params`` the ``optimizer`` state holds the
+float32 master weights (``dls.master_weights``). Everything in it loads with ``torch.load(weights_only=True)``.
+The optional entries need no new format version: a dls that does not know them cannot read the config that
+asks for them.
 
 Format versions (:data:`FORMAT_VERSION`; a file without one is version 1):
 

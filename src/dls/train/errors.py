@@ -33,6 +33,7 @@ import tempfile
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "CheckpointError",
@@ -61,11 +62,13 @@ class ExitStatus(enum.IntEnum):
 
 
 class TrainingStopped(RuntimeError):
-    """Training cannot usefully continue; the state was checkpointed first (``checkpoint``). Exit status 1."""
+    """Training cannot usefully continue; the state was checkpointed first (``checkpoint``). Exit status 1.
+    ``result``: what the session did up to the stop (a ``dls.train.TrainResult``, set by the trainer)."""
 
     def __init__(self, message: str, checkpoint: Path | None = None) -> None:
         super().__init__(message)
         self.checkpoint = checkpoint
+        self.result: Any = None
 
 
 class ConfigError(ValueError):

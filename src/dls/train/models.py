@@ -7,6 +7,7 @@ in float32 anyway).
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -127,7 +128,10 @@ def build_model(cfg: ModelConfig, info: DataInfo) -> TrainModel:
 @torch.no_grad()
 def evaluate(model: TrainModel, dataset: Dataset, device: torch.device, max_samples: int = 4096) -> float:
     """Mean loss in float32 over the first ``max_samples`` samples of ``dataset`` (64 sequences for the character
-    corpus), in eval mode (no dropout); one read of the device at the end."""
+    corpus), in eval mode (no dropout); one read of the device at the end. A model with half-precision parameters
+    is evaluated through a float32 copy of them (the same values)."""
+    if any(p.dtype != torch.float32 for p in model.parameters() if p.is_floating_point()):
+        model = copy.deepcopy(model).float()
     was_training = model.training
     model.eval()
     n = min(len(dataset) if not isinstance(dataset, CharCorpus) else min(len(dataset), 64), max_samples)

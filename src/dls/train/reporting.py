@@ -5,6 +5,7 @@ showing progress costs no extra read of the device."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,9 @@ __all__ = ["ProgressDisplay", "TrainResult", "describe_precision", "describe_sca
 class TrainResult:
     """What a run did. ``final_loss``: mean training loss over the last 10% of this session's steps;
     ``eval_loss``: the loss over (up to 4096 samples of) the data set, computed in float32 after training;
-    ``grad_underflow``: mean of the logged ``grad_underflow`` values (``None`` without ``log_summaries``)."""
+    ``grad_underflow``: mean of the logged ``grad_underflow`` values (``None`` without ``log_summaries``);
+    ``fp8_flushed`` / ``fp8_saturated``: with ``precision.fp8``, the mean of the logged shares of nonzero
+    grad_output values that the FP8 casts flushed to zero / saturated (``None`` without FP8)."""
 
     model_dir: Path
     global_step: int
@@ -38,6 +41,8 @@ class TrainResult:
     checkpoint: Path | None
     metrics_path: Path
     plot_path: Path | None
+    fp8_flushed: float | None = None
+    fp8_saturated: float | None = None
 
 
 def json_number(value: float | None) -> float | None:
@@ -60,10 +65,30 @@ def describe_scaling(cfg: TrainConfig) -> str:
 
 
 def describe_precision(cfg: TrainConfig) -> str:
-    dtype = cfg.precision.compute_dtype
+    """The run's precision in a few words: compute format and how it is had, parameters, FP8 recipe."""
+    prec = cfg.precision
+    dtype = prec.compute_dtype
     if dtype == "float32":
-        return "float32"
-    return f"{dtype} ({'dls.emulate' if cfg.precision.emulated else 'torch.autocast'})"
+        text = "float32"
+    elif prec.half_params:
+        how = "dls.emulate, parameters on its grid" if dtype == "cbfloat16" else "parameters, no autocast"
+        masters = "float32 master weights" if prec.master_weights else "no master weights"
+        text = f"{dtype} ({how}; {masters})"
+    else:
+        text = f"{dtype} ({'dls.emulate' if prec.emulated else 'torch.autocast'})"
+    if prec.fp8 is not None:
+        text += f", FP8 Linear layers ({describe_fp8(prec.fp8)})"
+    return text
+
+
+def describe_fp8(recipe: Mapping[str, Any]) -> str:
+    """``delayed scaling, margin 2`` : the recipe's name and the fields that differ from its defaults."""
+    from dls.fp8 import RECIPE_NAMES
+
+    name = recipe["recipe"]
+    defaults = RECIPE_NAMES[name]().to_dict()
+    changed = [f"{k} {v}" for k, v in recipe.items() if k != "recipe" and defaults.get(k) != v]
+    return ", ".join([f"{name} scaling", *changed])
 
 
 class ProgressDisplay:
@@ -127,6 +152,12 @@ def print_summary(console: Console, cfg: TrainConfig, result: TrainResult) -> No
         table.add_row("skipped steps", f"{result.skipped_steps} ({pct:.1f}%)")
     if result.grad_underflow is not None:
         table.add_row("gradient underflow", f"{100 * result.grad_underflow:.2f}% of nonzero activation gradients")
+    if result.fp8_flushed is not None and result.fp8_saturated is not None:
+        table.add_row(
+            "FP8 grad_output",
+            f"{100 * result.fp8_flushed:.2f}% of nonzero values flushed to zero, {100 * result.fp8_saturated:.2f}% "
+            "saturated",
+        )
     table.add_row("wall time", f"{result.wall_time:.1f} s")
     table.add_row("checkpoint", str(result.checkpoint))
     table.add_row("metrics", str(result.metrics_path))

@@ -12,6 +12,13 @@ Where a run writes (``runconfig.model_dir``, called DIR below; ``SRC`` is the di
 * a resumed run with another DIR is a *fork*: DIR must be new or empty, SRC is only read, and the step count
   continues from the checkpoint's (when ``global_step`` is loaded).
 
+The checkpoint's FP8 state (``fp8``: delayed scaling's amax histories and scales, ``Fp8Handle.state_dict()``)
+belongs to the model's tensors, so it is loaded with the ``model`` state (as TransformerEngine keeps it in the
+module's state dict), when the checkpoint's recipe is the config's; a checkpoint without it (no FP8, or written
+before FP8 existed) or of another recipe leaves FP8 scaling to start fresh, and says so. With
+``precision.half_params`` the optimizer state holds the float32 master weights (``dls.master_weights``), so loading
+``optimizer`` restores them bit for bit; a state without masters takes them from the loaded model.
+
 The checkpoint's loss-scaling state: the config (YAML and overrides) defines the scaler's mode and settings; the
 checkpoint contributes only its dynamic state (:data:`DYNAMIC_STATE_KEYS`), and each difference between the
 checkpoint's scaling and the config's is logged in one line. From static to dynamic scaling the scale starts
@@ -140,6 +147,7 @@ def restore(trainer: Trainer, path: Path, state: dict[str, Any], states: Sequenc
                 f"the model in {path} does not fit model: in this config ({first[0] if first else exc}); "
                 "resume with the config the checkpoint was trained with"
             ) from None
+        _restore_fp8(trainer, path, state.get("fp8"))
     saved_cfg = _saved_config(state)
     if "optimizer" in states and "optimizer" in state:
         _load_optimizer(trainer, path, state["optimizer"], saved_cfg)
@@ -171,6 +179,30 @@ def restore(trainer: Trainer, path: Path, state: dict[str, Any], states: Sequenc
         trainer.global_step, trainer.elapsed, trainer.floor.count = step, float(elapsed), floor
     if "rng" in states:
         _restore_rng(trainer, path, state)  # last: building the run above must not consume the restored RNG
+
+
+def _restore_fp8(trainer: Trainer, path: Path, saved: Any) -> None:
+    handle = trainer.fp8
+    if handle is None:
+        if saved is not None:
+            trainer.log(f"the fp8 state in {path} is not used: this config has no precision.fp8")
+        return
+    if saved is None:
+        trainer.log(f"{path} has no fp8 state (a run without precision.fp8 wrote it); FP8 scaling starts fresh")
+        return
+    from dls.fp8 import recipe_from_dict
+
+    try:
+        then = recipe_from_dict(saved["recipe"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"the fp8 state in {path} names no valid recipe: {exc}") from None
+    if then != handle.recipe:
+        trainer.log(f"the fp8 state in {path} is for {then!r}; the config's recipe {handle.recipe!r} starts fresh")
+        return
+    try:
+        handle.load_state_dict(saved)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise CheckpointError(f"cannot load the fp8 state of {path}: {exc}") from None
 
 
 def _count(value: Any, what: str, path: Path) -> int:

@@ -11,6 +11,9 @@ following a symbolic link.
   fsync-ed and renamed over the final name (``os.replace``, which replaces a symbolic link itself, never its
   target). Readers see the old file or the new one, never a part.
 * ``metrics.jsonl`` is rewritten that way once, then kept open as one append handle (:meth:`RunDir.open_log`).
+* Streams that are only ever appended to (TensorBoard's event files) are new files created exclusively, never
+  through a link, in a subdirectory the run creates or opens without following a link
+  (:meth:`RunDir.subdirectory`, :func:`create_file`), and written through the one handle that created them.
 
 POSIX only (Linux, macOS): it relies on ``flock``, ``O_NOFOLLOW`` and ``dir_fd``. On NFS, Linux emulates
 ``flock`` with byte-range locks, which work across hosts.
@@ -147,6 +150,20 @@ def _replace_file(dir_fd: int, name: str, data: bytes | memoryview, keep_open: b
     return None
 
 
+def create_file(dir_fd: int, name: str, *, shown: Path | None = None) -> IO[bytes]:
+    """A new file ``name`` in ``dir_fd``, created exclusively and never through a link, open for appending
+    (unbuffered writes go straight to it). ``FileExistsError`` when the name is taken; ``shown``: the path an
+    ``OSError`` names."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | _NOFOLLOW | _CLOEXEC
+    try:
+        fd = os.open(name, flags, 0o644, dir_fd=dir_fd)
+    except OSError as exc:
+        if shown is not None:
+            exc.filename = str(shown)
+        raise
+    return os.fdopen(fd, "ab")
+
+
 def read_file(dir_fd: int, name: str) -> bytes | None:
     """The bytes of the regular file ``name`` in ``dir_fd``; ``None`` when there is none (a symbolic link or
     anything else that is not a regular file counts as none: it is not followed)."""
@@ -276,6 +293,22 @@ class RunDir:
 
     def read(self, name: str) -> bytes | None:
         return read_file(self.fd, name)
+
+    def subdirectory(self, name: str) -> int:
+        """A descriptor of the subdirectory ``name``, created if missing (close it with ``os.close``). A symbolic
+        link or anything else that is not a directory under that name raises :class:`ModelDirError`."""
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o755, dir_fd=self.fd)
+        try:
+            return os.open(name, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=self.fd)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise ModelDirError(
+                    f"{self.path / name} is not a directory (or is a symbolic link, which dls does not follow in "
+                    "model_dir): move it away"
+                ) from None
+            exc.filename = str(self.path / name)
+            raise
 
     def names(self) -> list[str]:
         return os.listdir(self.fd)

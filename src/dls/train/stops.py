@@ -8,17 +8,26 @@ status 1, always after a checkpoint).
 * Static scaling: that many consecutive overflowing steps (a static scale never comes down).
 * No loss scaling (float32, bfloat16 by default): one step with inf/NaN gradients. Nothing would skip it, so
   :func:`refuse_nonfinite_gradients`, an optimizer step pre-hook, refuses it before the optimizer applies it.
+
+Each message says where the overflow started, from the trainer's ``scaler.watch(model)``
+(:class:`~dls.diagnostics.OverflowReport`, built only on overflowing steps): the first module in backward order whose
+parameters' gradients were inf/NaN, in how many of the counted steps, the other modules with inf/NaN gradients, and
+whether the loss was already inf/NaN before scaling. In that last case the forward pass overflowed and no loss
+scale can fix it: the advice is then a format with more range (bfloat16 or cbfloat16 instead of float16) and
+``dls audit``, which names the first module whose output exceeds each format.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from dls import kernels
-from dls.diagnostics.scales import pow2
+from dls.diagnostics import OverflowReport
+from dls.diagnostics.scales import module_label, pow2
 from dls.scaler import GradScaler
 
 __all__ = ["FloorWatch", "NonFiniteGradients", "nonfinite_message", "refuse_nonfinite_gradients"]
@@ -28,14 +37,17 @@ class NonFiniteGradients(Exception):
     """Raised by :func:`refuse_nonfinite_gradients` before the optimizer applies inf/NaN gradients."""
 
 
-def refuse_nonfinite_gradients(device: torch.device) -> Callable[[torch.optim.Optimizer, Any, Any], None]:
+def refuse_nonfinite_gradients(
+    device: torch.device, params: Sequence[torch.Tensor]
+) -> Callable[[torch.optim.Optimizer, Any, Any], None]:
     """An optimizer step pre-hook (``optimizer.register_step_pre_hook``) for runs without loss scaling: it raises
-    :class:`NonFiniteGradients` when a gradient holds inf/NaN, so that the step is not applied. One read pass over
-    the gradients (``dls.kernels.check_nonfinite``) and one read of the flag per step; data-parallel, every rank
-    holds the same (all-reduced) gradients and decides alike."""
+    :class:`NonFiniteGradients` when a gradient of ``params`` (the model's parameters: with master weights the
+    optimizer's own tensors take their gradients only inside its step) holds inf/NaN, so that the step is not
+    applied. One read pass over the gradients (``dls.kernels.check_nonfinite``) and one read of the flag per step;
+    data-parallel, every rank holds the same (all-reduced) gradients and decides alike."""
+    params = list(params)
 
     def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
         flags = []
         for (grad_device, _), grads in kernels.group_grads(params).items():
             flag = torch.zeros((), dtype=torch.float32, device=grad_device)
@@ -47,38 +59,78 @@ def refuse_nonfinite_gradients(device: torch.device) -> Callable[[torch.optim.Op
     return hook
 
 
-def nonfinite_message(step: int, loss: float, compute_dtype: str, saved_step: int, path: object) -> str:
-    """The stop message of a run without loss scaling whose step ``step`` had inf/NaN gradients."""
+def nonfinite_message(
+    step: int, loss: float, compute_dtype: str, saved_step: int, path: object, report: OverflowReport | None = None
+) -> str:
+    """The stop message of a run without loss scaling whose step ``step`` had inf/NaN gradients; ``report`` (built
+    from the trainer's watch) says where they started."""
     scaling = ", or optimizer.loss_scaling_factor: dynamic." if compute_dtype != "float32" else "."
+    where = ""
+    if report is not None and report.first_module is not None:
+        where = (
+            f" The first module with inf/NaN gradients, in backward order, is {module_label(report.first_module)} "
+            f"({report.first_module_type}); modules with inf/NaN gradients: {_listed(report.modules)}."
+        )
     return (
         f"Step {step}: the gradients are inf/NaN (loss {loss}) and loss scaling is off ({compute_dtype}), so nothing "
-        f"can skip this step. Training stopped before applying it; the model as of step {saved_step} is saved in "
-        f"{path}. Try a lower optimizer.learning_rate, optimizer.max_gradient_norm (e.g. 1.0){scaling}"
+        f"can skip this step.{where} Training stopped before applying it; the model as of step {saved_step} is saved "
+        f"in {path}. Try a lower optimizer.learning_rate, optimizer.max_gradient_norm (e.g. 1.0){scaling}"
     )
+
+
+def _listed(names: Sequence[str], count: int = 6) -> str:
+    shown = [module_label(n) for n in names[:count]]
+    return ", ".join(shown) + (f" and {len(names) - count} more" if len(names) > count else "")
+
+
+# Formats with more range than each half format, for a forward pass that overflowed it.
+_WIDER = {
+    "float16": "bfloat16 or cbfloat16 (precision.fp16_type), whose ranges reach float32's max and 2^32",
+    "cbfloat16": "bfloat16 (precision.fp16_type: bfloat16), whose range is float32's",
+}
 
 
 class FloorWatch:
     """Counts the overflowing steps at the scale's floor (see the module docstring). ``count`` is checkpointed
-    (``trainer.overflows_at_floor``)."""
+    (``trainer.overflows_at_floor``); the overflow reports of the counted steps are kept for the message (those of
+    this session: a resumed run's count may include steps before it).
 
-    def __init__(self, limit: int) -> None:
+    Args:
+        limit: ``runconfig.max_overflows_at_min_loss_scale``.
+        half_dtype: the format the run computes in (``precision.fp16_type``), for the advice.
+        model: the model, whose parameters are checked for inf/NaN when the run stops (a step that was applied
+            may have broken them; then every forward pass overflows, whatever the format).
+        repair: what to try when that happened, besides resuming from an earlier checkpoint.
+    """
+
+    def __init__(
+        self, limit: int, half_dtype: str = "float16", model: torch.nn.Module | None = None, repair: str = ""
+    ) -> None:
         self.limit = limit
+        self.half_dtype = half_dtype
+        self.model = model
+        self.repair = repair
         self.count = 0
+        self.reports: list[OverflowReport | None] = []
 
-    def after_step(self, scaler: GradScaler, skipped: bool) -> str | None:
-        """Update the count after a step; when it reaches the limit, what happened and what to try (else ``None``).
-        Reads the scaler only after a skipped step."""
+    def after_step(self, scaler: GradScaler, skipped: bool, report: OverflowReport | None = None) -> str | None:
+        """Update the count after a step (``report``: the scaler's overflow report of a skipped step); when it
+        reaches the limit, what happened, where, and what to try (else ``None``). Reads the scaler only after a
+        skipped step."""
         if not scaler.is_enabled():
             return None
         if not skipped:
             self.count = 0
+            self.reports.clear()
             return None
         scale = scaler.get_scale()
         static = scaler.mode == "static"
         if static or scaler.get_non_clamped_scale() < scale:
             self.count += 1
+            self.reports = [*self.reports[-(self.limit - 1) :], report] if self.limit > 1 else [report]
         if self.count < self.limit:
             return None
+        where, forward = self._provenance()
         if static:
             what = (
                 f"the static loss scale {pow2(scale)} made the gradients overflow on {self.limit} consecutive steps, "
@@ -100,4 +152,60 @@ class FloorWatch:
                 "range matches float32, if the forward pass itself overflows in float16; or lower "
                 "optimizer.min_loss_scale"
             )
-        return f"{what}. Skipping more steps cannot help. To try: {advice}"
+        broken = self._broken_parameters()
+        if broken:
+            where += (
+                f" The model's parameters already hold inf/NaN ({_listed(broken, 4)}): a step that was applied broke "
+                "them, so every forward pass overflows now."
+            )
+            advice = (
+                "resume from a checkpoint written before that (--resume DIR/checkpoint_<step>.mdl -o "
+                f"runconfig.model_dir=NEW_DIR) with {self.repair or ''}a lower optimizer.learning_rate or clipping "
+                "(optimizer.max_gradient_norm)"
+            )
+        elif forward:
+            wider = _WIDER.get(self.half_dtype)
+            advice = (
+                (f"use {wider}, if {self.half_dtype}'s range is what overflowed; " if wider else "")
+                + "`dls audit CONFIG.yaml` names the first module whose output exceeds each format; if float32's "
+                "range overflowed too, lower optimizer.learning_rate or clip with optimizer.max_gradient_norm (the "
+                "model may have diverged), or check the data and model.loss_weight"
+            )
+        return f"{what}.{where} Skipping more steps cannot help. To try: {advice}"
+
+    def _broken_parameters(self) -> list[str]:
+        """Names of the model's parameters holding inf/NaN (one read; on the stop path only)."""
+        if self.model is None:
+            return []
+        named = [(n, p) for n, p in self.model.named_parameters() if p.is_floating_point()]
+        if not named:
+            return []
+        finite = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()
+        return [n for (n, _), ok in zip(named, finite) if not ok]
+
+    def _provenance(self) -> tuple[str, bool]:
+        """Where the counted overflows started (a sentence or two beginning with a space), and whether the forward
+        pass overflowed in most of them."""
+        reports = [r for r in self.reports if r is not None]
+        if not reports:
+            return "", False
+        n = len(reports)
+        of = f"of the last {n} counted steps" if n < self.count else f"of the {n} steps"
+        firsts = Counter(r.first_module for r in reports if r.first_module is not None)
+        text = ""
+        if firsts:
+            ranked = ", ".join(f"{module_label(m)} in {k}" for m, k in firsts.most_common(3))
+            modules = list(dict.fromkeys(m for r in reports for m in r.modules))
+            text += (
+                f" First module with inf/NaN gradients, in backward order: {ranked} {of}; modules with inf/NaN "
+                f"gradients: {_listed(modules)}."
+            )
+        forward = sum(1 for r in reports if r.forward)
+        if forward:
+            text += (
+                f" The loss was already inf/NaN before scaling in {forward} {of}: the forward pass overflowed, and "
+                "loss scaling cannot fix that."
+            )
+        elif all(r.forward is False for r in reports):
+            text += " The loss was finite every time: the overflow arose in backward."
+        return text, forward * 2 > n

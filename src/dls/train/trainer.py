@@ -7,11 +7,29 @@ backward, unscale, clip (``max_gradient_norm``, whose norm pass also gives the l
 step was applied is ``scaler.step_was_skipped``; the LR schedule is wrapped with ``dls.skip_aware``, so it advances
 on applied steps only.
 
+Precision modes beyond autocast:
+
+* ``precision.half_params``: the model's parameters are float16/bfloat16 (cbfloat16: float32 values on its grid),
+  the optimizer is wrapped by ``dls.master_weights`` (float32 masters, in the optimizer's state dict and so in the
+  checkpoints), there is no autocast: floating-point inputs are cast to the parameters' dtype, and the models
+  compute their loss in float32. ``precision.master_weights: false`` steps the half parameters directly (to show
+  what masters are for).
+* ``precision.fp8``: ``dls.fp8.emulate(model, recipe)`` right after the model is built (before DDP); its state
+  (delayed scaling's amax histories) is the checkpoint's ``fp8`` entry, which travels with the ``model`` state;
+  the grad_output flushed/saturated fractions are logged. The handle is removed when :meth:`Trainer.train`
+  returns, so the final evaluation is float32, as for every run (a Trainer with fp8 trains once).
+
+Diagnostics: ``scaler.watch(model)`` runs from the start. A skipped step's metrics row names the first module whose
+gradients overflowed (``overflow_module``, in backward order) and whether the loss was already inf/NaN
+(``forward_overflow``); the stops below name the modules too (:mod:`dls.train.stops`). The watch adds no kernel and,
+on the default path, no read: the report is built only on overflowing steps.
+
 Reads of the device: on a step that is not logged, only what the scaler's own step reads (the overflow flag, once;
-with an optimizer that skips inside its kernel the LR schedule's lazy read of the same flag instead), or, in a run
-without loss scaling, the flag of the guard described below. Logged steps (every ``log_steps``, the first, the
-last and every skipped step) read the loss, the scale, the gradient norm and the count of skipped steps, which
-``metrics.jsonl`` and the progress display both show.
+with an optimizer that skips inside its kernel the same flag, read by the scaler's step because a watch is active,
+and remembered for the LR schedule), or, in a run without loss scaling, the flag of the guard described below.
+Logged steps (every ``log_steps``, the first, the last and every skipped step) read the loss, the scale, the
+gradient norm and the count of skipped steps, which ``metrics.jsonl`` and the progress display both show (and
+FP8's statistics, with ``precision.fp8``); ``runconfig.tensorboard`` writes the same rows as events.
 
 Stops with :class:`TrainingStopped` (after writing a checkpoint) when loss scaling cannot help any more: the
 dynamic scale is pinned at its floor (``scaler.get_non_clamped_scale() < scaler.get_scale()``, read after skipped
@@ -29,6 +47,7 @@ metrics, plots and the terminal output.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import math
 import time
@@ -42,12 +61,14 @@ from rich.console import Console
 from torch.nn.parallel import DistributedDataParallel
 
 import dls
+import dls.fp8
 from dls import distributed
+from dls.diagnostics import OverflowReport
 from dls.train import checkpoint as ckpt
 from dls.train import restore
 from dls.train.config import CHECKPOINT_STATES, TrainConfig, loss_scaling_mode, scaler_settings, to_dict
 from dls.train.data import Batch, BatchIterator, build_dataset
-from dls.train.errors import RankError, TrainingStopped, describe, exit_status
+from dls.train.errors import MissingExtras, RankError, TrainingStopped, describe, exit_status
 from dls.train.launch import StopRequest, resolve_device
 from dls.train.models import TrainModel, build_model, evaluate
 from dls.train.optim import build_optimizer, build_scheduler
@@ -64,6 +85,9 @@ from dls.train.rundir import check_unlocked, resolve_model_dir
 from dls.train.stops import FloorWatch, NonFiniteGradients, nonfinite_message, refuse_nonfinite_gradients
 
 __all__ = ["TrainResult", "Trainer", "TrainingStopped"]
+
+HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+TENSORBOARD_HINT = "pip install 'dls[tensorboard]'"
 
 
 class _LossOf(torch.nn.Module):
@@ -120,6 +144,8 @@ class Trainer:
         self.is_main = self.rank == 0
         if self.world_size > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())  # one GPU per rank
+        if rc.tensorboard:
+            require_tensorboard()  # before anything is built or written
         self.model_dir = resolve_model_dir(rc.model_dir)
         self.outputs = RunOutputs(self.model_dir, self.log)
         self.metrics_path = self.outputs.metrics_path
@@ -130,7 +156,17 @@ class Trainer:
         self.batches = BatchIterator(
             self.dataset, cfg.data.batch_size, cfg.data.shuffle, shuffle_seed, self.rank, self.world_size
         )
+        prec = cfg.precision
         self.model = build_model(cfg.model, self.dataset.info).to(self.device)
+        self.param_dtype = HALF_DTYPES.get(prec.param_dtype, torch.float32)
+        self.model.to(self.param_dtype)
+        self.fp8: dls.fp8.Fp8Handle | None = None
+        if prec.fp8 is not None:  # before DDP: delayed scaling reduces its amaxes over the same ranks
+            self.fp8 = dls.fp8.emulate(
+                self.model,
+                dls.fp8.recipe_from_dict(dict(prec.fp8)),
+                process_group=dist.group.WORLD if self.world_size > 1 else None,
+            )
         self.ddp: DistributedDataParallel | None = None
         if self.world_size > 1:
             # The same initial model everywhere (seeded alike; DDP also broadcasts rank 0's), then a random
@@ -138,7 +174,10 @@ class Trainer:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.ddp = DistributedDataParallel(_LossOf(self.model), device_ids=ids)
             ckpt.seed_everything(rc.seed + self.rank)
-        self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
+        optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
+        if prec.half_params and prec.master_weights:
+            optimizer = dls.master_weights(optimizer, fmt="cbfloat16" if prec.fp16_type == "cbfloat16" else None)
+        self.optimizer = optimizer
         self.compute_dtype = cfg.precision.compute_dtype
         self.scaling = loss_scaling_mode(cfg)
         # The settings carry the half dtype (fp16_type): nothing process-global is read or set.
@@ -146,17 +185,24 @@ class Trainer:
             scaler_settings(cfg), enabled=self.compute_dtype != "float32", device=self.device
         )
         self.scheduler = dls.skip_aware(build_scheduler(cfg.optimizer, self.optimizer), self.scaler)
+        # Where an overflow starts: hooks of Python only; a report is built on overflowing steps alone.
+        self.watch = self.scaler.watch(self.model)
         if not self.scaler.is_enabled():
-            self.optimizer.register_step_pre_hook(refuse_nonfinite_gradients(self.device))
+            guard = refuse_nonfinite_gradients(self.device, list(self.model.parameters()))
+            self.optimizer.register_step_pre_hook(guard)
         self.global_step = 0
         self.elapsed = 0.0
-        self.floor = FloorWatch(rc.max_overflows_at_min_loss_scale)  # stops when the scale cannot help
+        # Stops when the scale cannot help.
+        repair = "precision.master_weights: true, " if prec.half_params and not prec.master_weights else ""
+        self.floor = FloorWatch(rc.max_overflows_at_min_loss_scale, prec.fp16_type, self.model, repair)
         self._emulation: Any = None
         self._last_checkpoint: Path | None = None
         self._last_skipped = False
         self._skipped_total: int | None = None  # as last read, on a logged step
         self._tail = (0, torch.zeros((), device=self.device), 0)  # (first step, loss sum, count): the final loss
         self._underflows: list[float] = []
+        self._fp8_fractions: list[tuple[float, float]] = []  # (flushed, saturated) of grad_output, per logged row
+        self._last_report: OverflowReport | None = None
         self._stop_agreed = False  # data-parallel: some rank was asked to stop (Ctrl-C), so all stop
         self._ended_together = False  # data-parallel: train() ended at the same point on every rank
 
@@ -222,6 +268,8 @@ class Trainer:
             torch.set_num_threads(threads)
 
     def _run(self, resume: str | Path | None, load_states: Sequence[str] | None) -> TrainResult:
+        if self.fp8 is not None and not self.fp8.active:
+            raise RuntimeError("a Trainer with precision.fp8 trains once: build a new Trainer (with resume=...)")
         session_start = time.perf_counter()
         self._ended_together = False
         states = tuple(load_states or self.cfg.runconfig.load_checkpoint_states or CHECKPOINT_STATES)
@@ -247,6 +295,7 @@ class Trainer:
                     step=self.global_step,
                     config=to_dict(self.cfg),
                     config_file=self.config_file,
+                    tensorboard=self.cfg.runconfig.tensorboard,
                 )
             finally:
                 self.crash_dir = self.model_dir if self.outputs.locked else None
@@ -306,21 +355,32 @@ class Trainer:
             else:
                 self.log(f"Interrupted; the last checkpoint is {self._last_checkpoint or 'none (nothing saved)'}")
             raise
-        except TrainingStopped:
+        except TrainingStopped as stop:
             display.close()
             self._ended_together = True  # decided alike on every rank: the scaler state agrees
-            self._plot()
+            self._remove_hooks()
+            stop.result = self._result(start_step, time.perf_counter() - session_start)
             raise
         finally:
             display.close()
-            if self._emulation is not None:
-                self._emulation.remove()
-                self._emulation = None
+            self._remove_hooks()
         if self._last_checkpoint is None or self._checkpoint_step(self._last_checkpoint) != self.global_step:
             self._save(session_start)
-        return self._finish(start_step, time.perf_counter() - session_start)
+        result = self._result(start_step, time.perf_counter() - session_start)
+        if self.show_summary and self.is_main:
+            print_summary(self.console, self.cfg, result)
+        return result
 
-    def _finish(self, start_step: int, session_time: float) -> TrainResult:
+    def _remove_hooks(self) -> None:
+        """Take out the emulation hooks of this session (the evaluation after training is float32)."""
+        if self._emulation is not None:
+            self._emulation.remove()
+            self._emulation = None
+        if self.fp8 is not None:  # its state stays readable for the final checkpoint
+            self.fp8.remove()
+
+    def _result(self, start_step: int, session_time: float) -> TrainResult:
+        """What the session did (finished or stopped), with the plot written and the model evaluated."""
         _, loss_sum, count = self._tail
         final_loss = float(loss_sum) / count if count else None
         if final_loss is not None and self.world_size > 1:
@@ -338,13 +398,13 @@ class Trainer:
             loss_scale=self.scaler.get_scale() if enabled else None,
             scaling=self.scaling,
             grad_underflow=sum(self._underflows) / len(self._underflows) if self._underflows else None,
+            fp8_flushed=_mean([f for f, _ in self._fp8_fractions]),
+            fp8_saturated=_mean([s for _, s in self._fp8_fractions]),
             wall_time=session_time,
             checkpoint=self._last_checkpoint,
             metrics_path=self.metrics_path,
             plot_path=plot_path,
         )
-        if self.show_summary and self.is_main:
-            print_summary(self.console, self.cfg, result)
         return result
 
     # ------------------------------------------------------------------ one step
@@ -353,10 +413,9 @@ class Trainer:
         cfg, rc, opt_cfg = self.cfg, self.cfg.runconfig, self.cfg.optimizer
         step = self.global_step + 1
         log_now = step % rc.log_steps == 0 or step == rc.max_steps or step == 1
-        x, y = self.batches.next()
-        batch: Batch = (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+        batch = self._to_device(self.batches.next())
         underflow = None
-        if opt_cfg.log_summaries and log_now and self.compute_dtype != "float32" and self._emulation is None:
+        if opt_cfg.log_summaries and log_now and self.compute_dtype != "float32" and self._probe_applies:
             underflow = self._probe_underflow(batch)
         lr = float(self.optimizer.param_groups[0]["lr"])
         with self._autocast():
@@ -374,6 +433,7 @@ class Trainer:
         except NonFiniteGradients:
             self._stop_without_scaling(step, loss, session_start)
         skipped = self.scaler.step_was_skipped(self.optimizer)
+        self._last_report = self.scaler.overflow_report() if skipped else None  # built by step() on overflow only
         self.scheduler.step()  # skip-aware: advances only when the step was applied
         self.global_step = step
         first, loss_sum, count = self._tail
@@ -385,18 +445,27 @@ class Trainer:
         self._last_skipped = skipped
         if not (log_now or skipped):
             return None
+        fp8: list[float] = []
+        if self.fp8 is not None:  # the casts since the previous row
+            totals = self.fp8.stats.totals()["grad_output"]
+            self.fp8.stats.reset()
+            fp8 = [float(totals["flushed_fraction"]), float(totals["saturated_fraction"])]
         norm = result.grad_norm if result.grad_norm is not None else torch.full((), math.nan)
         loss_value, scale_used, grad_norm = torch.stack(
             [loss.detach().float(), result.loss_scale.float().to(loss.device), norm.float().to(loss.device)]
         ).tolist()
         if self.world_size > 1:  # alike on every rank: skipping is agreed
-            # One all-reduce: the mean loss and underflow over the ranks, and whether any rank got Ctrl-C.
-            sums = self._sum_over_ranks([loss_value, underflow or 0.0, float(stop_requested)])
+            # One all-reduce: the mean loss, underflow and FP8 fractions over the ranks, and whether any rank got
+            # Ctrl-C.
+            sums = self._sum_over_ranks([loss_value, underflow or 0.0, float(stop_requested), *fp8])
             loss_value = sums[0] / self.world_size
             underflow = sums[1] / self.world_size if underflow is not None else None
             self._stop_agreed = self._stop_agreed or sums[2] > 0
+            fp8 = [v / self.world_size for v in sums[3:]]
         if underflow is not None:
             self._underflows.append(underflow)
+        if fp8:
+            self._fp8_fractions.append((fp8[0], fp8[1]))
         enabled = self.scaler.is_enabled()
         self._skipped_total = self.scaler.get_num_skipped_steps() if enabled else None
         row: dict[str, Any] = {
@@ -411,10 +480,29 @@ class Trainer:
         if opt_cfg.log_summaries:
             row["skipped_total"] = self._skipped_total
             row["grad_underflow"] = underflow
+        if fp8:
+            row["fp8_grad_output_flushed"], row["fp8_grad_output_saturated"] = fp8
+        if skipped:
+            report = self._last_report
+            row["overflow_module"] = report.first_module if report is not None else None
+            row["forward_overflow"] = report.forward if report is not None else None
         return row
 
+    def _to_device(self, batch: Batch) -> Batch:
+        """``batch`` on the run's device; with half parameters, floating-point inputs in their dtype (no autocast)."""
+        x, y = batch
+        dtype = self.param_dtype if x.is_floating_point() else None
+        return x.to(self.device, dtype=dtype, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    @property
+    def _probe_applies(self) -> bool:
+        """Whether :meth:`_probe_underflow` measures this run: not under ``dls.emulate`` (its own statistics count
+        the same thing) nor FP8 (whose casts are counted by ``dls.fp8``, and whose delayed scaling would record the
+        probe's amaxes)."""
+        return self._emulation is None and self.fp8 is None
+
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.compute_dtype in ("float16", "bfloat16") and self._emulation is None:
+        if self.compute_dtype in HALF_DTYPES and self._emulation is None and not self.cfg.precision.half_params:
             dtype = torch.float16 if self.compute_dtype == "float16" else torch.bfloat16
             return torch.autocast(self.device.type, dtype=dtype)
         return contextlib.nullcontext()
@@ -423,24 +511,29 @@ class Trainer:
         """The fraction of nonzero activation gradients that the half format flushes to zero at the current
         loss scale, from one emulated backward pass on ``batch`` (parameters' ``.grad`` and every RNG untouched)."""
         scale = self.scaler.get_scale()
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        model = self.model
+        if self.param_dtype != torch.float32:  # half parameters: a float32 copy holds the same values
+            model = copy.deepcopy(model).float()
+            batch = (batch[0].float() if batch[0].is_floating_point() else batch[0], batch[1])
+        params = [p for p in model.parameters() if p.requires_grad]
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), dls.emulate(self.model, self.compute_dtype) as handle:
-            loss = self.model.loss(batch) * (self.cfg.model.loss_weight * scale)
+        with torch.random.fork_rng(devices=devices), dls.emulate(model, self.compute_dtype) as handle:
+            loss = model.loss(batch) * (self.cfg.model.loss_weight * scale)
             torch.autograd.grad(loss, params, allow_unused=True)
         assert handle.stats is not None
         return float(handle.stats.underflow_fraction)
 
     # ------------------------------------------------------------------ stops (dls.train.stops)
     def _stop_without_scaling(self, step: int, loss: torch.Tensor, session_start: float) -> NoReturn:
+        report = self.watch.build_report(loss.detach())  # the stop path: reads are fine here
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.update()  # ends the iteration the refused step began
         path = self._save(session_start)
-        message = nonfinite_message(step, float(loss.detach()), self.compute_dtype, self.global_step, path)
+        message = nonfinite_message(step, float(loss.detach()), self.compute_dtype, self.global_step, path, report)
         raise TrainingStopped(message, path)
 
     def _check_floor(self, session_start: float) -> None:
-        problem = self.floor.after_step(self.scaler, self._last_skipped)
+        problem = self.floor.after_step(self.scaler, self._last_skipped, self._last_report)
         if problem is None:
             return
         path = self._save(session_start)
@@ -464,6 +557,8 @@ class Trainer:
         }
         if self.scaler.is_enabled():
             state["grad_scaler"] = self.scaler.state_dict()
+        if self.fp8 is not None:
+            state["fp8"] = self.fp8.state_dict()
         return state
 
     def _save(self, session_start: float) -> Path:
@@ -497,3 +592,19 @@ class Trainer:
             return None
         title = f"{self.cfg.model.name}, {describe_precision(self.cfg)}\n{describe_scaling(self.cfg)}"
         return self.outputs.plot(title)
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def require_tensorboard() -> None:
+    """Raise :class:`MissingExtras` (exit status 2) when ``runconfig.tensorboard`` cannot work: TensorBoard's event
+    writer is not installed (the ``tensorboard`` extra)."""
+    try:
+        import tensorboard.summary.writer.record_writer  # noqa: F401
+        import torch.utils.tensorboard.summary  # noqa: F401
+    except ImportError as exc:
+        raise MissingExtras(
+            f"runconfig.tensorboard needs the 'tensorboard' extra ({exc}); install it with: {TENSORBOARD_HINT}"
+        ) from None
