@@ -27,9 +27,6 @@ ROOT = Path(__file__).resolve().parent.parent
 MLP = str(ROOT / "configs" / "mlp_fp16_dls.yaml")
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def write_config(path: Path, raw: dict[str, Any]) -> str:
     path.write_text(yaml.safe_dump(raw))
     return str(path)
@@ -257,13 +254,14 @@ def test_every_command_without_the_train_extra_says_how_to_install_it() -> None:
         sys.meta_path.insert(0, Missing())
         from dls.train.cli import main
         commands = [["train", "x.yaml"], ["validate", "x.yaml"], ["keys"], ["demo", "--steps", "1"]]
+        commands.append(["audit", "x.yaml"])
         print(json.dumps([main(c) for c in commands]))
         """
     proc = python(script)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    assert out.strip() == "[2, 2, 2, 2]"
+    assert out.strip() == "[2, 2, 2, 2, 2]"
     lines = [line for line in err.splitlines() if line.startswith("dls:")]  # torch warns without NumPy
-    assert len(lines) == 4 and "Traceback" not in err
+    assert len(lines) == 5 and "Traceback" not in err
     for line in lines:
         assert "pip install 'dls[train]'" in line and "missing: PyYAML, numpy, rich, matplotlib" in line

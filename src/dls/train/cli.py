@@ -1,4 +1,4 @@
-"""The ``dls`` command: ``dls train``, ``dls demo``, ``dls validate``, ``dls keys``.
+"""The ``dls`` command: ``dls train``, ``dls demo``, ``dls audit``, ``dls validate``, ``dls keys``.
 
 Exit status (one map, :func:`dls.train.errors.exit_status`): 0 success; 1 training stopped because loss scaling
 cannot help (state checkpointed first); 2 bad input: config, command line, checkpoint, a model_dir refused or
@@ -50,9 +50,27 @@ dls: train small PyTorch models in mixed precision with dynamic loss scaling (DL
 Cerebras-Model-Zoo-style YAML files (e.g. optimizer.loss_scaling_factor: "dynamic").
 
 Start here:
-  dls demo                                       float32 vs float16 with and without loss scaling (< 1 min)
+  dls demo                                       float32 vs float16 with and without loss scaling, master
+                                                 weights, FP8 recipes (< 1 min)
   dls train configs/mlp_fp16_dls.yaml            train from a YAML config
+  dls audit configs/mlp_fp16_dls.yaml            which formats can hold the model, from which loss scale
   dls keys                                       every config key, its default and what it does
+"""
+
+AUDIT_EPILOG = """\
+examples:
+  dls audit configs/mlp_fp16_dls.yaml
+  dls audit configs/transformer_lm_fp16_dls.yaml --formats float16 bfloat16 --steps 2 --out runs/audit
+  dls audit configs/mlp_fp16_dls.yaml --fp8-recipes current delayed mxfp8
+  dls audit configs/mlp_fp16_dls.yaml --fp8-recipes            every recipe: current delayed mxfp8 static
+
+Nothing is trained and, without --out, nothing is written. The model and batches are those dls train starts
+with (float32; the loss times model.loss_weight). Per format: whether the forward pass overflows (no loss scale
+fixes that), how the gradients fit, and the initial loss scale to start at (optimizer.initial_loss_scale).
+--fp8-recipes: per recipe, the shares of grad_output values the FP8 casts saturate and flush to zero, and the
+loss against float32 on the same batches; a recipe given in the config's precision.fp8 keeps its fields there.
+--out DIR: writes DIR/audit.png (created if missing; written atomically, never through a link).
+exit status: 0 done (whatever the verdicts); 2 bad config or arguments.
 """
 
 TRAIN_EPILOG = """\
@@ -132,15 +150,43 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="compare float32 / float16 / float16 + loss scaling on a small model (< 1 min on 2 CPU cores)",
+        help="compare float32 / float16 / loss scaling / master weights / FP8 on a small model (< 1 min)",
         description="Train the same small MLP several ways: float32, float16 without loss scaling, float16 with "
-        "a static loss scale, float16 with dynamic loss scaling, and cbfloat16 (emulated) with dynamic loss "
-        "scaling. Prints a table (final loss, skipped steps, final loss scale, gradient underflow, wall time) "
-        "and writes demo.png.",
+        "a static loss scale, float16 with dynamic loss scaling, cbfloat16 (emulated) with dynamic loss scaling, "
+        "float16 parameters without and with float32 master weights, and FP8 Linear layers at scale 1, with "
+        "delayed scaling and with current scaling. Prints a table (final loss, skipped steps, final loss scale, "
+        "gradient underflow, wall time) and writes demo.png.",
     )
     demo.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
     demo.add_argument("--steps", type=int, default=None, help="training steps per run (default: 600)")
     demo.add_argument("--no_progress", action="store_true", help="no progress bars")
+
+    audit = sub.add_parser(
+        "audit",
+        help="check which formats can hold a config's model, from which loss scale (no training)",
+        description="Run a few forward/backward passes of a config's model on its first batches under exact "
+        "emulation of each format (dls.audit): verdicts, recommended initial loss scales, per-module tables; "
+        "optionally compare FP8 recipes (dls.fp8.emulate).",
+        epilog=AUDIT_EPILOG,
+    )
+    audit.add_argument("config", help="YAML config file")
+    audit.add_argument("--override", "-o", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE")
+    audit.add_argument(
+        "--formats",
+        nargs="+",
+        default=None,
+        metavar="FORMAT",
+        help="formats to audit (default: float16 bfloat16 cbfloat16; any name of dls.formats)",
+    )
+    audit.add_argument("--steps", type=int, default=4, help="forward/backward passes (batches) per format (default 4)")
+    audit.add_argument("--out", default=None, metavar="DIR", help="write DIR/audit.png (default: nothing is written)")
+    audit.add_argument(
+        "--fp8-recipes",
+        nargs="*",
+        default=None,
+        metavar="RECIPE",
+        help="also compare these FP8 recipes (current, delayed, mxfp8, static; none given: all of them)",
+    )
 
     validate = sub.add_parser(
         "validate",
@@ -184,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 print(describe_keys())
                 return 0
-            command = {"validate": _validate, "train": _train, "demo": _demo}[args.command]
+            command = {"validate": _validate, "train": _train, "demo": _demo, "audit": _audit}[args.command]
             return command(args, run)
     except (Exception, KeyboardInterrupt) as exc:
         return _report(exc, run)
@@ -328,6 +374,69 @@ def _train(args: argparse.Namespace, run: _Run) -> int:
     finally:
         if owns_group:
             shutdown_distributed()
+    return 0
+
+
+def _audit(args: argparse.Namespace, run: _Run) -> int:
+    import torch
+
+    import dls.fp8
+    from dls import formats
+    from dls.train import audit
+    from dls.train.config import load_config, loss_scaling_mode, scaler_settings
+
+    if args.steps < 1:
+        raise UsageError(f"--steps must be >= 1; got {args.steps}")
+    names = args.formats if args.formats is not None else list(audit.DEFAULT_FORMATS)
+    for name in names:
+        try:
+            formats.get(name)
+        except ValueError:
+            raise UsageError(f"--formats: unknown format {name!r}; allowed: {', '.join(formats.names())}") from None
+    recipe_names = None
+    if args.fp8_recipes is not None:
+        recipe_names = list(dict.fromkeys(args.fp8_recipes or dls.fp8.RECIPE_NAMES))
+        unknown = [r for r in recipe_names if r not in dls.fp8.RECIPE_NAMES]
+        if unknown:
+            raise UsageError(
+                f"--fp8-recipes: unknown recipe(s) {', '.join(map(repr, unknown))}; allowed: "
+                f"{', '.join(dls.fp8.RECIPE_NAMES)}"
+            )
+    cfg = load_config(args.config, args.override)
+    threads = torch.get_num_threads()
+    if cfg.runconfig.num_threads is not None:
+        torch.set_num_threads(cfg.runconfig.num_threads)
+    try:
+        try:
+            model, batches = audit.build_inputs(cfg, args.steps)
+        except ValueError as exc:  # the device, a batch larger than the data set
+            raise ConfigError([str(exc)], args.config) from None
+        weight = cfg.model.loss_weight
+        print(
+            f"dls audit {args.config}: {cfg.model.name} on {cfg.data.dataset}, the first {args.steps} batches of "
+            f"{cfg.data.batch_size}, float32 weights as dls train initialises them, loss x {weight:g} "
+            "(model.loss_weight)"
+        )
+        result = audit.audit_formats(model, batches, names, weight)
+        print(result.to_text())
+        print()
+        print("\n".join(audit.recommendation_lines(cfg, result)))
+        if recipe_names is not None:
+            configured = cfg.precision.fp8
+            recipes = [
+                dls.fp8.recipe_from_dict(
+                    dict(configured) if configured is not None and configured["recipe"] == name else {"recipe": name}
+                )
+                for name in recipe_names
+            ]
+            scale = scaler_settings(cfg).init_scale if loss_scaling_mode(cfg) != "off" else 1.0
+            rows = audit.compare_fp8(model, batches, recipes, weight, scale, seed=cfg.runconfig.seed)
+            print()
+            print(audit.fp8_table(rows, scale, args.steps))
+        if args.out is not None:
+            print(f"\nPlot: {audit.write_plot(result, Path(args.out))}")
+    finally:
+        torch.set_num_threads(threads)
     return 0
 
 
