@@ -13,9 +13,6 @@ ROOT = Path(__file__).resolve().parent.parent
 MLP = str(ROOT / "configs" / "mlp_fp16_dls.yaml")
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def short(model_dir: Path, steps: int = 4) -> list[str]:
     return [
         "--override",
@@ -155,7 +152,12 @@ def test_validate_accepts_exactly_what_the_scaler_accepts(capsys: pytest.Capture
 def test_demo_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--out", str(tmp_path), "--steps", "3", "--no_progress"]) == 0
     out = capsys.readouterr().out
-    for text in ("float32", "fp16, no scaling", "fp16 + DLS", "cbfloat16 + DLS", "underflow", "Total wall time"):
-        assert text in out
+    labels = [
+        "float32", "fp16, no scaling", "fp16, static 2^8", "fp16 + DLS", "cbfloat16 + DLS", "fp16 params, no masters",
+        "fp16 params + masters", "fp8, scale 1", "fp8 delayed", "fp8 current",
+    ]  # fmt: skip
+    assert "underflow" in out and "Total wall time" in out
+    table = out[out.index("dls demo (3 steps each)") :].splitlines()
+    assert [line.split("  ")[0].strip() for line in table[4:14]] == labels  # every run's row, labels not truncated
     assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["demo", "--steps", "0"]) == 2

@@ -1,4 +1,5 @@
-"""``dls demo``: the same small model trained five ways, to show what loss scaling does in float16.
+"""``dls demo``: the same small model trained ten ways, to show what loss scaling does in float16, what float32
+master weights do for half-precision parameters, and what per-tensor scaling does in FP8.
 
 The task is a regression: a 3-layer tanh MLP learns a fixed random "teacher" network (``teacher_regression``,
 generated, 4096 samples). Its loss carries a weight of 1e-4 (``model.loss_weight``), as a down-weighted auxiliary
@@ -8,15 +9,27 @@ smallest subnormal (2**-24 ≈ 6e-8) and is flushed to zero. That is the situati
 
 Runs (identical initial weights and batches): float32; float16 without loss scaling (Model Zoo's
 ``loss_scaling_factor: 1.0``); float16 with a static scale; float16 with dynamic loss scaling; cbfloat16 with
-dynamic loss scaling. float16 runs use real ``torch.autocast``; cbfloat16 has no torch dtype and is emulated
-exactly by ``dls.emulate``. The gradient-underflow column is measured, not assumed: every 10 steps one extra
-backward pass on the same batch, with ``dls.emulate`` rounding every activation gradient to the run's half
-format at the run's current loss scale, counts the nonzero gradient values that become zero.
+dynamic loss scaling; float16 parameters (``precision.half_params``) with dynamic loss scaling, without and with
+float32 master weights; FP8 Linear layers (``precision.fp8``, the rest in float32, no loss scaling) with one fixed
+scale of 1 (no per-tensor scaling), delayed scaling and current scaling. float16 runs use real ``torch.autocast``
+(the half-parameter runs compute in float16 natively); cbfloat16 has no torch dtype and is emulated exactly by
+``dls.emulate``; FP8 is emulated exactly by ``dls.fp8.emulate``. The gradient-underflow column is measured, not
+assumed: every 10 steps one extra backward pass on the same batch, with ``dls.emulate`` rounding every activation
+gradient to the run's half format at the run's current loss scale, counts the nonzero gradient values that become
+zero; for FP8 runs it is the share of nonzero grad_output values the run's own E5M2 casts flushed to zero.
+
+A run that stops because loss scaling cannot help (``TrainingStopped``) is shown as stopped, with its step: the
+float16 parameters without masters are expected to (Adam's second moments of gradients this small underflow in
+float16, and the update divides by them).
+
+Time (2 shared CPU cores, one thread per run): the five loss-scaling runs take about 20 s, the five others about
+15 s more.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -29,6 +42,7 @@ from rich.table import Table
 
 from dls.diagnostics.scales import pow2
 from dls.train.config import parse_config
+from dls.train.errors import TrainingStopped
 from dls.train.outputs import CONFIG_FILE, METRICS_FILE, PLOT_FILE
 from dls.train.plots import plot_comparison, read_metrics
 from dls.train.reporting import TrainResult
@@ -70,6 +84,10 @@ class DemoRun:
     optimizer: dict[str, Any]
 
 
+DLS = {"loss_scaling_factor": "dynamic", "steps_per_increase": 100, "max_loss_scale": DLS_MAX_SCALE}
+FP16 = {"mixed_precision": True, "fp16_type": "float16"}
+FP8 = {"mixed_precision": False}  # FP8 Linear layers, everything else in float32 (no loss scaling)
+
 RUNS = (
     DemoRun("float32", "float32", {"mixed_precision": False}, {}),
     DemoRun(
@@ -84,18 +102,18 @@ RUNS = (
         {"mixed_precision": True, "fp16_type": "float16"},
         {"loss_scaling_factor": STATIC_SCALE},
     ),
-    DemoRun(
-        "float16_dls",
-        "fp16 + DLS",
-        {"mixed_precision": True, "fp16_type": "float16"},
-        {"loss_scaling_factor": "dynamic", "steps_per_increase": 100, "max_loss_scale": DLS_MAX_SCALE},
-    ),
+    DemoRun("float16_dls", "fp16 + DLS", FP16, DLS),
     DemoRun(
         "cbfloat16_dls",
         "cbfloat16 + DLS",
         {"mixed_precision": True, "fp16_type": "cbfloat16"},
         {"loss_scaling_factor": "dynamic", "steps_per_increase": 100},
     ),
+    DemoRun("float16_params", "fp16 params, no masters", {**FP16, "half_params": True, "master_weights": False}, DLS),
+    DemoRun("float16_params_masters", "fp16 params + masters", {**FP16, "half_params": True}, DLS),
+    DemoRun("fp8_scale_1", "fp8, scale 1", {**FP8, "fp8": {"recipe": "static", "scale": 1.0}}, {}),
+    DemoRun("fp8_delayed", "fp8 delayed", {**FP8, "fp8": {"recipe": "delayed", "amax_history_len": 16}}, {}),
+    DemoRun("fp8_current", "fp8 current", {**FP8, "fp8": {"recipe": "current"}}, {}),
 )
 
 
@@ -103,9 +121,17 @@ def _scale(value: float | None) -> str:
     return "-" if value is None else pow2(value)
 
 
+@dataclass(frozen=True)
+class DemoResult:
+    """A run's result; ``stopped``: the step it stopped at because loss scaling could not help, or ``None``."""
+
+    result: TrainResult
+    stopped: int | None = None
+
+
 def run_demo(
     out: Path, steps: int = DEFAULT_STEPS, progress: bool = True, console: Console | None = None
-) -> list[tuple[DemoRun, TrainResult]]:
+) -> list[tuple[DemoRun, DemoResult]]:
     """Train every run of :data:`RUNS` into ``out/<slug>/``, print the comparison, write ``out/demo.png``."""
     console = console if console is not None else Console()
     out.mkdir(parents=True, exist_ok=True)
@@ -115,7 +141,7 @@ def run_demo(
         "like a down-weighted auxiliary loss): Adam is invariant to that factor, so float32 is unaffected, but the "
         "gradients are 1e4 times smaller and in float16 many fall below its smallest subnormal (6e-8)."
     )
-    results: list[tuple[DemoRun, TrainResult]] = []
+    results: list[tuple[DemoRun, DemoResult]] = []
     start = time.perf_counter()
     for run in RUNS:
         results.append((run, _train_one(run, out, steps, progress, console)))
@@ -123,7 +149,7 @@ def run_demo(
     _print_table(console, results, steps)
     png = io.BytesIO()
     plot_comparison(
-        [(run.label, read_metrics(result.metrics_path.read_bytes())) for run, result in results],
+        [(run.label, read_metrics(r.result.metrics_path.read_bytes())) for run, r in results],
         png,
         title=f"dls demo: MLP regression, loss weight {LOSS_WEIGHT:g}, {steps} steps",
     )
@@ -137,7 +163,14 @@ def run_demo(
         "Runs: fp16 = float16 under torch.autocast; 'no scaling' = loss_scaling_factor 1.0 (Model Zoo's value for "
         f"no scaling); 'static {_scale(STATIC_SCALE)}' = a fixed, hand-picked scale; 'fp16 + DLS' = "
         f"loss_scaling_factor: dynamic, started at {_scale(DLS_MAX_SCALE)} so it has to back off; 'cbfloat16 + DLS' = "
-        "cbfloat16 emulated exactly by dls.emulate, with the Cerebras defaults (start 2^31).",
+        "cbfloat16 emulated exactly by dls.emulate, with the Cerebras defaults (start 2^31). 'fp16 params' = "
+        "precision.half_params: the parameters are float16 and the model computes in float16 (no autocast), with "
+        "DLS as 'fp16 + DLS'; 'no masters' lets Adam step the float16 parameters (its state is float16 too), "
+        "'+ masters' steps float32 master weights (dls.master_weights). 'fp8' = precision.fp8: every Linear layer "
+        "computes on FP8 operands (E4M3 forward, E5M2 gradients, emulated exactly by dls.fp8), the rest in float32 "
+        "without loss scaling; 'scale 1' casts the values as they are (dls.fp8.StaticScaling), 'delayed' scales "
+        "each tensor from the amax history of its earlier casts (TransformerEngine's rule, 16 steps), 'current' from "
+        "its own amax (torchao's tensorwise).",
         highlight=False,
     )
     _print_verdict(console, results)
@@ -156,7 +189,7 @@ def _clear_previous_run(model_dir: Path) -> None:
                 os.unlink(name, dir_fd=run_dir.fd)
 
 
-def _train_one(run: DemoRun, out: Path, steps: int, progress: bool, console: Console) -> TrainResult:
+def _train_one(run: DemoRun, out: Path, steps: int, progress: bool, console: Console) -> DemoResult:
     model_dir = out / run.slug
     _clear_previous_run(model_dir)
     raw = base_config(steps, model_dir)
@@ -164,12 +197,23 @@ def _train_one(run: DemoRun, out: Path, steps: int, progress: bool, console: Con
     raw["optimizer"].update(run.optimizer)
     cfg = parse_config(raw, source=f"demo run {run.slug}")
     console.print(f"\n[bold]{run.label}[/]")
-    return Trainer(cfg, console=console, progress=progress, summary=False, plot=False).train()
+    trainer = Trainer(cfg, console=console, progress=progress, summary=False, plot=False)
+    try:
+        return DemoResult(trainer.train())
+    except TrainingStopped as stop:
+        console.print(f"stopped: {stop}", highlight=False, markup=False)
+        return DemoResult(stop.result, stopped=trainer.global_step)
 
 
-def _print_table(console: Console, results: list[tuple[DemoRun, TrainResult]], steps: int) -> None:
-    reference = results[0][1].eval_loss
-    table = Table(title=f"dls demo ({steps} steps each)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+def _print_table(console: Console, results: list[tuple[DemoRun, DemoResult]], steps: int) -> None:
+    reference = results[0][1].result.eval_loss
+    table = Table(
+        title=f"dls demo ({steps} steps each)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,  # fits 80 columns, the width of a console that is not a terminal
+    )
     table.add_column("run", no_wrap=True)
     table.add_column("loss", justify="right", no_wrap=True)
     table.add_column("vs fp32", justify="right", no_wrap=True)
@@ -177,17 +221,24 @@ def _print_table(console: Console, results: list[tuple[DemoRun, TrainResult]], s
     table.add_column("scale", justify="right", no_wrap=True)
     table.add_column("underflow", justify="right", no_wrap=True)
     table.add_column("time", justify="right", no_wrap=True)
-    for run, r in results:
-        ratio = f"{r.eval_loss / reference:.2f}x" if r.eval_loss is not None and reference else "-"
-        underflow = "-" if r.grad_underflow is None or run.slug == "float32" else f"{100 * r.grad_underflow:.1f}%"
+    for run, outcome in results:
+        r = outcome.result
+        finished = outcome.stopped is None and r.eval_loss is not None and math.isfinite(r.eval_loss)
+        ratio = f"{r.eval_loss / reference:.2f}x" if finished and r.eval_loss is not None and reference else "-"
+        measured = r.grad_underflow if r.fp8_flushed is None else r.fp8_flushed
+        underflow = "-" if measured is None or run.slug == "float32" else f"{100 * measured:.1f}%"
+        if outcome.stopped is not None:
+            loss = f"stopped@{outcome.stopped}"
+        else:
+            loss = f"{r.eval_loss:.4g}" if r.eval_loss is not None else "-"
         table.add_row(
             run.label,
-            f"{r.eval_loss:.4g}" if r.eval_loss is not None else "-",
+            loss,
             ratio,
             str(r.skipped_steps) if r.loss_scale is not None else "-",
             _scale(r.loss_scale),
             underflow,
-            f"{r.wall_time:.1f} s",
+            f"{r.wall_time:.1f}s",
         )
     console.print()
     console.print(table)
@@ -195,13 +246,16 @@ def _print_table(console: Console, results: list[tuple[DemoRun, TrainResult]], s
         "loss: final loss, the unweighted mean squared error over the whole data set, evaluated in float32 after "
         "training. scale: final loss scale. underflow: share of nonzero activation gradients that the run's half "
         "format flushes to zero at the loss scale in use (one emulated backward pass every 10 steps, averaged). "
-        "skipped: steps whose gradients overflowed and were not applied.",
+        "skipped: steps whose gradients overflowed and were not applied. For fp8 runs, underflow is the share of "
+        "nonzero grad_output values the E5M2 casts flushed to zero (all steps). stopped@N: the run stopped at step "
+        "N because loss scaling could not help (its message above says where and why).",
         highlight=False,
     )
 
 
-def _print_verdict(console: Console, results: list[tuple[DemoRun, TrainResult]]) -> None:
-    by_slug = {run.slug: r for run, r in results}
+def _print_verdict(console: Console, results: list[tuple[DemoRun, DemoResult]]) -> None:
+    outcomes = {run.slug: r for run, r in results}
+    by_slug = {slug: r.result for slug, r in outcomes.items()}
     ref = by_slug["float32"].eval_loss
     plain = by_slug["float16_no_scaling"].eval_loss
     dls_loss = by_slug["float16_dls"].eval_loss
@@ -220,4 +274,23 @@ def _print_verdict(console: Console, results: list[tuple[DemoRun, TrainResult]])
         )
     else:
         lines.append(f"float16 without loss scaling ends at {plain:.4g}, about as well as float32 in this run.")
+    masters, bare = outcomes["float16_params_masters"], outcomes["float16_params"]
+    if masters.stopped is None and masters.result.eval_loss is not None:
+        loss = masters.result.eval_loss
+        lines.append(
+            f"float16 parameters with float32 master weights end at {loss:.4g} ({loss / ref:.2f}x float32's); "
+            + (
+                f"without masters the run stopped at step {bare.stopped}: its float16 weights became inf/NaN."
+                if bare.stopped is not None
+                else f"without masters at {bare.result.eval_loss:.4g}."
+            )
+        )
+    fp8 = {slug: by_slug[slug] for slug in ("fp8_scale_1", "fp8_delayed", "fp8_current")}
+    if all(r.eval_loss is not None and r.fp8_flushed is not None for r in fp8.values()):
+        fixed, delayed, current = fp8.values()
+        lines.append(
+            f"FP8 at scale 1 flushes {100 * (fixed.fp8_flushed or 0):.0f}% of the gradients and ends at "
+            f"{fixed.eval_loss:.4g}; per-tensor scaling keeps them: delayed ends at {delayed.eval_loss:.4g}, "
+            f"current at {current.eval_loss:.4g} (float32: {ref:.4g})."
+        )
     console.print("\n".join(lines), highlight=False)
