@@ -27,9 +27,6 @@ from dls.train.outputs import METRICS_FILE, PLOT_FILE
 ROOT = Path(__file__).resolve().parent.parent
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def tiny(model_dir: Path, **changes: dict[str, Any]) -> dict[str, Any]:
     """A config that trains in milliseconds per step; ``changes`` update sections."""
     raw: dict[str, Any] = {

@@ -20,8 +20,6 @@ from dls.train.outputs import TENSORBOARD_DIR
 from dls.train.trainer import Trainer
 from test_train import make_trainer, metrics, tiny
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def overflow_into(trainer: Trainer, module: str, steps: set[int] | None = None) -> None:
     """An inf in the gradient arriving at ``module``'s output (a backward pre-hook) on ``steps`` (default: every

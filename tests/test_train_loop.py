@@ -19,8 +19,6 @@ from dls.train.optim import learning_rate_at
 from dls.train.trainer import Trainer
 from test_train import assert_bit_identical, load_into, make_trainer, metrics, tiny
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 FORMAT1 = Path(__file__).resolve().parent / "data" / "format1" / "checkpoint_6.mdl"
 
 

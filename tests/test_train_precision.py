@@ -14,8 +14,6 @@ from dls.train import checkpoint as ckpt
 from dls.train.trainer import Trainer
 from test_train import assert_bit_identical, make_trainer, metrics, state_of, tiny
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def split_and_straight(tmp_path: Path, raw: dict[str, Any], split: int = 6) -> tuple[Trainer, Trainer, str]:
     """The run of ``raw`` straight through, and the same run stopped at ``split`` and resumed in a new Trainer;

@@ -18,9 +18,6 @@ from test_train import make_trainer, metrics, tiny
 ALL_BUT_SCALER = "model,optimizer,dataloader,lr_scheduler,global_step,rng"
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def write_config(path: Path, raw: dict[str, Any]) -> str:
     path.write_text(yaml.safe_dump(raw))
     return str(path)

@@ -22,8 +22,6 @@ from dls.train.errors import ModelDirError
 from dls.train.rundir import LOCK_FILE, RunDir
 from test_train import make_trainer, metrics, tiny
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def small(model_dir: Path, steps: int = 2) -> dict[str, Any]:
     return tiny(model_dir, runconfig={"max_steps": steps, "checkpoint_steps": 2})
