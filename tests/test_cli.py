@@ -68,7 +68,10 @@ def test_train_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         assert (tmp_path / "run" / name).exists(), name
 
 
-@pytest.mark.parametrize("config", ["transformer_lm_fp16_dls.yaml", "mlp_cbfloat16_dls.yaml"])
+@pytest.mark.parametrize(
+    "config",
+    ["transformer_lm_fp16_dls.yaml", "mlp_cbfloat16_dls.yaml", "mlp_fp16_params_dls.yaml", "mlp_fp8_delayed_dls.yaml"],
+)
 def test_other_shipped_configs_run(tmp_path: Path, config: str, capsys: pytest.CaptureFixture[str]) -> None:
     path = str(ROOT / "configs" / config)
     assert main(["train", path, *short(tmp_path / "run", steps=2), "runconfig.log_steps=1"]) == 0

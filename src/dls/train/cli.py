@@ -91,7 +91,10 @@ refused naming the first). The config defines the loss scaling; a checkpoint con
 
 outputs in runconfig.model_dir: checkpoint_<step>.mdl (the last keep_checkpoint_max), metrics.jsonl
 (step, loss, loss_scale = the scale the step used, skipped, grad_norm, lr, time; every log_steps steps
-and every skipped step), plots.png, config.yaml (the resolved config; never over the input CONFIG).
+and every skipped step, which also names overflow_module = the first module whose gradients overflowed,
+in backward order, and forward_overflow = whether the loss was already inf/NaN), plots.png, config.yaml
+(the resolved config; never over the input CONFIG), tensorboard/ (with runconfig.tensorboard: true; view
+with tensorboard --logdir DIR).
 exit status: 0 done; 1 stopped because loss scaling cannot help (checkpointed first); 2 bad config, usage,
 checkpoint, model_dir refused or locked, 'train' extra missing; 3 I/O or environment (unwritable model_dir,
 disk full); 4 internal error (traceback in a file named in the message); 130 Ctrl-C, 143 SIGTERM (both

@@ -149,6 +149,19 @@ class DataConfig:
     max_sequence_length: int = key(64, checks.integer(1), "characters per training sequence", only=("char_corpus",))
 
 
+def _fp8_help() -> str:
+    """``precision.fp8``'s help, with each recipe's fields as ``dls.fp8`` declares them."""
+    from dls.fp8 import RECIPE_NAMES
+
+    fields = {name: [f.name for f in dataclasses.fields(cls)] for name, cls in RECIPE_NAMES.items()}
+    shared = [f for f in next(iter(fields.values())) if all(f in names for names in fields.values())]
+    own = "; ".join(f"{name}: {', '.join(f for f in names if f not in shared)}" for name, names in fields.items())
+    return (
+        f"FP8 Linear layers (dls.fp8.emulate), null: none. {{recipe: {'|'.join(RECIPE_NAMES)}, <fields>}}, e.g. "
+        f"{{recipe: delayed, amax_history_len: 16}}; fields: {own}; all: {', '.join(shared)}"
+    )
+
+
 @dataclass(frozen=True)
 class PrecisionConfig:
     """``precision:``. ``compute_dtype`` is what the run computes in: ``fp16_type`` with ``mixed_precision``,
@@ -171,14 +184,7 @@ class PrecisionConfig:
         "with half_params: step float32 masters (false: the optimizer steps the half parameters themselves; "
         "float16/bfloat16 only)",
     )
-    fp8: Mapping[str, Any] | None = key(
-        None,
-        checks.fp8_recipe,
-        "FP8 Linear layers (dls.fp8.emulate): {recipe: current|delayed|mxfp8|static, <fields>}, e.g. "
-        "{recipe: delayed, margin: 0, amax_history_len: 16}; fields: current: power_2_scales, amax_epsilon, "
-        "granularity; delayed: margin, amax_history_len, amax_compute_algo; mxfp8: scale_mode; static: scale; "
-        "all: fp8_format (hybrid|e4m3), saturate_gradients (null: no FP8)",
-    )
+    fp8: Mapping[str, Any] | None = key(None, checks.fp8_recipe, _fp8_help())
 
     @property
     def compute_dtype(self) -> str:

@@ -129,12 +129,14 @@ def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: I
     fig = Figure(figsize=(10, 7.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax_loss, ax_scale = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
-    colors = ["black", "tab:red", "tab:orange", "tab:blue", "tab:purple", "tab:green", "tab:brown"]
+    colors = ["black", "tab:red", "tab:orange", "tab:blue", "tab:purple", "tab:green", "tab:brown", "tab:gray"]
+    colors += ["tab:olive", "tab:cyan", "tab:pink"]
     any_scale = False
     for i, (label, rows) in enumerate(runs):
         color = colors[i % len(colors)]
-        # The first run is the reference: dashed and on top, so it stays visible where others coincide with it.
-        style, width, order = ("--", 2.0, 5) if i == 0 else ("-", 1.4, 2)
+        # The first run is the reference: dashed and on top, so it stays visible where others coincide with it;
+        # beyond the named colours the styles repeat dotted.
+        style, width, order = ("--", 2.0, 5) if i == 0 else ("-" if i < len(colors) else ":", 1.4, 2)
         pts = [(r["step"], r["loss"]) for r in rows if _finite(r.get("loss"))]
         if pts:
             ax_loss.plot(*zip(*pts), style, color=color, lw=width, zorder=order, label=label)
@@ -148,7 +150,7 @@ def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: I
     ax_loss.set_yscale("log")
     ax_loss.set_ylabel("training loss (unweighted)")
     ax_loss.grid(True, which="both", alpha=0.3)
-    ax_loss.legend(loc="center right")
+    ax_loss.legend(loc="center right", fontsize=8 if len(runs) > 7 else None)
     if any_scale:
         ax_scale.set_yscale("log", base=2)
         ax_scale.yaxis.set_major_formatter(FuncFormatter(_scale_tick))
