@@ -23,8 +23,6 @@ OVERFLOW_STEPS = {1, 4}  # optimizer steps (0-based) whose last micro-batch gets
 EMA_DECAY = 0.5
 
 
-
-
 class Regression(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()

@@ -21,8 +21,6 @@ OVERFLOWS = {0, 3, 4}  # iterations whose gradients get an inf (0: the optimizer
 STEPS = 7
 
 
-
-
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))

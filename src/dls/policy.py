@@ -24,7 +24,6 @@ With ``overflow_tolerance=0`` and ``hysteresis=1`` this is ``torch.amp.GradScale
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
