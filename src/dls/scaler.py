@@ -7,9 +7,9 @@ back to READY. The scale and its counters live on the device in a ``policy.Scale
 
 Overflow: a step is skipped when some gradient, *as the optimizer would receive it* (unscaled, and clipped when the
 scaler clips), is inf/NaN in the gradient's dtype. A finite scaled gradient can still overflow when it is unscaled
-by a scale below 1; the scaler keeps a host-side lower bound of the scale (exact after every host read, halved by
-every ``update()``) and checks the unscaled values too while that bound is below 1: one extra pass over the
-gradients on the unfused path, none on accelerators for fused optimizers.
+by a scale below 1; the scaler keeps a host-side lower bound of the scale (``dls.loss_scale``: kept exact without
+synchronising) and checks the unscaled values too while that bound is below 1: one extra pass over the gradients
+on the unfused path, none on accelerators for fused optimizers. How each step ends: ``dls.stepping``.
 
 Host synchronisation: ``scale``, ``unscale_``, ``clip_gradients_and_return_isfinite`` and ``update`` never read
 a tensor back. ``step`` reads the overflow flag once per optimizer (with the scale in the same read while the scale
@@ -27,19 +27,18 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 
-from dls import sync_free
 from dls.arguments import device_kind, is_available, parse_device, read_arguments
 from dls.loss_scale import LossScale
 from dls.overflow import OverflowCheck, max_flag
 from dls.scaler_state import parse_state_dict, to_state_dict
-from dls.settings import CBFLOAT16_MAX_LOSS_SCALE, DEFAULT_STEPS_PER_INCREASE, TORCH_INIT_SCALE, ScalerSettings
-from dls.settings import CEREBRAS_MAX_LOSS_SCALE as DEFAULT_MAX_LOSS_SCALE
+from dls.settings import DEFAULT_STEPS_PER_INCREASE, TORCH_INIT_SCALE, ScalerSettings
+from dls.stepping import Reports, Stepper, takes_scale_and_flag
 from dls.tracking import IterationState, Stage, Tracker
 
 if TYPE_CHECKING:
     from dls.diagnostics.watch import OverflowReport, OverflowWatch
 
-__all__ = ["CBFLOAT16_MAX_LOSS_SCALE", "DEFAULT_MAX_LOSS_SCALE", "GradScaler", "Stage", "optimizer_list"]
+__all__ = ["GradScaler", "Stage", "optimizer_list"]
 
 _T = TypeVar("_T")
 
@@ -183,12 +182,15 @@ class GradScaler:
         self._process_group = process_group
         self._gradients_sharded = gradients_sharded
         self._scale = LossScale(settings, device)
+        self._wire()
+
+    def _wire(self) -> None:
+        """The per-process parts, built anew after unpickling: bookkeeping, overflow passes, reports, steps."""
         self._tracker = Tracker()
-        self._check = OverflowCheck(self._tracker, self._scale, self._enabled, process_group, gradients_sharded)
-        self._watches: list[OverflowWatch] = []
-        self._seen_loss: Any = None  # what the last scale() was given, detached, while a watch is active
-        self._report: OverflowReport | None = None
-        self._report_stale = False  # update() ran: the next scale() starts an iteration without a report
+        pg, sharded = self._process_group, self._gradients_sharded
+        self._check = OverflowCheck(self._tracker, self._scale, self._enabled, pg, sharded)
+        self._reports = Reports()
+        self._stepper = Stepper(self._tracker, self._scale, self._check, self._sync_free, self._reports)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -281,10 +283,7 @@ class GradScaler:
             return outputs
         if isinstance(outputs, torch.Tensor) and not self._tracker.iteration:
             self._scale.follow(outputs.device)
-        if self._report_stale:
-            self._report, self._report_stale = None, False
-        if self._watches:
-            self._seen_loss = _detached(outputs)
+        self._reports.new_loss(outputs)
         cache: dict[torch.device, torch.Tensor] = {}
 
         def apply(value: Any) -> Any:
@@ -355,7 +354,7 @@ class GradScaler:
             # No scaling, no skipping; max_gradient_norm still clips (bfloat16 runs use it too).
             if max_norm is not None and self._tracker.state(optimizer).stage is not Stage.CLIPPED:
                 self._check.clip_and_check([optimizer], max_norm, want_norm=False)
-            return self._unchecked_step(optimizer, args, kwargs)
+            return self._stepper.unchecked(optimizer, args, kwargs)
         _reject_closure(args, kwargs)
         state = self._tracker.state(optimizer)
         if state.stage is Stage.STEPPED:
@@ -371,16 +370,16 @@ class GradScaler:
                 )
             self._check.clip_and_check([optimizer], max_norm)
         elif state.stage is Stage.READY:
-            if _takes_scale_and_flag(optimizer):
-                return self._fused_step(optimizer, state, args, kwargs)
+            if takes_scale_and_flag(optimizer):
+                return self._stepper.fused(optimizer, state, args, kwargs)
             self._check.unscale_and_check([optimizer], [state])
-        return self._step_if_finite(optimizer, state, args, kwargs)
+        return self._stepper.if_finite(optimizer, state, args, kwargs)
 
     def step_if_finite(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step(*args, **kwargs)`` if the flag recorded by ``unscale_`` or
         ``clip_gradients_and_return_isfinite`` is clean; returns its value, or ``None`` when skipped."""
         if not self._enabled:
-            return self._unchecked_step(optimizer, args, kwargs)
+            return self._stepper.unchecked(optimizer, args, kwargs)
         _reject_closure(args, kwargs)
         state = self._tracker.state(optimizer)
         if state.stage is Stage.STEPPED:
@@ -390,76 +389,7 @@ class GradScaler:
                 "step_if_finite() needs the overflow flag: call unscale_() or "
                 "clip_gradients_and_return_isfinite() first, or use step()."
             )
-        return self._step_if_finite(optimizer, state, args, kwargs)
-
-    def _unchecked_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A disabled scaler's step: never skipped (closures pass through, as in torch)."""
-        self._tracker.record_step(optimizer, None, False)
-        return optimizer.step(*args, **kwargs)
-
-    def _step_if_finite(
-        self, optimizer: torch.optim.Optimizer, state: IterationState, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        found_inf = state.found_inf
-        assert found_inf is not None
-        if _takes_scale_and_flag(optimizer):
-            return self._fused_step(optimizer, state, args, kwargs)
-        state.stage = Stage.STEPPED
-        if self._sync_free and self._tracker.has_stepped(optimizer):
-            self._record_step(optimizer, found_inf, None)
-            return sync_free.masked_step(optimizer, found_inf, args, kwargs)
-        if self._record_step(optimizer, found_inf, self._scale.read_flag(found_inf)):
-            return None
-        result = optimizer.step(*args, **kwargs)
-        self._tracker.mark_stepped(optimizer)
-        return result
-
-    def _fused_step(
-        self, optimizer: torch.optim.Optimizer, state: IterationState, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """Hand the scale and the flag to an optimizer whose kernel unscales and skips by itself (no sync).
-
-        A parameter's first step is decided on the host (one read): some fused kernels allocate state
-        uninitialised and return early on overflow (torch's fused SGD with momentum), which would leave garbage
-        behind after an overflowing first step.
-        """
-        grad_scale: torch.Tensor | None = None
-        if state.stage is Stage.READY:
-            # Only a read pass for the flag: the optimizer kernel divides by grad_scale while it updates.
-            state.found_inf = self._check.check_scaled(optimizer)
-            grad_scale = self._scale.tensor
-        found_inf = state.found_inf
-        assert found_inf is not None
-        first_step = not self._tracker.has_stepped(optimizer)
-        state.stage = Stage.STEPPED
-        if first_step and self._scale.read_flag(found_inf):
-            self._record_step(optimizer, found_inf, True)
-            return None
-        if self._record_step(optimizer, found_inf, False if first_step else None):
-            return None  # known on the host (a watch read it): nothing for the kernel to do
-        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-        try:
-            result = optimizer.step(*args, **kwargs)
-        finally:
-            del optimizer.grad_scale  # type: ignore[attr-defined]
-            del optimizer.found_inf  # type: ignore[attr-defined]
-        if first_step:
-            self._tracker.mark_stepped(optimizer)
-        return result
-
-    def _record_step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, skipped: bool | None) -> bool:
-        """Remember how the step ended; while a watch is active, know it now (one read on the fused and sync-free
-        paths) and build the overflow report from the gradients, which still exist. Returns whether skipped."""
-        watches = [w for w in self._watches if w.active]
-        if skipped is None and watches:
-            skipped = self._scale.read_flag(found_inf)
-        self._tracker.record_step(optimizer, found_inf, skipped)
-        if skipped and watches and self._report is None:
-            scale = float(self._scale.tensor)  # the overflow path: one more read is fine
-            reports = [w.build_report(self._seen_loss, loss_scale=scale) for w in watches]
-            self._report = next((r for r in reports if r.first_module is not None), reports[0] if reports else None)
-        return bool(skipped)
+        return self._stepper.if_finite(optimizer, state, args, kwargs)
 
     # ------------------------------------------------------------------ diagnostics
     def watch(self, model: torch.nn.Module) -> OverflowWatch:
@@ -470,18 +400,13 @@ class GradScaler:
         extra work in ``step`` or ``update`` on the default path; on the fused and sync-free paths ``step`` reads the
         overflow flag once while a watch is active. ``watch(...).remove()`` (or ``with``) takes the hooks out.
         """
-        from dls.diagnostics.watch import OverflowWatch
-
-        self._watches = [w for w in self._watches if w.active]
-        watch = OverflowWatch(model)
-        self._watches.append(watch)
-        return watch
+        return self._reports.watch(model)
 
     def overflow_report(self) -> OverflowReport | None:
         """Where this iteration's overflow started (first module in backward order, the parameters with inf/NaN
         gradients, whether the loss itself was non-finite), once ``step()`` found it; readable after ``update()``
         until the next iteration's ``scale()``. ``None`` after a clean step or without a ``watch``."""
-        return self._report
+        return self._reports.report
 
     # ------------------------------------------------------------------ update
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -501,7 +426,7 @@ class GradScaler:
         else:
             self._apply_rule(list(self._tracker.iteration.values()))
         self._tracker.new_iteration()
-        self._report_stale = True
+        self._reports.stale = True
 
     def update_scale(self, optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> None:
         """Apply the scale rule to the flags of ``optimizers`` without starting a new iteration
@@ -550,16 +475,15 @@ class GradScaler:
             raise RuntimeError(
                 "A GradScaler may only be pickled at the beginning of an iteration, or after scaler.update()."
             )
-        state = self.__dict__.copy()
-        state["_tracker"] = state["_check"] = None  # a disabled scaler records only clipping: nothing to carry
-        state["_watches"], state["_seen_loss"] = [], None  # hooks belong to this process's model
+        # A disabled scaler records only clipping: nothing per iteration to carry. Watches hook this process's model.
+        parts = ("_tracker", "_check", "_reports", "_stepper")
+        state = {k: v for k, v in self.__dict__.items() if k not in parts}
         state["_process_group"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._tracker = Tracker()
-        self._check = OverflowCheck(self._tracker, self._scale, self._enabled, None, self._gradients_sharded)
+        self._wire()
 
     # ------------------------------------------------------------------ helpers
     def __repr__(self) -> str:
@@ -584,15 +508,6 @@ def optimizer_list(
     return list({id(o): o for o in items}.values())  # an optimizer listed twice is still unscaled once
 
 
-def _detached(outputs: Any) -> Any:
-    """``outputs`` (a tensor or nested lists/tuples of them) detached: kept for a report, without its graph."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs.detach()
-    if isinstance(outputs, (list, tuple)):
-        return [_detached(o) for o in outputs]
-    return None
-
-
 def _tell_unscaled(optimizer: torch.optim.Optimizer) -> None:
     """User code runs next and may read or clip the gradients it knows (see ``dls.tracking``)."""
     hook = getattr(optimizer, "dls_gradients_unscaled", None)
@@ -603,10 +518,6 @@ def _tell_unscaled(optimizer: torch.optim.Optimizer) -> None:
 def _reject_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     if "closure" in kwargs or (args and callable(args[0])):
         raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-
-
-def _takes_scale_and_flag(optimizer: torch.optim.Optimizer) -> bool:
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 def _rebuild_tuple(original: tuple[Any, ...], items: list[Any]) -> tuple[Any, ...]:
