@@ -1,9 +1,10 @@
-"""How a run is launched and stopped: the device, ``torchrun``'s environment and process group, and the signals
-that ask a run to stop.
+"""How a run is launched, works across ranks and is stopped: the device, ``torchrun``'s environment and process
+group, what the trainer does through that group, and the signals that ask a run to stop.
 
 Data-parallel: under ``torchrun --nproc_per_node=2 -m dls.train.cli train CONFIG.yaml`` (same YAML; gloo on CPU,
 NCCL with one GPU per rank) ``dls train`` initialises ``torch.distributed`` (:func:`init_distributed`) and the
-trainer wraps the model in ``DistributedDataParallel``.
+trainer wraps the model in ``DistributedDataParallel`` (:func:`wrap_data_parallel`), sums its logged values over the
+ranks (:func:`sum_over_ranks`) and does what only rank 0 does through :func:`run_on_rank0`.
 
 Imports torch, ``dls.train.errors`` and the standard library only: the ``dls`` command uses :func:`torchrun_env`
 before it knows whether the ``train`` extra is installed.
@@ -15,21 +16,29 @@ import gc
 import os
 import signal
 import threading
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
-from dls.train.errors import Terminated
+from dls.train.errors import RankError, Terminated, describe, exit_status
+
+if TYPE_CHECKING:
+    from dls.train.data import Batch
+    from dls.train.models import TrainModel
 
 __all__ = [
     "StopRequest",
     "TorchrunEnv",
     "init_distributed",
     "resolve_device",
+    "run_on_rank0",
     "shutdown_distributed",
+    "sum_over_ranks",
     "torchrun_env",
+    "wrap_data_parallel",
 ]
 
 
@@ -89,6 +98,51 @@ def shutdown_distributed() -> None:
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+class _LossOf(torch.nn.Module):
+    """What ``DistributedDataParallel`` wraps: ``forward(batch)`` is the model's ``loss(batch)``, so the loss is
+    computed through DDP's forward (which prepares its gradient all-reduce)."""
+
+    def __init__(self, model: TrainModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return self.model.loss(batch)
+
+
+def wrap_data_parallel(model: TrainModel, device: torch.device) -> DistributedDataParallel:
+    """``model`` in ``DistributedDataParallel`` (on ``device``: a GPU of its own per rank, or the CPU), called
+    with a batch, returning ``model.loss(batch)``. The model itself stays unwrapped (checkpoints hold it)."""
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(_LossOf(model), device_ids=ids)
+
+
+def sum_over_ranks(values: Sequence[float], device: torch.device) -> list[float]:
+    """``values`` summed over the ranks of the default process group: one all-reduce (float64, on ``device``)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return [float(v) for v in tensor.tolist()]
+
+
+def run_on_rank0(action: Callable[[], None], rank: int, world_size: int) -> None:
+    """Run ``action`` on rank 0 alone. Data-parallel (``world_size`` > 1), its outcome is broadcast: when it
+    failed, every other rank raises :class:`RankError` with rank 0's message and exit status, so all ranks end
+    alike."""
+    error: Exception | None = None
+    if rank == 0:
+        try:
+            action()
+        except Exception as exc:
+            error = exc
+    if world_size > 1:
+        outcome = [None if error is None else (describe(error), int(exit_status(error)))]
+        dist.broadcast_object_list(outcome, src=0)
+        if rank != 0 and outcome[0] is not None:
+            raise RankError(*outcome[0])
+    if error is not None:
+        raise error
 
 
 class StopRequest:

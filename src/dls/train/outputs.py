@@ -35,15 +35,25 @@ from typing import IO, Any
 import yaml
 
 from dls.train import restore
+from dls.train.errors import MissingExtras
 from dls.train.plots import metrics_to_keep, plot_run, read_metrics
 from dls.train.rundir import RunDir, create_file, describe_holder, is_same_file, remove_temporaries
 
-__all__ = ["CONFIG_FILE", "METRICS_FILE", "PLOT_FILE", "TENSORBOARD_DIR", "RunOutputs", "TensorBoardEvents"]
+__all__ = [
+    "CONFIG_FILE",
+    "METRICS_FILE",
+    "PLOT_FILE",
+    "TENSORBOARD_DIR",
+    "RunOutputs",
+    "TensorBoardEvents",
+    "require_tensorboard",
+]
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "plots.png"
 CONFIG_FILE = "config.yaml"
 TENSORBOARD_DIR = "tensorboard"
+TENSORBOARD_HINT = "pip install 'dls[tensorboard]'"
 
 
 class RunOutputs:
@@ -184,3 +194,15 @@ class TensorBoardEvents:
 
     def close(self) -> None:
         self._file.close()
+
+
+def require_tensorboard() -> None:
+    """Raise :class:`MissingExtras` (exit status 2) when ``runconfig.tensorboard`` cannot work: TensorBoard's event
+    writer is not installed (the ``tensorboard`` extra). The trainer calls it before anything is built or written."""
+    try:
+        import tensorboard.summary.writer.record_writer  # noqa: F401
+        import torch.utils.tensorboard.summary  # noqa: F401
+    except ImportError as exc:
+        raise MissingExtras(
+            f"runconfig.tensorboard needs the 'tensorboard' extra ({exc}); install it with: {TENSORBOARD_HINT}"
+        ) from None

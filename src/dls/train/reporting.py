@@ -17,7 +17,15 @@ from rich.table import Table
 from dls.diagnostics.scales import pow2
 from dls.train.config import TrainConfig, loss_scaling_mode, scaler_settings
 
-__all__ = ["ProgressDisplay", "TrainResult", "describe_precision", "describe_scaling", "json_number", "print_summary"]
+__all__ = [
+    "ProgressDisplay",
+    "TrainResult",
+    "describe_precision",
+    "describe_run",
+    "describe_scaling",
+    "json_number",
+    "print_summary",
+]
 
 
 @dataclass
@@ -89,6 +97,20 @@ def describe_fp8(recipe: Mapping[str, Any]) -> str:
     defaults = RECIPE_NAMES[name]().to_dict()
     changed = [f"{k} {v}" for k, v in recipe.items() if k != "recipe" and defaults.get(k) != v]
     return ", ".join([f"{name} scaling", *changed])
+
+
+def describe_run(cfg: TrainConfig, start_step: int, model_dir: Path, world_size: int, device_type: str) -> str:
+    """The line a session starts with: model, data, precision, loss scaling, the steps from ``start_step``, where
+    the outputs go, and, data-parallel, the ranks and the global batch."""
+    text = (
+        f"{cfg.model.name} on {cfg.data.dataset}, {describe_precision(cfg)}, {describe_scaling(cfg)}; "
+        f"steps {start_step}->{cfg.runconfig.max_steps}; output in {model_dir}"
+    )
+    if world_size > 1:
+        text += (
+            f"; data-parallel on {world_size} ranks ({device_type}), global batch {world_size} x {cfg.data.batch_size}"
+        )
+    return text
 
 
 class ProgressDisplay:

@@ -7,17 +7,8 @@ backward, unscale, clip (``max_gradient_norm``, whose norm pass also gives the l
 step was applied is ``scaler.step_was_skipped``; the LR schedule is wrapped with ``dls.skip_aware``, so it advances
 on applied steps only.
 
-Precision modes beyond autocast:
-
-* ``precision.half_params``: the model's parameters are float16/bfloat16 (cbfloat16: float32 values on its grid),
-  the optimizer is wrapped by ``dls.master_weights`` (float32 masters, in the optimizer's state dict and so in the
-  checkpoints), there is no autocast: floating-point inputs are cast to the parameters' dtype, and the models
-  compute their loss in float32. ``precision.master_weights: false`` steps the half parameters directly (to show
-  what masters are for).
-* ``precision.fp8``: ``dls.fp8.emulate(model, recipe)`` right after the model is built (before DDP); its state
-  (delayed scaling's amax histories) is the checkpoint's ``fp8`` entry, which travels with the ``model`` state;
-  the grad_output flushed/saturated fractions are logged. The handle is removed when :meth:`Trainer.train`
-  returns, so the final evaluation is float32, as for every run (a Trainer with fp8 trains once).
+Precision beyond autocast (half parameters with float32 master weights, FP8 Linear layers) and the underflow
+measurements are set up by :class:`dls.train.precision.RunPrecision`; the FP8 state is the checkpoint's ``fp8`` entry.
 
 Diagnostics: ``scaler.watch(model)`` runs from the start. A skipped step's metrics row names the first module whose
 gradients overflowed (``overflow_module``, in backward order) and whether the loss was already inf/NaN
@@ -46,12 +37,10 @@ metrics, plots and the terminal output.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import gc
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -67,16 +56,18 @@ from dls.diagnostics import OverflowReport
 from dls.train import checkpoint as ckpt
 from dls.train import restore
 from dls.train.config import CHECKPOINT_STATES, TrainConfig, loss_scaling_mode, scaler_settings, to_dict
-from dls.train.data import Batch, BatchIterator, build_dataset
-from dls.train.errors import MissingExtras, RankError, TrainingStopped, describe, exit_status
-from dls.train.launch import StopRequest, resolve_device
-from dls.train.models import TrainModel, build_model, evaluate
+from dls.train.data import BatchIterator, build_dataset
+from dls.train.errors import TrainingStopped
+from dls.train.launch import StopRequest, resolve_device, run_on_rank0, sum_over_ranks, wrap_data_parallel
+from dls.train.models import build_model, evaluate
 from dls.train.optim import build_optimizer, build_scheduler
-from dls.train.outputs import RunOutputs
+from dls.train.outputs import RunOutputs, require_tensorboard
+from dls.train.precision import RunPrecision
 from dls.train.reporting import (
     ProgressDisplay,
     TrainResult,
     describe_precision,
+    describe_run,
     describe_scaling,
     json_number,
     print_summary,
@@ -85,21 +76,6 @@ from dls.train.rundir import check_unlocked, resolve_model_dir
 from dls.train.stops import FloorWatch, NonFiniteGradients, nonfinite_message, refuse_nonfinite_gradients
 
 __all__ = ["TrainResult", "Trainer", "TrainingStopped"]
-
-HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-TENSORBOARD_HINT = "pip install 'dls[tensorboard]'"
-
-
-class _LossOf(torch.nn.Module):
-    """What ``DistributedDataParallel`` wraps: ``forward(batch)`` is the model's ``loss(batch)``, so the loss is
-    computed through DDP's forward (which prepares its gradient all-reduce)."""
-
-    def __init__(self, model: TrainModel) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch: Batch) -> torch.Tensor:
-        return self.model.loss(batch)
 
 
 class Trainer:
@@ -158,26 +134,16 @@ class Trainer:
         )
         prec = cfg.precision
         self.model = build_model(cfg.model, self.dataset.info).to(self.device)
-        self.param_dtype = HALF_DTYPES.get(prec.param_dtype, torch.float32)
-        self.model.to(self.param_dtype)
-        self.fp8: dls.fp8.Fp8Handle | None = None
-        if prec.fp8 is not None:  # before DDP: delayed scaling reduces its amaxes over the same ranks
-            self.fp8 = dls.fp8.emulate(
-                self.model,
-                dls.fp8.recipe_from_dict(dict(prec.fp8)),
-                process_group=dist.group.WORLD if self.world_size > 1 else None,
-            )
+        # Before DDP: FP8's delayed scaling reduces its amaxes over the same ranks.
+        group = dist.group.WORLD if self.world_size > 1 else None
+        self.precision = RunPrecision(cfg, self.model, self.device, process_group=group)
         self.ddp: DistributedDataParallel | None = None
         if self.world_size > 1:
             # The same initial model everywhere (seeded alike; DDP also broadcasts rank 0's), then a random
             # stream of its own per rank (dropout).
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            self.ddp = DistributedDataParallel(_LossOf(self.model), device_ids=ids)
+            self.ddp = wrap_data_parallel(self.model, self.device)
             ckpt.seed_everything(rc.seed + self.rank)
-        optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
-        if prec.half_params and prec.master_weights:
-            optimizer = dls.master_weights(optimizer, fmt="cbfloat16" if prec.fp16_type == "cbfloat16" else None)
-        self.optimizer = optimizer
+        self.optimizer = self.precision.wrap_optimizer(build_optimizer(cfg.optimizer, self.model.parameters()))
         self.compute_dtype = cfg.precision.compute_dtype
         self.scaling = loss_scaling_mode(cfg)
         # The settings carry the half dtype (fp16_type): nothing process-global is read or set.
@@ -195,16 +161,18 @@ class Trainer:
         # Stops when the scale cannot help.
         repair = "precision.master_weights: true, " if prec.half_params and not prec.master_weights else ""
         self.floor = FloorWatch(rc.max_overflows_at_min_loss_scale, prec.fp16_type, self.model, repair)
-        self._emulation: Any = None
         self._last_checkpoint: Path | None = None
         self._last_skipped = False
         self._skipped_total: int | None = None  # as last read, on a logged step
         self._tail = (0, torch.zeros((), device=self.device), 0)  # (first step, loss sum, count): the final loss
-        self._underflows: list[float] = []
-        self._fp8_fractions: list[tuple[float, float]] = []  # (flushed, saturated) of grad_output, per logged row
         self._last_report: OverflowReport | None = None
         self._stop_agreed = False  # data-parallel: some rank was asked to stop (Ctrl-C), so all stop
         self._ended_together = False  # data-parallel: train() ended at the same point on every rank
+
+    @property
+    def fp8(self) -> dls.fp8.Fp8Handle | None:
+        """The ``dls.fp8.emulate`` handle of ``precision.fp8`` (``None`` without it)."""
+        return self.precision.fp8
 
     # ------------------------------------------------------------------ logging
     def log(self, message: str) -> None:
@@ -223,31 +191,9 @@ class Trainer:
         self.ddp = None
         gc.collect()
 
-    def _sum_over_ranks(self, values: Sequence[float]) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return [float(v) for v in tensor.tolist()]
-
     def _stop_requested(self, stop_request: StopRequest) -> bool:
         """Whether to stop before the next step: data-parallel, once the ranks agreed (at a logged step)."""
         return self._stop_agreed if self.world_size > 1 else stop_request.requested
-
-    def _on_main(self, action: Callable[[], None]) -> None:
-        """Run ``action`` on rank 0 alone. Data-parallel, its outcome is broadcast: when it failed, every other
-        rank raises :class:`RankError` with rank 0's message and exit status, so all ranks end alike."""
-        error: Exception | None = None
-        if self.is_main:
-            try:
-                action()
-            except Exception as exc:
-                error = exc
-        if self.world_size > 1:
-            outcome = [None if error is None else (describe(error), int(exit_status(error)))]
-            dist.broadcast_object_list(outcome, src=0)
-            if not self.is_main and outcome[0] is not None:
-                raise RankError(*outcome[0])
-        if error is not None:
-            raise error
 
     # ------------------------------------------------------------------ run
     def train(self, resume: str | Path | None = None, load_states: Sequence[str] | None = None) -> TrainResult:
@@ -275,7 +221,7 @@ class Trainer:
         states = tuple(load_states or self.cfg.runconfig.load_checkpoint_states or CHECKPOINT_STATES)
         path: Path | None = None
         unreadable: list[tuple[Path, str]] = []
-        self._on_main(lambda: check_unlocked(self.model_dir))
+        run_on_rank0(lambda: check_unlocked(self.model_dir), self.rank, self.world_size)
         if resume is not None:
             path, state, unreadable = ckpt.load_resume_checkpoint(resume)
             for bad, reason in unreadable:
@@ -300,7 +246,7 @@ class Trainer:
             finally:
                 self.crash_dir = self.model_dir if self.outputs.locked else None
 
-        self._on_main(open_outputs)
+        run_on_rank0(open_outputs, self.rank, self.world_size)
         try:
             return self._train(session_start)
         finally:
@@ -310,21 +256,11 @@ class Trainer:
         cfg, rc = self.cfg, self.cfg.runconfig
         for warning in cfg.warnings:
             self.log(f"warning: {warning}")
-        self.log(
-            f"{cfg.model.name} on {cfg.data.dataset}, {describe_precision(cfg)}, {describe_scaling(cfg)}; "
-            f"steps {self.global_step}->{rc.max_steps}; output in {self.model_dir}"
-            + (
-                f"; data-parallel on {self.world_size} ranks ({self.device.type}), global batch "
-                f"{self.world_size} x {cfg.data.batch_size}"
-                if self.world_size > 1
-                else ""
-            )
-        )
+        self.log(describe_run(cfg, self.global_step, self.model_dir, self.world_size, self.device.type))
         start_step = self.global_step
         tail = max(1, (rc.max_steps - start_step) // 10)  # the final loss: mean over the last 10% of the session
         self._tail = (rc.max_steps - tail + 1, torch.zeros((), device=self.device), 0)
-        if cfg.precision.emulated:
-            self._emulation = dls.emulate(self.model, self.compute_dtype, track_stats=cfg.optimizer.log_summaries)
+        self.precision.start_session()
         display = ProgressDisplay(
             self.console, self.show_progress and self.is_main, rc.max_steps, self.global_step, cfg.model.name
         )
@@ -358,36 +294,29 @@ class Trainer:
         except TrainingStopped as stop:
             display.close()
             self._ended_together = True  # decided alike on every rank: the scaler state agrees
-            self._remove_hooks()
+            self.precision.remove_hooks()
             stop.result = self._result(start_step, time.perf_counter() - session_start)
             raise
         finally:
             display.close()
-            self._remove_hooks()
-        if self._last_checkpoint is None or self._checkpoint_step(self._last_checkpoint) != self.global_step:
+            self.precision.remove_hooks()
+        if self._last_checkpoint != ckpt.checkpoint_path(self.model_dir, self.global_step):  # not saved yet
             self._save(session_start)
         result = self._result(start_step, time.perf_counter() - session_start)
         if self.show_summary and self.is_main:
             print_summary(self.console, self.cfg, result)
         return result
 
-    def _remove_hooks(self) -> None:
-        """Take out the emulation hooks of this session (the evaluation after training is float32)."""
-        if self._emulation is not None:
-            self._emulation.remove()
-            self._emulation = None
-        if self.fp8 is not None:  # its state stays readable for the final checkpoint
-            self.fp8.remove()
-
     def _result(self, start_step: int, session_time: float) -> TrainResult:
         """What the session did (finished or stopped), with the plot written and the model evaluated."""
         _, loss_sum, count = self._tail
         final_loss = float(loss_sum) / count if count else None
         if final_loss is not None and self.world_size > 1:
-            final_loss = self._sum_over_ranks([final_loss])[0] / self.world_size
+            final_loss = sum_over_ranks([final_loss], self.device)[0] / self.world_size
         self._ended_together = True
         plot_path = self._plot()
         enabled = self.scaler.is_enabled()
+        grad_underflow, fp8_flushed, fp8_saturated = self.precision.means()
         result = TrainResult(
             model_dir=self.model_dir,
             global_step=self.global_step,
@@ -397,9 +326,9 @@ class Trainer:
             skipped_steps=self.scaler.get_num_skipped_steps(),
             loss_scale=self.scaler.get_scale() if enabled else None,
             scaling=self.scaling,
-            grad_underflow=sum(self._underflows) / len(self._underflows) if self._underflows else None,
-            fp8_flushed=_mean([f for f, _ in self._fp8_fractions]),
-            fp8_saturated=_mean([s for _, s in self._fp8_fractions]),
+            grad_underflow=grad_underflow,
+            fp8_flushed=fp8_flushed,
+            fp8_saturated=fp8_saturated,
             wall_time=session_time,
             checkpoint=self._last_checkpoint,
             metrics_path=self.metrics_path,
@@ -413,12 +342,12 @@ class Trainer:
         cfg, rc, opt_cfg = self.cfg, self.cfg.runconfig, self.cfg.optimizer
         step = self.global_step + 1
         log_now = step % rc.log_steps == 0 or step == rc.max_steps or step == 1
-        batch = self._to_device(self.batches.next())
+        batch = self.precision.to_device(self.batches.next())
         underflow = None
-        if opt_cfg.log_summaries and log_now and self.compute_dtype != "float32" and self._probe_applies:
-            underflow = self._probe_underflow(batch)
+        if log_now and self.precision.probes_underflow:
+            underflow = self.precision.probe_underflow(batch, self.scaler.get_scale())
         lr = float(self.optimizer.param_groups[0]["lr"])
-        with self._autocast():
+        with self.precision.autocast():
             loss = self.model.loss(batch) if self.ddp is None else self.ddp(batch)
         weighted = loss * cfg.model.loss_weight if cfg.model.loss_weight != 1.0 else loss
         try:
@@ -439,17 +368,12 @@ class Trainer:
         first, loss_sum, count = self._tail
         if step >= first:
             self._tail = (first, loss_sum + loss.detach().float(), count + 1)
-        if self._emulation is not None and opt_cfg.log_summaries and log_now:
-            underflow = self._emulation.stats.underflow_fraction
-            self._emulation.stats.reset()
+        if log_now and (emulated := self.precision.emulated_underflow()) is not None:
+            underflow = emulated
         self._last_skipped = skipped
         if not (log_now or skipped):
             return None
-        fp8: list[float] = []
-        if self.fp8 is not None:  # the casts since the previous row
-            totals = self.fp8.stats.totals()["grad_output"]
-            self.fp8.stats.reset()
-            fp8 = [float(totals["flushed_fraction"]), float(totals["saturated_fraction"])]
+        fp8 = self.precision.fp8_fractions()  # the casts since the previous row
         norm = result.grad_norm if result.grad_norm is not None else torch.full((), math.nan)
         loss_value, scale_used, grad_norm = torch.stack(
             [loss.detach().float(), result.loss_scale.float().to(loss.device), norm.float().to(loss.device)]
@@ -457,15 +381,12 @@ class Trainer:
         if self.world_size > 1:  # alike on every rank: skipping is agreed
             # One all-reduce: the mean loss, underflow and FP8 fractions over the ranks, and whether any rank got
             # Ctrl-C.
-            sums = self._sum_over_ranks([loss_value, underflow or 0.0, float(stop_requested), *fp8])
+            sums = sum_over_ranks([loss_value, underflow or 0.0, float(stop_requested), *fp8], self.device)
             loss_value = sums[0] / self.world_size
             underflow = sums[1] / self.world_size if underflow is not None else None
             self._stop_agreed = self._stop_agreed or sums[2] > 0
             fp8 = [v / self.world_size for v in sums[3:]]
-        if underflow is not None:
-            self._underflows.append(underflow)
-        if fp8:
-            self._fp8_fractions.append((fp8[0], fp8[1]))
+        self.precision.record(underflow, fp8)
         enabled = self.scaler.is_enabled()
         self._skipped_total = self.scaler.get_num_skipped_steps() if enabled else None
         row: dict[str, Any] = {
@@ -487,41 +408,6 @@ class Trainer:
             row["overflow_module"] = report.first_module if report is not None else None
             row["forward_overflow"] = report.forward if report is not None else None
         return row
-
-    def _to_device(self, batch: Batch) -> Batch:
-        """``batch`` on the run's device; with half parameters, floating-point inputs in their dtype (no autocast)."""
-        x, y = batch
-        dtype = self.param_dtype if x.is_floating_point() else None
-        return x.to(self.device, dtype=dtype, non_blocking=True), y.to(self.device, non_blocking=True)
-
-    @property
-    def _probe_applies(self) -> bool:
-        """Whether :meth:`_probe_underflow` measures this run: not under ``dls.emulate`` (its own statistics count
-        the same thing) nor FP8 (whose casts are counted by ``dls.fp8``, and whose delayed scaling would record the
-        probe's amaxes)."""
-        return self._emulation is None and self.fp8 is None
-
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.compute_dtype in HALF_DTYPES and self._emulation is None and not self.cfg.precision.half_params:
-            dtype = torch.float16 if self.compute_dtype == "float16" else torch.bfloat16
-            return torch.autocast(self.device.type, dtype=dtype)
-        return contextlib.nullcontext()
-
-    def _probe_underflow(self, batch: Batch) -> float:
-        """The fraction of nonzero activation gradients that the half format flushes to zero at the current
-        loss scale, from one emulated backward pass on ``batch`` (parameters' ``.grad`` and every RNG untouched)."""
-        scale = self.scaler.get_scale()
-        model = self.model
-        if self.param_dtype != torch.float32:  # half parameters: a float32 copy holds the same values
-            model = copy.deepcopy(model).float()
-            batch = (batch[0].float() if batch[0].is_floating_point() else batch[0], batch[1])
-        params = [p for p in model.parameters() if p.requires_grad]
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), dls.emulate(model, self.compute_dtype) as handle:
-            loss = model.loss(batch) * (self.cfg.model.loss_weight * scale)
-            torch.autograd.grad(loss, params, allow_unused=True)
-        assert handle.stats is not None
-        return float(handle.stats.underflow_fraction)
 
     # ------------------------------------------------------------------ stops (dls.train.stops)
     def _stop_without_scaling(self, step: int, loss: torch.Tensor, session_start: float) -> NoReturn:
@@ -583,28 +469,8 @@ class Trainer:
         self._last_checkpoint = path
         return path
 
-    @staticmethod
-    def _checkpoint_step(path: Path) -> int:
-        return int(path.stem.split("_")[-1])
-
     def _plot(self) -> Path | None:
         if not (self.write_plot and self.is_main):
             return None
         title = f"{self.cfg.model.name}, {describe_precision(self.cfg)}\n{describe_scaling(self.cfg)}"
         return self.outputs.plot(title)
-
-
-def _mean(values: Sequence[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
-def require_tensorboard() -> None:
-    """Raise :class:`MissingExtras` (exit status 2) when ``runconfig.tensorboard`` cannot work: TensorBoard's event
-    writer is not installed (the ``tensorboard`` extra)."""
-    try:
-        import tensorboard.summary.writer.record_writer  # noqa: F401
-        import torch.utils.tensorboard.summary  # noqa: F401
-    except ImportError as exc:
-        raise MissingExtras(
-            f"runconfig.tensorboard needs the 'tensorboard' extra ({exc}); install it with: {TENSORBOARD_HINT}"
-        ) from None

@@ -1,0 +1,169 @@
+"""How a run computes (``precision:``): the model's parameter dtype, FP8 Linear layers, master weights, the forward
+pass's autocast or ``dls.emulate`` hooks, and what each logged row measures of the half format.
+
+* ``mixed_precision`` alone: the forward pass runs under ``torch.autocast`` (float16/bfloat16), or, for cbfloat16
+  and ``precision.emulate``, under ``dls.emulate`` hooks installed for each training session.
+* ``precision.half_params``: the model's parameters are float16/bfloat16 (cbfloat16: float32 values on its grid),
+  the optimizer is wrapped by ``dls.master_weights`` (float32 masters, in the optimizer's state dict and so in the
+  checkpoints), there is no autocast: floating-point inputs are cast to the parameters' dtype, and the models
+  compute their loss in float32. ``precision.master_weights: false`` steps the half parameters directly (to show
+  what masters are for).
+* ``precision.fp8``: ``dls.fp8.emulate(model, recipe)`` right after the model is built (before DDP); its state
+  (delayed scaling's amax histories) is the checkpoint's ``fp8`` entry, which travels with the ``model`` state;
+  the grad_output flushed/saturated fractions are logged. The handle is removed when ``Trainer.train`` returns,
+  so the final evaluation is float32, as for every run (a Trainer with fp8 trains once).
+
+Gradient underflow (``optimizer.log_summaries``, logged steps only): under ``dls.emulate`` its own statistics since
+the previous logged step; otherwise, in a half-precision run without FP8, one emulated backward pass of the step's
+batch (:meth:`RunPrecision.probe_underflow`). The logged values, averaged over the ranks by the trainer, are kept
+(:meth:`RunPrecision.record`) for the run's summary (:meth:`RunPrecision.means`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import dls
+import dls.fp8
+from dls.emulate import EmulationHandle
+from dls.train.config import TrainConfig
+from dls.train.data import Batch
+from dls.train.models import TrainModel
+
+__all__ = ["HALF_DTYPES", "RunPrecision"]
+
+HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class RunPrecision:
+    """The precision set-up of ``cfg`` applied to ``model`` (on ``device``): casts the model to the parameters'
+    dtype and, with ``precision.fp8``, installs FP8 Linear layers (``process_group``: the ranks of a data-parallel
+    run, whose delayed scaling reduces its amaxes over them; call this before wrapping the model in DDP).
+
+    Attributes:
+        fp8: the ``dls.fp8.emulate`` handle (``None`` without ``precision.fp8``).
+        param_dtype: the dtype of the model's parameters (and of the floating-point inputs: see :meth:`to_device`).
+    """
+
+    def __init__(self, cfg: TrainConfig, model: TrainModel, device: torch.device, process_group: Any = None) -> None:
+        prec = cfg.precision
+        self.model = model
+        self.device = device
+        self.compute_dtype = prec.compute_dtype
+        self.half_params = prec.half_params
+        self.master_weights = prec.half_params and prec.master_weights
+        self.fp16_type = prec.fp16_type
+        self.emulated = prec.emulated
+        self.log_summaries = cfg.optimizer.log_summaries
+        self.loss_weight = cfg.model.loss_weight
+        self.param_dtype = HALF_DTYPES.get(prec.param_dtype, torch.float32)
+        model.to(self.param_dtype)
+        self.fp8: dls.fp8.Fp8Handle | None = None
+        if prec.fp8 is not None:
+            self.fp8 = dls.fp8.emulate(model, dls.fp8.recipe_from_dict(dict(prec.fp8)), process_group=process_group)
+        self.emulation: EmulationHandle | None = None  # dls.emulate's hooks, while a session trains
+        self._underflows: list[float] = []
+        self._fp8_fractions: list[tuple[float, float]] = []  # (flushed, saturated) of grad_output, per logged row
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """``optimizer`` stepping float32 masters (``dls.master_weights``) with half parameters and master weights,
+        else ``optimizer`` itself."""
+        if not self.master_weights:
+            return optimizer
+        return dls.master_weights(optimizer, fmt="cbfloat16" if self.fp16_type == "cbfloat16" else None)
+
+    def start_session(self) -> None:
+        """Install this session's ``dls.emulate`` hooks (cbfloat16, ``precision.emulate``)."""
+        if self.emulated:
+            self.emulation = dls.emulate(self.model, self.compute_dtype, track_stats=self.log_summaries)
+
+    def remove_hooks(self) -> None:
+        """Take out the emulation hooks of this session and FP8's (the evaluation after training is float32); the
+        FP8 state stays readable for the final checkpoint."""
+        if self.emulation is not None:
+            self.emulation.remove()
+            self.emulation = None
+        if self.fp8 is not None:
+            self.fp8.remove()
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The forward pass's context: ``torch.autocast`` for float16/bfloat16 without emulation or half
+        parameters, else nothing."""
+        if self.compute_dtype in HALF_DTYPES and self.emulation is None and not self.half_params:
+            dtype = torch.float16 if self.compute_dtype == "float16" else torch.bfloat16
+            return torch.autocast(self.device.type, dtype=dtype)
+        return contextlib.nullcontext()
+
+    def to_device(self, batch: Batch) -> Batch:
+        """``batch`` on the run's device; with half parameters, floating-point inputs in their dtype (no autocast)."""
+        x, y = batch
+        dtype = self.param_dtype if x.is_floating_point() else None
+        return x.to(self.device, dtype=dtype, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    @property
+    def probes_underflow(self) -> bool:
+        """Whether logged steps measure underflow with :meth:`probe_underflow`: with ``log_summaries`` in a
+        half-precision run, but not under ``dls.emulate`` (its own statistics count the same thing) nor FP8 (whose
+        casts are counted by ``dls.fp8``, and whose delayed scaling would record the probe's amaxes)."""
+        return self.log_summaries and self.compute_dtype != "float32" and self.emulation is None and self.fp8 is None
+
+    def probe_underflow(self, batch: Batch, scale: float) -> float:
+        """The fraction of nonzero activation gradients that the half format flushes to zero at loss scale
+        ``scale``, from one emulated backward pass on ``batch`` (parameters' ``.grad`` and every RNG untouched)."""
+        model: TrainModel = self.model
+        if self.param_dtype != torch.float32:  # half parameters: a float32 copy holds the same values
+            model = copy.deepcopy(model).float()
+            batch = (batch[0].float() if batch[0].is_floating_point() else batch[0], batch[1])
+        params = [p for p in model.parameters() if p.requires_grad]
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), dls.emulate(model, self.compute_dtype) as handle:
+            loss = model.loss(batch) * (self.loss_weight * scale)
+            torch.autograd.grad(loss, params, allow_unused=True)
+        assert handle.stats is not None
+        return float(handle.stats.underflow_fraction)
+
+    def emulated_underflow(self) -> float | None:
+        """Under ``dls.emulate`` with ``log_summaries``: the underflow its statistics counted since the last call
+        (which resets them); else ``None``."""
+        if self.emulation is None or not self.log_summaries:
+            return None
+        stats = self.emulation.stats
+        assert stats is not None, "log_summaries installs the hooks with track_stats"
+        underflow = stats.underflow_fraction
+        stats.reset()
+        return underflow
+
+    def fp8_fractions(self) -> list[float]:
+        """With FP8: ``[flushed, saturated]``, the fractions of nonzero grad_output values its casts flushed to zero
+        and saturated since the last call (which resets the statistics, one read); else ``[]``."""
+        if self.fp8 is None:
+            return []
+        totals = self.fp8.stats.totals()["grad_output"]
+        self.fp8.stats.reset()
+        return [float(totals["flushed_fraction"]), float(totals["saturated_fraction"])]
+
+    def record(self, underflow: float | None, fp8: Sequence[float]) -> None:
+        """Keep a logged row's ``grad_underflow`` (``None``: not measured) and FP8 fractions (as
+        :meth:`fp8_fractions` gives them, after averaging over the ranks) for :meth:`means`."""
+        if underflow is not None:
+            self._underflows.append(underflow)
+        if fp8:
+            self._fp8_fractions.append((fp8[0], fp8[1]))
+
+    def means(self) -> tuple[float | None, float | None, float | None]:
+        """The means of the recorded underflow, FP8 flushed and FP8 saturated fractions (``None`` where none was
+        recorded), over every row recorded since this object was built."""
+        return (
+            _mean(self._underflows),
+            _mean([f for f, _ in self._fp8_fractions]),
+            _mean([s for _, s in self._fp8_fractions]),
+        )
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
