@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from bench_scaler import Case, add_common_args, describe, interleave, print_table, ratio, setup, spread
-from bench_step import TinyLM
+from bench_step import TinyLM, token_batches
 
 import dls
 from dls.master_weights import MasterWeights, master_weights
@@ -223,11 +223,7 @@ def model_and_batches(
 ) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
     torch.manual_seed(args.seed)
     base = TinyLM(args.vocab, args.width, args.layers, args.heads, args.context).to(device)
-    gen = torch.Generator().manual_seed(args.seed)
-    batches = []
-    for _ in range(2):
-        tokens = torch.randint(args.vocab, (batch, args.context + 1), generator=gen).to(device)
-        batches.append((tokens[:, :-1], tokens[:, 1:]))
+    batches = token_batches(args.vocab, batch, args.context, 2, args.seed, device)
     return base, batches
 
 

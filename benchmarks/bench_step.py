@@ -73,6 +73,15 @@ class TinyLM(torch.nn.Module):
         return self.head(self.norm(x))
 
 
+def token_batches(
+    vocab: int, batch: int, context: int, count: int, seed: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` random (inputs, next-token targets) batches for ``TinyLM``, the same for a given seed."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(vocab, (batch, context + 1), generator=gen).to(device) for _ in range(count)]
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
 @contextlib.contextmanager
 def count_reads(calls: list[str]) -> Iterator[None]:
     saved = {name: torch.Tensor.__dict__.get(name) for name in SYNC_METHODS}
@@ -128,11 +137,7 @@ def make_step(
 def run(args: argparse.Namespace, device: torch.device, fused: bool, amp_dtype: torch.dtype) -> list[Any]:
     torch.manual_seed(args.seed)
     base = TinyLM(args.vocab, args.width, args.layers, args.heads, args.context).to(device)
-    gen = torch.Generator().manual_seed(args.seed)
-    batches = []
-    for _ in range(4):
-        tokens = torch.randint(args.vocab, (args.batch, args.context + 1), generator=gen).to(device)
-        batches.append((tokens[:, :-1], tokens[:, 1:]))
+    batches = token_batches(args.vocab, args.batch, args.context, 4, args.seed, device)
 
     variants: dict[str, Any] = {
         "none": None,

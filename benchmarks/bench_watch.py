@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from bench_scaler import Case, add_common_args, describe, interleave, print_table, ratio, setup, spread, verdict
-from bench_step import TinyLM
+from bench_step import TinyLM, token_batches
 
 import dls
 
@@ -66,11 +66,7 @@ class Variant:
 def transformer(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, Callable[..., Any]]:
     torch.manual_seed(args.seed)
     model = TinyLM(args.vocab, args.width, args.layers, args.heads, args.context).to(device)
-    gen = torch.Generator().manual_seed(args.seed)
-    batches = []
-    for _ in range(4):
-        tokens = torch.randint(args.vocab, (args.batch, args.context + 1), generator=gen).to(device)
-        batches.append((tokens[:, :-1], tokens[:, 1:]))
+    batches = token_batches(args.vocab, args.batch, args.context, 4, args.seed, device)
 
     def loss_of(m: torch.nn.Module, step: int) -> torch.Tensor:
         tokens, targets = batches[step % len(batches)]
