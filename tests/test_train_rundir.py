@@ -165,14 +165,21 @@ def test_a_last_metrics_line_cut_by_a_kill_is_dropped(tmp_path: Path) -> None:
     assert [r["step"] for r in metrics(run)] == [1, 2, 3]
 
 
-# ---------------------------------------------------------------------- a kill during a partial-state load
-def test_kill_during_a_partial_state_resume_leaves_the_run_resumable(tmp_path: Path) -> None:
-    """Model Zoo's in-place load of every state but grad_scaler, killed between writing a checkpoint and renaming
-    it: the previous checkpoint stays the latest, the temporary file is cleaned by the next save."""
+# ---------------------------------------------------------------------- a kill between write and rename
+@pytest.mark.parametrize(
+    "states",
+    [None, ("model", "optimizer", "dataloader", "lr_scheduler", "global_step", "rng")],
+    ids=["full resume", "partial-state resume"],
+)
+def test_kill_between_writing_and_renaming_a_checkpoint_leaves_the_run_resumable(
+    tmp_path: Path, states: tuple[str, ...] | None
+) -> None:
+    """A resume (a plain one, or Model Zoo's in-place load of every state but grad_scaler) killed after writing a
+    checkpoint (complete and fsync-ed) but before renaming it: the previous checkpoint stays the latest, the run
+    continues from it, and the next save cleans the temporary file and the dead run's lock."""
     run = tmp_path / "run"
     raw = tiny(run, runconfig={"max_steps": 3, "checkpoint_steps": 3})
     make_trainer(raw)[0].train()
-    states = ("model", "optimizer", "dataloader", "lr_scheduler", "global_step", "rng")
     script = textwrap.dedent(
         f"""
         import os, signal, torch
@@ -197,6 +204,7 @@ def test_kill_during_a_partial_state_resume_leaves_the_run_resumable(tmp_path: P
     names = os.listdir(run)
     assert any(n.startswith(".checkpoint_") and n.endswith(".tmp") for n in names) and LOCK_FILE in names
     assert ckpt.find_checkpoint(run).name == "checkpoint_3.mdl"
+    assert ckpt.load_checkpoint(ckpt.find_checkpoint(run))["global_step"] == 3
     raw["runconfig"]["max_steps"] = 4
     result = make_trainer(raw)[0].train(resume=run, load_states=states)
     assert result.global_step == 4
