@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dls.policy import scale_problem
 from dls.settings import ScalerSettings, SettingsError
 
 STATE_KEYS = ("loss_scale", "steps_since_rescale", "overflows_since_rescale", "num_skipped_steps", "hysteresis_hits")
@@ -91,14 +92,11 @@ def parse_state_dict(state_dict: Any, settings: ScalerSettings) -> Loaded:
                 raise ValueError(f"state_dict['loss_scale'] must be a positive finite number; got {number!r}")
             scale = float(number)
             if settings.mode == "dynamic":  # a scale from elsewhere is brought into this scaler's bounds
-                low = min(settings.min_loss_scale, settings.max_loss_scale)
-                bounded = min(max(scale, low), settings.max_loss_scale)
+                bounded = min(max(scale, settings.min_loss_scale), settings.max_loss_scale)
                 clamped = scale if bounded != scale else None
                 scale = bounded
-            elif not (2.0**-126 <= scale <= torch.finfo(torch.float32).max):
-                raise ValueError(
-                    f"state_dict['loss_scale'] must be a normal float32 (2**-126 to 3.4028e38); got {number!r}"
-                )
+            elif problem := scale_problem("state_dict['loss_scale']", scale):
+                raise ValueError(problem)
             values[key] = scale
         else:
             if not (_integral(number) and 0 <= number <= COUNTER_MAX[key]):
