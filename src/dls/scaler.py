@@ -392,15 +392,19 @@ class GradScaler:
         return self._stepper.if_finite(optimizer, state, args, kwargs)
 
     # ------------------------------------------------------------------ diagnostics
-    def watch(self, model: torch.nn.Module) -> OverflowWatch:
+    def watch(self, model: torch.nn.Module, *, fallback: bool = False) -> OverflowWatch:
         """Name ``model``'s parameters and modules and record the order backward produces their gradients, so that
         after an overflowing step ``overflow_report()`` says where it started (``dls.diagnostics.watch``).
+
+        ``fallback=True``: modules whose half-precision output overflows are found and kept in float32 from then on
+        (``dls.diagnostics.fallback``); ``watch.kept_in_float32`` lists them, and the scaler's state dict carries
+        them (key ``kept_in_float32``), whether the watch is made before or after ``load_state_dict``.
 
         Clean steps cost no kernel: a Python-only hook per parameter in backward (about 1 µs each on a CPU), no
         extra work in ``step`` or ``update`` on the default path; on the fused and sync-free paths ``step`` reads the
         overflow flag once while a watch is active. ``watch(...).remove()`` (or ``with``) takes the hooks out.
         """
-        return self._reports.watch(model)
+        return self._reports.watch(model, fallback, self._process_group)
 
     def overflow_report(self) -> OverflowReport | None:
         """Where this iteration's overflow started (first module in backward order, the parameters with inf/NaN
@@ -452,7 +456,7 @@ class GradScaler:
         if not self._enabled:
             return {}
         values = self._scale.values()
-        return to_state_dict(values, self._scale.settings)
+        return {**to_state_dict(values, self._scale.settings), **self._reports.kept_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dls or a ``torch.amp.GradScaler`` state dict: keys present replace, missing keys keep their
@@ -460,6 +464,7 @@ class GradScaler:
         outside this scaler's bounds is clamped into them, with a warning. Nothing changes on a bad value."""
         if not self._enabled:
             return
+        state_dict, load_kept = self._reports.load_kept(state_dict)
         loaded = parse_state_dict(state_dict, self._scale.settings)
         if loaded.clamped is not None:
             warnings.warn(
@@ -469,6 +474,7 @@ class GradScaler:
                 stacklevel=2,
             )
         self._scale.load(loaded.values, loaded.settings)
+        load_kept()
 
     def __getstate__(self) -> dict[str, Any]:
         if self._enabled and self._tracker.iteration:

@@ -30,14 +30,50 @@ class Reports:
         self.seen_loss: Any = None  # what the last scale() was given, detached, while a watch is active
         self.report: OverflowReport | None = None
         self.stale = False  # update() ran: the next scale() starts an iteration without a report
+        self.kept: list[str] | None = None  # a loaded state dict's kept_in_float32, for fallback watches made later
 
-    def watch(self, model: torch.nn.Module) -> OverflowWatch:
+    def watch(self, model: torch.nn.Module, fallback: bool = False, process_group: Any = None) -> OverflowWatch:
         from dls.diagnostics.watch import OverflowWatch
 
         self.watches = [w for w in self.watches if w.active]
-        watch = OverflowWatch(model)
+        watch = OverflowWatch(model, fallback=fallback, process_group=process_group)
+        if fallback and self.kept is not None:
+            try:
+                watch.keep(self.kept, "the loaded state_dict['kept_in_float32']")
+            except ValueError:
+                watch.remove()
+                raise
         self.watches.append(watch)
         return watch
+
+    def kept_state(self) -> dict[str, list[str]]:
+        """``{"kept_in_float32": names}`` for the scaler's state dict while a fallback watch is active (or a loaded
+        list waits for one); ``{}`` otherwise."""
+        kept = [w.kept_in_float32 for w in self.active() if w.fallback is not None]
+        if not kept:
+            return {} if self.kept is None else {"kept_in_float32": list(self.kept)}
+        return {"kept_in_float32": list(dict.fromkeys(name for names in kept for name in names))}
+
+    def load_kept(self, state_dict: Any) -> tuple[Any, Any]:
+        """Split ``kept_in_float32`` off a state dict and check it against the active fallback watches; returns the
+        rest and a function that applies it (called once the rest has loaded)."""
+        if not isinstance(state_dict, dict) or "kept_in_float32" not in state_dict:
+            return state_dict, lambda: None
+        rest = {k: v for k, v in state_dict.items() if k != "kept_in_float32"}
+        names = state_dict["kept_in_float32"]
+        what = "state_dict['kept_in_float32']"
+        fallbacks = [w for w in self.active() if w.fallback is not None]
+        checked = [w.fallback.check_names(names, what) for w in fallbacks if w.fallback is not None]
+        if not fallbacks and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
+            raise ValueError(f"{what} must be a list of module names; got {names!r}")
+
+        def apply() -> None:
+            self.kept = list(names)
+            for watch, modules in zip(fallbacks, checked):
+                assert watch.fallback is not None
+                watch.fallback.keep(modules)
+
+        return rest, apply
 
     def active(self) -> list[OverflowWatch]:
         return [w for w in self.watches if w.active]
@@ -53,7 +89,7 @@ class Reports:
         if self.report is not None:
             return  # the iteration's first overflowing step has reported already
         value = float(scale.tensor)  # the overflow path: one more read is fine
-        reports = [w.build_report(self.seen_loss, loss_scale=value) for w in watches]
+        reports = [w.after_skip(w.build_report(self.seen_loss, loss_scale=value)) for w in watches]
         self.report = next((r for r in reports if r.first_module is not None), reports[0] if reports else None)
 
 

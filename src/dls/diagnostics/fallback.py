@@ -1,0 +1,251 @@
+"""The float32 fallback of ``scaler.watch(model, fallback=True)``: modules whose half-precision output overflows are
+found and kept in float32 (``dls.keep_in_float32``), automatically.
+
+When a step is skipped and its loss was already inf/NaN (the forward pass overflowed: no loss scale can fix that),
+the fallback first checks the parameters: non-finite parameters are not a range problem, so nothing is kept and
+the report names them. Otherwise it *arms*: temporary hooks on every module of the model for the next forward pass
+with gradients enabled (passes under ``torch.no_grad()``, e.g. evaluation, are ignored). That pass records, per
+module call in completion order, whether its floating inputs were finite and whether its outputs are, as device
+flags read back once when the pass ends; the hooks are then removed. The module where the overflow was born is the
+first call that produced a non-finite output from finite inputs (its parameters were checked already); a parent
+completes after its children, so the innermost module is named.
+
+At that pass's own skipped step the module is kept in float32 from then on and a warning names it, with the
+largest |output| it gives in float32 (measured once, on the inputs of the armed pass, without gradients, with the
+RNG states and the module's buffers restored). Two skipped steps per kept module, then: the one that showed the
+overflow and the armed one. If the kept module's float32 output still overflows the next half-precision op, that
+consumer is found the same way at the next overflow. An armed pass that finds nothing (non-finite inputs, an
+overflow outside any module, e.g. in the loss function) at a forward-overflow skip counts as fruitless; after 3 the
+fallback disarms for good and says so.
+
+Clean steps cost nothing: no hook exists until a forward overflow has been seen. Overflows born in backward
+(scaled gradients: the loss was finite) never arm anything: they are the loss scale's job.
+
+Distributed: at a forward-overflow skip (which every rank takes, the overflow flag being agreed) the ranks agree
+with one MAX all-reduce of one number: 0 no forward overflow anywhere, 1 a forward overflow but no module found,
+``2 + (M - 1 - i)`` module ``i`` (of ``M`` in ``named_modules()`` order) found, so that the earliest module found on
+any rank wins. It runs only on skipped steps, so clean steps gain no collective; every rank must watch with
+``fallback=True``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from dls import distributed
+from dls.keep import KeptInFloat32, resolve_modules
+
+__all__ = ["Fallback"]
+
+FRUITLESS_LIMIT = 3  # armed passes that find nothing before the fallback disarms for good
+
+
+class Fallback:
+    """The fallback state of one watch: the kept modules, the armed hooks and what the last armed pass found."""
+
+    def __init__(self, root: nn.Module, params: dict[torch.Tensor, str], process_group: Any) -> None:
+        self.root = root
+        self.modules: list[tuple[str, nn.Module]] = list(root.named_modules())
+        self.params = params
+        self.process_group = process_group
+        self.kept = KeptInFloat32(root, [])
+        self.fruitless = 0
+        self.disarmed = False
+        self._hooks: list[RemovableHandle] = []
+        self._recording = False
+        self._calls: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (module index, inputs ok, outputs ok)
+        self._open: dict[int, list[torch.Tensor]] = {}  # inputs ok of the calls still running, per module index
+        self._inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        self._found: int | None = None  # module index the last armed pass found
+        self._pass_done = False
+
+    # ------------------------------------------------------------------ kept modules
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.kept.names
+
+    def check_names(self, names: Any, what: str) -> list[tuple[str, nn.Module]]:
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{what} must be a list of module names; got {names!r}")
+        return resolve_modules(self.root, names, what)
+
+    def keep(self, modules: Iterable[tuple[str, nn.Module]]) -> None:
+        for name, module in modules:
+            self.kept.add(name, module)
+
+    # ------------------------------------------------------------------ the skip path
+    def after_skip(self, forward: bool | None) -> tuple[str, ...]:
+        """A step was skipped; ``forward``: whether this rank's loss was inf/NaN. Keeps, arms or gives up (see the
+        module docstring); returns the names of non-finite parameters (nothing is kept or armed then)."""
+        found, pass_done = self._found, self._pass_done
+        self._found, self._pass_done = None, False
+        code = 0
+        if forward:
+            code = 1 if found is None else 2 + (len(self.modules) - 1 - found)
+        if distributed.is_active(self.process_group):
+            agreed = distributed.agree_on_overflow(torch.tensor(float(code), dtype=torch.float64), self.process_group)
+            code = int(agreed.item())
+        if code == 0 or self.disarmed:
+            self._inputs.clear()
+            return ()
+        broken = self._non_finite_parameters()
+        if broken:
+            self._inputs.clear()
+            return broken
+        if code >= 2:
+            self._add(len(self.modules) - 1 - (code - 2))
+            self.fruitless = 0
+        elif pass_done:
+            self.fruitless += 1
+            if self.fruitless >= FRUITLESS_LIMIT:
+                self.disarmed = True
+                warnings.warn(
+                    f"dls fallback: {FRUITLESS_LIMIT} armed forward passes that overflowed found no module whose "
+                    "output overflowed from finite inputs (the inputs were already inf/NaN, or the overflow happens "
+                    "outside any module, e.g. in the loss function); the fallback is disarmed and keeps nothing more. "
+                    "dls.audit(...) names where the forward pass exceeds the format.",
+                    stacklevel=4,
+                )
+                return ()
+            self._arm()
+        else:
+            self._arm()
+        self._inputs.clear()
+        return ()
+
+    def _add(self, index: int) -> None:
+        name, module = self.modules[index]
+        if name in self.kept.names:
+            return  # kept already: a float32 overflow is not a range problem the fallback can fix
+        self.kept.add(name, module)
+        largest = self._measure(index)
+        seen = "not measured on this rank" if largest is None else f"{largest:.6g}"
+        warnings.warn(
+            f"dls fallback: module {name or '<root>'!r} ({type(module).__name__}) produced inf/NaN in half precision "
+            f"from finite inputs (largest |output| in float32: {seen}); it now runs in float32 "
+            "(watch.kept_in_float32; saved in the scaler's state dict).",
+            stacklevel=4,
+        )
+
+    def _measure(self, index: int) -> float | None:
+        """The largest |output| of module ``index`` on the armed pass's inputs, computed as kept (float32)."""
+        saved = self._inputs.get(index)
+        if saved is None:
+            return None
+        module = self.modules[index][1]
+        args, kwargs = saved
+        buffers = {name: b.clone() for name, b in module.named_buffers()}
+        devices = [t.device for t in module.parameters() if t.device.type == "cuda"]
+        with torch.no_grad(), torch.random.fork_rng(devices=list(dict.fromkeys(devices))):
+            out = module(*args, **kwargs)
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                b.copy_(buffers[name])
+        values = [t.detach().abs().amax().float() for t in _floating(out) if t.numel()]
+        return float(torch.stack(values).amax()) if values else None
+
+    def _non_finite_parameters(self) -> tuple[str, ...]:
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p in self.params:
+            if p.is_floating_point():
+                groups.setdefault((p.device, p.dtype), []).append(p)
+        broken: list[str] = []
+        for key, members in groups.items():
+            local = distributed.local_shards({key: [p.detach() for p in members]})[key]
+            norms = torch._foreach_norm(local, math.inf)
+            finite = torch.isfinite(torch.stack([n.reshape(()) for n in norms])).tolist()
+            broken.extend(self.params[p] for p, ok in zip(members, finite) if not ok)
+        order = {name: i for i, name in enumerate(self.params.values())}
+        return tuple(sorted(broken, key=order.__getitem__))
+
+    # ------------------------------------------------------------------ the armed pass
+    @property
+    def armed(self) -> bool:
+        return bool(self._hooks)
+
+    def _arm(self) -> None:
+        if self._hooks:
+            return
+        self._hooks.append(self.root.register_forward_pre_hook(self._begin))
+        for index, (_, module) in enumerate(self.modules):
+            self._hooks.append(module.register_forward_pre_hook(self._make_pre(index), with_kwargs=True))
+            self._hooks.append(module.register_forward_hook(self._make_post(index)))
+        self._hooks.append(self.root.register_forward_hook(self._end))
+
+    def disarm(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self._recording = False
+        self._calls.clear()
+        self._open.clear()
+
+    def _begin(self, module: nn.Module, args: Any) -> None:
+        if not self._recording and torch.is_grad_enabled():
+            self._recording = True
+            self._calls.clear()
+            self._open.clear()
+            self._inputs.clear()
+
+    def _make_pre(self, index: int) -> Any:
+        def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self._recording:
+                self._inputs.setdefault(index, (args, kwargs))
+                self._open.setdefault(index, []).append(_all_finite((args, kwargs)))
+
+        return pre
+
+    def _make_post(self, index: int) -> Any:
+        def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            opened = self._open.get(index)
+            if self._recording and opened:
+                self._calls.append((index, opened.pop(), _all_finite(output)))
+
+        return post
+
+    def _end(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._recording:
+            return
+        calls = list(self._calls)
+        self.disarm()
+        self._pass_done = True
+        self._found = None
+        if calls:
+            home = calls[0][1].device
+            flags = torch.stack([torch.stack([i.to(home), o.to(home)]) for _, i, o in calls]).tolist()  # one read
+            for (index, _, _), (inputs_ok, outputs_ok) in zip(calls, flags):
+                if inputs_ok and not outputs_ok:
+                    self._found = index
+                    break
+        keep = {} if self._found is None else {self._found: self._inputs[self._found]}
+        self._inputs = keep
+
+    def remove(self) -> None:
+        self.disarm()
+        self._inputs.clear()
+        self.kept.remove()
+
+
+def _floating(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _floating(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _floating(v)]
+    return []
+
+
+def _all_finite(value: Any) -> torch.Tensor:
+    tensors = [t.detach() for t in _floating(value) if t.numel()]
+    if not tensors:
+        return torch.ones((), dtype=torch.bool)
+    device = tensors[0].device
+    return torch.stack([torch.isfinite(t).all().to(device) for t in tensors]).all()
