@@ -3,8 +3,8 @@
 from dls import formats, fp8, integrations
 from dls.diagnostics import OverflowReport, OverflowWatch, audit
 from dls.emulate import emulate
-from dls.keep import keep_in_float32
 from dls.formats import get_half_dtype, get_half_dtype_str, get_half_format, set_half_dtype
+from dls.keep import keep_in_float32
 from dls.master_weights import MasterWeights, master_weights
 from dls.scaler import GradScaler, Stage
 from dls.settings import ScalerSettings

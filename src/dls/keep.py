@@ -171,7 +171,9 @@ class KeptInFloat32(Removable):
         return f"KeptInFloat32({list(self._modules)}, {self._state()})"
 
 
-def resolve_modules(model: nn.Module, modules: Iterable[str | nn.Module], what: str = "modules") -> list[tuple[str, nn.Module]]:
+def resolve_modules(
+    model: nn.Module, modules: Iterable[str | nn.Module], what: str = "modules"
+) -> list[tuple[str, nn.Module]]:
     """``(qualified name, module)`` of each entry of ``modules`` (names as in ``model.named_modules()``, or module
     objects of ``model``), checked before anything changes; ``ValueError`` naming the first unknown entry."""
     if isinstance(modules, (str, nn.Module)):

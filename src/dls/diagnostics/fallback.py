@@ -64,6 +64,7 @@ class Fallback:
         self._open: dict[int, list[torch.Tensor]] = {}  # inputs ok of the calls still running, per module index
         self._inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
         self._found: int | None = None  # module index the last armed pass found
+        self._class: type | None = None  # the root's class while armed
         self._pass_done = False
 
     # ------------------------------------------------------------------ kept modules
@@ -173,9 +174,13 @@ class Fallback:
     def _arm(self) -> None:
         if self._hooks:
             return
+        # torch.compile ignores hooks added after compiling: while armed, the root's class is one whose call Dynamo
+        # does not trace, so the armed pass runs eagerly; restoring the class finds the compiled code again.
+        self._class = type(self.root)
+        self.root.__class__ = _eager_class(self._class)
         self._hooks.append(self.root.register_forward_pre_hook(self._begin))
         for index, (_, module) in enumerate(self.modules):
-            self._hooks.append(module.register_forward_pre_hook(self._make_pre(index), with_kwargs=True))
+            self._hooks.append(module.register_forward_pre_hook(self._make_pre(index), with_kwargs=True, prepend=True))
             self._hooks.append(module.register_forward_hook(self._make_post(index)))
         self._hooks.append(self.root.register_forward_hook(self._end))
 
@@ -183,6 +188,9 @@ class Fallback:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        if self._class is not None and type(self.root) is _eager_classes.get(self._class):
+            self.root.__class__ = self._class
+        self._class = None
         self._recording = False
         self._calls.clear()
         self._open.clear()
@@ -231,6 +239,25 @@ class Fallback:
         self.disarm()
         self._inputs.clear()
         self.kept.remove()
+
+
+_eager_classes: dict[type, type] = {}
+
+
+def _eager_class(cls: type) -> type:
+    """``cls`` with a ``_call_impl`` that Dynamo runs eagerly (created once per class; ``torch._dynamo`` is
+    imported only when a watch arms)."""
+    eager = _eager_classes.get(cls)
+    if eager is None:
+        import torch._dynamo
+
+        def _call_impl(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return cls._call_impl(self, *args, **kwargs)  # type: ignore[attr-defined]
+
+        body = {"_call_impl": torch._dynamo.disable(_call_impl), "__module__": cls.__module__}
+        eager = _eager_classes[cls] = type(cls.__name__, (cls,), body)
+        eager.__qualname__ = cls.__qualname__
+    return eager
 
 
 def _floating(value: Any) -> list[torch.Tensor]:

@@ -354,11 +354,8 @@ class OverflowWatch(Removable):
     def __repr__(self) -> str:
         kept = "" if self.fallback is None else f", kept_in_float32={list(self.kept_in_float32)}"
         return (
-            f"OverflowWatch({type(unwrap(self.model)).__name__}, parameters={len(self._params)}{kept}, "
-            f"{self._state()})"
+            f"OverflowWatch({type(unwrap(self.model)).__name__}, parameters={len(self._params)}{kept}, {self._state()})"
         )
-
-
 
 
 def _tensors(value: Any, what: str) -> Iterator[torch.Tensor]:
