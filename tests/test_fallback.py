@@ -297,3 +297,26 @@ def test_eval_passes_do_not_use_up_the_armed_pass() -> None:
         scaler.update()
     assert watch.kept_in_float32 == ("amplify",)
     assert eval_loss(model) < 10
+
+
+def audit_list() -> list[str] | None:
+    steps = iter(range(10_000, 20_000))
+    result = dls.audit(amplifying_model(), lambda m: loss_fn(m, next(steps), half=False), ["float16", "bfloat16"])
+    assert result.keep_in_float32["bfloat16"] == []
+    assert "fits with 'amplify'" in result.to_text()
+    return result.keep_in_float32["float16"]
+
+
+def test_the_audits_list_trains_to_float32s_loss(float32_loss: float) -> None:
+    names = audit_list()
+    assert names is not None and names[0] == "amplify"
+    run = train(amplifying_model(), STEPS, half=True, setup=lambda m, _s: dls.keep_in_float32(m, names))
+    assert run["skipped"] == []
+    assert abs(run["eval"] - float32_loss) <= 0.02 * float32_loss
+
+
+def test_the_audit_says_when_nothing_fits() -> None:
+    model = amplifying_model(gain=1e20)  # LayerNorm overflows in float32 too: keeping cannot help
+    result = dls.audit(model, lambda m: loss_fn(m, 0, half=False), ["float16"], steps=1)
+    assert result.keep_in_float32["float16"] is None
+    assert "does not make the forward pass fit" in result.to_text()
