@@ -320,3 +320,31 @@ def test_the_audit_says_when_nothing_fits() -> None:
     result = dls.audit(model, lambda m: loss_fn(m, 0, half=False), ["float16"], steps=1)
     assert result.keep_in_float32["float16"] is None
     assert "does not make the forward pass fit" in result.to_text()
+
+
+def test_the_trainers_wiring_keeps_the_configs_modules() -> None:
+    from dls.diagnostics.fallback import apply_precision_fallback, fallback_note
+
+    model = amplifying_model()
+    scaler = dls.GradScaler("cpu", init_scale=2.0**16)
+    with pytest.raises(ValueError, match=r"precision\.keep_in_float32.*'nowhere'"):
+        apply_precision_fallback(model, scaler, ["amplify", "nowhere"], fallback=True)
+    assert type(model.amplify) is nn.Linear
+    for fallback in (False, True):
+        watch = apply_precision_fallback(model, scaler, ["amplify"], fallback=fallback)
+        assert watch.kept_in_float32 == ("amplify",) and "amplify" in fallback_note(watch)
+        assert ("kept_in_float32" in scaler.state_dict()) is fallback
+        run = train(model, 3, half=True, scaler=scaler)
+        assert run["skipped"] == []
+        watch.remove()
+        assert type(model.amplify) is nn.Linear
+
+
+def test_the_demo_rows() -> None:
+    from dls.train.fallback_demo import run_fallback_rows
+
+    reference, plain, healed = run_fallback_rows(steps=150)
+    assert reference.loss is not None and reference.skipped == 0
+    assert plain.stopped is not None and plain.loss is None and plain.skipped == plain.stopped + 1
+    assert healed.kept == ("amplify",) and healed.skipped == healed.skipped_before_kept == 2
+    assert healed.loss is not None and healed.loss < 2 * reference.loss

@@ -32,17 +32,21 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dls import distributed
+
+if TYPE_CHECKING:
+    from dls.diagnostics.watch import OverflowWatch
+    from dls.scaler import GradScaler
 from dls.keep import KeptInFloat32, resolve_modules
 
-__all__ = ["Fallback"]
+__all__ = ["Fallback", "apply_precision_fallback", "fallback_note"]
 
 FRUITLESS_LIMIT = 3  # armed passes that find nothing before the fallback disarms for good
 
@@ -239,6 +243,39 @@ class Fallback:
         self.disarm()
         self._inputs.clear()
         self.kept.remove()
+
+
+def apply_precision_fallback(
+    model: nn.Module, scaler: GradScaler, keep_in_float32: Sequence[str] = (), fallback: bool = False
+) -> OverflowWatch:
+    """The trainer's wiring of ``precision.keep_in_float32`` and ``precision.fallback``: the scaler's watch of
+    ``model`` (``fallback=True`` finds and keeps overflowing modules by itself), with the listed modules kept in
+    float32 from the start (and, with the fallback, in ``watch.kept_in_float32`` and the scaler's state dict). Call
+    it where the trainer calls ``scaler.watch(model)``, before or after ``scaler.load_state_dict``.
+
+    Raises:
+        ValueError: a name the model does not have (naming it and ``precision.keep_in_float32``); nothing changes.
+    """
+    if not isinstance(fallback, bool):
+        raise ValueError(f"precision.fallback must be true or false; got {fallback!r}")
+    watch = scaler.watch(model, fallback=fallback)
+    try:
+        watch.keep(list(keep_in_float32), "precision.keep_in_float32")
+    except ValueError:
+        watch.remove()
+        raise
+    return watch
+
+
+def fallback_note(watch: OverflowWatch) -> str:
+    """What the float32 fallback tried, for the trainer's stop at the loss-scale floor (``""`` without it)."""
+    fb = watch.fallback
+    if fb is None:
+        kept = watch.kept_in_float32
+        return f"; kept in float32 by the config: {', '.join(kept)}" if kept else ""
+    tried = ", ".join(repr(n) for n in fb.names) or "no module"
+    state = "disarmed after finding nothing" if fb.disarmed else "armed at each forward overflow"
+    return f"; the float32 fallback kept {tried} in float32 ({state})"
 
 
 _eager_classes: dict[type, type] = {}

@@ -56,7 +56,7 @@ from dls import distributed
 from dls.diagnostics.fallback import Fallback
 from dls.diagnostics.scales import module_label, pow2
 from dls.handles import Removable
-from dls.keep import unwrap
+from dls.keep import KeptInFloat32, resolve_modules, unwrap
 
 __all__ = ["NonFiniteGradient", "OverflowReport", "OverflowWatch"]
 
@@ -211,6 +211,7 @@ class OverflowWatch(Removable):
             p.register_post_accumulate_grad_hook(self._order.move_to_end) for p in self._params if p.requires_grad
         ]
         self.fallback: Fallback | None = Fallback(root, names, process_group) if fallback else None
+        self._kept = KeptInFloat32(root, [])  # modules kept by keep() without the fallback
         self._removed = False
 
     # ------------------------------------------------------------------ queries
@@ -221,9 +222,9 @@ class OverflowWatch(Removable):
 
     @property
     def kept_in_float32(self) -> tuple[str, ...]:
-        """Names of the modules the fallback keeps in float32, in the order they were added (``()`` without
-        ``fallback=True``)."""
-        return () if self.fallback is None else self.fallback.names
+        """Names of the modules kept in float32 (by the fallback, or by :meth:`keep`), in the order they were
+        added."""
+        return self._kept.names if self.fallback is None else self.fallback.names
 
     @property
     def parameter_names(self) -> tuple[str, ...]:
@@ -238,11 +239,16 @@ class OverflowWatch(Removable):
         raise ValueError(f"parameter_name must be one of the watched parameters' names; got {parameter_name!r}")
 
     def keep(self, names: Any, what: str = "names") -> None:
-        """Keep the named modules in float32 as the fallback would (``fallback=True`` only); every name is checked
-        first: ``ValueError`` naming ``what`` and the first name the watched model does not have."""
-        if self.fallback is None:
-            raise RuntimeError("keep() needs a watch made with fallback=True")
-        self.fallback.keep(self.fallback.check_names(names, what))
+        """Keep the named modules in float32 (``dls.keep_in_float32``) until ``remove()``; with ``fallback=True``
+        they join ``kept_in_float32`` (and the scaler's state dict). Every name is checked first: ``ValueError``
+        naming ``what`` and the first name the watched model does not have."""
+        if self.fallback is not None:
+            self.fallback.keep(self.fallback.check_names(names, what))
+            return
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{what} must be a list of module names; got {names!r}")
+        for name, module in resolve_modules(unwrap(self.model), names, what):
+            self._kept.add(name, module)
 
     def after_skip(self, report: OverflowReport) -> OverflowReport:
         """The scaler skipped a step and built ``report``: let the fallback keep, arm or give up (every rank calls
@@ -349,6 +355,7 @@ class OverflowWatch(Removable):
         self._hooks.clear()
         if self.fallback is not None:
             self.fallback.remove()  # the model computes as before the watch again
+        self._kept.remove()
         self._removed = True
 
     def __repr__(self) -> str:
