@@ -50,8 +50,10 @@ def amplifying_net(seed: int = 0) -> nn.Sequential:
             head=nn.Linear(64, 1),
         )
     )
+    amplify = model.get_submodule("amplify")
+    assert isinstance(amplify, nn.Linear)
     with torch.no_grad():
-        model.amplify.weight.mul_(GAIN)
+        amplify.weight.mul_(GAIN)
     return model
 
 
