@@ -20,6 +20,8 @@ import dls
 from _amplify import amplifying_model, batch, eval_loss, loss_fn, train
 from conftest import OpLog, launch_ranks
 
+pytestmark = pytest.mark.filterwarnings("ignore:dls fallback:UserWarning")  # tests that check them record them
+
 STEPS = 600
 HERE = Path(__file__).resolve().parent
 
@@ -348,3 +350,21 @@ def test_the_demo_rows() -> None:
     assert plain.stopped is not None and plain.loss is None and plain.skipped == plain.stopped + 1
     assert healed.kept == ("amplify",) and healed.skipped == healed.skipped_before_kept == 2
     assert healed.loss is not None and healed.loss < 2 * reference.loss
+
+
+def test_a_kept_module_that_overflows_float32_is_not_kept_again_and_the_fallback_gives_up() -> None:
+    model = amplifying_model(gain=1e20)  # amplify's outputs ~1e20: LayerNorm's variance overflows float32 too
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = dls.GradScaler("cpu")
+    watch = scaler.watch(model, fallback=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(16):
+            loss = loss_fn(model, step, half=True)
+            optimizer.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    assert watch.kept_in_float32 == ("amplify", "norm")
+    assert watch.fallback is not None and watch.fallback.disarmed
+    assert sum("disarmed" in str(w.message) for w in caught) == 1

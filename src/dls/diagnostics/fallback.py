@@ -86,17 +86,25 @@ class Fallback:
             self.kept.add(name, module)
 
     # ------------------------------------------------------------------ the skip path
-    def after_skip(self, forward: bool | None) -> tuple[str, ...]:
+    def local_code(self, forward: bool | None) -> int:
+        """This rank's number for the agreement across ranks (see the module docstring): 0 no forward overflow, 1
+        a forward overflow and no module found, ``2 + (M - 1 - i)`` module ``i`` found by the last armed pass."""
+        if not forward:
+            return 0
+        return 1 if self._found is None else 2 + (len(self.modules) - 1 - self._found)
+
+    def after_skip(self, forward: bool | None, agreed: int | None = None) -> tuple[str, ...]:
         """A step was skipped; ``forward``: whether this rank's loss was inf/NaN. Keeps, arms or gives up (see the
-        module docstring); returns the names of non-finite parameters (nothing is kept or armed then)."""
-        found, pass_done = self._found, self._pass_done
+        module docstring); returns the names of non-finite parameters (nothing is kept or armed then).
+
+        ``agreed``: the MAX of :meth:`local_code` over the ranks, when the caller reduced it already (e.g. as one
+        more element of its own collective); ``None``: reduced here when distributed."""
+        code = self.local_code(forward) if agreed is None else agreed
+        pass_done = self._pass_done
         self._found, self._pass_done = None, False
-        code = 0
-        if forward:
-            code = 1 if found is None else 2 + (len(self.modules) - 1 - found)
-        if distributed.is_active(self.process_group):
-            agreed = distributed.agree_on_overflow(torch.tensor(float(code), dtype=torch.float64), self.process_group)
-            code = int(agreed.item())
+        if agreed is None and distributed.is_active(self.process_group):
+            reduced = distributed.agree_on_overflow(torch.tensor(float(code), dtype=torch.float64), self.process_group)
+            code = int(reduced.item())
         if code == 0 or self.disarmed:
             self._inputs.clear()
             return ()
@@ -104,18 +112,17 @@ class Fallback:
         if broken:
             self._inputs.clear()
             return broken
-        if code >= 2:
-            self._add(len(self.modules) - 1 - (code - 2))
+        if code >= 2 and self._add(len(self.modules) - 1 - (code - 2)):
             self.fruitless = 0
-        elif pass_done:
+        elif pass_done or code >= 2:  # nothing found, or a module kept already whose float32 output overflows
             self.fruitless += 1
             if self.fruitless >= FRUITLESS_LIMIT:
                 self.disarmed = True
                 warnings.warn(
-                    f"dls fallback: {FRUITLESS_LIMIT} armed forward passes that overflowed found no module whose "
-                    "output overflowed from finite inputs (the inputs were already inf/NaN, or the overflow happens "
-                    "outside any module, e.g. in the loss function); the fallback is disarmed and keeps nothing more. "
-                    "dls.audit(...) names where the forward pass exceeds the format.",
+                    f"dls fallback: {FRUITLESS_LIMIT} armed forward passes that overflowed found no module to keep "
+                    "(the inputs were already inf/NaN, the overflow happens outside any module, e.g. in the loss "
+                    "function, or a kept module overflows float32 itself); the fallback is disarmed and keeps nothing "
+                    "more. dls.audit(...) names where the forward pass exceeds the format.",
                     stacklevel=4,
                 )
                 return ()
@@ -125,10 +132,10 @@ class Fallback:
         self._inputs.clear()
         return ()
 
-    def _add(self, index: int) -> None:
+    def _add(self, index: int) -> bool:
         name, module = self.modules[index]
         if name in self.kept.names:
-            return  # kept already: a float32 overflow is not a range problem the fallback can fix
+            return False  # kept already: a float32 overflow is not a range problem the fallback can fix
         self.kept.add(name, module)
         largest = self._measure(index)
         seen = "not measured on this rank" if largest is None else f"{largest:.6g}"
@@ -138,6 +145,7 @@ class Fallback:
             "(watch.kept_in_float32; saved in the scaler's state dict).",
             stacklevel=4,
         )
+        return True
 
     def _measure(self, index: int) -> float | None:
         """The largest |output| of module ``index`` on the armed pass's inputs, computed as kept (float32)."""
