@@ -47,33 +47,14 @@ class Reports:
         return watch
 
     def kept_state(self) -> dict[str, list[str]]:
-        """``{"kept_in_float32": names}`` for the scaler's state dict while a fallback watch is active (or a loaded
-        list waits for one); ``{}`` otherwise."""
-        kept = [w.kept_in_float32 for w in self.active() if w.fallback is not None]
-        if not kept:
-            return {} if self.kept is None else {"kept_in_float32": list(self.kept)}
-        return {"kept_in_float32": list(dict.fromkeys(name for names in kept for name in names))}
+        from dls.diagnostics.fallback import kept_state
+
+        return kept_state(self.active(), self.kept)
 
     def load_kept(self, state_dict: Any) -> tuple[Any, Any]:
-        """Split ``kept_in_float32`` off a state dict and check it against the active fallback watches; returns the
-        rest and a function that applies it (called once the rest has loaded)."""
-        if not isinstance(state_dict, dict) or "kept_in_float32" not in state_dict:
-            return state_dict, lambda: None
-        rest = {k: v for k, v in state_dict.items() if k != "kept_in_float32"}
-        names = state_dict["kept_in_float32"]
-        what = "state_dict['kept_in_float32']"
-        fallbacks = [w for w in self.active() if w.fallback is not None]
-        checked = [w.fallback.check_names(names, what) for w in fallbacks if w.fallback is not None]
-        if not fallbacks and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
-            raise ValueError(f"{what} must be a list of module names; got {names!r}")
+        from dls.diagnostics.fallback import load_kept
 
-        def apply() -> None:
-            self.kept = list(names)
-            for watch, modules in zip(fallbacks, checked):
-                assert watch.fallback is not None
-                watch.fallback.keep(modules)
-
-        return rest, apply
+        return load_kept(self, state_dict)
 
     def active(self) -> list[OverflowWatch]:
         return [w for w in self.watches if w.active]

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from dls.scaler import GradScaler
 from dls.keep import KeptInFloat32, resolve_modules
 
-__all__ = ["Fallback", "apply_precision_fallback", "fallback_note"]
+__all__ = ["Fallback", "apply_precision_fallback", "fallback_note", "kept_state", "load_kept"]
 
 FRUITLESS_LIMIT = 3  # armed passes that find nothing before the fallback disarms for good
 
@@ -273,6 +273,37 @@ def apply_precision_fallback(
         watch.remove()
         raise
     return watch
+
+
+def kept_state(watches: Sequence[OverflowWatch], loaded: list[str] | None) -> dict[str, list[str]]:
+    """``{"kept_in_float32": names}`` for the scaler's state dict while a fallback watch is active (or a loaded list
+    waits for one); ``{}`` otherwise."""
+    kept = [w.kept_in_float32 for w in watches if w.fallback is not None]
+    if not kept:
+        return {} if loaded is None else {"kept_in_float32": list(loaded)}
+    return {"kept_in_float32": list(dict.fromkeys(name for names in kept for name in names))}
+
+
+def load_kept(reports: Any, state_dict: Any) -> tuple[Any, Callable[[], None]]:
+    """Split ``kept_in_float32`` off a scaler state dict and check it against the active fallback watches of
+    ``reports`` (``dls.stepping.Reports``) before anything changes; returns the rest and a function that applies it
+    (called once the rest has loaded; fallback watches made later pick it up from ``reports.kept``)."""
+    if not isinstance(state_dict, dict) or "kept_in_float32" not in state_dict:
+        return state_dict, lambda: None
+    rest = {k: v for k, v in state_dict.items() if k != "kept_in_float32"}
+    names = state_dict["kept_in_float32"]
+    what = "state_dict['kept_in_float32']"
+    fallbacks = [w.fallback for w in reports.active() if w.fallback is not None]
+    checked = [fb.check_names(names, what) for fb in fallbacks]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{what} must be a list of module names; got {names!r}")
+
+    def apply() -> None:
+        reports.kept = list(names)
+        for fb, modules in zip(fallbacks, checked):
+            fb.keep(modules)
+
+    return rest, apply
 
 
 def fallback_note(watch: OverflowWatch) -> str:
