@@ -275,6 +275,7 @@ def test_master_weights_and_fp8_emulation() -> None:
     watch.remove()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed+gloo")
 def test_ranks_keep_the_same_modules(tmp_path: Path) -> None:
     ranks = launch_ranks(HERE / "_fallback_dist_worker.py", [], tmp_path, 2, timeout=120)
