@@ -139,7 +139,11 @@ class OverflowCheck:
 
 def zero_flags(devices: Iterable[torch.device]) -> dict[torch.device, torch.Tensor]:
     """A clean overflow flag (float32 0-dim, as torch's AMP kernels take) on each device."""
-    return {d: torch.zeros((), dtype=torch.float32, device=d) for d in set(devices)}
+    flags: dict[torch.device, torch.Tensor] = {}
+    for d in devices:  # a loop, not a comprehension: see kernels.per_device
+        if d not in flags:
+            flags[d] = torch.zeros((), dtype=torch.float32, device=d)
+    return flags
 
 
 def max_flag(flags: Iterable[torch.Tensor | None]) -> torch.Tensor:
