@@ -32,25 +32,18 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
+import _this_tree  # noqa: F401  (first: puts this tree's src/ on the path)
 import torch
+from bench_gpu import AA
+from bench_scaler import Case, add_common_args, describe, interleave, median_ms, print_table, ratio, setup
 from torch import nn
 from torch.nn import functional as F
 
-try:
-    import dls
-except ImportError:  # the source tree, run with a plain python3 (no install, no virtual environment)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    import dls
-
-from bench_gpu import AA
-from bench_scaler import Case, add_common_args, describe, interleave, median_ms, print_table, ratio, setup
-
+import dls
 import dls.fp8
 from dls import formats
 

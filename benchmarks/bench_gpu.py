@@ -1,7 +1,7 @@
 """dls on a GPU, side by side with torch.amp: the tables of issue 23 (items 1 to 5), each from one run.
 
 Runs with a plain ``python3`` that has torch (the GPU machine has no virtual environment): dls is imported from
-``src/`` beside this directory when it is not installed. Tables (``--tables``, default all):
+``src/`` beside this directory (this tree's code, whatever is installed). Tables (``--tables``, default all):
 
 1. ``unscale`` -- unscale + inf/NaN check: ``dls.GradScaler(dev).unscale_`` vs ``torch.amp.GradScaler(dev).unscale_``
    (for float16, which torch's public ``unscale_`` refuses, its own code path with the refusal lifted: the raw
@@ -38,20 +38,12 @@ import argparse
 import contextlib
 import copy
 import statistics
-import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
+import _this_tree  # noqa: F401  (first: puts this tree's src/ on the path)
 import torch
-
-try:
-    import dls
-except ImportError:  # the source tree, run with a plain python3 (no install, no virtual environment)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    import dls
-
 from bench_scaler import (
     DTYPES,
     NO_GROWTH,
@@ -72,6 +64,8 @@ from bench_scaler import (
     spread,
     torch_unscale_,
 )
+
+import dls
 
 TABLES = ("unscale", "clip", "step", "overhead", "graphs")
 SYNC_WARNING = "called a synchronizing CUDA operation"
