@@ -56,8 +56,11 @@ from conftest import (
 from dls.fp8 import CurrentScaling, DelayedScaling
 
 CUDA = torch.device("cuda")
-# Overflows isolated, in a burst, at the very first step and at a growth boundary (growth interval 10).
-OVERFLOWS = {0: INF, 3: NAN, 4: -INF, 5: INF, 19: NAN, 31: INF}
+# Overflows isolated, in a burst and at a growth boundary (growth interval 10). Not at the very first step: there
+# torch's fused SGD keeps the uninitialised momentum buffers its skipped kernel created (dls decides that step on
+# the host and creates none), so the two states differ by design; tests/test_torch_differential.py covers a first
+# overflowing step with fused AdamW.
+OVERFLOWS = {1: INF, 3: NAN, 4: -INF, 5: INF, 19: NAN, 31: INF}
 FUSED = {
     "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True),
     "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
@@ -137,19 +140,28 @@ def test_counted_syncs_counts_the_sync_warnings_and_restores_the_mode() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- fused optimizers
-@pytest.mark.cuda
-@pytest.mark.parametrize("name", sorted(FUSED))
-def test_fused_optimizers_take_grad_scale_and_found_inf_like_torch_amp_on_cuda(name: str) -> None:
+def check_fused_like_torch_amp(name: str, device: torch.device) -> None:
     runs = []
-    for scaler in (torch_scaler(2.0**12, 10, CUDA), dls_scaler(2.0**12, 10)):
-        model = tiny_model(device=CUDA)
+    for scaler in (torch_scaler(2.0**12, 10, device), dls_scaler(2.0**12, 10)):
+        model = tiny_model(device=device)
         opt = FUSED[name](list(model.parameters()))
         states = train(scaler, model, opt, range(40), OVERFLOWS)
         runs.append(([s["scale"] for s in states], snapshot(model, opt)))
     (ref_scales, ref_state), (scales, state) = runs
     assert scales == ref_scales
     assert len(set(scales)) > 3  # the scale grew and backed off
-    assert_same(state, ref_state, f"fused {name} on CUDA")
+    assert_same(state, ref_state, f"fused {name} on {device}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(FUSED))
+def test_fused_optimizers_take_grad_scale_and_found_inf_like_torch_amp_on_cuda(name: str) -> None:
+    check_fused_like_torch_amp(name, CUDA)
+
+
+@pytest.mark.parametrize("name", sorted(FUSED))
+def test_fused_optimizers_take_grad_scale_and_found_inf_like_torch_amp(name: str, device: torch.device) -> None:
+    check_fused_like_torch_amp(name, device)
 
 
 def autocast_run(scaler: Any, device: torch.device, dtype: torch.dtype, steps: int = 40) -> tuple[list[float], Any]:
@@ -182,6 +194,13 @@ def test_autocast_on_cuda_trains_bit_identically_to_torch_amp(dtype: torch.dtype
     assert scales == ref_scales
     assert min(scales) < 2.0**16  # overflows happened (the injected one at least) and were skipped alike
     assert_same(state, ref_state, f"{dtype} autocast on CUDA")
+
+
+def test_bfloat16_autocast_trains_bit_identically_to_torch_amp(device: torch.device) -> None:
+    ref_scales, ref_state = autocast_run(torch.amp.GradScaler(device.type), device, torch.bfloat16, steps=12)
+    scales, state = autocast_run(dls.GradScaler(device.type), device, torch.bfloat16, steps=12)
+    assert scales == ref_scales and min(scales) < 2.0**16
+    assert_same(state, ref_state, f"bfloat16 autocast on {device}")
 
 
 # ---------------------------------------------------------------------------------------------- host syncs
@@ -435,6 +454,7 @@ def check_compiled_step(device: torch.device) -> None:
     assert_same(state, ref_state, "compiled vs eager")
 
 
+@pytest.mark.slow  # Dynamo's first compile in a process: a few seconds
 def test_compiled_step_with_a_fused_optimizer_breaks_only_in_torch(device: torch.device) -> None:
     check_compiled_step(device)
 
@@ -506,6 +526,12 @@ def test_one_rank_nccl_group_trains_like_torch_amp(monkeypatch: pytest.MonkeyPat
 
 
 # ---------------------------------------------------------------------------------------------- fp8, master weights
+def assert_close_to_float32_rounding(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal up to float32 sums in another order: the largest difference within 1e-5 of the largest magnitude (an
+    FP8 rounding difference would be 2**-4 of a value or more)."""
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max(), (a - b).abs().max()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("recipe", [CurrentScaling(), DelayedScaling(amax_history_len=4)], ids=["current", "delayed"])
 def test_fp8_emulation_on_cuda_casts_like_on_the_cpu(recipe: Any) -> None:
@@ -522,11 +548,11 @@ def test_fp8_emulation_on_cuda_casts_like_on_the_cpu(recipe: Any) -> None:
         y, y_gpu = cpu(x), gpu(x.to(CUDA))
         y.backward(g)
         y_gpu.backward(g.to(CUDA))
-        torch.testing.assert_close(y_gpu.cpu(), y, rtol=1e-5, atol=1e-6)
+        assert_close_to_float32_rounding(y_gpu.cpu(), y)
         assert handles[0].stats.as_dict() == handles[1].stats.as_dict(), f"step {step}"
     for p, q in zip(cpu.parameters(), gpu.parameters()):
         assert p.grad is not None and q.grad is not None
-        torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-5, atol=1e-6)
+        assert_close_to_float32_rounding(q.grad.cpu(), p.grad)
     state, state_gpu = handles[0].state_dict(), handles[1].state_dict()
     for name, roles in state["modules"].items():
         for role, entry in roles.items():
