@@ -3,6 +3,7 @@ row. No figure is checked (timings are the scripts' business, never a unit test'
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import sys
 from pathlib import Path
@@ -11,6 +12,12 @@ from typing import Any
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(autouse=True)
+def _no_exit_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scripts print their wall time at interpreter exit: not at the end of the test session."""
+    monkeypatch.setattr(atexit, "register", lambda *args, **kwargs: None)
 
 
 def script(name: str) -> Any:
