@@ -93,7 +93,9 @@ def _tiny_data_writer() -> Any:
         from dls.train.modelzoo import write_tiny_data  # type: ignore[attr-defined,unused-ignore]
     except ImportError as exc:
         if exc.name in ("h5py", "transformers"):
-            raise MissingExtras(f"Model Zoo data needs the 'modelzoo' extra: pip install 'dls[modelzoo]' ({exc})")
+            raise MissingExtras(
+                f"Model Zoo data needs the 'modelzoo' extra: pip install 'dls[modelzoo]' ({exc})"
+            ) from None
         raise UsageError(
             "this dls cannot write Model Zoo data (dls.train.modelzoo.write_tiny_data is missing); "
             "copy the config by hand and point its data_dir at your data"
