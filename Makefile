@@ -28,21 +28,21 @@ demo: $(VENV)/.installed-demo
 	$(BIN)/dls demo
 
 lint: $(VENV)/.installed-test
-	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/ruff check src tests benchmarks examples conftest.py
+	$(BIN)/ruff format --check src tests benchmarks examples conftest.py
 	$(BIN)/mypy src
 
 docs-check: $(VENV)/.installed-test  # the site must build without a warning (broken links, missing API names)
-	$(BIN)/mkdocs build --strict --quiet --site-dir build/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir build/site
 
 test: lint docs-check
 	$(BIN)/pytest -q
 
 docs: $(VENV)/.installed-test  # the site, in site/
-	$(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 serve-docs: $(VENV)/.installed-test  # the site at http://127.0.0.1:8000, rebuilt on every change
-	$(BIN)/mkdocs serve
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 bench: $(VENV)/.installed-test  # about 11 minutes on 2 CPU cores; results and how to read them: benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/bench_scaler.py --threads 1
