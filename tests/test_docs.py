@@ -1,6 +1,6 @@
 """The documentation: README.md's size and links, the `dls` commands of every page, the API reference's coverage.
 
-Python code blocks run through pytest-markdown-docs (``--markdown-docs`` in pyproject's addopts). Here, each
+Python code blocks run through pytest-markdown-docs (collected by the root conftest.py). Here, each
 page's ``sh`` blocks run in order, as a reader would type them, in a fresh directory holding only ``configs/`` (a
 clone's root after ``make demo`` and ``source .venv/bin/activate``). A block that cannot run here (make, pip,
 torchrun) is fenced ``sh notest`` (``{.sh notest}`` under docs/, for mkdocs) and says why.
