@@ -121,9 +121,14 @@ def plot_run(rows: Sequence[dict[str, Any]], out: IO[bytes], title: str = "") ->
 
 
 def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: IO[bytes], title: str = "") -> None:
-    """Several runs as small multiples, PNG into ``out``: per run, its loss over the first run's (the reference,
-    dashed grey) and below it the run's loss scale, skipped steps as red crosses. Loss panels share one axis and
-    scale panels another, so runs compare by position; no curve can hide another."""
+    """Several runs as small multiples (:func:`comparison_figure`), PNG into ``out``."""
+    comparison_figure(runs, title).savefig(out, format="png", dpi=110)
+
+
+def comparison_figure(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], title: str = "") -> Any:
+    """A matplotlib Figure of several runs: per run, its loss over the first run's (the reference, dashed grey)
+    and below it the run's loss scale, skipped steps as red crosses. Loss panels share one axis and scale panels
+    another, so runs compare by position; no curve can hide another."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -195,4 +200,4 @@ def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: I
     fig.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=9, frameon=False)
     if title:
         fig.suptitle(title)
-    fig.savefig(out, format="png", dpi=110)
+    return fig
