@@ -209,6 +209,7 @@ class GradScaler:
 
     @property
     def max_gradient_norm(self) -> float | None:
+        """The global gradient-norm limit ``step()`` clips to (``None``: no clipping)."""
         return self._scale.settings.max_gradient_norm
 
     def get_scale(self) -> float:
@@ -252,21 +253,27 @@ class GradScaler:
         return last.found_inf > 0
 
     def get_growth_factor(self) -> float:
+        """torch.amp's accessor: the factor the scale grows by."""
         return self._scale.settings.growth_factor
 
     def get_backoff_factor(self) -> float:
+        """torch.amp's accessor: the factor the scale backs off by."""
         return self._scale.settings.backoff_factor
 
     def get_growth_interval(self) -> int:
+        """torch.amp's accessor: clean steps before the scale grows (``steps_per_increase``)."""
         return self._scale.settings.steps_per_increase
 
     def set_growth_factor(self, new_factor: float) -> None:
+        """torch.amp's setter: validated like the constructor's ``growth_factor``."""
         self._replace_settings(growth_factor=new_factor)
 
     def set_backoff_factor(self, new_factor: float) -> None:
+        """torch.amp's setter: validated like the constructor's ``backoff_factor``."""
         self._replace_settings(backoff_factor=new_factor)
 
     def set_growth_interval(self, new_interval: int) -> None:
+        """torch.amp's setter: validated like the constructor's ``growth_interval``."""
         self._replace_settings(steps_per_increase=new_interval)
 
     def _replace_settings(self, **changes: Any) -> None:

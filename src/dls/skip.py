@@ -149,6 +149,7 @@ class SkipAware:
         return self._wrapped
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the wrapped object."""
         return self._wrapped(*args, **kwargs)
 
     def __dir__(self) -> list[str]:

@@ -303,6 +303,7 @@ class Fp8Stats:
         return [(name, role_name, role, row[:4], row[4:]) for (name, role_name, role), row in zip(entries, rows)]
 
     def as_dict(self) -> dict[str, dict[str, dict[str, float | int | None]]]:
+        """Per module and tensor role, as Python numbers: amax, scale, saturated and flushed fractions."""
         out: dict[str, dict[str, dict[str, float | int | None]]] = {}
         for name, role_name, role, sums, (amax, scale) in self._read():
             casts = int(sums[0])
