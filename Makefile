@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 DEMO_EXTRAS := train
 TEST_EXTRAS := train,dev,docs,tensorboard,lightning,hf,modelzoo
 
-.PHONY: setup demo test lint docs docs-check serve-docs bench clean
+.PHONY: setup demo test lint docs docs-check serve-docs bench bench-gpu clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,12 @@ bench: $(VENV)/.installed-test  # about 11 minutes on 2 CPU cores; results and h
 	$(BIN)/python benchmarks/bench_watch.py --threads 1
 	$(BIN)/python benchmarks/bench_master_weights.py --threads 1
 	$(BIN)/python benchmarks/frameworks_fp16.py
+	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+	  $(BIN)/python benchmarks/bench_gpu.py && $(BIN)/python benchmarks/bench_fp8_gpu.py; \
+	else echo "no CUDA device: GPU tables skipped (benchmarks/bench_gpu.py, benchmarks/bench_fp8_gpu.py)"; fi
+
+bench-gpu:  # on a machine with CUDA and a plain python3 that has torch (no venv): the GPU tables of benchmarks/RESULTS.md
+	python3 benchmarks/bench_gpu.py && python3 benchmarks/bench_fp8_gpu.py
 
 clean:
 	rm -rf $(VENV) build dist site .pytest_cache .mypy_cache .ruff_cache .hypothesis
