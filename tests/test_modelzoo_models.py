@@ -178,7 +178,7 @@ def test_misspelt_and_loose_values_are_errors() -> None:
     assert problems("fc_mnist", fc_mnist(activation_fn="tanh"))[0].startswith("model.activation_fn")
     assert problems("fc_mnist", {"name": "fc_mnist", "depth": 2})[0].startswith("model: hidden_size and depth")
     assert problems("fc_mnist", fc_mnist(to_float16=True))[0].startswith("model.to_float16: True cannot")
-    with pytest.raises(ConfigError, match="model.name: 'resnet'"):
+    with pytest.raises(ConfigError, match=r"model\.name: 'resnet'"):
         build_model("resnet", {})
 
 
