@@ -23,7 +23,7 @@ import torch
 
 from dls.train.data import BatchIterator, DataInfo, Dataset
 from dls.train.errors import ConfigError
-from dls.train.modelzoo.keys import IGNORE_INDEX, LoaderKeys, parse_loader, shuffles
+from dls.train.modelzoo.keys import IGNORE_INDEX, LoaderKeys, parse_loader
 from dls.train.modelzoo.models import Batch, require
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -217,6 +217,6 @@ def build_loader(
         samples = f"the {len(dataset)} samples in {prefix}.data_dir ({keys.data_dir})"
         raise ConfigError([f"{prefix}.batch_size: {keys.batch_size} * {world_size} rank(s) is more than {samples}"])
     seed = keys.shuffle_seed if keys.shuffle_seed is not None else seed
-    batches = ModelZooBatches(dataset, keys, shuffles(processor, keys), seed, rank, world_size)
+    batches = ModelZooBatches(dataset, keys, keys.shuffles(processor), seed, rank, world_size)
     batches.ignored_keys = ignored
     return batches

@@ -10,7 +10,6 @@ else is a misspelling, reported with "did you mean".
 from __future__ import annotations
 
 import difflib
-import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -28,11 +27,7 @@ class _Keys(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-_INIT_ARGS = {
-    "truncated_normal": ("mean", "std", "a", "b"), "normal": ("mean", "std"), "uniform": ("a", "b"),
-    "constant": ("val",), "zeros": (), "ones": (), "xavier_uniform": ("gain",), "glorot_uniform": ("gain",),
-    "xavier_normal": ("gain",), "glorot_normal": ("gain",),
-}  # fmt: skip
+_INIT_ARGS = {"truncated_normal": ("mean", "std", "a", "b"), "normal": ("mean", "std"), "uniform": ("a", "b")}
 
 
 class Initializer(_Keys):
@@ -43,8 +38,6 @@ class Initializer(_Keys):
     std: PositiveFloat = 0.05
     a: float | None = None
     b: float | None = None
-    gain: float = 1.0
-    val: float | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -59,18 +52,13 @@ class Initializer(_Keys):
     def fill_(self, tensor: Any) -> None:
         from torch import nn
 
-        name, uniform = self.name, self.name in ("xavier_uniform", "glorot_uniform")
-        if name == "truncated_normal":
-            a = -2 * self.std if self.a is None else self.a
-            nn.init.trunc_normal_(tensor, self.mean, self.std, a, 2 * self.std if self.b is None else self.b)
-        elif name == "normal":
+        if self.name == "truncated_normal":
+            a, b = (-2 * self.std if self.a is None else self.a), (2 * self.std if self.b is None else self.b)
+            nn.init.trunc_normal_(tensor, self.mean, self.std, a, b)
+        elif self.name == "normal":
             nn.init.normal_(tensor, self.mean, self.std)
-        elif name == "uniform":
-            nn.init.uniform_(tensor, -0.05 if self.a is None else self.a, 0.05 if self.b is None else self.b)
-        elif name in ("constant", "zeros", "ones"):
-            nn.init.constant_(tensor, {"zeros": 0.0, "ones": 1.0}.get(name, self.val or 0.0))
         else:
-            (nn.init.xavier_uniform_ if uniform else nn.init.xavier_normal_)(tensor, gain=self.gain)
+            nn.init.uniform_(tensor, -0.05 if self.a is None else self.a, 0.05 if self.b is None else self.b)
 
 
 class FcMnistKeys(_Keys):
@@ -209,6 +197,9 @@ class LoaderKeys(_Keys):
     def dirs(self) -> list[str]:
         return [self.data_dir] if isinstance(self.data_dir, str) else list(self.data_dir or [])
 
+    def shuffles(self, processor: str) -> bool:
+        return bool(self.shuffle if self.shuffle is not None else _SHUFFLE_DEFAULT[processor])
+
     @property
     def drops_last(self) -> bool:
         return next((v for v in (self.drop_last, self.drop_last_batch) if v is not None), True)
@@ -272,12 +263,10 @@ def _gpt_problems(name: str, k: GptKeys, prefix: str) -> tuple[list[str], list[s
         emb = k.dropout_rate if k.embedding_dropout_rate is None else k.embedding_dropout_rate
         if emb != 0:
             problems.append(f"{prefix}.embedding_dropout_rate: {emb!r} cannot be built {hf} (no embedding dropout)")
-        rotary = k.rotary_dim if k.rotary_dim is not None else int(k.head_dim * 0.25)
+        rotary = k.rotary_dim if k.rotary_dim is not None else int(k.head_dim * 0.25)  # Model Zoo's default
         if rotary != k.head_dim:
-            problems.append(
-                f"{prefix}.rotary_dim: {rotary} (Model Zoo's default is a quarter of the head size) is not the head "
-                f"size {k.head_dim}; {hf.removeprefix('by ')} rotates whole heads: set rotary_dim: {k.head_dim}"
-            )
+            why = f"is not the head size; {hf.removeprefix('by ')} rotates whole heads: set rotary_dim: {k.head_dim}"
+            problems.append(f"{prefix}.rotary_dim: {rotary} {why}")
         need(
             "use_ffn_bias_in_attention",
             k.use_ffn_bias_in_attention == k.use_projection_bias_in_attention,
@@ -324,9 +313,8 @@ def parse_model(name: str, params: Any, prefix: str = "model") -> tuple[FcMnistK
             more, skipped = _gpt_problems(name, keys, prefix)
             problems, ignored = problems + more, ignored + skipped
     else:
-        raise ConfigError(
-            [f"{prefix}.name: {name!r} is not a Model Zoo model dls builds (fc_mnist, {', '.join(GPT_NAMES)})"]
-        )
+        known = ", ".join(("fc_mnist", *GPT_NAMES))
+        raise ConfigError([f"{prefix}.name: {name!r} is not a Model Zoo model dls builds ({known})"])
     if problems:
         raise ConfigError(problems)
     return keys, ignored
@@ -353,12 +341,3 @@ def parse_loader(processor: str, params: Any, prefix: str) -> tuple[LoaderKeys, 
     if problems:
         raise ConfigError(problems)
     return keys, ignored
-
-
-def shuffles(processor: str, keys: LoaderKeys) -> bool:
-    return bool(keys.shuffle if keys.shuffle is not None else _SHUFFLE_DEFAULT[processor])
-
-
-def output_init_std(k: GptKeys) -> float:
-    """Model Zoo's default initializer of output layers: the default's std scaled by 1/sqrt(2 * layers)."""
-    return k.initializer_range / math.sqrt(2 * k.num_hidden_layers)

@@ -9,6 +9,7 @@ the batch size and multiplied by ``loss_weight`` (``batch_size``): ``loss_weight
 from __future__ import annotations
 
 import importlib
+import math
 from types import ModuleType
 from typing import Any
 
@@ -17,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dls.train.errors import MissingExtras
-from dls.train.modelzoo.keys import IGNORE_INDEX, FcMnistKeys, GptKeys, Initializer, output_init_std, parse_model
+from dls.train.modelzoo.keys import IGNORE_INDEX, FcMnistKeys, GptKeys, Initializer, parse_model
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 MNIST_PIXELS, MNIST_CLASSES = 784, 10
@@ -118,53 +119,32 @@ def _linear_from_conv1d(model: nn.Module) -> None:
 
 def _hf_model(name: str, k: GptKeys) -> nn.Module:
     transformers = require("transformers")
-    attn_drop = k.dropout_rate if k.attention_dropout_rate is None else k.attention_dropout_rate
-    if name == "llama":
-        config = transformers.LlamaConfig(
-            vocab_size=k.vocab_size,
-            hidden_size=k.hidden_size,
-            intermediate_size=k.filter_size,
-            num_hidden_layers=k.num_hidden_layers,
-            num_attention_heads=k.num_heads,
-            num_key_value_heads=k.kv_heads,
-            hidden_act="silu",  # swiglu: LlamaMLP gates with silu
-            max_position_embeddings=k.max_position_embeddings,
-            initializer_range=k.initializer_range,
-            rms_norm_eps=k.layer_norm_epsilon,
-            tie_word_embeddings=k.share_embedding_weights,
-            rope_parameters=_rope(k),
-            attention_bias=k.use_projection_bias_in_attention,
-            attention_dropout=attn_drop,
-            mlp_bias=k.use_ffn_bias,
-            use_cache=False,
-            bos_token_id=None,
-            eos_token_id=None,
-        )
-        llama: nn.Module = transformers.LlamaForCausalLM(config)
-        return llama
-    config = transformers.GPT2Config(
-        vocab_size=k.vocab_size,
-        n_positions=k.max_position_embeddings,
-        n_embd=k.hidden_size,
-        n_layer=k.num_hidden_layers,
-        n_head=k.num_heads,
-        n_inner=k.filter_size,
+    common = dict(
+        vocab_size=k.vocab_size, initializer_range=k.initializer_range, tie_word_embeddings=k.share_embedding_weights,
+        use_cache=False, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    attention_dropout = k.dropout_rate if k.attention_dropout_rate is None else k.attention_dropout_rate
+    model: nn.Module
+    if name == "llama":  # swiglu: LlamaMLP gates with silu
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=k.hidden_size, intermediate_size=k.filter_size, num_hidden_layers=k.num_hidden_layers,
+            num_attention_heads=k.num_heads, num_key_value_heads=k.kv_heads, hidden_act="silu",
+            max_position_embeddings=k.max_position_embeddings, rms_norm_eps=k.layer_norm_epsilon,
+            rope_parameters=_rope(k), attention_bias=k.use_projection_bias_in_attention,
+            attention_dropout=attention_dropout, mlp_bias=k.use_ffn_bias, **common,
+        ))  # fmt: skip
+        return model
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_positions=k.max_position_embeddings, n_embd=k.hidden_size, n_layer=k.num_hidden_layers,
+        n_head=k.num_heads, n_inner=k.filter_size,
         activation_function=k.nonlinearity,  # Model Zoo's gelu is the exact GELU: transformers' "gelu"
-        resid_pdrop=k.dropout_rate,
+        resid_pdrop=k.dropout_rate, attn_pdrop=attention_dropout,
         embd_pdrop=k.dropout_rate if k.embedding_dropout_rate is None else k.embedding_dropout_rate,
-        attn_pdrop=attn_drop,
-        layer_norm_epsilon=k.layer_norm_epsilon,
-        initializer_range=k.initializer_range,
-        scale_attn_weights=k.attention_type == "scaled_dot_product",
-        scale_attn_by_inverse_layer_idx=k.scale_qk_dot_by_layer_idx,
-        tie_word_embeddings=k.share_embedding_weights,
-        use_cache=False,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    gpt2: nn.Module = transformers.GPT2LMHeadModel(config)
-    _linear_from_conv1d(gpt2)
-    return gpt2
+        layer_norm_epsilon=k.layer_norm_epsilon, scale_attn_weights=k.attention_type == "scaled_dot_product",
+        scale_attn_by_inverse_layer_idx=k.scale_qk_dot_by_layer_idx, **common,
+    ))  # fmt: skip
+    _linear_from_conv1d(model)
+    return model
 
 
 @torch.no_grad()
@@ -178,7 +158,7 @@ def _initialize(hf: nn.Module, k: GptKeys) -> None:
     ffn = k.ffn_initializer or k.initializer or default
     output = k.output_layer_initializer
     if output is None and k.initializer is None:
-        output = Initializer(name="truncated_normal", std=output_init_std(k))
+        output = Initializer(name="truncated_normal", std=k.initializer_range / math.sqrt(2 * k.num_hidden_layers))
     ffn_output = k.ffn_output_layer_initializer or output or ffn
     roles = {
         **dict.fromkeys(("c_attn", "q_proj", "k_proj", "v_proj"), attention),

@@ -108,31 +108,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dls data", description=__doc__)
     parser.add_argument("kind", choices=["mnist", "gpt"])
     parser.add_argument("directory", help="where to write (created if missing)")
-    parser.add_argument("--train", type=int, default=2048, help="training samples (default 2048)")
-    parser.add_argument("--val", type=int, default=256, help="validation samples (default 256)")
-    parser.add_argument("--msl", type=int, default=128, help="gpt: tokens per sequence (default 128)")
-    parser.add_argument("--vocab", type=int, default=512, help="gpt: vocabulary size (default 512)")
-    parser.add_argument("--files", type=int, default=2, help="gpt: .h5 files per split (default 2)")
+    sizes = {"train": 2048, "val": 256, "msl": 128, "vocab": 512, "files": 2, "seed": 0}
+    helps = ["training samples", "validation samples", "gpt: tokens per sequence", "gpt: vocabulary size",
+             "gpt: .h5 files per split", "random seed"]  # fmt: skip
+    for (option, default), text in zip(sizes.items(), helps):
+        parser.add_argument(f"--{option}", type=int, default=default, help=f"{text} (default {default})")
     parser.add_argument("--corpus", action="store_true", help="gpt: flat token streams (GptHDF5MapDataProcessor)")
     parser.add_argument("--gzip", action="store_true", help="mnist: write .gz files")
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for name, value in (("--train", args.train), ("--val", args.val), ("--msl", args.msl), ("--files", args.files)):
-        if value < 1:
-            parser.error(f"{name} must be at least 1; got {value}")
-    if args.vocab < 2:
-        parser.error(f"--vocab must be at least 2; got {args.vocab}")
+    for option in ("train", "val", "msl", "vocab", "files"):
+        if getattr(args, option) < (2 if option == "vocab" else 1):
+            parser.error(f"--{option} must be at least {2 if option == 'vocab' else 1}; got {getattr(args, option)}")
     paths = write_tiny_data(
-        args.kind,
-        args.directory,
-        train_samples=args.train,
-        val_samples=args.val,
-        msl=args.msl,
-        vocab=args.vocab,
-        files=args.files,
-        corpus=args.corpus,
-        compress=args.gzip,
-        seed=args.seed,
-    )
+        args.kind, args.directory, train_samples=args.train, val_samples=args.val, msl=args.msl, vocab=args.vocab,
+        files=args.files, corpus=args.corpus, compress=args.gzip, seed=args.seed,
+    )  # fmt: skip
     print("\n".join(f"wrote {p}" for p in paths))
     return 0
