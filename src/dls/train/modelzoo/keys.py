@@ -215,10 +215,8 @@ def _validate(
     for key, value in params.items():
         if key in default_only:
             if value != default_only[key]:
-                problems.append(
-                    f"{prefix}.{key}: {value!r} cannot be expressed by dls's Model Zoo models (only Model Zoo's "
-                    f"default {default_only[key]!r} is supported)"
-                )
+                why = f"cannot be expressed by dls's Model Zoo models (only the default {default_only[key]!r} can)"
+                problems.append(f"{prefix}.{key}: {value!r} {why}")
         elif key in ignored:
             skipped.append(f"{prefix}.{key}")
         else:
@@ -267,27 +265,18 @@ def _gpt_problems(name: str, k: GptKeys, prefix: str) -> tuple[list[str], list[s
         if rotary != k.head_dim:
             why = f"is not the head size; {hf.removeprefix('by ')} rotates whole heads: set rotary_dim: {k.head_dim}"
             problems.append(f"{prefix}.rotary_dim: {rotary} {why}")
-        need(
-            "use_ffn_bias_in_attention",
-            k.use_ffn_bias_in_attention == k.use_projection_bias_in_attention,
-            f"must equal use_projection_bias_in_attention {hf} (one attention_bias)",
-        )
+        same = k.use_ffn_bias_in_attention == k.use_projection_bias_in_attention
+        need("use_ffn_bias_in_attention", same, f"must equal use_projection_bias_in_attention {hf} (attention_bias)")
         need("pos_scaling_type", k.pos_scaling_type in ("linear", "llama3"), "is not supported (linear, llama3)")
         args = k.pos_scaling_extra_args or _PosScalingArgs()
         if k.pos_scaling_type == "llama3":
-            problems += [
-                f"{prefix}.pos_scaling_extra_args.{f}: required with pos_scaling_type llama3"
-                for f in _PosScalingArgs.model_fields
-                if getattr(args, f) is None
-            ]
+            missing = [f for f in _PosScalingArgs.model_fields if getattr(args, f) is None]
+            problems += [f"{prefix}.pos_scaling_extra_args.{f}: required with pos_scaling_type llama3" for f in missing]
         groups = k.extra_attention_params.num_kv_groups
-        if k.attention_module == "multiquery_attention":
-            if groups is None or k.num_heads % groups:
-                problems.append(
-                    f"{prefix}.extra_attention_params.num_kv_groups: {groups!r}; multiquery_attention needs a "
-                    f"number of key/value heads that divides num_heads ({k.num_heads})"
-                )
-        elif groups is not None:
+        if k.attention_module == "multiquery_attention" and (groups is None or k.num_heads % groups):
+            why = f"multiquery_attention needs a number of key/value heads that divides num_heads ({k.num_heads})"
+            problems.append(f"{prefix}.extra_attention_params.num_kv_groups: {groups!r}; {why}")
+        elif k.attention_module != "multiquery_attention" and groups is not None:
             problems.append(f"{prefix}.extra_attention_params.num_kv_groups: needs multiquery_attention")
     else:
         hf = "by Hugging Face's GPT2LMHeadModel"

@@ -23,15 +23,11 @@ def _digits(count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarra
     images = rng.integers(0, 40, (count, 28, 28)).astype(np.float32)
     for image, label in zip(images, labels):
         x, y, w = 8 + rng.integers(-3, 4), 4 + rng.integers(-3, 4), int(rng.integers(2, 4))
-        boxes = {
-            "a": (y, y + w, x, x + 12),
-            "b": (y, y + 10, x + 12 - w, x + 12),
-            "c": (y + 10, y + 20, x + 12 - w, x + 12),
-            "d": (y + 20 - w, y + 20, x, x + 12),
-            "e": (y + 10, y + 20, x, x + w),
-            "f": (y, y + 10, x, x + w),
+        boxes = {  # (top, bottom, left, right) of each segment
+            "a": (y, y + w, x, x + 12), "b": (y, y + 10, x + 12 - w, x + 12), "c": (y + 10, y + 20, x + 12 - w, x + 12),
+            "d": (y + 20 - w, y + 20, x, x + 12), "e": (y + 10, y + 20, x, x + w), "f": (y, y + 10, x, x + w),
             "g": (y + 10 - w // 2, y + 10 - w // 2 + w, x, x + 12),
-        }
+        }  # fmt: skip
         for segment in _SEGMENTS[label]:
             top, bottom, left, right = boxes[segment]
             image[top:bottom, left:right] += rng.uniform(150, 215)
