@@ -24,6 +24,7 @@ With ``overflow_tolerance=0`` and ``hysteresis=1`` this is ``torch.amp.GradScale
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -104,6 +105,15 @@ def count_problem(name: str, value: object, maximum: int = MAX_STEPS_PER_INCREAS
     if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= maximum:
         return None
     return f"{name} must be an integer from 1 to 2**31 - 1 (the counters are int32, as torch's); got {value!r}"
+
+
+def limit_problem(name: str, value: object) -> str | None:
+    """A gradient limit (``max_gradient_norm``, ``max_gradient_value``): a positive finite number (never a bool) or
+    ``None``."""
+    v = _real(value)
+    if value is None or (v is not None and 0 < v < math.inf):
+        return None
+    return f"{name} must be a positive finite number or None; got {value!r}"
 
 
 def tolerance_problem(name: str, value: object) -> str | None:

@@ -19,7 +19,6 @@ with ``sync_free=True``.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Iterable, Sequence
 from types import EllipsisType
@@ -30,6 +29,7 @@ import torch
 from dls.arguments import device_kind, is_available, parse_device, read_arguments
 from dls.loss_scale import LossScale
 from dls.overflow import OverflowCheck, max_flag
+from dls.policy import limit_problem
 from dls.scaler_state import parse_state_dict, to_state_dict
 from dls.settings import DEFAULT_STEPS_PER_INCREASE, TORCH_INIT_SCALE, ScalerSettings
 from dls.stepping import Reports, Stepper, takes_scale_and_flag
@@ -336,9 +336,10 @@ class GradScaler:
         extra read pass when nothing is clipped).
         """
         max_norm = self._scale.settings.max_gradient_norm if max_gradient_norm is ... else max_gradient_norm
-        if max_norm is not None and not (isinstance(max_norm, (int, float)) and 0 < max_norm < math.inf):
-            raise ValueError(f"max_gradient_norm must be a positive finite number or None; got {max_norm!r}")
+        if problem := limit_problem("max_gradient_norm", max_norm):
+            raise ValueError(problem)
         opts = optimizer_list(optimizers, "optimizers")
+        self._tracker.check_disjoint(opts)
         isfinite, norm = self._check.clip_and_check(opts, max_norm, return_norm)
         for opt in opts:
             _tell_unscaled(opt)

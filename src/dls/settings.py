@@ -22,7 +22,7 @@ its YAML key, so ``dls validate`` accepts exactly what ``GradScaler`` accepts.
 from __future__ import annotations
 
 import dataclasses
-import math
+import difflib
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ from dls.policy import (
     StaticRule,
     count_problem,
     factor_problem,
+    limit_problem,
     scale_problem,
     tolerance_problem,
 )
@@ -255,7 +256,7 @@ def _problems(v: dict[str, Any], skip: set[str] | frozenset[str] = frozenset()) 
         ("growth_factor", factor_problem("growth_factor", v["growth_factor"], above_one=True)),
         ("backoff_factor", factor_problem("backoff_factor", v["backoff_factor"], above_one=False)),
         ("overflow_tolerance", tolerance_problem("overflow_tolerance", v["overflow_tolerance"])),
-        ("max_gradient_norm", _norm_problem(v["max_gradient_norm"])),
+        ("max_gradient_norm", limit_problem("max_gradient_norm", v["max_gradient_norm"])),
         (
             "half_dtype",
             None
@@ -274,12 +275,6 @@ def _problems(v: dict[str, Any], skip: set[str] | frozenset[str] = frozenset()) 
         elif init < low:
             out.append(("init_scale", f"init_scale ({init!r}) must not be below min_loss_scale ({low!r})"))
     return out
-
-
-def _norm_problem(value: Any) -> str | None:
-    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf):
-        return None
-    return f"max_gradient_norm must be a positive finite number or None; got {value!r}"
 
 
 def _above(value: Any, limit: float) -> bool:
@@ -302,11 +297,13 @@ def _mode(loss_scale: Any, half_dtype: str, problems: list[tuple[str, str]]) -> 
     if loss_scale == "dynamic":
         return "dynamic"
     if isinstance(loss_scale, str):
+        close = difflib.get_close_matches(loss_scale.strip().lower(), ["dynamic"], n=1, cutoff=0.6)
+        hint = " (did you mean 'dynamic'? only the lower-case spelling is accepted, as in cstorch.amp)" if close else ""
         problems.append(
             (
                 "loss_scale",
                 f"loss_scale must be 'dynamic', a number (a static scale) or None, or, torch.amp style, a device "
-                f"such as 'cuda' or 'cpu' as the first argument; got {loss_scale!r}",
+                f"such as 'cuda' or 'cpu' as the first argument; got {loss_scale!r}{hint}",
             )
         )
         return "dynamic"

@@ -71,15 +71,23 @@ class LastStep:
 
 @dataclasses.dataclass
 class _Index:
-    """What is cached per optimizer, valid while its param groups keep the same lists and lengths."""
+    """What is cached per optimizer, valid while its param groups hold the same parameters (an identity check of
+    the lists per step: a parameter swapped into an existing list re-indexes)."""
 
-    signature: tuple[tuple[int, int], ...]
-    param_lists: list[list[Any]]  # held so the ids in the signature cannot be reused by new lists
-    grads: kernels.GradIndex
+    signature: tuple[tuple[int, ...], ...]
+    grads: kernels.GradIndex  # holds the parameters, so the ids in the signature cannot be reused
     has_dtensors: bool
-    # Parameters that have taken a step through this scaler (id → parameter, held so ids stay unique): only for
-    # them does all the state a step touches exist, so that their step can be skipped or masked on the device.
+    # Parameters that have taken a step through this scaler (id → parameter), valid while the optimizer's state is
+    # the same object and has not shrunk: only for them does all the state a step touches exist, so that their step
+    # can be skipped or masked on the device. A reset (optimizer.load_state_dict, optimizer.state.clear()) forgets
+    # them, and their next step is decided on the host again.
     stepped: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    state: Any = None  # the optimizer.state object the stepped record refers to
+    state_len: int = 0  # its length when last marked
+    # Other optimizers of this scaler sharing a parameter with this one: (optimizer ref, where, where theirs).
+    shared: list[tuple[weakref.ref[torch.optim.Optimizer], str, str, tuple[int, ...]]] = dataclasses.field(
+        default_factory=list
+    )
 
 
 class Tracker:
@@ -103,12 +111,14 @@ class Tracker:
         """The optimizer's gradients grouped by (device, dtype); ``DTensor`` gradients (FSDP2) as their local
         shards, which in-place passes reach through."""
         state = self.state(optimizer)
+        index = self._index(optimizer)
+        if index.shared:
+            self.check_disjoint([optimizer])
         if not state.collected:
             state.collected = True
             collect = getattr(optimizer, "dls_collect_gradients", None)
             if collect is not None:
                 collect()
-        index = self._index(optimizer)
         groups = index.grads.groups()
         return distributed.local_shards(groups) if index.has_dtensors else groups
 
@@ -120,21 +130,67 @@ class Tracker:
         return merged
 
     def _index(self, optimizer: torch.optim.Optimizer) -> _Index:
-        signature = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+        signature = tuple(tuple(map(id, g["params"])) for g in optimizer.param_groups)
         index = self._indexes.get(optimizer)
         if index is None or index.signature != signature:
-            lists = [g["params"] for g in optimizer.param_groups]
-            params = [p for ps in lists for p in ps]
-            index = _Index(signature, lists, kernels.GradIndex(params), distributed.has_dtensors(params))
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            _refuse_repeats(optimizer)
+            index = _Index(signature, kernels.GradIndex(params), distributed.has_dtensors(params))
+            self._link_shared(optimizer, index)
             self._indexes[optimizer] = index
         return index
 
+    def _link_shared(self, optimizer: torch.optim.Optimizer, index: _Index) -> None:
+        """Record which other optimizers of this scaler hold a parameter of ``optimizer`` (both ways): unscaling
+        both in one iteration would unscale that gradient twice (``check_disjoint``)."""
+        where = _positions(optimizer)
+        for other, other_index in list(self._indexes.items()):
+            other_index.shared = [s for s in other_index.shared if s[0]() not in (None, optimizer)]
+            if other is optimizer:
+                continue
+            theirs = _positions(other)
+            common = where.keys() & theirs.keys()
+            if common:
+                pid = next(iter(common))
+                shape = tuple(where[pid][1].shape)
+                index.shared.append((weakref.ref(other), where[pid][0], theirs[pid][0], shape))
+                other_index.shared.append((weakref.ref(optimizer), theirs[pid][0], where[pid][0], shape))
+
+    def check_disjoint(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Refuse, before anything changes, to unscale ``optimizers`` together or after other optimizers of this
+        iteration when they share a parameter: its gradient would be unscaled (and counted in a norm) twice."""
+        indexes = [self._index(optimizer) for optimizer in optimizers]  # built first: building links them
+        for i, index in enumerate(indexes):
+            for ref, mine, theirs, shape in index.shared:
+                other = ref()
+                if other is None:
+                    continue
+                j = next((k for k, o in enumerate(optimizers) if o is other), None)
+                if j is not None and j > i:
+                    raise ValueError(
+                        f"optimizers[{i}].{mine} (shape {shape}) is also optimizers[{j}].{theirs}: a parameter in "
+                        "two optimizers would have its gradient unscaled twice; give each parameter to one optimizer"
+                    )
+                stage = self.iteration.get(id(other))
+                if j is None and stage is not None and stage.stage is not Stage.READY:
+                    name = "optimizer" if len(optimizers) == 1 else f"optimizers[{i}]"
+                    raise ValueError(
+                        f"{name}.{mine} (shape {shape}) is also {theirs} of another optimizer already unscaled or "
+                        "stepped in this iteration: its gradient would be unscaled twice; give each parameter to one "
+                        "optimizer"
+                    )
+
     # ------------------------------------------------------------------ steps
     def has_stepped(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether every parameter with a gradient has taken a step through this scaler: only then does all the
-        state a step touches exist, so that the step can be skipped or masked on the device. O(1) once every
-        parameter of the optimizer has stepped; a scan over parameters before that."""
+        """Whether every parameter with a gradient has taken a step through this scaler since the optimizer's state
+        was last reset: only then does all the state a step touches exist, so that the step can be skipped or
+        masked on the device. O(1) once every parameter has stepped (the identity and length of
+        ``optimizer.state``); a scan over parameters before that."""
         index = self._index(optimizer)
+        state = optimizer.state
+        if state is not index.state or len(state) < index.state_len:
+            index.stepped.clear()  # reset (load_state_dict, state.clear(), del state[p]): look again
+            index.state, index.state_len = state, len(state)
         if len(index.stepped) == len(index.grads.params):
             return True
         return all(id(p) in index.stepped for p in index.grads.params if p.grad is not None)
@@ -143,6 +199,7 @@ class Tracker:
         index = self._index(optimizer)
         if len(index.stepped) < len(index.grads.params):
             index.stepped.update((id(p), p) for p in index.grads.params if p.grad is not None)
+        index.state, index.state_len = optimizer.state, len(optimizer.state)
 
     def record_step(
         self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None, skipped: bool | None
@@ -155,6 +212,28 @@ class Tracker:
         if last is None:
             raise RuntimeError("step_was_skipped(): this optimizer has not stepped through this scaler yet")
         return last
+
+
+def _positions(optimizer: torch.optim.Optimizer) -> dict[int, tuple[str, torch.Tensor]]:
+    return {
+        id(p): (f"param_groups[{g}]['params'][{k}]", p)
+        for g, group in enumerate(optimizer.param_groups)
+        for k, p in enumerate(group["params"])
+    }
+
+
+def _refuse_repeats(optimizer: torch.optim.Optimizer) -> None:
+    """A parameter twice in one optimizer (an in-place edit of its param groups) would be unscaled twice."""
+    seen: dict[int, str] = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for k, p in enumerate(group["params"]):
+            where = f"param_groups[{g}]['params'][{k}]"
+            if id(p) in seen:
+                raise ValueError(
+                    f"optimizer.{where} (shape {tuple(p.shape)}) is also optimizer.{seen[id(p)]}: a parameter listed "
+                    "twice would have its gradient unscaled twice"
+                )
+            seen[id(p)] = where
 
 
 def check_optimizer(optimizer: Any) -> None:

@@ -1,0 +1,155 @@
+"""Issue 18, items 1-4 and 14: what an attacker and a careless user broke in the scaler, each as a test.
+
+1. an optimizer-state reset before an overflowing fused / sync-free step must not let the step create state;
+2. a parameter swapped into an optimizer's existing list is checked like any other;
+3. counters at their limits: every state dict the scaler can produce loads back;
+4. a parameter in two optimizers is refused before anything changes;
+14. only lower-case "dynamic"; booleans are never numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import dls
+from conftest import assert_same, snapshot
+
+INF = math.inf
+
+
+def _step(scaler: dls.GradScaler, params: list[torch.nn.Parameter], opt: Any, value: float) -> None:
+    loss = sum((p * value).sum() for p in params)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+
+
+# ---------------------------------------------------------------------------------------------- 1. state reset
+RESETS = {
+    "load_state_dict": lambda opt, fresh: opt.load_state_dict(fresh),
+    "state.clear": lambda opt, fresh: opt.state.clear(),
+}
+
+
+@pytest.mark.parametrize("reset", sorted(RESETS))
+@pytest.mark.parametrize(
+    ("make", "sync_free"),
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True), False),
+        (lambda ps: torch.optim.Adam(ps, lr=0.1, fused=True), False),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), True),
+        (lambda ps: torch.optim.Adam(ps, lr=0.1), True),
+    ],
+    ids=["sgd-fused", "adam-fused", "sgd-sync-free", "adam-sync-free"],
+)
+def test_overflow_after_optimizer_state_reset_is_skipped(make: Any, sync_free: bool, reset: str) -> None:
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = make([p])
+    fresh = opt.state_dict()
+    scaler = dls.GradScaler("cpu", init_scale=4.0, sync_free=sync_free)
+    _step(scaler, [p], opt, 1.0)
+    RESETS[reset](opt, fresh)
+    before = snapshot([p], opt)
+    _step(scaler, [p], opt, INF)
+    assert scaler.step_was_skipped(opt)
+    assert_same(before, snapshot([p], opt), "overflowing step after a reset")
+    _step(scaler, [p], opt, 1.0)
+    control_p = torch.nn.Parameter(before[0][0].clone())
+    control = make([control_p])
+    control.load_state_dict(fresh)
+    control_p.grad = torch.ones(4)
+    control.step()
+    assert torch.equal(p.detach(), control_p.detach())
+    assert torch.isfinite(p).all()
+
+
+# ---------------------------------------------------------------------------------------------- 2. swapped parameter
+@pytest.mark.parametrize("fused", [False, True])
+def test_parameter_swapped_into_the_same_list_is_checked(fused: bool) -> None:
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1, fused=fused)
+    scaler = dls.GradScaler("cpu", init_scale=4.0)
+    _step(scaler, [p], opt, 1.0)
+    q = torch.nn.Parameter(torch.ones(2))
+    opt.param_groups[0]["params"][0] = q
+    before = q.detach().clone()
+    _step(scaler, [q], opt, INF)
+    assert scaler.step_was_skipped(opt)
+    assert torch.equal(q.detach(), before)
+    _step(scaler, [q], opt, 1.0)
+    assert torch.isfinite(q).all() and not torch.equal(q.detach(), before)
+
+
+# ---------------------------------------------------------------------------------------------- 4. shared parameter
+def test_parameter_in_two_optimizers_is_refused_by_optimizer_step() -> None:
+    shared, other = torch.nn.Parameter(torch.ones(3, 2)), torch.nn.Parameter(torch.ones(1))
+    o1 = torch.optim.SGD([other, shared], lr=0.1)
+    o2 = torch.optim.SGD([shared], lr=0.1)
+    scaler = dls.GradScaler("cpu", init_scale=4.0)
+    loss = (shared.sum() + other.sum()) * 1.0
+    with pytest.raises(ValueError, match=r"optimizers\[0\]\.param_groups\[0\]\['params'\]\[1\] \(shape \(3, 2\)\)"):
+        dls.optimizer_step(loss, [o1, o2], scaler)
+    assert shared.grad is None and scaler.get_scale() == 4.0  # refused before backward
+
+
+def test_parameter_in_two_optimizers_is_refused_by_unscale_and_step() -> None:
+    shared = torch.nn.Parameter(torch.ones(2))
+    o1 = torch.optim.SGD([shared], lr=0.1)
+    o2 = torch.optim.SGD([torch.nn.Parameter(torch.ones(1)), shared], lr=0.1)
+    scaler = dls.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(shared.sum()).backward()
+    scaler.unscale_(o1)
+    grad = shared.grad.clone()  # type: ignore[union-attr]
+    for call in (scaler.unscale_, scaler.step):
+        with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] \(shape \(2,\)\)"):
+            call(o2)
+        assert torch.equal(shared.grad, grad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"optimizers\[0\]"):
+        scaler.clip_gradients_and_return_isfinite([o2, o1])
+
+
+def test_disjoint_optimizers_and_separate_iterations_are_fine() -> None:
+    shared = torch.nn.Parameter(torch.ones(2))
+    o1, o2 = torch.optim.SGD([shared], lr=0.1), torch.optim.SGD([shared], lr=0.1)
+    scaler = dls.GradScaler("cpu", init_scale=4.0)
+    _step(scaler, [shared], o1, 1.0)  # one optimizer per iteration: allowed
+    _step(scaler, [shared], o2, 1.0)
+    assert torch.allclose(shared.detach(), torch.full((2,), 0.8))
+
+
+def test_parameter_listed_twice_in_one_optimizer_is_refused() -> None:
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    opt.param_groups[0]["params"].append(p)
+    scaler = dls.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(p.sum()).backward()
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\].*also optimizer\.param_groups\[0\]"):
+        scaler.step(opt)
+    assert torch.equal(p.grad, torch.full((2,), 4.0))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------- 14. one judgement
+@pytest.mark.parametrize("spelling", ["Dynamic", "DYNAMIC", "dynamc", " dynamic"])
+def test_only_lower_case_dynamic(spelling: str) -> None:
+    with pytest.raises(ValueError, match="did you mean 'dynamic'"):
+        dls.GradScaler(loss_scale=spelling)
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_booleans_are_never_numbers(value: bool) -> None:
+    p = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = dls.GradScaler("cpu")
+    with pytest.raises(ValueError, match="max_gradient_norm"):
+        scaler.clip_gradients_and_return_isfinite(opt, max_gradient_norm=value)
+    with pytest.raises(ValueError, match="max_gradient_norm"):
+        dls.optimizer_step(p.sum(), opt, scaler, max_gradient_norm=value)
+    for name in ("loss_scale", "init_scale", "steps_per_increase", "max_gradient_norm", "hysteresis"):
+        with pytest.raises(ValueError, match=name):
+            dls.GradScaler(**{name: value})
+    assert p.grad is None
