@@ -2,7 +2,8 @@
 
 1. an optimizer-state reset before an overflowing fused / sync-free step must not let the step create state;
 2. a parameter swapped into an optimizer's existing list is checked like any other;
-3. counters at their limits: every state dict the scaler can produce loads back;
+3. counters at their limits (the skip count saturates, the step count is clamped before the rule runs): every
+   state dict the scaler can produce loads back;
 4. a parameter in two optimizers is refused before anything changes;
 14. only lower-case "dynamic"; booleans are never numbers.
 """
@@ -10,10 +11,13 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import dls
 from conftest import assert_same, snapshot
@@ -153,3 +157,60 @@ def test_booleans_are_never_numbers(value: bool) -> None:
         with pytest.raises(ValueError, match=name):
             dls.GradScaler(**{name: value})
     assert p.grad is None
+
+
+# ---------------------------------------------------------------------------------------------- 3. counters at limits
+def _iteration(scaler: dls.GradScaler, overflow: bool) -> None:
+    p = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([p], lr=0.0)
+    _step(scaler, [p], opt, INF if overflow else 1.0)
+
+
+def test_a_saturated_skip_count_and_a_full_step_count_load_back() -> None:
+    scaler = dls.GradScaler(init_scale=8.0, hysteresis=2, steps_per_increase=5)
+    scaler.load_state_dict({"num_skipped_steps": 2**63 - 1, "steps_since_rescale": 2**31 - 1})
+    for overflow in (True, False, True, True):
+        _iteration(scaler, overflow)
+        saved = scaler.state_dict()
+        assert saved["num_skipped_steps"] == 2**63 - 1 and 0 <= saved["steps_since_rescale"] < 6
+        dls.GradScaler(init_scale=8.0, hysteresis=2, steps_per_increase=5).load_state_dict(saved)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    kwargs=st.fixed_dictionaries(
+        {
+            "steps_per_increase": st.sampled_from([1, 2, 7, 2**31 - 2]),
+            "hysteresis": st.sampled_from([1, 2, 5]),
+            "overflow_tolerance": st.sampled_from([0.0, 0.3]),
+            "consecutive_hysteresis": st.booleans(),
+        }
+    ),
+    loaded=st.fixed_dictionaries(
+        {},
+        optional={
+            "steps_since_rescale": st.sampled_from([0, 1, 2**31 - 2, 2**31 - 1]),
+            "overflows_since_rescale": st.sampled_from([0, 3, 2**63 - 1]),
+            "num_skipped_steps": st.sampled_from([0, 2**63 - 2, 2**63 - 1]),
+            "hysteresis_tracker": st.sampled_from([0, 1, 2**31 - 1]),
+            "loss_scale": st.sampled_from([2.0**-20, 1.0, 2.0**40]),
+        },
+    ),
+    trace=st.lists(st.booleans(), max_size=8),
+)
+def test_every_state_dict_the_scaler_writes_loads_back(
+    kwargs: dict[str, Any], loaded: dict[str, Any], trace: list[bool]
+) -> None:
+    scaler = dls.GradScaler(**kwargs)
+    if loaded:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a scale outside the bounds is clamped with a warning
+            scaler.load_state_dict(loaded)
+    for overflow in [None, *trace]:
+        if overflow is not None:
+            _iteration(scaler, overflow)
+        saved = scaler.state_dict()
+        assert all(v >= 0 for v in saved.values())
+        again = dls.GradScaler(**kwargs)
+        again.load_state_dict(saved)
+        assert again.state_dict() == saved

@@ -48,6 +48,7 @@ def _torch_dialect(
     max_loss_scale: float | None = None,
     overflow_tolerance: float = 0.0,
     hysteresis: int = 1,
+    consecutive_hysteresis: bool = False,
     max_gradient_norm: float | None = None,
     half_dtype: Any = None,
     sync_free: bool = False,
@@ -65,6 +66,7 @@ def _torch_dialect(
         max_loss_scale=max_loss_scale,
         overflow_tolerance=overflow_tolerance,
         hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive_hysteresis,
         max_gradient_norm=max_gradient_norm,
         half_dtype=half_dtype,
     )
@@ -86,6 +88,7 @@ def _cerebras_dialect(
     enabled: bool = True,
     *,
     growth_interval: int | None = None,
+    consecutive_hysteresis: bool = False,
     half_dtype: Any = None,
     sync_free: bool = False,
     process_group: Any = None,
@@ -104,6 +107,7 @@ def _cerebras_dialect(
         backoff_factor,
         hysteresis,
         half_dtype=half_dtype,
+        consecutive_hysteresis=consecutive_hysteresis,
     )
     runtime = {"enabled": enabled, "sync_free": sync_free, "process_group": process_group}
     return runtime | {"gradients_sharded": gradients_sharded}, settings

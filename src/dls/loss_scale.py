@@ -23,7 +23,16 @@ from typing import Any
 
 import torch
 
-from dls.policy import FLOAT32_MAX, FLOAT32_TINY, ScaleState, assign_, initial_state, scale_problem
+from dls.policy import (
+    FLOAT32_MAX,
+    FLOAT32_TINY,
+    INT64_MAX,
+    ScaleState,
+    assign_,
+    count_skip,
+    initial_state,
+    scale_problem,
+)
 from dls.scaler_state import STATE_KEYS
 from dls.settings import ScalerSettings
 
@@ -34,8 +43,11 @@ class LossScale:
     def __init__(self, settings: ScalerSettings, device: torch.device | None) -> None:
         self.settings = settings
         self.rule = settings.rule()
-        self.state: ScaleState = initial_state(settings.init_scale, device=device)
+        self.state: ScaleState = initial_state(settings.init_scale, settings.hysteresis, device=device)
         self.at_least = settings.init_scale
+        self.skips_at_most = 0  # a bound of num_skipped_steps: far from its maximum, counting needs no saturation
+        # Counters may be at or past the growth interval (loaded, or the interval shortened): clamp before the rule.
+        self.clamp_counters = False
         self._rejected: torch.Tensor | None = None  # update(new_scale=tensor) values not taken, on the device
         self._rejected_warned = 0
         self._published: tuple[torch.Tensor, Any] | None = None  # (host copy, event or None) of the latest scale
@@ -83,7 +95,11 @@ class LossScale:
         return self.state.loss_scale.double().reciprocal().float()
 
     def replace_settings(self, settings: ScalerSettings) -> None:
-        self.settings, self.rule = settings, settings.rule()
+        """New settings; the counters are brought within what the new rule can hold (see ``dls.scaler_state``)."""
+        old, self.settings, self.rule = self.settings, settings, settings.rule()
+        self.clamp_counters |= settings.growth_interval < old.growth_interval
+        if settings.hysteresis != old.hysteresis:
+            self.state.hysteresis_tracker.clamp_(min=1, max=settings.hysteresis)
 
     def follow(self, device: torch.device) -> None:
         """Move the state to ``device`` (the loss's, before an iteration has started)."""
@@ -126,20 +142,26 @@ class LossScale:
 
     # ------------------------------------------------------------------ changes
     def apply_rule(self, found_inf: torch.Tensor) -> None:
-        self.rule.update_(self.state, found_inf)
+        if self.clamp_counters:
+            most = self.settings.growth_interval - 1
+            self.state.steps_since_rescale.clamp_(max=most)
+            self.state.overflows_since_rescale.clamp_(max=most)
+            self.clamp_counters = False
+        self.skips_at_most = min(self.skips_at_most + 1, INT64_MAX)
+        self.rule.update_(self.state, found_inf, saturate=self.skips_at_most == INT64_MAX)
         if self.settings.mode == "dynamic":  # at most one back-off per update, then the clamps
             s = self.settings
             self.at_least = min(max(self.at_least * s.backoff_factor, s.min_loss_scale), s.max_loss_scale)
             self._publish()
 
-    def set(self, new_scale: float | torch.Tensor, skipped: torch.Tensor | int) -> None:
+    def set(self, new_scale: float | torch.Tensor, found_inf: torch.Tensor | None) -> None:
         """``update(new_scale)``: a float must be a normal float32 (else ``ValueError``); a tensor is checked on the
         device, and a bad value keeps the old scale and is counted (warned at the next read)."""
         value = self._checked(new_scale)
         s = self.state
-        assign_(
-            s, s._replace(loss_scale=value, non_clamped_scale=value, num_skipped_steps=s.num_skipped_steps + skipped)
-        )
+        self.skips_at_most = min(self.skips_at_most + 1, INT64_MAX)
+        skips = s.num_skipped_steps if found_inf is None else count_skip(s.num_skipped_steps, found_inf)
+        assign_(s, s._replace(loss_scale=value, non_clamped_scale=value, num_skipped_steps=skips))
         self._publish()
 
     def _checked(self, new_scale: float | torch.Tensor) -> torch.Tensor:
@@ -166,6 +188,9 @@ class LossScale:
         """Take validated checkpoint values (``dls.scaler_state.parse_state_dict``) and settings."""
         self.replace_settings(settings)
         values = dict(values)
+        if "num_skipped_steps" in values:
+            self.skips_at_most = int(values["num_skipped_steps"])
+        self.clamp_counters |= "steps_since_rescale" in values or "overflows_since_rescale" in values
         if "loss_scale" in values:
             values["non_clamped_scale"] = values["loss_scale"]
             self.at_least = float(values["loss_scale"])

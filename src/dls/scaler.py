@@ -29,7 +29,7 @@ import torch
 from dls.arguments import device_kind, is_available, parse_device, read_arguments
 from dls.loss_scale import LossScale
 from dls.overflow import OverflowCheck, max_flag
-from dls.policy import limit_problem
+from dls.policy import count_problem, limit_problem
 from dls.scaler_state import parse_state_dict, to_state_dict
 from dls.settings import DEFAULT_STEPS_PER_INCREASE, TORCH_INIT_SCALE, ScalerSettings
 from dls.stepping import Reports, Stepper, takes_scale_and_flag
@@ -59,12 +59,16 @@ class GradScaler:
         loss_scale: ``"dynamic"``, a number (a static scale: fixed, overflowing steps still skipped), or ``None``
             (Cerebras dialect: dynamic for float16 and cbfloat16, no scaling for bfloat16).
         init_scale: the first dynamic scale. Above the default ``max_loss_scale`` it raises the maximum.
-        steps_per_increase / growth_interval: clean steps after which the scale grows.
+        steps_per_increase / growth_interval: when the scale grows. The dialect picks the rule, not the name: the
+            torch dialect grows on the interval-th clean step (torch.amp), the Cerebras dialect when more than
+            ``steps_per_increase`` updates passed since the last rescale (cstorch.amp); see ``dls.policy``.
         min_loss_scale, max_loss_scale: bounds of the dynamic scale (normal float32 numbers).
         overflow_tolerance: fraction of overflowing steps since the last rescale tolerated before backing off.
         max_gradient_norm: if set, ``step`` also clips all gradients to this global L2 norm (after unscaling).
         growth_factor, backoff_factor: multiply the scale on growth / back-off.
-        hysteresis: number of (non-tolerated) overflows needed for one back-off (DeepSpeed/Megatron).
+        hysteresis: Megatron-LM's and DeepSpeed's: the scale backs off on the ``hysteresis``-th (non-tolerated)
+            overflow, then on every further one until the next growth refills the budget.
+        consecutive_hysteresis: DeepSpeed's: the budget also refills after every clean step.
         enabled: ``False`` makes every method a pass-through, as in torch.
         half_dtype: the half format the defaults are chosen for; ``None``: ``dls.get_half_dtype_str()`` at
             construction (cstorch.amp's ``set_half_dtype``).
@@ -96,6 +100,7 @@ class GradScaler:
         max_loss_scale: float | None = None,
         overflow_tolerance: float = 0.0,
         hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
         max_gradient_norm: float | None = None,
         half_dtype: str | torch.dtype | None = None,
         sync_free: bool = False,
@@ -120,6 +125,7 @@ class GradScaler:
         *,
         half_dtype: str | torch.dtype | None = None,
         growth_interval: int | None = None,
+        consecutive_hysteresis: bool = False,
         sync_free: bool = False,
         process_group: Any = None,
         gradients_sharded: bool | None = None,
@@ -243,6 +249,10 @@ class GradScaler:
         """
         return self._tracker.last_step(optimizer).was_skipped()
 
+    def _stepped_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The live optimizers that have stepped through this scaler (``dls.skip_aware`` binds to a single one)."""
+        return self._tracker.stepped_optimizers()
+
     def step_was_skipped_tensor(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """``step_was_skipped`` as a 0-dim bool tensor on the scale's device, never read back to the host: to
         select on the device (``torch.where(skipped, old, new)``) in sync-free loops."""
@@ -258,7 +268,9 @@ class GradScaler:
         return self._scale.settings.backoff_factor
 
     def get_growth_interval(self) -> int:
-        return self._scale.settings.steps_per_increase
+        """torch.amp's meaning in both dialects: the scale grows after this many updates without a (counted)
+        overflow; ``steps_per_increase + 1`` in the Cerebras dialect."""
+        return self._scale.settings.growth_interval
 
     def set_growth_factor(self, new_factor: float) -> None:
         self._replace_settings(growth_factor=new_factor)
@@ -267,7 +279,16 @@ class GradScaler:
         self._replace_settings(backoff_factor=new_factor)
 
     def set_growth_interval(self, new_interval: int) -> None:
-        self._replace_settings(steps_per_increase=new_interval)
+        """torch.amp's meaning (see ``get_growth_interval``)."""
+        cerebras = self._scale.settings.dialect == "cerebras"
+        if problem := count_problem("new_interval", new_interval):
+            raise ValueError(problem)
+        if cerebras and new_interval < 2:
+            raise ValueError(
+                "new_interval must be at least 2 for a Cerebras-dialect scaler (it grows after steps_per_increase + 1 "
+                f"updates, steps_per_increase >= 1); got {new_interval!r}"
+            )
+        self._replace_settings(steps_per_increase=new_interval - cerebras)
 
     def _replace_settings(self, **changes: Any) -> None:
         self._scale.replace_settings(self._scale.settings.replace(**changes))  # validates
@@ -423,7 +444,7 @@ class GradScaler:
             return
         if new_scale is not None:
             flags = [s.found_inf for s in self._tracker.iteration.values() if s.found_inf is not None]
-            self._scale.set(new_scale, skipped=(max_flag(flags) > 0).long() if flags else 0)
+            self._scale.set(new_scale, max_flag(flags) if flags else None)
         else:
             self._apply_rule(list(self._tracker.iteration.values()))
         self._tracker.new_iteration()

@@ -206,6 +206,9 @@ class Tracker:
     ) -> None:
         self._last[optimizer] = LastStep(found_inf, skipped)
 
+    def stepped_optimizers(self) -> list[torch.optim.Optimizer]:
+        return list(self._last.keys())
+
     def last_step(self, optimizer: torch.optim.Optimizer) -> LastStep:
         check_optimizer(optimizer)
         last = self._last.get(optimizer)
