@@ -222,7 +222,8 @@ def skip_aware(
 
     Raises:
         ValueError: ``scaler`` is not a ``dls.GradScaler``, ``obj`` has no such method, ``optimizer`` holds no
-            torch optimizer, ``obj`` is already wrapped, or ``sync_free=True`` for an object that is not an ``nn.Module``.
+            torch optimizer, ``obj`` is already wrapped, or ``sync_free=True`` for an object that is not an
+            ``nn.Module``.
     """
     wrapper: Any = SkipAware(obj, scaler, optimizer=optimizer, method=method, sync_free=sync_free)
     return wrapper
