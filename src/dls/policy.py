@@ -156,6 +156,8 @@ class StaticRule:
         from its maximum, one op fewer)."""
         _count_skip_(state.num_skipped_steps, found_inf, saturate)
 
+    torch_rule = False
+
 
 @dataclass(frozen=True)
 class DynamicRule:
@@ -234,6 +236,26 @@ class DynamicRule:
         torch.clamp(state.loss_scale, max=self.max_loss_scale, out=state.non_clamped_scale)
         torch.clamp(state.non_clamped_scale, min=self.min_loss_scale, out=state.loss_scale)
         _count_skip_(state.num_skipped_steps, found_inf, saturate)
+
+    def update_known_(self, state: ScaleState, found_inf: torch.Tensor, overflow: bool) -> None:
+        """``update_`` when the host knows the flag's value (``overflow``) and the scale is within its bounds, for
+        the torch rule (``torch_rule``), without counting the skip (the caller counts it on the host): torch's
+        kernel, then only the clamps that can bind — none after a clean step unless ``max_loss_scale`` is below
+        float32's max (the kernel drops a growth that would reach inf). Leaves ``non_clamped_scale`` stale after a
+        clean step: it equals ``loss_scale`` then."""
+        torch._amp_update_scale_(
+            state.loss_scale,
+            state.steps_since_rescale,
+            found_inf,
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+        )
+        if overflow:
+            torch.clamp(state.loss_scale, max=self.max_loss_scale, out=state.non_clamped_scale)
+            torch.clamp(state.non_clamped_scale, min=self.min_loss_scale, out=state.loss_scale)
+        elif self.max_loss_scale < FLOAT32_MAX:
+            state.loss_scale.clamp_(max=self.max_loss_scale)
 
     @property
     def torch_rule(self) -> bool:

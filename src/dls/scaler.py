@@ -68,6 +68,7 @@ class IterationState:
     flag: torch.Tensor | None = None  # float32 0-dim on the scale's device; read it through found_inf
     agreement: distributed.Agreement | None = None  # the flag's all-reduce across ranks while in flight
     collected: bool = False  # dls_collect_gradients() was called this iteration
+    skipped: bool | None = None  # how step() ended, when the host knows (update() then takes its cheap path)
 
     @property
     def found_inf(self) -> torch.Tensor | None:
@@ -461,9 +462,9 @@ class Stepper:
             return self.fused(optimizer, state, args, kwargs)
         state.stage = Stage.STEPPED
         if self.sync_free and self.tracker.has_stepped(optimizer):
-            self._record(optimizer, found_inf, None)
+            self._record(optimizer, state, found_inf, None)
             return sync_free.masked_step(optimizer, found_inf, args, kwargs)
-        if self._record(optimizer, found_inf, self.scale.read_flag(found_inf)):
+        if self._record(optimizer, state, found_inf, self.scale.read_flag(found_inf)):
             return None
         result = optimizer.step(*args, **kwargs)
         self.tracker.mark_stepped(optimizer)
@@ -483,9 +484,9 @@ class Stepper:
         first_step = not self.tracker.has_stepped(optimizer)
         state.stage = Stage.STEPPED
         if first_step and self.scale.read_flag(found_inf):
-            self._record(optimizer, found_inf, True)
+            self._record(optimizer, state, found_inf, True)
             return None
-        if self._record(optimizer, found_inf, False if first_step else None):
+        if self._record(optimizer, state, found_inf, False if first_step else None):
             return None  # known on the host (a watch read it): nothing for the kernel to do
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = found_inf  # type: ignore[attr-defined]
@@ -498,13 +499,16 @@ class Stepper:
             self.tracker.mark_stepped(optimizer)
         return result
 
-    def _record(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, skipped: bool | None) -> bool:
+    def _record(
+        self, optimizer: torch.optim.Optimizer, state: IterationState, found_inf: torch.Tensor, skipped: bool | None
+    ) -> bool:
         """Remember how the step ended; while a watch is active, know it now (one read on the fused and sync-free
         paths) and build the overflow report from the gradients, which still exist. Returns whether skipped."""
         watches = self.reports.active()
         if skipped is None and watches:
             skipped = self.scale.read_flag(found_inf)
         self.tracker.record_step(optimizer, found_inf, skipped)
+        state.skipped = skipped
         if skipped and watches:
             self.reports.overflowed(watches, self.scale)
         return bool(skipped)
@@ -709,11 +713,11 @@ class GradScaler:
     def get_non_clamped_scale(self) -> float:
         """The scale after the last update before the ``min_loss_scale`` clamp: below ``get_scale()`` means the
         scale is pinned at its floor and gradients still overflow."""
-        return float(self._scale.state.non_clamped_scale.item()) if self._enabled else 1.0
+        return self._scale.non_clamped() if self._enabled else 1.0
 
     def get_num_skipped_steps(self) -> int:
         """Iterations whose gradients overflowed (their optimizer steps were skipped)."""
-        return int(self._scale.state.num_skipped_steps.item()) if self._enabled else 0
+        return self._scale.skipped_steps() if self._enabled else 0
 
     def get_scale_tensor(self) -> torch.Tensor:
         """The scale as a 0-dim float32 device tensor (no host sync), e.g. for logging inside compiled code."""
@@ -944,13 +948,15 @@ class GradScaler:
         self._apply_rule([self._tracker.iteration.get(id(o), IterationState()) for o in opts])
 
     def _apply_rule(self, states: list[IterationState]) -> None:
-        flags = [s.found_inf for s in states if s.found_inf is not None]
-        if not flags:
+        states = [s for s in states if s.flag is not None or s.agreement is not None]
+        if not states:
             raise RuntimeError(
                 "No inf checks were recorded prior to update(): call step() (or unscale_()) on the "
                 "optimizers of this iteration first."
             )
-        self._scale.apply_rule(max_flag(flags))
+        # Where step() decided on the host (the default path), the rule knows the flag's value too.
+        known = None if any(s.skipped is None for s in states) else any(s.skipped for s in states)
+        self._scale.apply_rule(max_flag([s.found_inf for s in states]), known)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
