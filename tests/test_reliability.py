@@ -214,3 +214,52 @@ def test_every_state_dict_the_scaler_writes_loads_back(
         again = dls.GradScaler(**kwargs)
         again.load_state_dict(saved)
         assert again.state_dict() == saved
+
+
+# ---------------------------------------------------------------------------------------------- adversarial round
+PATHS = {
+    "host": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), False),
+    "fused": (lambda ps: torch.optim.Adam(ps, lr=0.1, fused=True), False),
+    "sync-free": (lambda ps: torch.optim.Adam(ps, lr=0.1), True),
+}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_param_group_added_mid_run_is_protected_on_every_path(path: str) -> None:
+    make, sync_free = PATHS[path]
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = make([p])
+    scaler = dls.GradScaler("cpu", init_scale=4.0, sync_free=sync_free)
+    _step(scaler, [p], opt, 1.0)
+    _step(scaler, [p], opt, 1.0)
+    q = torch.nn.Parameter(torch.ones(2))
+    opt.add_param_group({"params": [q]})
+    before = snapshot([p, q], opt)
+    _step(scaler, [p, q], opt, INF)  # the new group's first step overflows: no state may be created for q
+    assert scaler.step_was_skipped(opt)
+    assert_same(before, snapshot([p, q], opt), "overflow after add_param_group")
+    _step(scaler, [p, q], opt, 1.0)
+    assert not scaler.step_was_skipped(opt) and torch.isfinite(q).all() and not torch.equal(q.detach(), torch.ones(2))
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.LBFGS(ps), lambda ps: torch.optim.Adam(ps, fused=True)])
+def test_closures_are_refused_before_anything_changes(make: Any) -> None:
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = make([p])
+    scaler = dls.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(p.sum()).backward()
+    grad = p.grad.clone()  # type: ignore[union-attr]
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = scaler.scale(p.sum())
+        loss.backward()
+        return loss
+
+    for call in (lambda: scaler.step(opt, closure), lambda: scaler.step(opt, closure=closure)):
+        with pytest.raises(RuntimeError, match="Closure use is not currently supported"):
+            call()
+        assert torch.equal(p.grad, grad) and torch.equal(p.detach(), torch.ones(2))  # type: ignore[arg-type]
+        assert scaler.stage(opt) is dls.Stage.READY
+    scaler.step(opt) if not isinstance(opt, torch.optim.LBFGS) else scaler.unscale_(opt)
+    scaler.update()

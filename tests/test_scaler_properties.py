@@ -220,6 +220,10 @@ class ScalerMachine(RuleBasedStateMachine):
     def swap_parameter_in_place(self, index: int) -> None:
         q = torch.nn.Parameter(self.params[index].detach().clone())
         self.opt.param_groups[0]["params"][index] = q  # the same list, the same length
+        if self.opt.defaults.get("fused") and "momentum_buffer" in self.opt.state.get(self.params[index], {}):
+            # torch's fused SGD itself fails on a group mixing parameters with and without momentum buffers (a
+            # TypeError without any scaler): the replacement takes over the old parameter's state.
+            self.opt.state[q] = self.opt.state.pop(self.params[index])
         self.params[index] = q
 
     # ------------------------------------------------------------------ invariants

@@ -41,7 +41,7 @@ from dls import distributed, kernels, sync_free
 from dls.arguments import device_kind, is_available, parse_device, read_arguments
 from dls.loss_scale import LossScale
 from dls.policy import count_problem, limit_problem
-from dls.scaler_state import parse_state_dict, to_state_dict
+from dls.scaler_state import STATE_KEYS, TORCH_KEYS, parse_state_dict, to_state_dict
 from dls.settings import DEFAULT_STEPS_PER_INCREASE, TORCH_INIT_SCALE, ScalerSettings
 
 if TYPE_CHECKING:
@@ -677,6 +677,7 @@ class GradScaler:
         self._process_group = process_group
         self._gradients_sharded = gradients_sharded
         self._scale = LossScale(settings, device)
+        self._extra_state: dict[str, Any] = {}  # register_state
         self._wire()
 
     def _wire(self) -> None:
@@ -965,7 +966,20 @@ class GradScaler:
         if not self._enabled:
             return {}
         values = self._scale.values()
-        return to_state_dict(values, self._scale.settings)
+        extra = {name: owner.state_dict() for name, owner in self._extra_state.items()}
+        return to_state_dict(values, self._scale.settings) | extra
+
+    def register_state(self, name: str, owner: Any) -> None:
+        """Keep ``owner``'s state in this scaler's checkpoint under ``name`` (an extension point: e.g. a watch's
+        record of modules kept in float32). ``owner`` has ``state_dict()`` and ``check_state(value)`` (raises
+        ``ValueError`` naming the problem; called before anything changes) and ``load_state_dict(value)``."""
+        if not isinstance(name, str) or name in self.state_dict_keys():
+            raise ValueError(f"name must be a new state dict key; got {name!r}")
+        self._extra_state[name] = owner
+
+    def state_dict_keys(self) -> tuple[str, ...]:
+        """Every key this scaler's state dict may hold (its own, torch's, registered ones)."""
+        return (*STATE_KEYS, "format_version", *TORCH_KEYS, *self._extra_state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dls or a ``torch.amp.GradScaler`` state dict: keys present replace, missing keys keep their
@@ -973,7 +987,9 @@ class GradScaler:
         outside this scaler's bounds is clamped into them, with a warning. Nothing changes on a bad value."""
         if not self._enabled:
             return
-        loaded = parse_state_dict(state_dict, self._scale.settings)
+        loaded = parse_state_dict(state_dict, self._scale.settings, extra=tuple(self._extra_state))
+        for name, value in loaded.extra.items():
+            self._extra_state[name].check_state(value)
         if loaded.clamped is not None:
             warnings.warn(
                 f"the loaded loss scale {loaded.clamped!r} is outside [min_loss_scale, max_loss_scale] = "
@@ -982,6 +998,8 @@ class GradScaler:
                 stacklevel=2,
             )
         self._scale.load(loaded.values, loaded.settings)
+        for name, value in loaded.extra.items():
+            self._extra_state[name].load_state_dict(value)
 
     def __getstate__(self) -> dict[str, Any]:
         if self._enabled and self._tracker.iteration:
@@ -989,13 +1007,14 @@ class GradScaler:
                 "A GradScaler may only be pickled at the beginning of an iteration, or after scaler.update()."
             )
         # A disabled scaler records only clipping: nothing per iteration to carry. Watches hook this process's model.
-        parts = ("_tracker", "_check", "_reports", "_stepper")
+        parts = ("_tracker", "_check", "_reports", "_stepper", "_extra_state")  # registered owners: this process's
         state = {k: v for k, v in self.__dict__.items() if k not in parts}
         state["_process_group"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._extra_state = {}
         self._wire()
 
     # ------------------------------------------------------------------ helpers

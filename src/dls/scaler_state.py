@@ -22,7 +22,8 @@ newer ``format_version``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -74,54 +75,78 @@ class Loaded:
     values: dict[str, float | int]
     settings: ScalerSettings
     clamped: float | None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_state_dict(state_dict: Any, settings: ScalerSettings) -> Loaded:
-    """Check a dls (format 1 or 2) or torch.amp state dict against ``settings`` without changing anything."""
+def parse_state_dict(
+    state_dict: Any,
+    settings: ScalerSettings,
+    *,
+    apply_settings: bool = True,
+    label: Callable[[str], str] = lambda key: f"state_dict[{key!r}]",
+    extra: Collection[str] = (),
+    own_names_first: bool = False,
+) -> Loaded:
+    """Check a dls (format 1 or 2) or torch.amp state dict against ``settings`` without changing anything.
+
+    ``apply_settings=False``: torch's three settings keys are ignored and ``settings`` stay as given (the trainer's
+    config defines them). ``label(key)`` names a key in error messages. ``extra``: keys registered with
+    ``GradScaler.register_state`` (state of other objects kept in the scaler's checkpoint), returned unchecked in
+    ``Loaded.extra`` for their owners to check and load. ``own_names_first``: torch's ``scale`` and
+    ``_growth_tracker`` are read only where dls's names are absent (the trainer's rule), instead of having to agree."""
     if not isinstance(state_dict, dict):
         raise ValueError(f"state_dict must be a dict; got {type(state_dict).__name__}")
     if not state_dict:
         raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled GradScaler.")
-    allowed = (*STATE_KEYS, "format_version", *TORCH_KEYS, *OLD_KEYS)
+    allowed = (*STATE_KEYS, "format_version", *TORCH_KEYS, *OLD_KEYS, *extra)
     unknown = sorted(str(k) for k in state_dict if k not in allowed)
     if unknown:
         raise ValueError(f"state_dict has unknown keys {unknown}; allowed keys: {', '.join(allowed)}")
-    numbers = {key: _number(key, value) for key, value in state_dict.items()}
+    if not apply_settings:
+        state_dict = {
+            k: v for k, v in state_dict.items() if k not in ("growth_factor", "backoff_factor", "growth_interval")
+        }
+    extras = {key: state_dict[key] for key in extra if key in state_dict}
+    numbers = {key: _number(key, value, label) for key, value in state_dict.items() if key not in extras}
     version = numbers.pop("format_version", 1)
     if not (_integral(version) and 1 <= version <= FORMAT_VERSION):
         raise ValueError(
-            f"state_dict['format_version'] is {version!r}: written by a newer dls; this dls reads formats 1 to "
+            f"{label('format_version')} is {version!r}: written by a newer dls; this dls reads formats 1 to "
             f"{FORMAT_VERSION} (upgrade dls to load it)"
         )
     if "hysteresis_hits" in numbers and "hysteresis_tracker" in numbers:
         raise ValueError("state_dict has both 'hysteresis_hits' (format 1) and 'hysteresis_tracker'; give one")
     for theirs, ours in SAME_VALUE.items():
+        if own_names_first and ours in numbers:
+            numbers.pop(theirs, None)
         if theirs in numbers and ours in numbers and numbers[theirs] != numbers[ours]:
             raise ValueError(
-                f"state_dict[{theirs!r}] ({numbers[theirs]!r}) and state_dict[{ours!r}] ({numbers[ours]!r}) hold the "
+                f"{label(theirs)} ({numbers[theirs]!r}) and {label(ours)} ({numbers[ours]!r}) hold the "
                 "same value and must agree"
             )
         if theirs in numbers:
             numbers[ours] = numbers.pop(theirs)
-    settings = _with_torch_settings(settings, numbers)
+    settings = _with_torch_settings(settings, numbers, label)
     values: dict[str, float | int] = {}
     clamped = None
     for key, number in numbers.items():
         if key == "loss_scale":
-            values[key], clamped = _scale(number, settings)
+            values[key], clamped = _scale(number, settings, label)
             continue
         if not (_integral(number) and 0 <= number <= COUNTER_MAX[key]):
             limit = "2**31 - 1" if COUNTER_MAX[key] == INT32_MAX else "2**63 - 1"
-            raise ValueError(f"state_dict[{key!r}] must be an integer from 0 to {limit}; got {number!r}")
+            raise ValueError(f"{label(key)} must be an integer from 0 to {limit}; got {number!r}")
         values[key] = int(number)
     if "hysteresis_hits" in values:
         values["hysteresis_tracker"] = settings.hysteresis - int(values.pop("hysteresis_hits"))
     if "hysteresis_tracker" in values:
         values["hysteresis_tracker"] = min(max(int(values["hysteresis_tracker"]), 1), settings.hysteresis)
-    return Loaded(values, settings, clamped)
+    return Loaded(values, settings, clamped, extras)
 
 
-def _with_torch_settings(settings: ScalerSettings, numbers: dict[str, float]) -> ScalerSettings:
+def _with_torch_settings(
+    settings: ScalerSettings, numbers: dict[str, float], label: Callable[[str], str]
+) -> ScalerSettings:
     """``settings`` with torch's three settings of the state dict applied (popped from ``numbers``)."""
     changes: dict[str, Any] = {}
     for key in ("growth_factor", "backoff_factor"):
@@ -134,27 +159,25 @@ def _with_torch_settings(settings: ScalerSettings, numbers: dict[str, float]) ->
             interval = 2  # torch's interval 1 has no Cerebras equivalent; a fixed scale never grows anyway
         if not (_integral(interval) and 1 + cerebras <= interval <= INT32_MAX):
             low = "2 (a Cerebras-dialect scaler grows after steps_per_increase + 1 updates)" if cerebras else "1"
-            raise ValueError(
-                f"state_dict['growth_interval'] must be an integer from {low} to 2**31 - 1; got {interval!r}"
-            )
+            raise ValueError(f"{label('growth_interval')} must be an integer from {low} to 2**31 - 1; got {interval!r}")
         changes["steps_per_increase"] = int(interval) - cerebras
     try:
         return settings.replace(**changes)
     except SettingsError as exc:
         field = exc.problems[0][0]
         key = "growth_interval" if field == "steps_per_increase" else field
-        raise ValueError(f"state_dict[{key!r}]: {exc.problems[0][1]}") from None
+        raise ValueError(f"{label(key)}: {exc.problems[0][1]}") from None
 
 
-def _scale(number: float, settings: ScalerSettings) -> tuple[float, float | None]:
+def _scale(number: float, settings: ScalerSettings, label: Callable[[str], str]) -> tuple[float, float | None]:
     """The loaded scale, brought into a dynamic scaler's bounds, and the saved value when it had to be."""
     if not (_finite(number) and number > 0):
-        raise ValueError(f"state_dict['loss_scale'] must be a positive finite number; got {number!r}")
+        raise ValueError(f"{label('loss_scale')} must be a positive finite number; got {number!r}")
     scale = float(number)
     if settings.mode == "dynamic":  # a scale from elsewhere is brought into this scaler's bounds
         bounded = min(max(scale, settings.min_loss_scale), settings.max_loss_scale)
         return bounded, (scale if bounded != scale else None)
-    if problem := scale_problem("state_dict['loss_scale']", scale):
+    if problem := scale_problem(label("loss_scale"), scale):
         raise ValueError(problem)
     return scale, None
 
@@ -167,11 +190,11 @@ def _integral(number: float) -> bool:
     return isinstance(number, int) or (isinstance(number, float) and number.is_integer())
 
 
-def _number(key: str, value: Any) -> float:
+def _number(key: str, value: Any, label: Callable[[str], str]) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"state_dict[{key!r}] must be a number; got a tensor of shape {tuple(value.shape)}")
+            raise ValueError(f"{label(key)} must be a number; got a tensor of shape {tuple(value.shape)}")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"state_dict[{key!r}] must be a number; got {value!r}")
+        raise ValueError(f"{label(key)} must be a number; got {value!r}")
     return value
