@@ -47,30 +47,31 @@ def _setup(scaler: Any, count: int) -> tuple[list[torch.nn.Parameter], torch.opt
     return params, opt, backward_and_step
 
 
-def time_update(scaler: Any, reps: int) -> list[float]:
-    _, opt, before = _setup(scaler, 1)
-    out = []
-    for _ in range(reps):
-        before()
-        start = time.perf_counter_ns()
-        scaler.update()
-        out.append((time.perf_counter_ns() - start) / 1e3)
-        opt.zero_grad(set_to_none=False)
+def time_interleaved(
+    makers: dict[str, Callable[[], Any]], count: int, reps: int, whole: bool
+) -> dict[str, list[float]]:
+    """Per repetition, one timed call per scaler in turn (drift in machine load hits every scaler alike): the whole
+    ``scale+backward+step+update`` (``whole``), else ``update()`` alone after an untimed step."""
+    setups = {name: (make(), *_setup_params(count)) for name, make in makers.items()}
+    out: dict[str, list[float]] = {name: [] for name in makers}
+    for rep in range(reps + 20):  # the first 20: warm-up (indexes, lazily created state)
+        for name, (scaler, params, opt) in setups.items():
+            loss = torch.stack([p.sum() for p in params]).sum()  # the forward pass is not timed
+            start = time.perf_counter_ns()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            if not whole:
+                start = time.perf_counter_ns()
+            scaler.update()
+            if rep >= 20:
+                out[name].append((time.perf_counter_ns() - start) / 1e3)
+            opt.zero_grad(set_to_none=False)
     return out
 
 
-def time_whole(scaler: Any, count: int, reps: int) -> list[float]:
-    params, opt, _ = _setup(scaler, count)
-    out = []
-    for _ in range(reps):
-        loss = torch.stack([p.sum() for p in params]).sum()  # the forward pass is not timed
-        start = time.perf_counter_ns()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        out.append((time.perf_counter_ns() - start) / 1e3)
-        opt.zero_grad(set_to_none=False)
-    return out
+def _setup_params(count: int) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+    params = [torch.nn.Parameter(torch.ones(16)) for _ in range(count)]
+    return params, torch.optim.SGD(params, lr=0.0)
 
 
 def ops_per_update(scaler: Any) -> list[str]:
@@ -97,17 +98,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         "dls (Cerebras dialect)": lambda: dls.GradScaler(),
         "dls (hysteresis=2)": lambda: dls.GradScaler(hysteresis=2),
     }
-    results: dict[str, dict[str, list[float]]] = {name: {"update": [], "whole": []} for name in makers}
-    for _round in range(5):  # interleaved rounds: drift in machine load hits every scaler alike
-        for name, make in makers.items():
-            results[name]["update"] += time_update(make(), args.reps // 5)
-            results[name]["whole"] += time_whole(make(), args.params, args.reps // 10)
-    base = {k: statistics.median(v) for k, v in results["torch.amp"].items()}
+    results = {
+        "update": time_interleaved(makers, 1, args.reps, whole=False),
+        "whole": time_interleaved(makers, args.params, args.reps // 4, whole=True),
+    }
+    base = {kind: statistics.median(times["torch.amp"]) for kind, times in results.items()}
     print(f"host time, CPU, medians (us); whole step = scale+backward+step+update at {args.params} parameters")
     print(f"{'scaler':<24}{'update()':>10}{'ratio':>8}{'whole step':>12}{'ratio':>8}{'ops/update':>12}")
     for name, make in makers.items():
-        update = statistics.median(results[name]["update"])
-        whole = statistics.median(results[name]["whole"])
+        update = statistics.median(results["update"][name])
+        whole = statistics.median(results["whole"][name])
         ops = len(ops_per_update(make()))
         print(
             f"{name:<24}{update:>10.2f}{update / base['update']:>8.2f}{whole:>12.1f}{whole / base['whole']:>8.2f}"

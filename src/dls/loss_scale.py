@@ -165,7 +165,7 @@ class LossScale:
             self.state.overflows_since_rescale.clamp_(max=most)
             self.clamp_counters = False
         rule, dynamic = self.rule, self.settings.mode == "dynamic"
-        if overflow is not None and (not dynamic or (self.in_bounds and rule.torch_rule)):
+        if overflow is not None and (not dynamic or self.in_bounds):
             self.host_skips += overflow
             if not dynamic:
                 return

@@ -238,11 +238,15 @@ class DynamicRule:
         _count_skip_(state.num_skipped_steps, found_inf, saturate)
 
     def update_known_(self, state: ScaleState, found_inf: torch.Tensor, overflow: bool) -> None:
-        """``update_`` when the host knows the flag's value (``overflow``) and the scale is within its bounds, for
-        the torch rule (``torch_rule``), without counting the skip (the caller counts it on the host): torch's
-        kernel, then only the clamps that can bind — none after a clean step unless ``max_loss_scale`` is below
-        float32's max (the kernel drops a growth that would reach inf). Leaves ``non_clamped_scale`` stale after a
-        clean step: it equals ``loss_scale`` then."""
+        """``update_`` when the host knows the flag's value (``overflow``) and the scale is within its bounds,
+        without counting the skip (the caller counts it on the host). After a clean step every rule is torch's
+        kernel (``steps + 1``, growth at the interval, dropped if it would reach inf, the count reset either way)
+        plus the budget refill where the count was reset, and a max clamp only when ``max_loss_scale`` is below
+        float32's max; ``non_clamped_scale`` is then left stale (it equals ``loss_scale``). After an overflow: the
+        whole rule (torch's kernel and the clamps for the torch rule)."""
+        if overflow and not self.torch_rule:
+            assign_(state, self.update(state, found_inf)._replace(num_skipped_steps=state.num_skipped_steps))
+            return
         torch._amp_update_scale_(
             state.loss_scale,
             state.steps_since_rescale,
@@ -254,7 +258,16 @@ class DynamicRule:
         if overflow:
             torch.clamp(state.loss_scale, max=self.max_loss_scale, out=state.non_clamped_scale)
             torch.clamp(state.non_clamped_scale, min=self.min_loss_scale, out=state.loss_scale)
-        elif self.max_loss_scale < FLOAT32_MAX:
+            return
+        if self.hysteresis > 1 and self.consecutive_hysteresis:
+            state.hysteresis_tracker.fill_(self.hysteresis)
+        if (self.hysteresis > 1 and not self.consecutive_hysteresis) or self.overflow_tolerance > 0:
+            grew = state.steps_since_rescale == 0  # the kernel resets the count exactly on a growth event
+            if self.hysteresis > 1 and not self.consecutive_hysteresis:
+                state.hysteresis_tracker.masked_fill_(grew, self.hysteresis)
+            if self.overflow_tolerance > 0:
+                state.overflows_since_rescale.masked_fill_(grew, 0)
+        if self.max_loss_scale < FLOAT32_MAX:
             state.loss_scale.clamp_(max=self.max_loss_scale)
 
     @property
