@@ -40,7 +40,7 @@ import torch.distributed as dist
 from dls import distributed, kernels, sync_free
 from dls.arguments import device_kind, is_available, parse_device, read_arguments
 from dls.loss_scale import LossScale
-from dls.policy import count_problem, limit_problem
+from dls.policy import count_problem, flag_problem, limit_problem
 from dls.scaler_state import STATE_KEYS, TORCH_KEYS, parse_state_dict, to_state_dict
 from dls.settings import DEFAULT_STEPS_PER_INCREASE, TORCH_INIT_SCALE, ScalerSettings
 
@@ -660,8 +660,8 @@ class GradScaler:
         gradients_sharded: bool | None,
     ) -> None:
         for name, value in (("enabled", enabled), ("sync_free", sync_free)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False; got {value!r}")
+            if problem := flag_problem(name, value):
+                raise ValueError(problem)
         if gradients_sharded is not None and not isinstance(gradients_sharded, bool):
             raise ValueError(f"gradients_sharded must be True, False or None; got {gradients_sharded!r}")
         self._enabled = enabled and settings.mode != "off"

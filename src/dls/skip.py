@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from dls.policy import flag_problem
 from dls.scaler import GradScaler
 
 _T = TypeVar("_T")
@@ -59,8 +60,8 @@ class SkipAware:
             raise ValueError("obj is already skip-aware; wrap the original object once")
         if not isinstance(scaler, GradScaler):
             raise ValueError(f"scaler must be a dls.GradScaler; got {type(scaler).__name__}")
-        if not isinstance(sync_free, bool):
-            raise ValueError(f"sync_free must be True or False; got {sync_free!r}")
+        if problem := flag_problem("sync_free", sync_free):
+            raise ValueError(problem)
         gated = _gated_method(obj, method)
         if sync_free and not isinstance(obj, torch.nn.Module):
             raise ValueError(
