@@ -456,10 +456,14 @@ class Stepper:
     def if_finite(
         self, optimizer: torch.optim.Optimizer, state: IterationState, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        found_inf = state.found_inf
-        assert found_inf is not None
+        """The step, skipped where the flag says so; the one place the path is chosen: the optimizer's own kernel
+        when it takes the flag (from READY: it unscales, too), else on the device (sync-free) or on the host."""
         if takes_scale_and_flag(optimizer):
             return self.fused(optimizer, state, args, kwargs)
+        if state.stage is Stage.READY:
+            self.check.unscale_and_check([optimizer], [state])
+        found_inf = state.found_inf
+        assert found_inf is not None
         state.stage = Stage.STEPPED
         if self.sync_free and self.tracker.has_stepped(optimizer):
             self._record(optimizer, state, found_inf, None)
@@ -881,10 +885,6 @@ class GradScaler:
                     stacklevel=2,
                 )
             self._check.clip_and_check([optimizer], max_norm)
-        elif state.stage is Stage.READY:
-            if takes_scale_and_flag(optimizer):
-                return self._stepper.fused(optimizer, state, args, kwargs)
-            self._check.unscale_and_check([optimizer], [state])
         return self._stepper.if_finite(optimizer, state, args, kwargs)
 
     def step_if_finite(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
