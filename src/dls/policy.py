@@ -201,7 +201,7 @@ class DynamicRule:
         grown = _times(state.loss_scale, self.growth_factor)
         scale = torch.where(backoff, _times(state.loss_scale, self.backoff_factor), state.loss_scale)
         scale = torch.where(grow & torch.isfinite(grown), grown, scale)
-        refill = grow | (~overflow if self.consecutive_hysteresis else grow)
+        refill = grow | ~overflow if self.consecutive_hysteresis else grow  # DeepSpeed: also after a clean step
         budget = torch.where(refill, torch.full_like(budget, self.hysteresis), budget - (counted & ~backoff).long())
         reset = counted | grow
         zero = torch.zeros_like(steps)
