@@ -280,10 +280,10 @@ def torch_scaler(
 
 
 def dls_scaler(init_scale: float = 2.0**10, steps_per_increase: int = 2000, **kwargs: Any) -> dls.GradScaler:
-    """A dynamic ``dls.GradScaler`` (Cerebras dialect) whose maximum, 2**40, is out of reach: its rule is torch's."""
-    return dls.GradScaler(
-        "dynamic", init_scale=init_scale, steps_per_increase=steps_per_increase, max_loss_scale=2.0**40, **kwargs
-    )
+    """A dynamic ``dls.GradScaler`` (torch dialect: torch's growth timing) with the Cerebras floor 2**-14 and a
+    maximum, 2**40, out of reach: its rule is torch's."""
+    kwargs = {"min_loss_scale": 2.0**-14, "max_loss_scale": 2.0**40, **kwargs}
+    return dls.GradScaler("cpu", init_scale=init_scale, growth_interval=steps_per_increase, **kwargs)
 
 
 def side_by_side(
@@ -380,7 +380,8 @@ class OpLog(TorchDispatchMode):
 # ---------------------------------------------------------------------------------------------- the scale rule
 @dataclass
 class ReferenceRule:
-    """The dynamic scale rule (README, ``dls.policy``) written out step by step in Python numbers.
+    """The dynamic scale rule (the pseudo-code in ``dls.policy``'s docstring) written out step by step in Python
+    numbers; the peers' own rules, re-stated from their sources, are in test_policy.py.
 
     float32 where the contract says so: the overflow ratio is a float32 division, and products of the scale and a
     factor are computed in float64 and rounded once to float32, as torch's update kernel does.
@@ -391,12 +392,15 @@ class ReferenceRule:
     steps: int = 0
     overflows: int = 0
     skipped: int = 0
-    hits: int = 0
+    budget: int = 0  # the hysteresis budget left (hysteresis_tracker); 0: full, set in __post_init__
     non_clamped: float = 0.0
 
+    def __post_init__(self) -> None:
+        self.budget = self.budget or self.rule.hysteresis
+
     def update(self, overflow: bool) -> str:
-        """One ``update()`` with this iteration's overflow flag; returns what happened: ``"none"``, ``"hit"`` (a
-        hysteresis hit without back-off), ``"backoff"`` or ``"growth"``."""
+        """One ``update()`` with this iteration's overflow flag; returns what happened: ``"none"``, ``"hit"`` (an
+        overflow that spent a unit of the budget without back-off), ``"backoff"`` or ``"growth"``."""
         r = self.rule
         f = int(overflow)
         self.steps += 1
@@ -405,21 +409,23 @@ class ReferenceRule:
         event = "none"
         ratio = np.float32(self.overflows) / np.float32(self.steps)
         if f and ratio > np.float32(r.overflow_tolerance):
-            self.hits += 1
-            if self.hits >= r.hysteresis:
+            self.steps = self.overflows = 0
+            if self.budget == 1:
                 self.scale = float(np.float32(np.float64(np.float32(self.scale)) * r.backoff_factor))
-                self.hits = 0
                 event = "backoff"
             else:
+                self.budget -= 1
                 event = "hit"
-            self.steps = self.overflows = 0
-        elif self.steps >= r.steps_per_increase:
+        elif self.steps >= r.growth_interval:
             with np.errstate(over="ignore"):
                 grown = np.float32(np.float64(np.float32(self.scale)) * r.growth_factor)
             if np.isfinite(grown):  # growth that would reach inf is dropped; the counters still reset
                 self.scale = float(grown)
-            self.steps = self.overflows = self.hits = 0
+            self.steps = self.overflows = 0
+            self.budget = r.hysteresis
             event = "growth"
+        elif r.consecutive_hysteresis and not f:
+            self.budget = r.hysteresis
         self.scale = min(self.scale, float(np.float32(r.max_loss_scale)))
         self.non_clamped = self.scale
         self.scale = max(self.scale, float(np.float32(r.min_loss_scale)))

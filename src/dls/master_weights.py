@@ -26,7 +26,7 @@ Gradients. Backward (and DDP's all-reduce) produce half gradients on the model's
 exactly, into float32 master gradients (one pass; the buffer is kept while ``zero_grad(set_to_none=False)`` keeps
 gradients, freed with them otherwise):
 
-* with a ``dls.GradScaler``: before the scaler first reads the gradients of the iteration (``dls.tracking``'s
+* with a ``dls.GradScaler``: before the scaler first reads the gradients of the iteration (``dls.scaler``'s
   protocol), so the unscale, the overflow check and ``max_gradient_norm`` clipping run on float32;
 * otherwise (no scaler, or a disabled one), in ``step()``.
 
