@@ -2,31 +2,49 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# What each target needs: the demo the trainer alone; the tests every integration, the docs tools and dev tools.
+DEMO_EXTRAS := train
+TEST_EXTRAS := train,dev,docs,tensorboard,lightning,hf,modelzoo
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint docs docs-check serve-docs bench bench-gpu clean
 
-$(STAMP): pyproject.toml requirements/dev.txt
-	@echo "Setting up $(VENV): installing torch, dls and its extras (the first time takes a minute or two)..."
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c requirements/dev.txt -e ".[train,dev,tensorboard,lightning,hf]"
-	touch $(STAMP)
 
-setup: $(STAMP)
+$(VENV)/.installed-demo: pyproject.toml requirements/dev.txt | $(BIN)/python
+	@echo "Installing torch and dls[$(DEMO_EXTRAS)] into $(VENV) (the first time takes a minute or two)..."
+	$(BIN)/pip install --quiet -c requirements/dev.txt -e ".[$(DEMO_EXTRAS)]"
+	touch $@
 
-demo: $(STAMP)
+$(VENV)/.installed-test: pyproject.toml requirements/dev.txt | $(BIN)/python
+	@echo "Installing torch and dls[$(TEST_EXTRAS)] into $(VENV) (the first time takes a few minutes)..."
+	$(BIN)/pip install --quiet -c requirements/dev.txt -e ".[$(TEST_EXTRAS)]"
+	touch $@
+
+setup: $(VENV)/.installed-test
+
+demo: $(VENV)/.installed-demo
 	$(BIN)/dls demo
 
-lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/ruff format --check src tests benchmarks examples
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check src tests benchmarks examples conftest.py
+	$(BIN)/ruff format --check src tests benchmarks examples conftest.py
 	$(BIN)/mypy src
 
-test: lint
+docs-check: $(VENV)/.installed-test  # the site must build without a warning (broken links, missing API names)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir build/site
+
+test: lint docs-check
 	$(BIN)/pytest -q
 
-bench: $(STAMP)  # about 11 minutes on 2 CPU cores; results and how to read them: benchmarks/RESULTS.md
+docs: $(VENV)/.installed-test  # the site, in site/
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+serve-docs: $(VENV)/.installed-test  # the site at http://127.0.0.1:8000, rebuilt on every change
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
+bench: $(VENV)/.installed-test  # about 11 minutes on 2 CPU cores; results and how to read them: benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/bench_scaler.py --threads 1
 	$(BIN)/python benchmarks/bench_clip.py --threads 1
 	$(BIN)/python benchmarks/bench_step.py --threads 1
@@ -37,6 +55,12 @@ bench: $(STAMP)  # about 11 minutes on 2 CPU cores; results and how to read them
 	$(BIN)/python benchmarks/bench_watch.py --threads 1
 	$(BIN)/python benchmarks/bench_master_weights.py --threads 1
 	$(BIN)/python benchmarks/frameworks_fp16.py
+	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+	  $(BIN)/python benchmarks/bench_gpu.py && $(BIN)/python benchmarks/bench_fp8_gpu.py; \
+	else echo "no CUDA device: GPU tables skipped (benchmarks/bench_gpu.py, benchmarks/bench_fp8_gpu.py)"; fi
+
+bench-gpu:  # on a machine with CUDA and a plain python3 that has torch (no venv): the GPU tables of benchmarks/RESULTS.md
+	python3 benchmarks/bench_gpu.py && python3 benchmarks/bench_fp8_gpu.py
 
 clean:
-	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build dist site .pytest_cache .mypy_cache .ruff_cache .hypothesis

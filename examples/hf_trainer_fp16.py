@@ -9,18 +9,26 @@ and the LR schedule waits for them (with Accelerate's own check it would not: th
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from typing import Any
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from dls.integrations.transformers import use_dls
+# Importing transformers' Trainer imports torchao where it is installed (dls's dev extra); torchao then logs that its
+# CUDA kernels cannot load on this machine, and torch a deprecation inside torchao: nothing a user can act on.
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+from dls.integrations.transformers import use_dls  # noqa: E402
 
 
 def main(steps: int = 60, output_dir: str | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+    # bos/eos inside the 64-token vocabulary (GPT-2's default 50256 is not, and transformers warns about it)
+    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
     starts = torch.randint(0, 64, (512, 1))
     sequences = (starts + torch.arange(32)) % 64
     data = [{"input_ids": s, "labels": s} for s in sequences]

@@ -1,6 +1,8 @@
 """Shared set-up and helpers of the test suite.
 
-Fixtures: ``_reset_half_dtype`` and ``one_thread`` (every test); ``fresh_accelerate_state`` (requested by name).
+Fixtures: ``_reset_half_dtype`` and ``one_thread`` (every test); ``device`` (the device the device-dependent tests
+run on: ``cpu`` unless ``--device cuda`` or ``DLS_TEST_DEVICE=cuda`` asks for CUDA, which is then an error where there
+is none); ``fresh_accelerate_state`` (requested by name). Tests marked ``cuda`` need a GPU: they skip without one.
 Plain helpers, imported with ``from conftest import ...``:
 
 * tiny models and losses: ``tiny_model``, ``batch``, ``loss_of``; overflow injection: ``inject``; training loops:
@@ -56,6 +58,64 @@ DLS_DIR = os.path.dirname(dls.__file__)
 EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
 
 
+# ---------------------------------------------------------------------------------------------- the device switch
+DEVICE_ENV = "DLS_TEST_DEVICE"
+_DEVICE_KEY = pytest.StashKey[torch.device]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device",
+        default=None,
+        help=f"device of the device-dependent tests: cpu (default) or cuda, cuda:N; also ${DEVICE_ENV}. Asking for "
+        "CUDA where torch.cuda.is_available() is False is an error, never a silent CPU run",
+    )
+
+
+def requested_device(option: str | None, env: Mapping[str, str], cuda_available: bool) -> torch.device:
+    """The device the option (else the environment's ``DLS_TEST_DEVICE``, else ``cpu``) asks for; ``UsageError``
+    for anything but ``cpu`` and ``cuda[:N]``, or for CUDA where there is none."""
+    text = option if option is not None else env.get(DEVICE_ENV) or "cpu"
+    source = "--device" if option is not None else DEVICE_ENV
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index is not None):
+        raise pytest.UsageError(f"{source} must be 'cpu', 'cuda' or 'cuda:N'; got {text!r}")
+    if device.type == "cuda" and not cuda_available:
+        raise pytest.UsageError(
+            f"{source}={text} asks for CUDA, but torch.cuda.is_available() is False here (no GPU, or a CPU build of "
+            "torch): unset it to run the suite on the CPU"
+        )
+    return device
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_DEVICE_KEY] = requested_device(config.getoption("--device"), os.environ, torch.cuda.is_available())
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    device = config.stash[_DEVICE_KEY]
+    cuda = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})" if torch.cuda.is_available() else "none"
+    return f"dls: device-dependent tests on {device}; CUDA device: {cuda}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def device(pytestconfig: pytest.Config) -> torch.device:
+    """The device of the device-dependent tests (``--device`` / ``DLS_TEST_DEVICE``; ``cpu`` by default)."""
+    return pytestconfig.stash[_DEVICE_KEY]
+
+
 @pytest.fixture(autouse=True)
 def _reset_half_dtype() -> Iterator[None]:
     """Every test starts with the default half dtype, whatever an earlier test chose."""
@@ -87,21 +147,29 @@ def fresh_accelerate_state() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------------- models and losses
-def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Sequential:
-    """``Linear(6, 8) → Tanh → Linear(8, 2)``, initialised from ``seed``."""
+def tiny_model(
+    seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> torch.nn.Sequential:
+    """``Linear(6, 8) → Tanh → Linear(8, 2)`` on ``device``, initialised from ``seed`` (on the CPU, so the
+    same weights on every device)."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).to(dtype)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    return model.to(device=device, dtype=dtype)
 
 
-def batch(step: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs (4 × 6, in ``dtype``) and float32 targets (4 × 2) of a step, the same for every call."""
+def batch(
+    step: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs (4 × 6, in ``dtype``) and float32 targets (4 × 2) of a step on ``device``, the same for every call."""
     gen = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(4, 6, generator=gen).to(dtype), torch.randn(4, 2, generator=gen)
+    x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 2, generator=gen)
+    return x.to(device=device, dtype=dtype), y.to(device)
 
 
 def loss_of(model: torch.nn.Module, step: int = 0) -> torch.Tensor:
-    """The float32 mean squared error of ``model`` (any dtype) on ``batch(step)``."""
-    x, y = batch(step, next(model.parameters()).dtype)
+    """The float32 mean squared error of ``model`` (any dtype, on its device) on ``batch(step)``."""
+    first = next(model.parameters())
+    x, y = batch(step, first.dtype, first.device)
     return torch.nn.functional.mse_loss(model(x).float(), y)
 
 
@@ -205,15 +273,17 @@ def assert_same(a: Snapshot, b: Snapshot, where: str = "") -> None:
 
 
 # ---------------------------------------------------------------------------------------------- torch.amp side by side
-def torch_scaler(init_scale: float = 2.0**10, growth_interval: int = 2000) -> torch.amp.GradScaler:
-    return torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+def torch_scaler(
+    init_scale: float = 2.0**10, growth_interval: int = 2000, device: torch.device | str = "cpu"
+) -> torch.amp.GradScaler:
+    return torch.amp.GradScaler(torch.device(device).type, init_scale=init_scale, growth_interval=growth_interval)
 
 
 def dls_scaler(init_scale: float = 2.0**10, steps_per_increase: int = 2000, **kwargs: Any) -> dls.GradScaler:
-    """A dynamic ``dls.GradScaler`` (Cerebras dialect) whose maximum, 2**40, is out of reach: its rule is torch's."""
-    return dls.GradScaler(
-        "dynamic", init_scale=init_scale, steps_per_increase=steps_per_increase, max_loss_scale=2.0**40, **kwargs
-    )
+    """A dynamic ``dls.GradScaler`` (torch dialect: torch's growth timing) with the Cerebras floor 2**-14 and a
+    maximum, 2**40, out of reach: its rule is torch's."""
+    kwargs = {"min_loss_scale": 2.0**-14, "max_loss_scale": 2.0**40, **kwargs}
+    return dls.GradScaler("cpu", init_scale=init_scale, growth_interval=steps_per_increase, **kwargs)
 
 
 def side_by_side(
@@ -222,12 +292,13 @@ def side_by_side(
     iterations: int,
     init_scale: float = 2.0**10,
     interval: int = 2000,
+    device: torch.device | str = "cpu",
 ) -> None:
-    """Run ``body(scaler, model, opt, i)`` with ``torch_scaler`` and with ``dls_scaler`` on identical tiny models:
-    the scales after every iteration, the parameters and the optimizer state must be the same."""
+    """Run ``body(scaler, model, opt, i)`` with ``torch_scaler`` and with ``dls_scaler`` on identical tiny models
+    on ``device``: the scales after every iteration, the parameters and the optimizer state must be the same."""
     results = []
-    for scaler in (torch_scaler(init_scale, interval), dls_scaler(init_scale, interval)):
-        model = tiny_model()
+    for scaler in (torch_scaler(init_scale, interval, device), dls_scaler(init_scale, interval)):
+        model = tiny_model(device=device)
         opt = make_opt(list(model.parameters()))
         scales = []
         for i in range(iterations):
@@ -309,7 +380,8 @@ class OpLog(TorchDispatchMode):
 # ---------------------------------------------------------------------------------------------- the scale rule
 @dataclass
 class ReferenceRule:
-    """The dynamic scale rule (README, ``dls.policy``) written out step by step in Python numbers.
+    """The dynamic scale rule (the pseudo-code in ``dls.policy``'s docstring) written out step by step in Python
+    numbers; the peers' own rules, re-stated from their sources, are in test_policy.py.
 
     float32 where the contract says so: the overflow ratio is a float32 division, and products of the scale and a
     factor are computed in float64 and rounded once to float32, as torch's update kernel does.
@@ -320,12 +392,15 @@ class ReferenceRule:
     steps: int = 0
     overflows: int = 0
     skipped: int = 0
-    hits: int = 0
+    budget: int = 0  # the hysteresis budget left (hysteresis_tracker); 0: full, set in __post_init__
     non_clamped: float = 0.0
 
+    def __post_init__(self) -> None:
+        self.budget = self.budget or self.rule.hysteresis
+
     def update(self, overflow: bool) -> str:
-        """One ``update()`` with this iteration's overflow flag; returns what happened: ``"none"``, ``"hit"`` (a
-        hysteresis hit without back-off), ``"backoff"`` or ``"growth"``."""
+        """One ``update()`` with this iteration's overflow flag; returns what happened: ``"none"``, ``"hit"`` (an
+        overflow that spent a unit of the budget without back-off), ``"backoff"`` or ``"growth"``."""
         r = self.rule
         f = int(overflow)
         self.steps += 1
@@ -334,21 +409,23 @@ class ReferenceRule:
         event = "none"
         ratio = np.float32(self.overflows) / np.float32(self.steps)
         if f and ratio > np.float32(r.overflow_tolerance):
-            self.hits += 1
-            if self.hits >= r.hysteresis:
+            self.steps = self.overflows = 0
+            if self.budget == 1:
                 self.scale = float(np.float32(np.float64(np.float32(self.scale)) * r.backoff_factor))
-                self.hits = 0
                 event = "backoff"
             else:
+                self.budget -= 1
                 event = "hit"
-            self.steps = self.overflows = 0
-        elif self.steps >= r.steps_per_increase:
+        elif self.steps >= r.growth_interval:
             with np.errstate(over="ignore"):
                 grown = np.float32(np.float64(np.float32(self.scale)) * r.growth_factor)
             if np.isfinite(grown):  # growth that would reach inf is dropped; the counters still reset
                 self.scale = float(grown)
-            self.steps = self.overflows = self.hits = 0
+            self.steps = self.overflows = 0
+            self.budget = r.hysteresis
             event = "growth"
+        elif r.consecutive_hysteresis and not f:
+            self.budget = r.hysteresis
         self.scale = min(self.scale, float(np.float32(r.max_loss_scale)))
         self.non_clamped = self.scale
         self.scale = max(self.scale, float(np.float32(r.min_loss_scale)))

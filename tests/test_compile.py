@@ -167,7 +167,7 @@ def test_default_step_does_not_compile_to_one_graph(no_optimizer_breaks: None) -
 
 
 # ---------------------------------------------------------------------------------------------- CUDA graphs
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device (none here)")
+@pytest.mark.cuda
 def test_cuda_graph_captures_a_whole_iteration_with_a_fused_optimizer() -> None:
     torch.manual_seed(0)
     device = torch.device("cuda")

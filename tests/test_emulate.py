@@ -283,7 +283,7 @@ def test_fmt_by_name_dtype_and_registered_override() -> None:
         assert not m._forward_hooks and not m._forward_pre_hooks
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_matches_cpu() -> None:
     model = mlp()
     gpu = copy.deepcopy(model).cuda()

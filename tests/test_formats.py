@@ -612,7 +612,7 @@ def test_overflow_count_matches_non_saturating_rounding(fmt: FloatFormat) -> Non
     assert under.item() == 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_matches_cpu_and_torch() -> None:
     gen = torch.Generator().manual_seed(5)
     x = torch.randint(-(2**31), 2**31, (2_000_000,), generator=gen, dtype=torch.int64).to(torch.int32)

@@ -30,10 +30,10 @@ def regression() -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def mlp(dtype: torch.dtype = torch.float32, seed: int = 1) -> torch.nn.Sequential:
+def mlp(dtype: torch.dtype = torch.float32, seed: int = 1, device: torch.device | str = "cpu") -> torch.nn.Sequential:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-    return model.to(dtype)
+    return model.to(device=device, dtype=dtype)
 
 
 def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -117,8 +117,10 @@ def train(
     steps: range,
     poison: tuple[int, ...] = (),
 ) -> None:
-    """AdamW-style training on the regression task; the scaled gradients of the steps in ``poison`` overflow."""
-    x, y = regression()
+    """AdamW-style training on the regression task (on the model's device); the scaled gradients of the steps in
+    ``poison`` overflow."""
+    device = next(model.parameters()).device
+    x, y = (t.to(device) for t in regression())
     for step in steps:
         rows = slice(32 * (step % 8), 32 * (step % 8) + 32)
         scaler.scale(loss_of(model, x[rows], y[rows])).backward()
@@ -252,8 +254,8 @@ def test_without_a_scaler_step_takes_the_models_gradients_itself() -> None:
     ["host", "sync_free", "fused", "clip"],
     ids=["host", "sync_free", "fused_adamw", "max_gradient_norm"],
 )
-def test_an_overflow_after_a_few_adamw_steps_changes_nothing(path: str) -> None:
-    model = mlp(torch.float16)
+def test_an_overflow_after_a_few_adamw_steps_changes_nothing(path: str, device: torch.device) -> None:
+    model = mlp(torch.float16, device=device)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=path == "fused")
     opt = master_weights(inner)
     assert opt._step_supports_amp_scaling is (path == "fused")
@@ -270,8 +272,8 @@ def test_an_overflow_after_a_few_adamw_steps_changes_nothing(path: str) -> None:
     assert not torch.equal(model[0].weight, before["params"][0])
 
 
-def test_fused_steps_with_masters_read_nothing_back_after_the_first() -> None:
-    model = mlp(torch.float16)
+def test_fused_steps_with_masters_read_nothing_back_after_the_first(device: torch.device) -> None:
+    model = mlp(torch.float16, device=device)
     opt = master_weights(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
     scaler = dls.GradScaler(loss_scale="dynamic")
     train(model, opt, scaler, range(1))
@@ -283,9 +285,9 @@ def test_fused_steps_with_masters_read_nothing_back_after_the_first() -> None:
 
 # ---------------------------------------------------------------------------------------------- checkpoints
 @pytest.mark.parametrize("model_first", [True, False], ids=["model_then_optimizer", "optimizer_then_model"])
-def test_resuming_from_a_checkpoint_is_bit_identical(model_first: bool) -> None:
+def test_resuming_from_a_checkpoint_is_bit_identical(model_first: bool, device: torch.device) -> None:
     def build(seed: int) -> tuple[torch.nn.Module, MasterWeights, dls.GradScaler]:
-        model = mlp(torch.float16, seed=seed)
+        model = mlp(torch.float16, seed=seed, device=device)
         opt = master_weights(torch.optim.AdamW(model.parameters(), lr=1e-3))
         return model, opt, dls.GradScaler(loss_scale="dynamic", steps_per_increase=3)
 

@@ -107,7 +107,10 @@ def _ops_of_clean_iteration(watch: bool, path: str) -> dict[str, list[str]]:
 @pytest.mark.parametrize("path", ["default", "fused", "sync_free"])
 def test_clean_steps_run_the_same_kernels_with_and_without_a_watch(path: str):
     watched, plain = _ops_of_clean_iteration(True, path), _ops_of_clean_iteration(False, path)
-    assert watched["backward"] == plain["backward"] and watched["update"] == plain["update"]
+    assert watched["backward"] == plain["backward"]
+    # update() runs the same kernels, or fewer where the watch made the flag known on the host (fused, sync-free):
+    # a rule whose flag is known skips the skip count and the clamps that cannot bind.
+    assert watched["update"] == plain["update"] or len(watched["update"]) < len(plain["update"])
     if path == "default":  # the flag is read there anyway
         assert watched["step"] == plain["step"]
     else:  # the fused and sync-free paths read the flag once while a watch is active: no kernel besides that read

@@ -1,6 +1,6 @@
 """A stateful property test of GradScaler: random sequences of backward / unscale_ / clip / step / update /
-state_dict / load_state_dict, with inf, NaN and overflowing-once-unscaled gradients injected, over half dtypes and
-optimizers (fused ones included).
+state_dict / load_state_dict / optimizer-state resets / a parameter swapped into the optimizer's list in place, with
+inf, NaN and overflowing-once-unscaled gradients injected, over half dtypes and optimizers (fused ones included).
 
 Invariants checked after every rule:
 - an optimizer never receives a non-finite or overflowing gradient (sync-free steps excepted: they run and are undone);
@@ -48,6 +48,7 @@ class ScalerMachine(RuleBasedStateMachine):
         self.params = [torch.nn.Parameter(torch.randn(3).to(dtype)), torch.nn.Parameter(torch.randn(2, 2).to(dtype))]
         self.opt = OPTIMIZERS[opt_name](self.params)
         self.opt.register_step_pre_hook(self._check_received)
+        self.fresh_state = self.opt.state_dict()
         self.kwargs = {
             "init_scale": init,
             "min_loss_scale": MIN_SCALE,
@@ -205,6 +206,25 @@ class ScalerMachine(RuleBasedStateMachine):
             self.scaler.load_state_dict({**before, key: value})
         assert str(info.value)
         assert self.scaler.state_dict() == before
+
+    @precondition(lambda self: self.stage == "ready")
+    @rule(how=st.sampled_from(["load_state_dict", "state.clear"]))
+    def reset_optimizer_state(self, how: str) -> None:
+        if how == "state.clear":
+            self.opt.state.clear()
+        else:
+            self.opt.load_state_dict(self.fresh_state)
+
+    @precondition(lambda self: self.stage == "ready")
+    @rule(index=st.sampled_from([0, 1]))
+    def swap_parameter_in_place(self, index: int) -> None:
+        q = torch.nn.Parameter(self.params[index].detach().clone())
+        self.opt.param_groups[0]["params"][index] = q  # the same list, the same length
+        if self.opt.defaults.get("fused") and "momentum_buffer" in self.opt.state.get(self.params[index], {}):
+            # torch's fused SGD itself fails on a group mixing parameters with and without momentum buffers (a
+            # TypeError without any scaler): the replacement takes over the old parameter's state.
+            self.opt.state[q] = self.opt.state.pop(self.params[index])
+        self.params[index] = q
 
     # ------------------------------------------------------------------ invariants
     @invariant()

@@ -243,8 +243,6 @@ def test_bad_arguments_raise_and_name_them() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3)
     with pytest.raises(ValueError, match=r"scaler must be a dls\.GradScaler"):
         skip_aware(scheduler, torch.amp.GradScaler("cpu"))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="pass optimizer="):
-        skip_aware(AveragedModel(model), scaler)
     with pytest.raises(ValueError, match=r"optimizer must be a torch\.optim\.Optimizer"):
         skip_aware(AveragedModel(model), scaler, optimizer=object())
     with pytest.raises(ValueError, match="is neither"):
@@ -287,3 +285,29 @@ def test_import_dls_without_the_frameworks() -> None:
     )
     assert "accelerate -> dls.integrations.accelerate needs the accelerate package: pip install 'dls[hf]'" in out.stdout
     assert "transformers -> dls.integrations.accelerate needs the accelerate package" in out.stdout
+
+
+def test_without_optimizer_binds_the_one_the_scaler_steps() -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = dls.GradScaler(device="cpu")
+    ema = skip_aware(AveragedModel(model), scaler)  # no optimizer=, none on the object
+    ema.update_parameters(model)  # before any step: passes through
+    assert int(ema.n_averaged) == 1
+    _train(model, optimizer, scaler, lambda: ema.update_parameters(model))
+    assert int(ema.n_averaged) == 1 + STEPS - len(OVERFLOWS)
+
+
+def test_without_optimizer_several_stepped_optimizers_raise_naming_them() -> None:
+    model = _model()
+    params = list(model.parameters())
+    o1, o2 = torch.optim.SGD(params[:1], lr=0.1), torch.optim.Adam(params[1:], lr=0.1)
+    scaler = dls.GradScaler(device="cpu")
+    ema = skip_aware(AveragedModel(model), scaler)
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    scaler.step(o1)
+    scaler.step(o2)
+    scaler.update()
+    with pytest.raises(ValueError, match=r"stepped 2 optimizers \(SGD at .*, Adam at .*\); pass optimizer="):
+        ema.update_parameters(model)
+    assert int(ema.n_averaged) == 0

@@ -25,7 +25,8 @@ from conftest import (
     train,
 )
 
-STATE_KEYS = {"loss_scale", "steps_since_rescale", "overflows_since_rescale", "num_skipped_steps", "hysteresis_hits"}
+STATE_KEYS = {"loss_scale", "steps_since_rescale", "overflows_since_rescale", "num_skipped_steps", "hysteresis_tracker"}
+STATE_KEYS |= {"format_version"}
 TORCH_KEYS = {"scale", "_growth_tracker", "growth_factor", "backoff_factor", "growth_interval"}
 
 
@@ -142,9 +143,10 @@ def test_torch_settings_travel_in_round_trips_and_the_constructor_keeps_the_rest
     target = dls.GradScaler(min_loss_scale=1.0, max_loss_scale=2.0**20, overflow_tolerance=0.25)
     target.load_state_dict(source.state_dict())
     s = target.settings
-    assert (s.growth_factor, s.backoff_factor, s.steps_per_increase) == (3.0, 0.125, 17)
+    # torch's growth_interval 17 is the 17th update since a rescale: steps_per_increase 16 in the Cerebras dialect.
+    assert (s.growth_factor, s.backoff_factor, s.steps_per_increase) == (3.0, 0.125, 16)
     assert (s.min_loss_scale, s.max_loss_scale, s.overflow_tolerance, s.hysteresis) == (1.0, 2.0**20, 0.25, 1)
-    assert target.state_dict()["growth_interval"] == 17
+    assert target.state_dict()["growth_interval"] == target.get_growth_interval() == 17
 
 
 # ---------------------------------------------------------------------------------------------- what is loaded
@@ -186,6 +188,9 @@ def test_a_partial_state_dict_keeps_the_missing_values_and_an_empty_one_is_an_er
         ({"num_skipped_steps": math.inf}, "num_skipped_steps"),
         ({"overflows_since_rescale": math.nan}, "overflows_since_rescale"),
         ({"hysteresis_hits": True}, "hysteresis_hits"),
+        ({"hysteresis_tracker": -1}, "hysteresis_tracker"),
+        ({"format_version": 3}, "format_version.*newer dls"),
+        ({"format_version": "2"}, "format_version"),
         ({"loss_scale": math.nan}, "loss_scale"),
         ({"loss_scale": math.inf}, "loss_scale"),
         ({"loss_scale": -1.0}, "loss_scale"),
@@ -208,7 +213,7 @@ def test_bad_values_are_errors_naming_the_key_and_change_nothing(changes: dict[s
 
 
 def test_counters_at_their_limits_load() -> None:
-    scaler = dls.GradScaler(steps_per_increase=2**31 - 1)
+    scaler = dls.GradScaler(steps_per_increase=2**31 - 2)
     scaler.load_state_dict({"steps_since_rescale": 2**31 - 1, "num_skipped_steps": 2**62, "loss_scale": 4.0})
     sd = scaler.state_dict()
     assert (sd["steps_since_rescale"], sd["num_skipped_steps"], sd["loss_scale"]) == (2**31 - 1, 2**62, 4.0)

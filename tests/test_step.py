@@ -113,7 +113,7 @@ def test_torch_scaling_case_final_scale_and_control_run() -> None:
     def run(use_scaler: bool) -> tuple[list[torch.Tensor], float]:
         model = tiny_model(3)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        scaler = dls.GradScaler("dynamic", init_scale=128.0, steps_per_increase=1, max_loss_scale=2.0**40)
+        scaler = dls.GradScaler("cpu", init_scale=128.0, growth_interval=1)  # torch's rule: the torch dialect
         for i in range(6):
             loss = loss_of(model, i)
             if use_scaler:

@@ -63,8 +63,8 @@ def test_host_reads_spy_sees_every_kind_of_read() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- no host reads
-def test_scale_unscale_clip_update_read_nothing_back() -> None:
-    model = tiny_model()
+def test_scale_unscale_clip_update_read_nothing_back(device: torch.device) -> None:
+    model = tiny_model(device=device)
     opt = make_optimizer("SGD", model)
     scaler = dls.GradScaler(max_gradient_norm=1.0, steps_per_increase=2)
     for step in range(4):
@@ -89,14 +89,15 @@ def test_scale_unscale_clip_update_read_nothing_back() -> None:
         opt.zero_grad()
 
 
-def test_update_with_a_tensor_new_scale_reads_nothing_back() -> None:
-    model = tiny_model()
+def test_update_with_a_tensor_new_scale_reads_nothing_back(device: torch.device) -> None:
+    model = tiny_model(device=device)
     opt = make_optimizer("SGD", model)
     scaler = dls.GradScaler()
     scaler.scale(loss_of(model, 0)).backward()
     scaler.unscale_(opt)
+    new_scale = torch.tensor(128.0, device=device)
     with host_reads() as calls:
-        scaler.update(torch.tensor(128.0))
+        scaler.update(new_scale)
     assert calls == []
     assert scaler.get_scale() == 128.0
 
@@ -121,8 +122,8 @@ def test_fused_optimizer_step_reads_nothing_back(name: str, clip: float | None) 
 
 
 @pytest.mark.parametrize("name", ["SGD", "Adam", "RMSprop"])
-def test_sync_free_step_reads_nothing_back(name: str) -> None:
-    model = tiny_model()
+def test_sync_free_step_reads_nothing_back(name: str, device: torch.device) -> None:
+    model = tiny_model(device=device)
     opt = make_optimizer(name, model)
     scaler = dls.GradScaler(sync_free=True, steps_per_increase=2)
     stepped = False
@@ -148,8 +149,8 @@ def test_sync_free_step_reads_nothing_back(name: str) -> None:
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["noclip", "clip"])
 @pytest.mark.parametrize("n_optimizers", [1, 2])
 @pytest.mark.filterwarnings("ignore:step\\(\\) clips each optimizer:UserWarning")  # per-optimizer clip on purpose
-def test_default_step_reads_one_flag_per_optimizer(clip: float | None, n_optimizers: int) -> None:
-    model = tiny_model()
+def test_default_step_reads_one_flag_per_optimizer(clip: float | None, n_optimizers: int, device: torch.device) -> None:
+    model = tiny_model(device=device)
     params = list(model.parameters())
     opts = [torch.optim.SGD(params[i::n_optimizers], lr=0.05, momentum=0.9) for i in range(n_optimizers)]
     scaler = dls.GradScaler(max_gradient_norm=clip)
@@ -167,8 +168,8 @@ def test_default_step_reads_one_flag_per_optimizer(clip: float | None, n_optimiz
             opt.zero_grad()
 
 
-def test_sync_free_with_a_fused_optimizer_uses_the_fused_path() -> None:
-    model = tiny_model()
+def test_sync_free_with_a_fused_optimizer_uses_the_fused_path(device: torch.device) -> None:
+    model = tiny_model(device=device)
     opt = make_optimizer("Adam", model, fused=True)
     scaler = dls.GradScaler(sync_free=True)
     scaler.scale(loss_of(model, 0)).backward()
@@ -208,11 +209,11 @@ MASKED_CASES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 @pytest.mark.parametrize("case", list(MASKED_CASES))
-def test_sync_free_masked_step_equals_the_default_skipped_step(case: str) -> None:
+def test_sync_free_masked_step_equals_the_default_skipped_step(case: str, device: torch.device) -> None:
     # Overflows at the very first steps (no state yet: decided on the host), then on masked steps.
     overflows = {0: INF, 1: NAN, 4: -INF, 5: INF, 9: NAN}
     name, kwargs = MASKED_CASES[case]
-    default_model, masked_model = tiny_model(), tiny_model()
+    default_model, masked_model = tiny_model(device=device), tiny_model(device=device)
     default_opt = make_optimizer(name, default_model, **kwargs)
     masked_opt = make_optimizer(name, masked_model, **kwargs)
     default = dls_scaler(2.0**10, 2)
@@ -225,13 +226,13 @@ def test_sync_free_masked_step_equals_the_default_skipped_step(case: str) -> Non
     assert masked.get_num_skipped_steps() == len(overflows)
 
 
-def _late_branch_run(name: str, kwargs: dict[str, Any], sync_free: bool) -> list[torch.Tensor]:
+def _late_branch_run(name: str, kwargs: dict[str, Any], sync_free: bool, device: torch.device) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    a, b = torch.nn.Linear(6, 1), torch.nn.Linear(6, 1)
+    a, b = torch.nn.Linear(6, 1).to(device), torch.nn.Linear(6, 1).to(device)
     opt = make_optimizer(name, [*a.parameters(), *b.parameters()], **kwargs)
     scaler = dls_scaler(init_scale=2.0**10, sync_free=sync_free)
     for i in range(5):
-        x, _ = batch(i)
+        x, _ = batch(i, device=device)
         loss = a(x).pow(2).mean() + (b(x).pow(2).mean() if i >= 1 else 0.0)  # branch b unused at first
         scaler.scale(loss).backward()
         if i == 1:  # b's first gradient arrives in an overflowing step
@@ -243,9 +244,10 @@ def _late_branch_run(name: str, kwargs: dict[str, Any], sync_free: bool) -> list
 
 
 @pytest.mark.parametrize("case", ["Adam", "SGD-dampening", "Rprop", "NAdam"])
-def test_sync_free_parameter_whose_first_grad_arrives_in_an_overflowing_step(case: str) -> None:
+def test_sync_free_parameter_whose_first_grad_arrives_in_an_overflowing_step(case: str, device: torch.device) -> None:
     name, kwargs = MASKED_CASES[case]
-    assert_tensors_equal(_late_branch_run(name, kwargs, True), _late_branch_run(name, kwargs, False))
+    masked, default = _late_branch_run(name, kwargs, True, device), _late_branch_run(name, kwargs, False, device)
+    assert_tensors_equal(masked, default)
 
 
 class _IntStepSGD(torch.optim.Optimizer):
@@ -281,9 +283,6 @@ def test_sync_free_restores_non_tensor_optimizer_state() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- CUDA
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none in this environment)")
-
-
 @contextlib.contextmanager
 def cuda_sync_errors() -> Iterator[None]:
     previous = torch.cuda.get_sync_debug_mode()
@@ -294,7 +293,7 @@ def cuda_sync_errors() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode(previous)
 
 
-@cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize(
     "name, kwargs, sync_free",
     [
@@ -322,7 +321,7 @@ def test_cuda_sync_debug_mode_sees_no_sync(name: str, kwargs: dict[str, Any], sy
     assert scaler.get_num_skipped_steps() == 1
 
 
-@cuda
+@pytest.mark.cuda
 def test_cuda_default_step_syncs() -> None:
     model = tiny_model().cuda()
     opt = make_optimizer("SGD", model)

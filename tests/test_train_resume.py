@@ -208,7 +208,8 @@ def test_dynamic_resume_loads_the_scale_and_counters_but_not_the_settings(tmp_pa
     trainer, log = resumed(run, steps_per_increase=5)
     state = trainer.scaler.state_dict()
     assert state["loss_scale"] == 2.0**9 and state["steps_since_rescale"] == 1
-    assert (state["growth_factor"], state["backoff_factor"], state["growth_interval"]) == (2.0, 0.5, 5)
+    # growth_interval is torch's name for the Cerebras rule's steps_per_increase + 1 (the same trajectory).
+    assert (state["growth_factor"], state["backoff_factor"], state["growth_interval"]) == (2.0, 0.5, 6)
     assert "optimizer.steps_per_increase: 3 in the checkpoint's config, 5 now: 5 is used" in log
 
 

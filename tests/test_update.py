@@ -25,7 +25,6 @@ from conftest import (
     tiny_model,
     torch_scaler,
 )
-from dls.policy import DynamicRule
 
 
 # ---------------------------------------------------------------------------------------------- the rule
@@ -43,7 +42,8 @@ def test_hysteresis_and_tolerance_through_the_scaler_follow_the_reference_rule(c
     cfg = {**cfg, "min_loss_scale": 2.0**-2, "max_loss_scale": 2.0**6}
     rng = random.Random(str(cfg))
     flags = [rng.random() < 0.35 for _ in range(60)]
-    reference = ReferenceRule(DynamicRule(**cfg), scale=8.0)
+    settings = dls.ScalerSettings.cerebras("dynamic", 8.0, **cfg)
+    reference = ReferenceRule(settings.rule(), scale=8.0)  # type: ignore[arg-type]
     p, opt = one_parameter()
     scaler = dls.GradScaler("dynamic", init_scale=8.0, **cfg)
     for i, f in enumerate(flags):
@@ -51,20 +51,20 @@ def test_hysteresis_and_tolerance_through_the_scaler_follow_the_reference_rule(c
         reference.update(f)
         sd = scaler.state_dict()
         got = (sd["loss_scale"], scaler.get_non_clamped_scale(), sd["steps_since_rescale"])
-        got += (sd["overflows_since_rescale"], sd["hysteresis_hits"], sd["num_skipped_steps"])
+        got += (sd["overflows_since_rescale"], sd["hysteresis_tracker"], sd["num_skipped_steps"])
         expected = (reference.scale, reference.non_clamped, reference.steps)
-        expected += (reference.overflows, reference.hits, reference.skipped)
+        expected += (reference.overflows, reference.budget, reference.skipped)
         assert got == expected, (i, flags[: i + 1])
     assert scaler.get_num_skipped_steps() == sum(flags)
 
 
 def test_growth_at_max_scale_stays_at_max_and_resets_counters() -> None:
     p, opt = one_parameter()
-    scaler = dls.GradScaler("dynamic", steps_per_increase=2)  # init = max = 2**15
-    for i in range(5):
+    scaler = dls.GradScaler("dynamic", steps_per_increase=2)  # init = max = 2**15; grows on every third update
+    for i in range(7):
         one_iteration(scaler, p, opt)
         assert scaler.get_scale() == scaler.get_non_clamped_scale() == 2.0**15
-        assert scaler.state_dict()["steps_since_rescale"] == (i + 1) % 2
+        assert scaler.state_dict()["steps_since_rescale"] == (i + 1) % 3
 
 
 def test_non_clamped_scale_at_the_floor_then_recovers() -> None:
@@ -74,7 +74,8 @@ def test_non_clamped_scale_at_the_floor_then_recovers() -> None:
     for overflow in (True, True, True, False, False, False, False):
         one_iteration(scaler, p, opt, overflow)
         seen.append((scaler.get_scale(), scaler.get_non_clamped_scale()))
-    assert seen == [(1.0, 1.0), (1.0, 0.5), (1.0, 0.5), (1.0, 1.0), (2.0, 2.0), (2.0, 2.0), (4.0, 4.0)]
+    # cstorch.amp's timing: growth on the third clean update (steps_since_rescale > steps_per_increase).
+    assert seen == [(1.0, 1.0), (1.0, 0.5), (1.0, 0.5), (1.0, 1.0), (1.0, 1.0), (2.0, 2.0), (2.0, 2.0)]
     assert scaler.get_num_skipped_steps() == 3
 
 
@@ -109,8 +110,8 @@ def test_factors_and_setters_mid_training_match_torch(factors: tuple[float, floa
     flags = [rng.random() < 0.3 for _ in range(40)]
     for scaler in (
         torch.amp.GradScaler("cpu", init_scale=1000.0, growth_factor=growth, backoff_factor=backoff, growth_interval=2),
-        dls.GradScaler(
-            "dynamic",
+        dls.GradScaler(  # the torch dialect: torch's growth timing (the Cerebras dialect grows one update later)
+            "cpu",
             init_scale=1000.0,
             growth_factor=growth,
             backoff_factor=backoff,

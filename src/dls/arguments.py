@@ -3,17 +3,49 @@
 ``GradScaler("cuda", init_scale, growth_factor, backoff_factor, growth_interval, enabled)`` (or any call with
 ``device=``) is torch.amp's positional signature and defaults; ``GradScaler(loss_scale, init_scale,
 steps_per_increase, min_loss_scale, max_loss_scale, overflow_tolerance, max_gradient_norm)`` is cstorch.amp's. Every
-other knob is accepted by keyword in both. Unknown keywords are Python's usual ``TypeError``; bad values are
-``ValueError`` naming the argument (``dls.settings.SettingsError``).
+other knob is accepted by keyword in both. Each signature is derived from its dialect's ``ScalerSettings`` constructor
+(declared once, there; the ``@overload``s of ``GradScaler.__init__`` are for type checkers). Unknown keywords are
+Python's usual ``TypeError``; bad values are ``ValueError`` naming the argument (``dls.settings.SettingsError``).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 
-from dls.settings import DEFAULT_STEPS_PER_INCREASE, TORCH_INIT_SCALE, ScalerSettings
+from dls.settings import ScalerSettings
+
+# Arguments of GradScaler that are not settings: where the scaler runs, and torch's name for the growth interval
+# in the Cerebras dialect (and the reverse).
+_RUNTIME = ("sync_free", "process_group", "gradients_sharded")
+_RUNTIME_DEFAULTS: dict[str, Any] = {
+    "enabled": True,
+    "sync_free": False,
+    "process_group": None,
+    "gradients_sharded": None,
+}
+
+
+def _signature(settings_method: Any, positional: int, leading: list[str], alias: str) -> inspect.Signature:
+    """GradScaler's signature in a dialect, derived from the dialect's ``ScalerSettings`` constructor (declared once,
+    there): ``leading`` first (torch's ``device``), then that constructor's first ``positional`` parameters, then
+    ``enabled``; everything else keyword-only, with ``alias`` (the other dialect's name of the growth interval)
+    and the runtime arguments."""
+    P = inspect.Parameter
+    own = list(inspect.signature(settings_method).parameters.values())
+    params = [P(name, P.POSITIONAL_OR_KEYWORD, default=None) for name in leading]
+    params += [p.replace(kind=P.POSITIONAL_OR_KEYWORD) for p in own[:positional]]
+    params.append(P("enabled", P.POSITIONAL_OR_KEYWORD, default=True))
+    params += [p.replace(kind=P.KEYWORD_ONLY) for p in own[positional:]]
+    params += [P(name, P.KEYWORD_ONLY, default=None) for name in (alias, "device") if name not in leading]
+    params += [P(name, P.KEYWORD_ONLY, default=_RUNTIME_DEFAULTS[name]) for name in _RUNTIME]
+    return inspect.Signature(params)
+
+
+TORCH_SIGNATURE = _signature(ScalerSettings.torch, 4, ["device"], "steps_per_increase")
+CEREBRAS_SIGNATURE = _signature(ScalerSettings.cerebras, 10, [], "growth_interval")
 
 
 def read_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[ScalerSettings, dict[str, Any]]:
@@ -25,88 +57,27 @@ def read_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Scale
             f"backoff_factor, growth_interval, enabled), whose first is the device; got {args[0]!r} first: pass "
             "it by keyword (e.g. loss_scale='dynamic')"
         )
-    if kwargs.get("device") is not None or (args and _is_device(args[0])):
-        runtime, settings = _torch_dialect(*args, **kwargs)
-        runtime["device"] = parse_device(args[0] if args else kwargs["device"])
-    else:
-        runtime, settings = _cerebras_dialect(*args, **kwargs)
-        runtime["device"] = None
-    return settings, runtime
+    is_torch = kwargs.get("device") is not None or bool(args and _is_device(args[0]))
+    signature = TORCH_SIGNATURE if is_torch else CEREBRAS_SIGNATURE
+    try:
+        given = signature.bind(*args, **kwargs).arguments
+    except TypeError as exc:
+        raise TypeError(f"GradScaler(): {exc}") from None
+    runtime = {name: given.pop(name, _RUNTIME_DEFAULTS[name]) for name in ("enabled", *_RUNTIME)}
+    device = given.pop("device", None)
+    runtime["device"] = parse_device(device) if is_torch else None
+    own, other = ("growth_interval", "steps_per_increase") if is_torch else ("steps_per_increase", "growth_interval")
+    interval = _one_of(given.get(own), given.pop(other, None))
+    if interval is not None:
+        given[own] = interval
+    given = {k: v for k, v in given.items() if v is not None or k in _NONE_MEANS_SOMETHING}
+    make = ScalerSettings.torch if is_torch else ScalerSettings.cerebras
+    return make(**given), runtime
 
 
-def _torch_dialect(
-    device: Any = None,
-    init_scale: float | None = None,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    growth_interval: int | None = None,
-    enabled: bool = True,
-    *,
-    loss_scale: str | float | None = "dynamic",
-    steps_per_increase: int | None = None,
-    min_loss_scale: float | None = None,
-    max_loss_scale: float | None = None,
-    overflow_tolerance: float = 0.0,
-    hysteresis: int = 1,
-    max_gradient_norm: float | None = None,
-    half_dtype: Any = None,
-    sync_free: bool = False,
-    process_group: Any = None,
-    gradients_sharded: bool | None = None,
-) -> tuple[dict[str, Any], ScalerSettings]:
-    interval = _one_of(growth_interval, steps_per_increase)
-    settings = ScalerSettings.torch(
-        TORCH_INIT_SCALE if init_scale is None else init_scale,
-        growth_factor,
-        backoff_factor,
-        DEFAULT_STEPS_PER_INCREASE if interval is None else interval,
-        loss_scale=loss_scale if loss_scale is not None else "dynamic",
-        min_loss_scale=min_loss_scale,
-        max_loss_scale=max_loss_scale,
-        overflow_tolerance=overflow_tolerance,
-        hysteresis=hysteresis,
-        max_gradient_norm=max_gradient_norm,
-        half_dtype=half_dtype,
-    )
-    runtime = {"enabled": enabled, "sync_free": sync_free, "process_group": process_group}
-    return runtime | {"gradients_sharded": gradients_sharded}, settings
-
-
-def _cerebras_dialect(
-    loss_scale: str | float | None = None,
-    init_scale: float | None = None,
-    steps_per_increase: int | None = None,
-    min_loss_scale: float | None = None,
-    max_loss_scale: float | None = None,
-    overflow_tolerance: float = 0.0,
-    max_gradient_norm: float | None = None,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    hysteresis: int = 1,
-    enabled: bool = True,
-    *,
-    growth_interval: int | None = None,
-    half_dtype: Any = None,
-    sync_free: bool = False,
-    process_group: Any = None,
-    gradients_sharded: bool | None = None,
-    device: None = None,
-) -> tuple[dict[str, Any], ScalerSettings]:
-    settings = ScalerSettings.cerebras(
-        loss_scale,
-        init_scale,
-        _one_of(steps_per_increase, growth_interval),
-        min_loss_scale,
-        max_loss_scale,
-        overflow_tolerance,
-        max_gradient_norm,
-        growth_factor,
-        backoff_factor,
-        hysteresis,
-        half_dtype=half_dtype,
-    )
-    runtime = {"enabled": enabled, "sync_free": sync_free, "process_group": process_group}
-    return runtime | {"gradients_sharded": gradients_sharded}, settings
+# Arguments where an explicit None is a choice, not "the default": a gradient norm of None clips nothing; the
+# Cerebras loss_scale None is "dynamic unless bfloat16". Every other None takes the dialect's default.
+_NONE_MEANS_SOMETHING = ("max_gradient_norm", "loss_scale")
 
 
 def _one_of(steps_per_increase: int | None, growth_interval: int | None) -> int | None:

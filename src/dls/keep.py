@@ -145,6 +145,7 @@ class KeptInFloat32(Removable):
 
     @property
     def active(self) -> bool:
+        """Whether any module is kept by this handle."""
         return bool(self._modules)
 
     def add(self, name: str, module: nn.Module) -> None:
@@ -157,6 +158,7 @@ class KeptInFloat32(Removable):
         self._modules[name] = module
 
     def remove(self) -> None:
+        """Stop keeping this handle's modules (a module another handle keeps stays kept)."""
         for module in self._modules.values():
             held = _holders.get(module, 0) - 1
             if held > 0:

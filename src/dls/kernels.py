@@ -84,7 +84,13 @@ class GradIndex:
 
 def per_device(value: torch.Tensor, devices: Iterable[torch.device]) -> dict[torch.device, torch.Tensor]:
     """``value`` copied to each device (one copy per device, not per group)."""
-    return {d: value if value.device == d else value.to(d, non_blocking=True) for d in set(devices)}
+    # A loop, not a comprehension: on Python < 3.12 a comprehension is a frame of its own, which Dynamo, entering
+    # it after a graph break in the caller (torch's Optimizer.step), cannot trace (a graph break inside dls).
+    copies: dict[torch.device, torch.Tensor] = {}
+    for d in devices:
+        if d not in copies:
+            copies[d] = value if value.device == d else value.to(d, non_blocking=True)
+    return copies
 
 
 def mul_and_check_(

@@ -23,7 +23,16 @@ from typing import Any
 
 import torch
 
-from dls.policy import FLOAT32_MAX, FLOAT32_TINY, ScaleState, assign_, initial_state, scale_problem
+from dls.policy import (
+    FLOAT32_MAX,
+    FLOAT32_TINY,
+    INT64_MAX,
+    ScaleState,
+    assign_,
+    count_skip,
+    initial_state,
+    scale_problem,
+)
 from dls.scaler_state import STATE_KEYS
 from dls.settings import ScalerSettings
 
@@ -34,8 +43,17 @@ class LossScale:
     def __init__(self, settings: ScalerSettings, device: torch.device | None) -> None:
         self.settings = settings
         self.rule = settings.rule()
-        self.state: ScaleState = initial_state(settings.init_scale, device=device)
+        self.state: ScaleState = initial_state(settings.init_scale, settings.hysteresis, device=device)
         self.at_least = settings.init_scale
+        self.skips_at_most = 0  # a bound of num_skipped_steps: far from its maximum, counting needs no saturation
+        # Counters may be at or past the growth interval (loaded, or the interval shortened): clamp before the rule.
+        self.clamp_counters = False
+        # Where step() decided on the host, update() knows the flag: skips are counted here (added to the device
+        # count when read), the scale is known to be within its bounds unless a new_scale put it outside, and
+        # after a clean update the non-clamped scale is the scale itself (not written).
+        self.host_skips = 0
+        self.in_bounds = True
+        self.non_clamped_is_scale = False
         self._rejected: torch.Tensor | None = None  # update(new_scale=tensor) values not taken, on the device
         self._rejected_warned = 0
         self._published: tuple[torch.Tensor, Any] | None = None  # (host copy, event or None) of the latest scale
@@ -83,7 +101,11 @@ class LossScale:
         return self.state.loss_scale.double().reciprocal().float()
 
     def replace_settings(self, settings: ScalerSettings) -> None:
-        self.settings, self.rule = settings, settings.rule()
+        """New settings; the counters are brought within what the new rule can hold (see ``dls.scaler_state``)."""
+        old, self.settings, self.rule = self.settings, settings, settings.rule()
+        self.clamp_counters |= settings.growth_interval < old.growth_interval
+        if settings.hysteresis != old.hysteresis:
+            self.state.hysteresis_tracker.clamp_(min=1, max=settings.hysteresis)
 
     def follow(self, device: torch.device) -> None:
         """Move the state to ``device`` (the loss's, before an iteration has started)."""
@@ -109,8 +131,18 @@ class LossScale:
     def values(self) -> dict[str, Any]:
         """The ``STATE_KEYS`` as Python numbers (two reads)."""
         scale = self.read()
-        counters = torch.stack([getattr(self.state, k).long() for k in STATE_KEYS[1:]]).tolist()
-        return {"loss_scale": scale, **dict(zip(STATE_KEYS[1:], counters))}
+        counters = dict(
+            zip(STATE_KEYS[1:], torch.stack([getattr(self.state, k).long() for k in STATE_KEYS[1:]]).tolist())
+        )
+        counters["num_skipped_steps"] = min(counters["num_skipped_steps"] + self.host_skips, INT64_MAX)
+        return {"loss_scale": scale, **counters}
+
+    def skipped_steps(self) -> int:
+        return min(int(self.state.num_skipped_steps.item()) + self.host_skips, INT64_MAX)
+
+    def non_clamped(self) -> float:
+        tensor = self.state.loss_scale if self.non_clamped_is_scale else self.state.non_clamped_scale
+        return float(tensor.item())
 
     def warn_rejected(self) -> None:
         if self._rejected is None:
@@ -125,21 +157,42 @@ class LossScale:
             self._rejected_warned = count
 
     # ------------------------------------------------------------------ changes
-    def apply_rule(self, found_inf: torch.Tensor) -> None:
-        self.rule.update_(self.state, found_inf)
-        if self.settings.mode == "dynamic":  # at most one back-off per update, then the clamps
+    def apply_rule(self, found_inf: torch.Tensor, overflow: bool | None = None) -> None:
+        """The rule on this iteration's flag; ``overflow``: its value when the host knows it (no read here)."""
+        if self.clamp_counters:
+            most = self.settings.growth_interval - 1
+            self.state.steps_since_rescale.clamp_(max=most)
+            self.state.overflows_since_rescale.clamp_(max=most)
+            self.clamp_counters = False
+        rule, dynamic = self.rule, self.settings.mode == "dynamic"
+        if overflow is not None and (not dynamic or self.in_bounds):
+            self.host_skips += overflow
+            if not dynamic:
+                return
+            rule.update_known_(self.state, found_inf, overflow)  # type: ignore[union-attr]  # dynamic here
+            self.non_clamped_is_scale = not overflow
+            if not overflow:
+                return  # the scale did not fall: the host's bound holds
+        else:
+            self.skips_at_most = min(self.skips_at_most + 1, INT64_MAX)
+            rule.update_(self.state, found_inf, saturate=self.skips_at_most == INT64_MAX)
+            self.non_clamped_is_scale, self.in_bounds = False, True
+        if dynamic:  # at most one back-off per update, then the clamps
             s = self.settings
             self.at_least = min(max(self.at_least * s.backoff_factor, s.min_loss_scale), s.max_loss_scale)
             self._publish()
 
-    def set(self, new_scale: float | torch.Tensor, skipped: torch.Tensor | int) -> None:
+    def set(self, new_scale: float | torch.Tensor, found_inf: torch.Tensor | None) -> None:
         """``update(new_scale)``: a float must be a normal float32 (else ``ValueError``); a tensor is checked on the
         device, and a bad value keeps the old scale and is counted (warned at the next read)."""
         value = self._checked(new_scale)
         s = self.state
-        assign_(
-            s, s._replace(loss_scale=value, non_clamped_scale=value, num_skipped_steps=s.num_skipped_steps + skipped)
-        )
+        self.skips_at_most = min(self.skips_at_most + 1, INT64_MAX)
+        skips = s.num_skipped_steps if found_inf is None else count_skip(s.num_skipped_steps, found_inf)
+        assign_(s, s._replace(loss_scale=value, non_clamped_scale=value, num_skipped_steps=skips))
+        self.non_clamped_is_scale = False
+        bounds = self.settings.min_loss_scale, self.settings.max_loss_scale
+        self.in_bounds = not isinstance(new_scale, torch.Tensor) and bounds[0] <= float(new_scale) <= bounds[1]
         self._publish()
 
     def _checked(self, new_scale: float | torch.Tensor) -> torch.Tensor:
@@ -166,9 +219,16 @@ class LossScale:
         """Take validated checkpoint values (``dls.scaler_state.parse_state_dict``) and settings."""
         self.replace_settings(settings)
         values = dict(values)
+        if "num_skipped_steps" in values:
+            self.skips_at_most, self.host_skips = int(values["num_skipped_steps"]), 0
+        self.clamp_counters |= "steps_since_rescale" in values or "overflows_since_rescale" in values
         if "loss_scale" in values:
             values["non_clamped_scale"] = values["loss_scale"]
             self.at_least = float(values["loss_scale"])
+            self.non_clamped_is_scale = False
+            self.in_bounds = (
+                settings.mode != "dynamic" or settings.min_loss_scale <= self.at_least <= settings.max_loss_scale
+            )
         current = self.state._asdict()
         new = {k: torch.tensor(v, dtype=current[k].dtype, device=current[k].device) for k, v in values.items()}
         assign_(self.state, self.state._replace(**new))

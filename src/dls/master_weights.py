@@ -26,7 +26,7 @@ Gradients. Backward (and DDP's all-reduce) produce half gradients on the model's
 exactly, into float32 master gradients (one pass; the buffer is kept while ``zero_grad(set_to_none=False)`` keeps
 gradients, freed with them otherwise):
 
-* with a ``dls.GradScaler``: before the scaler first reads the gradients of the iteration (``dls.tracking``'s
+* with a ``dls.GradScaler``: before the scaler first reads the gradients of the iteration (``dls.scaler``'s
   protocol), so the unscale, the overflow check and ``max_gradient_norm`` clipping run on float32;
 * otherwise (no scaler, or a disabled one), in ``step()``.
 
@@ -329,7 +329,7 @@ class MasterWeights(torch.optim.Optimizer):
         """Load a state dict of ``state_dict()``'s form: optimizer state and masters, then the model's parameters
         are the rounded masters (resuming is bit-identical). A state dict without masters (an ordinary
         optimizer's) loads the state and takes the masters from the model's current parameters. ``ValueError``,
-        with nothing changed, when the masters do not match this optimizer's parameters."""
+        with nothing changed, when the masters do not match this optimizer's parameters or hold inf/NaN."""
         if not isinstance(state_dict, dict):
             raise ValueError(f"state_dict must be a dict; got {type(state_dict).__name__}")
         saved = state_dict.get(STATE_KEY)
@@ -349,6 +349,10 @@ class MasterWeights(torch.optim.Optimizer):
                     raise ValueError(
                         f"state_dict['{STATE_KEY}'][{i}] must be a tensor of shape {tuple(master.shape)}; got {got}"
                     )
+                # A non-finite master would be written into the model at once and stay there: the scaler's
+                # promise (no step ever writes inf/NaN) covers the state it resumes from too.
+                if not bool(torch.isfinite(value).all()):
+                    raise ValueError(f"state_dict['{STATE_KEY}'][{i}] holds inf or NaN; master weights must be finite")
         self._optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != STATE_KEY})
         with torch.no_grad():
             for pr in self._pairs:

@@ -1,29 +1,36 @@
-"""Loss-scale update rules as pure tensor functions.
+"""The loss-scale update rule, pure: ``(state, found_inf) -> state`` on 0-dim device tensors, never read back.
 
-A rule maps ``(state, found_inf) -> state``. Everything is a 0-dim tensor on the scale's device, so an update
-never reads a value back to the host: it can run inside CUDA graphs and ``torch.compile`` graphs, and a
-training loop that never asks for the scale never synchronises on it.
+The dynamic rule, once per ``update()``, with ``f = 1`` if any gradient of the iteration was inf/NaN, else 0::
 
-``ScaleState`` is immutable; the rules return new tensors and the caller decides whether to copy them into
-long-lived buffers (the scaler does, so CUDA graphs that captured those buffers see the new values).
+    steps += 1;  overflows += f;  skipped += f                 # skipped saturates at 2**63 - 1
+    if f and overflows / steps > overflow_tolerance:           # an overflow that counts (float32 division)
+        steps = overflows = 0                                  # ...resets the growth count
+        if budget == 1: scale *= backoff_factor                # budget spent: back off, now and on every
+        else:           budget -= 1                            #   further overflow until the next growth
+    elif steps >= growth_interval:                             # torch: growth_interval clean steps;
+        if isfinite(scale * growth_factor):                    #   Cerebras: steps_per_increase + 1 updates
+            scale *= growth_factor                             # growth that would reach inf is dropped...
+        steps = overflows = 0;  budget = hysteresis            # ...but still refills the budget
+    elif consecutive_hysteresis and not f:
+        budget = hysteresis                                    # DeepSpeed's consecutive_hysteresis
+    non_clamped = min(scale, max_loss_scale);  scale = max(non_clamped, min_loss_scale)
 
-The dynamic rule, applied once per iteration with ``f = 1`` if any gradient was inf/NaN:
+``budget`` is Megatron-LM's ``hysteresis_tracker`` (DeepSpeed's ``cur_hysteresis``), starting at ``hysteresis``:
+with ``hysteresis=1`` every counted overflow backs off. Overflows within ``overflow_tolerance`` (cstorch.amp's
+fraction of overflowing updates since the last rescale) neither spend the budget nor reset the counts. Products
+are computed in float64 and rounded once to float32, as torch's kernel does. ``growth_interval`` is
+``steps_per_increase`` in the torch dialect (torch.amp grows on the interval-th clean step) and
+``steps_per_increase + 1`` in the Cerebras dialect (cstorch.amp grows when ``steps_since_rescale >
+steps_per_increase``): the dialect picks it (``ScalerSettings.growth_interval``). With ``hysteresis=1`` and no
+tolerance this is torch.amp's rule plus the clamps, and torch's own kernel computes it.
 
-1. ``steps_since_rescale += 1``; ``overflows_since_rescale += f``; ``num_skipped_steps += f``.
-2. If ``f`` and ``overflows_since_rescale / steps_since_rescale > overflow_tolerance``: one hysteresis hit;
-   after ``hysteresis`` hits the scale is multiplied by ``backoff_factor`` and the hits reset. The step
-   counters reset on every hit.
-3. Else, if ``steps_since_rescale >= steps_per_increase``: the scale is multiplied by ``growth_factor``
-   unless that would leave float32's finite range; counters and hits reset.
-4. Clamp to ``max_loss_scale`` (this is the *non-clamped* scale that callers can inspect), then to
-   ``min_loss_scale``.
-
-With ``overflow_tolerance=0`` and ``hysteresis=1`` this is ``torch.amp.GradScaler``'s rule with
-``growth_interval = steps_per_increase``, plus the clamps.
+``ScaleState`` is immutable; ``update_`` writes into long-lived buffers so CUDA graphs that captured them see the
+new values.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -31,27 +38,29 @@ import torch
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 FLOAT32_TINY = torch.finfo(torch.float32).tiny  # 2**-126, the smallest normal float32
-MAX_STEPS_PER_INCREASE = 2**31 - 1  # steps_since_rescale is int32, as torch's growth tracker
+INT32_MAX = 2**31 - 1  # steps_since_rescale is int32, as torch's growth tracker
+INT64_MAX = 2**63 - 1
 
 
 class ScaleState(NamedTuple):
     """The loss scale and its counters: scales float32, ``steps_since_rescale`` int32 (the growth tracker torch's
-    kernel takes), the other counters int64."""
+    kernel takes), the other counters int64; ``hysteresis_tracker`` is the budget of the module docstring."""
 
     loss_scale: torch.Tensor
     non_clamped_scale: torch.Tensor
     steps_since_rescale: torch.Tensor
     overflows_since_rescale: torch.Tensor
     num_skipped_steps: torch.Tensor
-    hysteresis_hits: torch.Tensor
+    hysteresis_tracker: torch.Tensor
 
 
-def initial_state(loss_scale: float, device: torch.device | str | None = None) -> ScaleState:
-    """A fresh state holding ``loss_scale`` with every counter at zero."""
+def initial_state(loss_scale: float, hysteresis: int = 1, device: torch.device | str | None = None) -> ScaleState:
+    """A fresh state holding ``loss_scale``, every counter at zero and the hysteresis budget full."""
     scale = torch.tensor(loss_scale, dtype=torch.float32, device=device)
     zero = torch.zeros((), dtype=torch.int64, device=device)
     steps = torch.zeros((), dtype=torch.int32, device=device)
-    return ScaleState(scale, scale.clone(), steps, zero.clone(), zero.clone(), zero.clone())
+    budget = torch.tensor(hysteresis, dtype=torch.int64, device=device)
+    return ScaleState(scale, scale.clone(), steps, zero.clone(), zero.clone(), budget)
 
 
 def assign_(state: ScaleState, new: ScaleState) -> None:
@@ -99,11 +108,27 @@ def factor_problem(name: str, value: object, above_one: bool) -> str | None:
     return f"{name} must be {allowed}; got {value!r}"
 
 
-def count_problem(name: str, value: object, maximum: int = MAX_STEPS_PER_INCREASE) -> str | None:
+def count_problem(name: str, value: object, maximum: int = INT32_MAX) -> str | None:
     """A positive integer that fits the int32 counters it is compared with."""
     if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= maximum:
         return None
-    return f"{name} must be an integer from 1 to 2**31 - 1 (the counters are int32, as torch's); got {value!r}"
+    limit = "2**31 - 1" if maximum == INT32_MAX else f"2**31 - {INT32_MAX + 1 - maximum}"
+    return f"{name} must be an integer from 1 to {limit} (the counters are int32, as torch's); got {value!r}"
+
+
+def flag_problem(name: str, value: object) -> str | None:
+    if isinstance(value, bool):
+        return None
+    return f"{name} must be True or False; got {value!r}"
+
+
+def limit_problem(name: str, value: object) -> str | None:
+    """A gradient limit (``max_gradient_norm``, ``max_gradient_value``): a positive finite number (never a bool) or
+    ``None``."""
+    v = _real(value)
+    if value is None or (v is not None and 0 < v < math.inf):
+        return None
+    return f"{name} must be a positive finite number or None; got {value!r}"
 
 
 def tolerance_problem(name: str, value: object) -> str | None:
@@ -124,30 +149,34 @@ class StaticRule:
     """A fixed scale. Overflowing steps are still skipped and counted; nothing else changes."""
 
     def update(self, state: ScaleState, found_inf: torch.Tensor) -> ScaleState:
-        f = (found_inf > 0).to(torch.int64)
-        return state._replace(num_skipped_steps=state.num_skipped_steps + f)
+        return state._replace(num_skipped_steps=count_skip(state.num_skipped_steps, found_inf))
 
-    def update_(self, state: ScaleState, found_inf: torch.Tensor) -> None:
-        """``update`` written into ``state``'s buffers."""
-        state.num_skipped_steps.add_((found_inf > 0).to(torch.int64))
+    def update_(self, state: ScaleState, found_inf: torch.Tensor, saturate: bool = True) -> None:
+        """``update`` written into ``state``'s buffers (``saturate=False``: the caller knows the skip count is far
+        from its maximum, one op fewer)."""
+        _count_skip_(state.num_skipped_steps, found_inf, saturate)
+
+    torch_rule = False
 
 
 @dataclass(frozen=True)
 class DynamicRule:
-    """Grow the scale after ``steps_per_increase`` clean steps, back off on overflow (see module docstring)."""
+    """The dynamic rule of the module docstring."""
 
-    steps_per_increase: int = 2000
+    growth_interval: int = 2000
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     overflow_tolerance: float = 0.0
     hysteresis: int = 1
+    consecutive_hysteresis: bool = False
     min_loss_scale: float = 2.0**-14
     max_loss_scale: float = 2.0**15
 
     def __post_init__(self) -> None:
         _raise_first(
-            count_problem("steps_per_increase", self.steps_per_increase),
+            count_problem("growth_interval", self.growth_interval),
             count_problem("hysteresis", self.hysteresis),
+            flag_problem("consecutive_hysteresis", self.consecutive_hysteresis),
             factor_problem("growth_factor", self.growth_factor, above_one=True),
             factor_problem("backoff_factor", self.backoff_factor, above_one=False),
             tolerance_problem("overflow_tolerance", self.overflow_tolerance),
@@ -165,49 +194,92 @@ class DynamicRule:
         steps = state.steps_since_rescale + 1
         overflows = state.overflows_since_rescale + f
         # float32 division on both sides of the comparison: the documented contract of the tolerance test.
-        over_tolerance = overflow & (overflows.float() / steps.float() > self.overflow_tolerance)
-        hits = state.hysteresis_hits + over_tolerance.to(torch.int64)
-        backoff = over_tolerance & (hits >= self.hysteresis)
+        counted = overflow & (overflows.float() / steps.float() > self.overflow_tolerance)
+        budget = state.hysteresis_tracker
+        backoff = counted & (budget <= 1)
+        grow = ~counted & (steps >= self.growth_interval)
         grown = _times(state.loss_scale, self.growth_factor)
-        grow = ~over_tolerance & (steps >= self.steps_per_increase)
         scale = torch.where(backoff, _times(state.loss_scale, self.backoff_factor), state.loss_scale)
-        # Growth that leaves float32's finite range is dropped, but the counters still reset (as in torch).
         scale = torch.where(grow & torch.isfinite(grown), grown, scale)
-        reset_counters = over_tolerance | grow
+        refill = grow | ~overflow if self.consecutive_hysteresis else grow  # DeepSpeed: also after a clean step
+        budget = torch.where(refill, torch.full_like(budget, self.hysteresis), budget - (counted & ~backoff).long())
+        reset = counted | grow
         zero = torch.zeros_like(steps)
         non_clamped = torch.clamp(scale, max=self.max_loss_scale)
         return ScaleState(
             loss_scale=torch.clamp(non_clamped, min=self.min_loss_scale),
             non_clamped_scale=non_clamped,
-            steps_since_rescale=torch.where(reset_counters, zero, steps),
-            overflows_since_rescale=torch.where(reset_counters, zero, overflows),
-            num_skipped_steps=state.num_skipped_steps + f,
-            hysteresis_hits=torch.where(backoff | grow, zero, hits),
+            steps_since_rescale=torch.where(reset, zero, steps),
+            overflows_since_rescale=torch.where(reset, zero, overflows),
+            num_skipped_steps=count_skip(state.num_skipped_steps, found_inf),
+            hysteresis_tracker=budget,
         )
 
-    def update_(self, state: ScaleState, found_inf: torch.Tensor) -> None:
-        """``update`` written into ``state``'s buffers: the same values, in about 6 ops instead of 35.
+    def update_(self, state: ScaleState, found_inf: torch.Tensor, saturate: bool = True) -> None:
+        """``update`` written into ``state``'s buffers. With ``hysteresis=1`` and no tolerance the rule is torch's,
+        so torch's fused kernel computes it: 5 ops in all (4 with ``saturate=False``), instead of about 35.
 
-        With ``overflow_tolerance=0`` and ``hysteresis=1`` the rule is exactly torch's, so torch's fused kernel
-        computes it (the overflow counter and the hits then stay 0).
+        ``steps_since_rescale`` must be below ``growth_interval`` (the caller clamps it when it loads a state or
+        shortens the interval), as after every update.
         """
-        if not self._torch_rule:
+        if not self.torch_rule:
             assign_(state, self.update(state, found_inf))
             return
-        # torch's kernel grows at tracker + 1 == interval; a loaded tracker at or past it must grow next time.
-        state.steps_since_rescale.clamp_(max=self.steps_per_increase - 1)
         torch._amp_update_scale_(
             state.loss_scale,
             state.steps_since_rescale,
             found_inf,
             self.growth_factor,
             self.backoff_factor,
-            self.steps_per_increase,
+            self.growth_interval,
         )
         torch.clamp(state.loss_scale, max=self.max_loss_scale, out=state.non_clamped_scale)
         torch.clamp(state.non_clamped_scale, min=self.min_loss_scale, out=state.loss_scale)
-        state.num_skipped_steps.add_((found_inf > 0).to(torch.int64))
+        _count_skip_(state.num_skipped_steps, found_inf, saturate)
+
+    def update_known_(self, state: ScaleState, found_inf: torch.Tensor, overflow: bool) -> None:
+        """``update_`` when the host knows the flag's value (``overflow``) and the scale is within its bounds,
+        without counting the skip (the caller counts it on the host). After a clean step every rule is torch's
+        kernel (``steps + 1``, growth at the interval, dropped if it would reach inf, the count reset either way)
+        plus the budget refill where the count was reset, and a max clamp only when ``max_loss_scale`` is below
+        float32's max; ``non_clamped_scale`` is then left stale (it equals ``loss_scale``). After an overflow: the
+        whole rule (torch's kernel and the clamps for the torch rule)."""
+        if overflow and not self.torch_rule:
+            assign_(state, self.update(state, found_inf)._replace(num_skipped_steps=state.num_skipped_steps))
+            return
+        torch._amp_update_scale_(
+            state.loss_scale,
+            state.steps_since_rescale,
+            found_inf,
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+        )
+        if overflow:
+            torch.clamp(state.loss_scale, max=self.max_loss_scale, out=state.non_clamped_scale)
+            torch.clamp(state.non_clamped_scale, min=self.min_loss_scale, out=state.loss_scale)
+            return
+        if self.hysteresis > 1 and self.consecutive_hysteresis:
+            state.hysteresis_tracker.fill_(self.hysteresis)
+        if (self.hysteresis > 1 and not self.consecutive_hysteresis) or self.overflow_tolerance > 0:
+            grew = state.steps_since_rescale == 0  # the kernel resets the count exactly on a growth event
+            if self.hysteresis > 1 and not self.consecutive_hysteresis:
+                state.hysteresis_tracker.masked_fill_(grew, self.hysteresis)
+            if self.overflow_tolerance > 0:
+                state.overflows_since_rescale.masked_fill_(grew, 0)
+        if self.max_loss_scale < FLOAT32_MAX:
+            state.loss_scale.clamp_(max=self.max_loss_scale)
 
     @property
-    def _torch_rule(self) -> bool:
+    def torch_rule(self) -> bool:
         return self.overflow_tolerance == 0 and self.hysteresis == 1
+
+
+def count_skip(skipped: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+    """``skipped + f``, saturating at the int64 maximum instead of wrapping negative."""
+    return skipped + ((found_inf > 0) & (skipped < INT64_MAX)).long()
+
+
+def _count_skip_(skipped: torch.Tensor, found_inf: torch.Tensor, saturate: bool) -> None:
+    grew = found_inf > 0
+    skipped.add_(grew & (skipped < INT64_MAX) if saturate else grew)

@@ -1,44 +1,550 @@
 """``GradScaler``: dynamic loss scaling with the surface of ``cstorch.amp.GradScaler`` and ``torch.amp.GradScaler``.
 
-Per iteration each optimizer moves READY → UNSCALED (or CLIPPED) → STEPPED, and ``update()`` brings every optimizer
-back to READY. The scale and its counters live on the device in a ``policy.ScaleState``; the update rule comes from
-``dls.settings`` / ``dls.policy``, the passes over gradients from ``dls.kernels``, the checkpoint format from
-``dls.scaler_state``, sync-free steps from ``dls.sync_free``.
+One step, read top to bottom: ``scale`` multiplies the loss; ``unscale_`` / ``clip_gradients_and_return_isfinite``
+(``OverflowCheck``) unscale, clip and raise the overflow flag with the pure passes of ``dls.kernels``; ``step``
+(``Stepper``) takes or skips the optimizer's step — **the one place a step is skipped**; ``update`` applies the rule
+of ``dls.policy`` to the flag (``dls.loss_scale`` holds the scale on the device) — **the one place the scale
+changes**. Per iteration each optimizer moves READY → UNSCALED (or CLIPPED) → STEPPED (``Stage``); ``update()``
+brings every optimizer back to READY. The checkpoint format: ``dls.scaler_state``.
 
 Overflow: a step is skipped when some gradient, *as the optimizer would receive it* (unscaled, and clipped when the
-scaler clips), is inf/NaN in the gradient's dtype. A finite scaled gradient can still overflow when it is unscaled
-by a scale below 1; the scaler keeps a host-side lower bound of the scale (``dls.loss_scale``: kept exact without
-synchronising) and checks the unscaled values too while that bound is below 1: one extra pass over the gradients
-on the unfused path, none on accelerators for fused optimizers. How each step ends: ``dls.stepping``.
+scaler clips), is inf/NaN in the gradient's dtype. While the scale may be below 1 (``LossScale.may_be_below_one``)
+a finite scaled gradient can overflow once unscaled, and the passes check the unscaled values too.
 
 Host synchronisation: ``scale``, ``unscale_``, ``clip_gradients_and_return_isfinite`` and ``update`` never read
-a tensor back. ``step`` reads the overflow flag once per optimizer (with the scale in the same read while the scale
-may be below 1), except for optimizers that take the flag themselves (torch's fused Adam/AdamW/SGD/Adagrad) and
-with ``sync_free=True``.
+a tensor back. ``step`` reads the overflow flag once per optimizer, except for optimizers that take the flag
+themselves (torch's fused Adam/AdamW/SGD/Adagrad) and with ``sync_free=True``; a parameter's first step (after
+every reset of the optimizer's state) is decided on the host on those paths too: state that does not exist yet
+cannot be protected on the device.
+
+Optimizers that keep their gradients somewhere other than ``param.grad`` of the parameters in ``param_groups``
+(``dls.master_weights``) take part through three optional methods, called by the scaler only:
+``dls_collect_gradients()`` (once per iteration, before the gradients are first read), ``dls_gradients_unscaled()``
+(after an explicit ``unscale_``, so user code that clips next sees unscaled values) and ``dls_state_restored()``
+(after a sync-free step put parameters and state back).
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import enum
 import warnings
+import weakref
 from collections.abc import Iterable, Sequence
 from types import EllipsisType
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
+import torch.distributed as dist
 
+from dls import distributed, kernels, sync_free
 from dls.arguments import device_kind, is_available, parse_device, read_arguments
 from dls.loss_scale import LossScale
-from dls.overflow import OverflowCheck, max_flag
-from dls.scaler_state import parse_state_dict, to_state_dict
+from dls.policy import count_problem, flag_problem, limit_problem
+from dls.scaler_state import STATE_KEYS, TORCH_KEYS, parse_state_dict, to_state_dict
 from dls.settings import DEFAULT_STEPS_PER_INCREASE, TORCH_INIT_SCALE, ScalerSettings
-from dls.stepping import Reports, Stepper, takes_scale_and_flag
-from dls.tracking import IterationState, Stage, Tracker
 
 if TYPE_CHECKING:
     from dls.diagnostics.watch import OverflowReport, OverflowWatch
 
 __all__ = ["GradScaler", "Stage", "optimizer_list"]
+
+
+# ------------------------------------------------------------- per optimizer: the state machine and the gradient index
+class Stage(enum.Enum):
+    """Where an optimizer is in the current iteration (``GradScaler.stage``)."""
+
+    READY = "ready"  # gradients still scaled
+    UNSCALED = "unscaled"  # unscale_() ran: gradients unscaled, overflow flag recorded
+    CLIPPED = "clipped"  # unscaled and clipped by the scaler (clip_gradients_and_return_isfinite, or step())
+    STEPPED = "stepped"  # step() ran (or skipped); update() starts the next iteration
+
+
+@dataclasses.dataclass
+class IterationState:
+    """One optimizer in the current iteration."""
+
+    stage: Stage = Stage.READY
+    flag: torch.Tensor | None = None  # float32 0-dim on the scale's device; read it through found_inf
+    agreement: distributed.Agreement | None = None  # the flag's all-reduce across ranks while in flight
+    collected: bool = False  # dls_collect_gradients() was called this iteration
+    skipped: bool | None = None  # how step() ended, when the host knows (update() then takes its cheap path)
+
+    @property
+    def found_inf(self) -> torch.Tensor | None:
+        """The overflow flag, agreed across ranks: waits for its all-reduce if one is in flight."""
+        if self.agreement is not None:
+            self.flag, self.agreement = self.agreement.wait(), None
+        return self.flag
+
+    @found_inf.setter
+    def found_inf(self, value: torch.Tensor | None) -> None:
+        self.flag, self.agreement = value, None
+
+
+@dataclasses.dataclass
+class LastStep:
+    """How the last ``step()`` of an optimizer ended: ``skipped`` when decided on the host, else read lazily from
+    ``found_inf`` (the fused and sync-free paths never read it themselves)."""
+
+    found_inf: torch.Tensor | None
+    skipped: bool | None
+
+    def was_skipped(self) -> bool:
+        if self.skipped is None:
+            assert self.found_inf is not None
+            self.skipped = bool(self.found_inf.item())
+        return self.skipped
+
+
+@dataclasses.dataclass
+class _Index:
+    """What is cached per optimizer, valid while its param groups hold the same parameters (an identity check of
+    the lists per step: a parameter swapped into an existing list re-indexes)."""
+
+    signature: tuple[tuple[int, ...], ...]
+    grads: kernels.GradIndex  # holds the parameters, so the ids in the signature cannot be reused
+    has_dtensors: bool
+    # Parameters that have taken a step through this scaler (id → parameter), valid while the optimizer's state is
+    # the same object and has not shrunk: only for them does all the state a step touches exist, so that their step
+    # can be skipped or masked on the device. A reset (optimizer.load_state_dict, optimizer.state.clear()) forgets
+    # them, and their next step is decided on the host again.
+    stepped: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    state: Any = None  # the optimizer.state object the stepped record refers to
+    state_len: int = 0  # its length when last marked
+    # Other optimizers of this scaler sharing a parameter with this one: (optimizer ref, where, where theirs).
+    shared: list[tuple[weakref.ref[torch.optim.Optimizer], str, str, tuple[int, ...]]] = dataclasses.field(
+        default_factory=list
+    )
+
+
+class Tracker:
+    """Per-optimizer bookkeeping of one scaler. Optimizers are keyed weakly (or by id within an iteration, as
+    torch does), so tracking never keeps an optimizer alive."""
+
+    def __init__(self) -> None:
+        self.iteration: dict[int, IterationState] = {}
+        self._indexes: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Index] = weakref.WeakKeyDictionary()
+        self._last: weakref.WeakKeyDictionary[torch.optim.Optimizer, LastStep] = weakref.WeakKeyDictionary()
+
+    def state(self, optimizer: torch.optim.Optimizer) -> IterationState:
+        check_optimizer(optimizer)
+        return self.iteration.setdefault(id(optimizer), IterationState())
+
+    def new_iteration(self) -> None:
+        self.iteration.clear()
+
+    # ------------------------------------------------------------------ gradients
+    def grads(self, optimizer: torch.optim.Optimizer) -> kernels.Groups:
+        """The optimizer's gradients grouped by (device, dtype); ``DTensor`` gradients (FSDP2) as their local
+        shards, which in-place passes reach through."""
+        state = self.state(optimizer)
+        index = self._index(optimizer)
+        if index.shared:
+            self.check_disjoint([optimizer])
+        if not state.collected:
+            state.collected = True
+            collect = getattr(optimizer, "dls_collect_gradients", None)
+            if collect is not None:
+                collect()
+        groups = index.grads.groups()
+        return distributed.local_shards(groups) if index.has_dtensors else groups
+
+    def grads_of(self, optimizers: list[torch.optim.Optimizer]) -> kernels.Groups:
+        merged: kernels.Groups = {}
+        for optimizer in optimizers:
+            for key, grads in self.grads(optimizer).items():
+                merged.setdefault(key, []).extend(grads)
+        return merged
+
+    def _index(self, optimizer: torch.optim.Optimizer) -> _Index:
+        signature = tuple(tuple(map(id, g["params"])) for g in optimizer.param_groups)
+        index = self._indexes.get(optimizer)
+        if index is None or index.signature != signature:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            _refuse_repeats(optimizer)
+            index = _Index(signature, kernels.GradIndex(params), distributed.has_dtensors(params))
+            self._link_shared(optimizer, index)
+            self._indexes[optimizer] = index
+        return index
+
+    def _link_shared(self, optimizer: torch.optim.Optimizer, index: _Index) -> None:
+        """Record which other optimizers of this scaler hold a parameter of ``optimizer`` (both ways): unscaling
+        both in one iteration would unscale that gradient twice (``check_disjoint``)."""
+        where = _positions(optimizer)
+        for other, other_index in list(self._indexes.items()):
+            other_index.shared = [s for s in other_index.shared if s[0]() not in (None, optimizer)]
+            if other is optimizer:
+                continue
+            theirs = _positions(other)
+            common = where.keys() & theirs.keys()
+            if common:
+                pid = next(iter(common))
+                shape = tuple(where[pid][1].shape)
+                index.shared.append((weakref.ref(other), where[pid][0], theirs[pid][0], shape))
+                other_index.shared.append((weakref.ref(optimizer), theirs[pid][0], where[pid][0], shape))
+
+    def check_disjoint(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Refuse, before anything changes, to unscale ``optimizers`` together or after other optimizers of this
+        iteration when they share a parameter: its gradient would be unscaled (and counted in a norm) twice."""
+        indexes = [self._index(optimizer) for optimizer in optimizers]  # built first: building links them
+        for i, index in enumerate(indexes):
+            for ref, mine, theirs, shape in index.shared:
+                other = ref()
+                if other is None:
+                    continue
+                j = next((k for k, o in enumerate(optimizers) if o is other), None)
+                if j is not None and j > i:
+                    raise ValueError(
+                        f"optimizers[{i}].{mine} (shape {shape}) is also optimizers[{j}].{theirs}: a parameter in "
+                        "two optimizers would have its gradient unscaled twice; give each parameter to one optimizer"
+                    )
+                stage = self.iteration.get(id(other))
+                if j is None and stage is not None and stage.stage is not Stage.READY:
+                    name = "optimizer" if len(optimizers) == 1 else f"optimizers[{i}]"
+                    raise ValueError(
+                        f"{name}.{mine} (shape {shape}) is also {theirs} of another optimizer already unscaled or "
+                        "stepped in this iteration: its gradient would be unscaled twice; give each parameter to one "
+                        "optimizer"
+                    )
+
+    # ------------------------------------------------------------------ steps
+    def has_stepped(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether every parameter with a gradient has taken a step through this scaler since the optimizer's state
+        was last reset: only then does all the state a step touches exist, so that the step can be skipped or
+        masked on the device. O(1) once every parameter has stepped (the identity and length of
+        ``optimizer.state``); a scan over parameters before that."""
+        index = self._index(optimizer)
+        state = optimizer.state
+        if state is not index.state or len(state) < index.state_len:
+            index.stepped.clear()  # reset (load_state_dict, state.clear(), del state[p]): look again
+            index.state, index.state_len = state, len(state)
+        if len(index.stepped) == len(index.grads.params):
+            return True
+        return all(id(p) in index.stepped for p in index.grads.params if p.grad is not None)
+
+    def mark_stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        index = self._index(optimizer)
+        if len(index.stepped) < len(index.grads.params):
+            index.stepped.update((id(p), p) for p in index.grads.params if p.grad is not None)
+        index.state, index.state_len = optimizer.state, len(optimizer.state)
+
+    def record_step(
+        self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None, skipped: bool | None
+    ) -> None:
+        self._last[optimizer] = LastStep(found_inf, skipped)
+
+    def stepped_optimizers(self) -> list[torch.optim.Optimizer]:
+        return list(self._last.keys())
+
+    def last_step(self, optimizer: torch.optim.Optimizer) -> LastStep:
+        check_optimizer(optimizer)
+        last = self._last.get(optimizer)
+        if last is None:
+            raise RuntimeError("step_was_skipped(): this optimizer has not stepped through this scaler yet")
+        return last
+
+
+def _positions(optimizer: torch.optim.Optimizer) -> dict[int, tuple[str, torch.Tensor]]:
+    return {
+        id(p): (f"param_groups[{g}]['params'][{k}]", p)
+        for g, group in enumerate(optimizer.param_groups)
+        for k, p in enumerate(group["params"])
+    }
+
+
+def _refuse_repeats(optimizer: torch.optim.Optimizer) -> None:
+    """A parameter twice in one optimizer (an in-place edit of its param groups) would be unscaled twice."""
+    seen: dict[int, str] = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for k, p in enumerate(group["params"]):
+            where = f"param_groups[{g}]['params'][{k}]"
+            if id(p) in seen:
+                raise ValueError(
+                    f"optimizer.{where} (shape {tuple(p.shape)}) is also optimizer.{seen[id(p)]}: a parameter listed "
+                    "twice would have its gradient unscaled twice"
+                )
+            seen[id(p)] = where
+
+
+def check_optimizer(optimizer: Any) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+
+
+# --------------------------------------------------------------------------- the overflow passes: unscale, clip, check
+class OverflowCheck:
+    """The overflow passes of one scaler (see the module docstring). With ``enabled=False`` nothing is unscaled or
+    skipped, but clipping still applies and its flag still tells the truth."""
+
+    def __init__(
+        self, tracker: Tracker, scale: LossScale, enabled: bool, process_group: Any, gradients_sharded: bool | None
+    ) -> None:
+        self.tracker = tracker
+        self.scale = scale
+        self.enabled = enabled
+        self.process_group = process_group
+        self.gradients_sharded = gradients_sharded
+
+    def check_scaled(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """The agreed flag of ``optimizer``'s still-scaled gradients, without unscaling them (one read pass)."""
+        groups = self.tracker.grads(optimizer)
+        devices = {d for d, _ in groups}
+        found = zero_flags(devices)
+        inv = kernels.per_device(self.scale.inverse(), devices)
+        kernels.check_unscaled_(groups, inv, found, self.scale.may_be_below_one)
+        flag = self._combine(found)
+        return distributed.agree_on_overflow(flag, self.process_group) if _distributed() else flag
+
+    def clip_and_check(
+        self, optimizers: list[torch.optim.Optimizer], max_norm: float | None, want_norm: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        norm: torch.Tensor | None
+        states = [self.tracker.state(opt) for opt in optimizers]
+        if any(s.stage is Stage.STEPPED for s in states):
+            raise RuntimeError("gradients cannot be clipped after step() on the same optimizer before update().")
+        if not self.enabled:
+            # Nothing to unscale or skip; clipping still applies, and the flag still tells the truth.
+            if max_norm is None and not want_norm:
+                return torch.ones((), dtype=torch.bool, device=self.scale.device), None
+            found_inf, norm = self._clip([], optimizers, max_norm, want_norm)
+            for state in states:
+                state.stage = Stage.CLIPPED if max_norm is not None else state.stage
+            return found_inf == 0, norm
+        ready = [(o, s) for o, s in zip(optimizers, states) if s.stage is Stage.READY]
+        done = [o for o, s in zip(optimizers, states) if s.stage is not Stage.READY]
+        if max_norm is None and not want_norm:
+            if ready:
+                self.unscale_and_check([o for o, _ in ready], [s for _, s in ready])
+            found_inf, norm = max_flag([s.found_inf for s in states]), None
+        else:
+            found_inf, norm = self._clip([o for o, _ in ready], done, max_norm, want_norm)
+            found_inf = max_flag([found_inf, *(s.found_inf for s in states if s.stage is not Stage.READY)])
+            if _distributed():
+                found_inf = distributed.agree_on_overflow(found_inf, self.process_group)
+        for state in states:
+            state.stage = Stage.CLIPPED if max_norm is not None else Stage.UNSCALED
+            state.found_inf = found_inf
+        return found_inf == 0, norm
+
+    def unscale_and_check(self, optimizers: list[torch.optim.Optimizer], states: list[IterationState]) -> None:
+        """Unscale each optimizer's gradients and set its agreed overflow flag (stage → UNSCALED)."""
+        inv_scale = self.scale.inverse()
+        for optimizer, state in zip(optimizers, states):
+            groups = self.tracker.grads(optimizer)
+            devices = {device for device, _ in groups}
+            found = zero_flags(devices)
+            kernels.mul_and_check_(groups, kernels.per_device(inv_scale, devices), found, self.scale.may_be_below_one)
+            # Across ranks the flag is agreed asynchronously: reading state.found_inf waits for the all-reduce.
+            flag = self._combine(found)
+            agreement = distributed.start_agreement(flag, self.process_group) if _distributed() else None
+            state.flag, state.agreement = flag, agreement
+            state.stage = Stage.UNSCALED
+
+    def _clip(
+        self,
+        scaled: list[torch.optim.Optimizer],
+        unscaled: list[torch.optim.Optimizer],
+        max_norm: float | None,
+        want_norm: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unscale ``scaled`` and clip all gradients of both lists to ``max_norm`` (``None``: unscale only), in two
+        passes: one read for the global norm (of still-scaled gradients times 1/scale), one read+write multiplying
+        by ``clip_coef / scale`` (``clip_coef`` alone for already unscaled gradients). Returns the overflow flag
+        (the norm is inf/NaN exactly when an element is) and the norm."""
+        home = self.scale.device
+        inv_scale = self.scale.inverse() if self.enabled else torch.ones((), device=home)
+        one = torch.ones((), dtype=torch.float32, device=home)
+        parts = [(self.tracker.grads_of(scaled), inv_scale), (self.tracker.grads_of(unscaled), one)]
+        if _distributed() and distributed.norm_is_sharded(
+            scaled + unscaled, self.gradients_sharded, self.process_group
+        ):
+            # Each rank holds a slice of the gradients: squared norms are summed across ranks.
+            opts = [(scaled, inv_scale), (unscaled, one)]
+            sharded = self.gradients_sharded is True
+            total_norm = distributed.global_norm(opts, home, self.process_group, plain_sharded=sharded)
+        else:
+            norms = [kernels.global_norm(g, kernels.per_device(f, {d for d, _ in g}), home) for g, f in parts]
+            total_norm = torch.linalg.vector_norm(torch.stack(norms))
+        found = (~torch.isfinite(total_norm)).float()
+        coef = one if max_norm is None else kernels.clip_coefficient(total_norm, max_norm)
+        # A finite norm bounds every clipped element by max_norm: only a max_norm near a gradient dtype's largest
+        # value (or an unscale by more than 1 without clipping) can make a product overflow.
+        for groups, factor in parts:
+            if not groups or (factor is one and max_norm is None):
+                continue
+            dtypes_max = min(torch.finfo(dtype).max for _, dtype in groups)
+            check = (max_norm is None and self.scale.may_be_below_one) or (max_norm or 0) >= dtypes_max / 2
+            devices = {d for d, _ in groups}
+            flags = {d: found.to(d) for d in devices} if check else None
+            kernels.mul_(groups, kernels.per_device(factor * coef, devices), flags)
+            if flags is not None:
+                found = max_flag([found, *(f.to(home) for f in flags.values())])
+        return found, total_norm
+
+    def _combine(self, found: dict[torch.device, torch.Tensor]) -> torch.Tensor:
+        home = self.scale.device
+        flags = [f.to(home, non_blocking=True) for f in found.values()]
+        return max_flag(flags) if flags else torch.zeros((), dtype=torch.float32, device=home)
+
+
+def zero_flags(devices: Iterable[torch.device]) -> dict[torch.device, torch.Tensor]:
+    """A clean overflow flag (float32 0-dim, as torch's AMP kernels take) on each device."""
+    flags: dict[torch.device, torch.Tensor] = {}
+    for d in devices:  # a loop, not a comprehension: see kernels.per_device
+        if d not in flags:
+            flags[d] = torch.zeros((), dtype=torch.float32, device=d)
+    return flags
+
+
+def max_flag(flags: Iterable[torch.Tensor | None]) -> torch.Tensor:
+    present = [f for f in flags if f is not None]
+    if len(present) == 1:
+        return present[0]
+    return torch.stack(present).amax()
+
+
+# ---------------------------------------------------------------------------------- how a step ends: the skip decision
+class Reports:
+    """The watches of a scaler, the overflow report of the current iteration (``GradScaler.watch``) and the modules
+    its fallback watches keep in float32 (``kept``: the scaler's checkpoint entry ``kept_in_float32``)."""
+
+    def __init__(self) -> None:
+        from dls.diagnostics.fallback import KeptState
+
+        self.watches: list[OverflowWatch] = []
+        self.seen_loss: Any = None  # what the last scale() was given, detached, while a watch is active
+        self.report: OverflowReport | None = None
+        self.stale = False  # update() ran: the next scale() starts an iteration without a report
+        self.kept = KeptState(self.active)
+
+    def watch(self, model: torch.nn.Module, fallback: bool, process_group: Any) -> OverflowWatch:
+        from dls.diagnostics.watch import OverflowWatch
+
+        self.watches = [w for w in self.watches if w.active]
+        watch = OverflowWatch(model, fallback=fallback, process_group=process_group)
+        self.kept.adopt(watch)  # a loaded kept_in_float32 applies to a fallback watch made after the load
+        self.watches.append(watch)
+        return watch
+
+    def active(self) -> list[OverflowWatch]:
+        return [w for w in self.watches if w.active]
+
+    def new_loss(self, outputs: Any) -> None:
+        """``scale()`` was called: a new iteration clears the last report; keep the loss for the next one."""
+        if self.stale:
+            self.report, self.stale = None, False
+        if self.watches:
+            self.seen_loss = _detached(outputs)
+
+    def overflowed(self, watches: list[OverflowWatch], scale: LossScale) -> None:
+        if self.report is not None:
+            return  # the iteration's first overflowing step has reported already
+        value = float(scale.tensor)  # the overflow path: one more read is fine
+        # The skip is decided (and agreed across ranks): a fallback watch keeps, arms or gives up here. Its ranks
+        # agree on the module with a MAX all-reduce of their own (Fallback.after_skip), on skipped steps only, not
+        # as an extra element of the per-step collective: that element would cost every clean step an isfinite(loss)
+        # kernel and a larger collective, and the module found is known on the host only after an armed pass.
+        reports = [w.after_skip(w.build_report(self.seen_loss, loss_scale=value)) for w in watches]
+        self.report = next((r for r in reports if r.first_module is not None), reports[0] if reports else None)
+
+
+class Stepper:
+    """Takes or skips one optimizer's step once its overflow flag is known (see the module docstring)."""
+
+    def __init__(
+        self, tracker: Tracker, scale: LossScale, check: OverflowCheck, sync_free: bool, reports: Reports
+    ) -> None:
+        self.tracker = tracker
+        self.scale = scale
+        self.check = check
+        self.sync_free = sync_free
+        self.reports = reports
+
+    def unchecked(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A disabled scaler's step: never skipped (closures pass through, as in torch)."""
+        self.tracker.record_step(optimizer, None, False)
+        return optimizer.step(*args, **kwargs)
+
+    def if_finite(
+        self, optimizer: torch.optim.Optimizer, state: IterationState, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The step, skipped where the flag says so; the one place the path is chosen: the optimizer's own kernel
+        when it takes the flag (from READY: it unscales, too), else on the device (sync-free) or on the host."""
+        if takes_scale_and_flag(optimizer):
+            return self.fused(optimizer, state, args, kwargs)
+        if state.stage is Stage.READY:
+            self.check.unscale_and_check([optimizer], [state])
+        found_inf = state.found_inf
+        assert found_inf is not None
+        state.stage = Stage.STEPPED
+        if self.sync_free and self.tracker.has_stepped(optimizer):
+            self._record(optimizer, state, found_inf, None)
+            return sync_free.masked_step(optimizer, found_inf, args, kwargs)
+        if self._record(optimizer, state, found_inf, self.scale.read_flag(found_inf)):
+            return None
+        result = optimizer.step(*args, **kwargs)
+        self.tracker.mark_stepped(optimizer)
+        return result
+
+    def fused(
+        self, optimizer: torch.optim.Optimizer, state: IterationState, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Hand the scale and the flag to an optimizer whose kernel unscales and skips by itself (no sync)."""
+        grad_scale: torch.Tensor | None = None
+        if state.stage is Stage.READY:
+            # Only a read pass for the flag: the optimizer kernel divides by grad_scale while it updates.
+            state.found_inf = self.check.check_scaled(optimizer)
+            grad_scale = self.scale.tensor
+        found_inf = state.found_inf
+        assert found_inf is not None
+        first_step = not self.tracker.has_stepped(optimizer)
+        state.stage = Stage.STEPPED
+        if first_step and self.scale.read_flag(found_inf):
+            self._record(optimizer, state, found_inf, True)
+            return None
+        if self._record(optimizer, state, found_inf, False if first_step else None):
+            return None  # known on the host (a watch read it): nothing for the kernel to do
+        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            result = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        if first_step:
+            self.tracker.mark_stepped(optimizer)
+        return result
+
+    def _record(
+        self, optimizer: torch.optim.Optimizer, state: IterationState, found_inf: torch.Tensor, skipped: bool | None
+    ) -> bool:
+        """Remember how the step ended; while a watch is active, know it now (one read on the fused and sync-free
+        paths) and build the overflow report from the gradients, which still exist. Returns whether skipped."""
+        watches = self.reports.active()
+        if skipped is None and watches:
+            skipped = self.scale.read_flag(found_inf)
+        self.tracker.record_step(optimizer, found_inf, skipped)
+        state.skipped = skipped
+        if skipped and watches:
+            self.reports.overflowed(watches, self.scale)
+        return bool(skipped)
+
+
+def takes_scale_and_flag(optimizer: torch.optim.Optimizer) -> bool:
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def _detached(outputs: Any) -> Any:
+    """``outputs`` (a tensor or nested lists/tuples of them) detached: kept for a report, without its graph."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.detach()
+    if isinstance(outputs, (list, tuple)):
+        return [_detached(o) for o in outputs]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------- the scaler
 
 _T = TypeVar("_T")
 
@@ -59,12 +565,16 @@ class GradScaler:
         loss_scale: ``"dynamic"``, a number (a static scale: fixed, overflowing steps still skipped), or ``None``
             (Cerebras dialect: dynamic for float16 and cbfloat16, no scaling for bfloat16).
         init_scale: the first dynamic scale. Above the default ``max_loss_scale`` it raises the maximum.
-        steps_per_increase / growth_interval: clean steps after which the scale grows.
+        steps_per_increase / growth_interval: when the scale grows. The dialect picks the rule, not the name: the
+            torch dialect grows on the interval-th clean step (torch.amp), the Cerebras dialect when more than
+            ``steps_per_increase`` updates passed since the last rescale (cstorch.amp); see ``dls.policy``.
         min_loss_scale, max_loss_scale: bounds of the dynamic scale (normal float32 numbers).
         overflow_tolerance: fraction of overflowing steps since the last rescale tolerated before backing off.
         max_gradient_norm: if set, ``step`` also clips all gradients to this global L2 norm (after unscaling).
         growth_factor, backoff_factor: multiply the scale on growth / back-off.
-        hysteresis: number of (non-tolerated) overflows needed for one back-off (DeepSpeed/Megatron).
+        hysteresis: Megatron-LM's and DeepSpeed's: the scale backs off on the ``hysteresis``-th (non-tolerated)
+            overflow, then on every further one until the next growth refills the budget.
+        consecutive_hysteresis: DeepSpeed's: the budget also refills after every clean step.
         enabled: ``False`` makes every method a pass-through, as in torch.
         half_dtype: the half format the defaults are chosen for; ``None``: ``dls.get_half_dtype_str()`` at
             construction (cstorch.amp's ``set_half_dtype``).
@@ -96,6 +606,7 @@ class GradScaler:
         max_loss_scale: float | None = None,
         overflow_tolerance: float = 0.0,
         hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
         max_gradient_norm: float | None = None,
         half_dtype: str | torch.dtype | None = None,
         sync_free: bool = False,
@@ -120,6 +631,7 @@ class GradScaler:
         *,
         half_dtype: str | torch.dtype | None = None,
         growth_interval: int | None = None,
+        consecutive_hysteresis: bool = False,
         sync_free: bool = False,
         process_group: Any = None,
         gradients_sharded: bool | None = None,
@@ -165,8 +677,8 @@ class GradScaler:
         gradients_sharded: bool | None,
     ) -> None:
         for name, value in (("enabled", enabled), ("sync_free", sync_free)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False; got {value!r}")
+            if problem := flag_problem(name, value):
+                raise ValueError(problem)
         if gradients_sharded is not None and not isinstance(gradients_sharded, bool):
             raise ValueError(f"gradients_sharded must be True, False or None; got {gradients_sharded!r}")
         self._enabled = enabled and settings.mode != "off"
@@ -182,6 +694,7 @@ class GradScaler:
         self._process_group = process_group
         self._gradients_sharded = gradients_sharded
         self._scale = LossScale(settings, device)
+        self._extra_state: dict[str, Any] = {}  # register_state
         self._wire()
 
     def _wire(self) -> None:
@@ -190,6 +703,7 @@ class GradScaler:
         pg, sharded = self._process_group, self._gradients_sharded
         self._check = OverflowCheck(self._tracker, self._scale, self._enabled, pg, sharded)
         self._reports = Reports()
+        self.register_state("kept_in_float32", self._reports.kept)  # registered first: loads may precede a watch
         self._stepper = Stepper(self._tracker, self._scale, self._check, self._sync_free, self._reports)
 
     # ------------------------------------------------------------------ queries
@@ -209,6 +723,7 @@ class GradScaler:
 
     @property
     def max_gradient_norm(self) -> float | None:
+        """The global gradient-norm limit ``step()`` clips to (``None``: no clipping)."""
         return self._scale.settings.max_gradient_norm
 
     def get_scale(self) -> float:
@@ -218,11 +733,11 @@ class GradScaler:
     def get_non_clamped_scale(self) -> float:
         """The scale after the last update before the ``min_loss_scale`` clamp: below ``get_scale()`` means the
         scale is pinned at its floor and gradients still overflow."""
-        return float(self._scale.state.non_clamped_scale.item()) if self._enabled else 1.0
+        return self._scale.non_clamped() if self._enabled else 1.0
 
     def get_num_skipped_steps(self) -> int:
         """Iterations whose gradients overflowed (their optimizer steps were skipped)."""
-        return int(self._scale.state.num_skipped_steps.item()) if self._enabled else 0
+        return self._scale.skipped_steps() if self._enabled else 0
 
     def get_scale_tensor(self) -> torch.Tensor:
         """The scale as a 0-dim float32 device tensor (no host sync), e.g. for logging inside compiled code."""
@@ -243,6 +758,10 @@ class GradScaler:
         """
         return self._tracker.last_step(optimizer).was_skipped()
 
+    def _stepped_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The live optimizers that have stepped through this scaler (``dls.skip_aware`` binds to a single one)."""
+        return self._tracker.stepped_optimizers()
+
     def step_was_skipped_tensor(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """``step_was_skipped`` as a 0-dim bool tensor on the scale's device, never read back to the host: to
         select on the device (``torch.where(skipped, old, new)``) in sync-free loops."""
@@ -252,22 +771,37 @@ class GradScaler:
         return last.found_inf > 0
 
     def get_growth_factor(self) -> float:
+        """torch.amp's accessor: the factor the scale grows by."""
         return self._scale.settings.growth_factor
 
     def get_backoff_factor(self) -> float:
+        """torch.amp's accessor: the factor the scale backs off by."""
         return self._scale.settings.backoff_factor
 
     def get_growth_interval(self) -> int:
-        return self._scale.settings.steps_per_increase
+        """torch.amp's meaning in both dialects: the scale grows after this many updates without a (counted)
+        overflow; ``steps_per_increase + 1`` in the Cerebras dialect."""
+        return self._scale.settings.growth_interval
 
     def set_growth_factor(self, new_factor: float) -> None:
+        """torch.amp's setter: validated like the constructor's ``growth_factor``."""
         self._replace_settings(growth_factor=new_factor)
 
     def set_backoff_factor(self, new_factor: float) -> None:
+        """torch.amp's setter: validated like the constructor's ``backoff_factor``."""
         self._replace_settings(backoff_factor=new_factor)
 
     def set_growth_interval(self, new_interval: int) -> None:
-        self._replace_settings(steps_per_increase=new_interval)
+        """torch.amp's meaning (see ``get_growth_interval``)."""
+        cerebras = self._scale.settings.dialect == "cerebras"
+        if problem := count_problem("new_interval", new_interval):
+            raise ValueError(problem)
+        if cerebras and new_interval < 2:
+            raise ValueError(
+                "new_interval must be at least 2 for a Cerebras-dialect scaler (it grows after steps_per_increase + 1 "
+                f"updates, steps_per_increase >= 1); got {new_interval!r}"
+            )
+        self._replace_settings(steps_per_increase=new_interval - cerebras)
 
     def _replace_settings(self, **changes: Any) -> None:
         self._scale.replace_settings(self._scale.settings.replace(**changes))  # validates
@@ -336,9 +870,10 @@ class GradScaler:
         extra read pass when nothing is clipped).
         """
         max_norm = self._scale.settings.max_gradient_norm if max_gradient_norm is ... else max_gradient_norm
-        if max_norm is not None and not (isinstance(max_norm, (int, float)) and 0 < max_norm < math.inf):
-            raise ValueError(f"max_gradient_norm must be a positive finite number or None; got {max_norm!r}")
+        if problem := limit_problem("max_gradient_norm", max_norm):
+            raise ValueError(problem)
         opts = optimizer_list(optimizers, "optimizers")
+        self._tracker.check_disjoint(opts)
         isfinite, norm = self._check.clip_and_check(opts, max_norm, return_norm)
         for opt in opts:
             _tell_unscaled(opt)
@@ -369,10 +904,6 @@ class GradScaler:
                     stacklevel=2,
                 )
             self._check.clip_and_check([optimizer], max_norm)
-        elif state.stage is Stage.READY:
-            if takes_scale_and_flag(optimizer):
-                return self._stepper.fused(optimizer, state, args, kwargs)
-            self._check.unscale_and_check([optimizer], [state])
         return self._stepper.if_finite(optimizer, state, args, kwargs)
 
     def step_if_finite(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -426,7 +957,7 @@ class GradScaler:
             return
         if new_scale is not None:
             flags = [s.found_inf for s in self._tracker.iteration.values() if s.found_inf is not None]
-            self._scale.set(new_scale, skipped=(max_flag(flags) > 0).long() if flags else 0)
+            self._scale.set(new_scale, max_flag(flags) if flags else None)
         else:
             self._apply_rule(list(self._tracker.iteration.values()))
         self._tracker.new_iteration()
@@ -441,13 +972,15 @@ class GradScaler:
         self._apply_rule([self._tracker.iteration.get(id(o), IterationState()) for o in opts])
 
     def _apply_rule(self, states: list[IterationState]) -> None:
-        flags = [s.found_inf for s in states if s.found_inf is not None]
-        if not flags:
+        states = [s for s in states if s.flag is not None or s.agreement is not None]
+        if not states:
             raise RuntimeError(
                 "No inf checks were recorded prior to update(): call step() (or unscale_()) on the "
                 "optimizers of this iteration first."
             )
-        self._scale.apply_rule(max_flag(flags))
+        # Where step() decided on the host (the default path), the rule knows the flag's value too.
+        known = None if any(s.skipped is None for s in states) else any(s.skipped for s in states)
+        self._scale.apply_rule(max_flag([s.found_inf for s in states]), known)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -456,7 +989,21 @@ class GradScaler:
         if not self._enabled:
             return {}
         values = self._scale.values()
-        return {**to_state_dict(values, self._scale.settings), **self._reports.kept_state()}
+        extra = {name: owner.state_dict() for name, owner in self._extra_state.items()}
+        return to_state_dict(values, self._scale.settings) | {k: v for k, v in extra.items() if v is not None}
+
+    def register_state(self, name: str, owner: Any) -> None:
+        """Keep ``owner``'s state in this scaler's checkpoint under ``name`` (an extension point: e.g. a watch's
+        record of modules kept in float32). ``owner`` has ``state_dict()`` (``None``: nothing to save, no key) and
+        ``check_state(value)`` (raises ``ValueError`` naming the problem; called before anything changes) and
+        ``load_state_dict(value)``."""
+        if not isinstance(name, str) or name in self.state_dict_keys():
+            raise ValueError(f"name must be a new state dict key; got {name!r}")
+        self._extra_state[name] = owner
+
+    def state_dict_keys(self) -> tuple[str, ...]:
+        """Every key this scaler's state dict may hold (its own, torch's, registered ones)."""
+        return (*STATE_KEYS, "format_version", *TORCH_KEYS, *self._extra_state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dls or a ``torch.amp.GradScaler`` state dict: keys present replace, missing keys keep their
@@ -464,8 +1011,9 @@ class GradScaler:
         outside this scaler's bounds is clamped into them, with a warning. Nothing changes on a bad value."""
         if not self._enabled:
             return
-        state_dict, load_kept = self._reports.load_kept(state_dict)
-        loaded = parse_state_dict(state_dict, self._scale.settings)
+        loaded = parse_state_dict(state_dict, self._scale.settings, extra=tuple(self._extra_state))
+        for name, value in loaded.extra.items():
+            self._extra_state[name].check_state(value)
         if loaded.clamped is not None:
             warnings.warn(
                 f"the loaded loss scale {loaded.clamped!r} is outside [min_loss_scale, max_loss_scale] = "
@@ -474,7 +1022,8 @@ class GradScaler:
                 stacklevel=2,
             )
         self._scale.load(loaded.values, loaded.settings)
-        load_kept()
+        for name, value in loaded.extra.items():
+            self._extra_state[name].load_state_dict(value)
 
     def __getstate__(self) -> dict[str, Any]:
         if self._enabled and self._tracker.iteration:
@@ -482,13 +1031,14 @@ class GradScaler:
                 "A GradScaler may only be pickled at the beginning of an iteration, or after scaler.update()."
             )
         # A disabled scaler records only clipping: nothing per iteration to carry. Watches hook this process's model.
-        parts = ("_tracker", "_check", "_reports", "_stepper")
+        parts = ("_tracker", "_check", "_reports", "_stepper", "_extra_state")  # registered owners: this process's
         state = {k: v for k, v in self.__dict__.items() if k not in parts}
         state["_process_group"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._extra_state = {}
         self._wire()
 
     # ------------------------------------------------------------------ helpers
@@ -502,6 +1052,15 @@ class GradScaler:
 
 
 # ---------------------------------------------------------------------- module helpers
+
+
+def _distributed() -> bool:
+    """Whether ranks may have to agree (``dls.distributed`` decides per group); the default path never enters it.
+    An extension point for more per-step agreement (an extra element in the collective) belongs in
+    ``dls.distributed``, behind this check. The float32 fallback (``watch(model, fallback=True)``) does not use it:
+    its ranks agree on skipped steps only, with one small all-reduce of their own (see ``Reports.overflowed``), so
+    that clean steps gain neither a collective element nor a kernel."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def optimizer_list(

@@ -1,47 +1,67 @@
 """The scaler's checkpoint format: what ``GradScaler.state_dict()`` writes and ``load_state_dict()`` accepts.
 
 One dict serves both libraries. dls's own keys — ``loss_scale``, ``steps_since_rescale``,
-``overflows_since_rescale``, ``num_skipped_steps``, ``hysteresis_hits`` (cstorch.amp's names) — and torch.amp's —
-``scale``, ``_growth_tracker`` (the same two values again) and the three settings ``growth_factor``,
-``backoff_factor``, ``growth_interval`` — so ``torch.amp.GradScaler.load_state_dict`` reads a dls checkpoint and
-dls reads torch's. Loading applies torch's three settings, as torch does; ``min_loss_scale``, ``max_loss_scale``,
-``overflow_tolerance`` and ``hysteresis`` stay the constructor's. Keys that appear twice must agree. Every value is
-checked before anything changes; a problem is a ``ValueError`` naming the key.
+``overflows_since_rescale``, ``num_skipped_steps`` (cstorch.amp's names), ``hysteresis_tracker`` (Megatron-LM's: the
+hysteresis budget left) and ``format_version`` — and torch.amp's — ``scale``, ``_growth_tracker`` (the same two
+values again) and the three settings ``growth_factor``, ``backoff_factor``, ``growth_interval`` — so
+``torch.amp.GradScaler.load_state_dict`` reads a dls checkpoint and follows the same trajectory (a Cerebras-dialect
+scaler writes ``growth_interval = steps_per_increase + 1``, see ``dls.policy``), and dls reads torch's. Loading
+applies torch's three settings, as torch does; the other settings stay the constructor's. Keys that appear twice
+must agree. Every value is checked before anything changes; a problem is a ``ValueError`` naming the key.
+
+``hysteresis_tracker`` is brought into ``[1, hysteresis]`` (Megatron's spent tracker, 0 or below, acts as 1).
+``steps_since_rescale`` and ``overflows_since_rescale`` load as saved (torch's own tests read a seeded tracker back)
+and are clamped to ``growth_interval - 1`` at the next update, before the rule runs: the next clean update grows,
+and no counter wraps. Every state dict a scaler writes loads back unchanged.
+
+Format 2 (this one) replaced format 1's ``hysteresis_hits`` (hits since the last back-off; loaded as
+``hysteresis_tracker = hysteresis - hits``). An older dls refuses format 2 by its unknown keys; this one refuses a
+newer ``format_version``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from dls.policy import scale_problem
+from dls.policy import INT32_MAX, INT64_MAX, scale_problem
 from dls.settings import ScalerSettings, SettingsError
 
-STATE_KEYS = ("loss_scale", "steps_since_rescale", "overflows_since_rescale", "num_skipped_steps", "hysteresis_hits")
+FORMAT_VERSION = 2
+STATE_KEYS = (
+    "loss_scale",
+    "steps_since_rescale",
+    "overflows_since_rescale",
+    "num_skipped_steps",
+    "hysteresis_tracker",
+)
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+OLD_KEYS = ("hysteresis_hits",)  # format 1
 # torch's name → dls's, for the two values both write.
 SAME_VALUE = {"scale": "loss_scale", "_growth_tracker": "steps_since_rescale"}
-# torch's settings → ScalerSettings fields.
-SETTINGS = {
-    "growth_factor": "growth_factor",
-    "backoff_factor": "backoff_factor",
-    "growth_interval": "steps_per_increase",
+# Largest value of each counter as stored: steps_since_rescale is int32 (torch's growth tracker), the others int64.
+COUNTER_MAX = {
+    "steps_since_rescale": INT32_MAX,
+    "overflows_since_rescale": INT64_MAX,
+    "num_skipped_steps": INT64_MAX,
+    "hysteresis_tracker": INT32_MAX,
+    "hysteresis_hits": INT32_MAX,
 }
-# Largest value of each counter: steps_since_rescale is int32 (torch's growth tracker), the others int64.
-COUNTER_MAX = {key: 2**63 - 1 for key in STATE_KEYS[1:]} | {"steps_since_rescale": 2**31 - 1}
 
 
 def to_state_dict(values: dict[str, Any], settings: ScalerSettings) -> dict[str, Any]:
     """The checkpoint of a scaler whose state holds ``values`` (the ``STATE_KEYS``, as Python numbers)."""
     return {
         **{key: values[key] for key in STATE_KEYS},
+        "format_version": FORMAT_VERSION,
         "scale": values["loss_scale"],
         "growth_factor": settings.growth_factor,
         "backoff_factor": settings.backoff_factor,
-        "growth_interval": settings.steps_per_increase,
+        "growth_interval": settings.growth_interval,
         "_growth_tracker": values["steps_since_rescale"],
     }
 
@@ -55,55 +75,111 @@ class Loaded:
     values: dict[str, float | int]
     settings: ScalerSettings
     clamped: float | None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_state_dict(state_dict: Any, settings: ScalerSettings) -> Loaded:
-    """Check a dls or torch.amp state dict against ``settings`` without changing anything."""
+def parse_state_dict(
+    state_dict: Any,
+    settings: ScalerSettings,
+    *,
+    apply_settings: bool = True,
+    label: Callable[[str], str] = lambda key: f"state_dict[{key!r}]",
+    extra: Collection[str] = (),
+    own_names_first: bool = False,
+) -> Loaded:
+    """Check a dls (format 1 or 2) or torch.amp state dict against ``settings`` without changing anything.
+
+    ``apply_settings=False``: torch's three settings keys are ignored and ``settings`` stay as given (the trainer's
+    config defines them). ``label(key)`` names a key in error messages. ``extra``: keys registered with
+    ``GradScaler.register_state`` (state of other objects kept in the scaler's checkpoint), returned unchecked in
+    ``Loaded.extra`` for their owners to check and load. ``own_names_first``: torch's ``scale`` and
+    ``_growth_tracker`` are read only where dls's names are absent (the trainer's rule), instead of having to agree."""
     if not isinstance(state_dict, dict):
         raise ValueError(f"state_dict must be a dict; got {type(state_dict).__name__}")
     if not state_dict:
         raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled GradScaler.")
-    allowed = (*STATE_KEYS, *TORCH_KEYS)
+    allowed = (*STATE_KEYS, "format_version", *TORCH_KEYS, *OLD_KEYS, *extra)
     unknown = sorted(str(k) for k in state_dict if k not in allowed)
     if unknown:
         raise ValueError(f"state_dict has unknown keys {unknown}; allowed keys: {', '.join(allowed)}")
-    numbers = {key: _number(key, value) for key, value in state_dict.items()}
+    if not apply_settings:
+        state_dict = {
+            k: v for k, v in state_dict.items() if k not in ("growth_factor", "backoff_factor", "growth_interval")
+        }
+    extras = {key: state_dict[key] for key in extra if key in state_dict}
+    numbers = {key: _number(key, value, label) for key, value in state_dict.items() if key not in extras}
+    version = numbers.pop("format_version", 1)
+    if not (_integral(version) and 1 <= version <= FORMAT_VERSION):
+        raise ValueError(
+            f"{label('format_version')} is {version!r}: written by a newer dls; this dls reads formats 1 to "
+            f"{FORMAT_VERSION} (upgrade dls to load it)"
+        )
+    if "hysteresis_hits" in numbers and "hysteresis_tracker" in numbers:
+        raise ValueError("state_dict has both 'hysteresis_hits' (format 1) and 'hysteresis_tracker'; give one")
     for theirs, ours in SAME_VALUE.items():
+        if own_names_first and ours in numbers:
+            numbers.pop(theirs, None)
         if theirs in numbers and ours in numbers and numbers[theirs] != numbers[ours]:
             raise ValueError(
-                f"state_dict[{theirs!r}] ({numbers[theirs]!r}) and state_dict[{ours!r}] ({numbers[ours]!r}) hold the "
+                f"{label(theirs)} ({numbers[theirs]!r}) and {label(ours)} ({numbers[ours]!r}) hold the "
                 "same value and must agree"
             )
         if theirs in numbers:
             numbers[ours] = numbers.pop(theirs)
-    changes = {field: numbers.pop(key) for key, field in SETTINGS.items() if key in numbers}
-    try:
-        settings = settings.replace(
-            **{k: int(v) if k == "steps_per_increase" and _integral(v) else v for k, v in changes.items()}
-        )
-    except SettingsError as exc:
-        key = {field: key for key, field in SETTINGS.items()}.get(exc.problems[0][0], exc.problems[0][0])
-        raise ValueError(f"state_dict[{key!r}]: {exc.problems[0][1]}") from None
+    settings = _with_torch_settings(settings, numbers, label)
     values: dict[str, float | int] = {}
     clamped = None
     for key, number in numbers.items():
         if key == "loss_scale":
-            if not (_finite(number) and number > 0):
-                raise ValueError(f"state_dict['loss_scale'] must be a positive finite number; got {number!r}")
-            scale = float(number)
-            if settings.mode == "dynamic":  # a scale from elsewhere is brought into this scaler's bounds
-                bounded = min(max(scale, settings.min_loss_scale), settings.max_loss_scale)
-                clamped = scale if bounded != scale else None
-                scale = bounded
-            elif problem := scale_problem("state_dict['loss_scale']", scale):
-                raise ValueError(problem)
-            values[key] = scale
-        else:
-            if not (_integral(number) and 0 <= number <= COUNTER_MAX[key]):
-                limit = "2**31 - 1" if COUNTER_MAX[key] < 2**32 else "2**63 - 1"
-                raise ValueError(f"state_dict[{key!r}] must be an integer from 0 to {limit}; got {number!r}")
-            values[key] = int(number)
-    return Loaded(values, settings, clamped)
+            values[key], clamped = _scale(number, settings, label)
+            continue
+        if not (_integral(number) and 0 <= number <= COUNTER_MAX[key]):
+            limit = "2**31 - 1" if COUNTER_MAX[key] == INT32_MAX else "2**63 - 1"
+            raise ValueError(f"{label(key)} must be an integer from 0 to {limit}; got {number!r}")
+        values[key] = int(number)
+    if "hysteresis_hits" in values:
+        values["hysteresis_tracker"] = settings.hysteresis - int(values.pop("hysteresis_hits"))
+    if "hysteresis_tracker" in values:
+        values["hysteresis_tracker"] = min(max(int(values["hysteresis_tracker"]), 1), settings.hysteresis)
+    return Loaded(values, settings, clamped, extras)
+
+
+def _with_torch_settings(
+    settings: ScalerSettings, numbers: dict[str, float], label: Callable[[str], str]
+) -> ScalerSettings:
+    """``settings`` with torch's three settings of the state dict applied (popped from ``numbers``)."""
+    changes: dict[str, Any] = {}
+    for key in ("growth_factor", "backoff_factor"):
+        if key in numbers:
+            changes[key] = numbers.pop(key)
+    if "growth_interval" in numbers:
+        interval = numbers.pop("growth_interval")
+        cerebras = settings.dialect == "cerebras"
+        if cerebras and settings.mode != "dynamic" and interval == 1:
+            interval = 2  # torch's interval 1 has no Cerebras equivalent; a fixed scale never grows anyway
+        if not (_integral(interval) and 1 + cerebras <= interval <= INT32_MAX):
+            low = "2 (a Cerebras-dialect scaler grows after steps_per_increase + 1 updates)" if cerebras else "1"
+            raise ValueError(f"{label('growth_interval')} must be an integer from {low} to 2**31 - 1; got {interval!r}")
+        changes["steps_per_increase"] = int(interval) - cerebras
+    try:
+        return settings.replace(**changes)
+    except SettingsError as exc:
+        field = exc.problems[0][0]
+        key = "growth_interval" if field == "steps_per_increase" else field
+        raise ValueError(f"{label(key)}: {exc.problems[0][1]}") from None
+
+
+def _scale(number: float, settings: ScalerSettings, label: Callable[[str], str]) -> tuple[float, float | None]:
+    """The loaded scale, brought into a dynamic scaler's bounds, and the saved value when it had to be."""
+    if not (_finite(number) and number > 0):
+        raise ValueError(f"{label('loss_scale')} must be a positive finite number; got {number!r}")
+    scale = float(number)
+    if settings.mode == "dynamic":  # a scale from elsewhere is brought into this scaler's bounds
+        bounded = min(max(scale, settings.min_loss_scale), settings.max_loss_scale)
+        return bounded, (scale if bounded != scale else None)
+    if problem := scale_problem(label("loss_scale"), scale):
+        raise ValueError(problem)
+    return scale, None
 
 
 def _finite(number: float) -> bool:
@@ -114,11 +190,11 @@ def _integral(number: float) -> bool:
     return isinstance(number, int) or (isinstance(number, float) and number.is_integer())
 
 
-def _number(key: str, value: Any) -> float:
+def _number(key: str, value: Any, label: Callable[[str], str]) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"state_dict[{key!r}] must be a number; got a tensor of shape {tuple(value.shape)}")
+            raise ValueError(f"{label(key)} must be a number; got a tensor of shape {tuple(value.shape)}")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"state_dict[{key!r}] must be a number; got {value!r}")
+        raise ValueError(f"{label(key)} must be a number; got {value!r}")
     return value

@@ -22,7 +22,7 @@ its YAML key, so ``dls validate`` accepts exactly what ``GradScaler`` accepts.
 from __future__ import annotations
 
 import dataclasses
-import math
+import difflib
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +30,13 @@ from dls.formats import HALF_DTYPE_NAMES, get_half_dtype_str, half_dtype_name
 from dls.policy import (
     FLOAT32_MAX,
     FLOAT32_TINY,
+    INT32_MAX,
     DynamicRule,
     StaticRule,
     count_problem,
     factor_problem,
+    flag_problem,
+    limit_problem,
     scale_problem,
     tolerance_problem,
 )
@@ -75,10 +78,12 @@ class ScalerSettings:
         init_scale: the first scale (the fixed scale in static mode).
         min_loss_scale, max_loss_scale: bounds of the dynamic scale.
         steps_per_increase: clean steps before the scale grows (torch's ``growth_interval``).
-        growth_factor, backoff_factor, overflow_tolerance, hysteresis: the dynamic rule (``dls.policy``).
+        growth_factor, backoff_factor, overflow_tolerance, hysteresis, consecutive_hysteresis: the dynamic rule
+            (``dls.policy``; ``consecutive_hysteresis`` refills the hysteresis budget after every clean step, as
+            DeepSpeed's knob of that name).
         max_gradient_norm: global gradient clipping inside ``step()``, or ``None``.
         half_dtype: ``"float16"``, ``"bfloat16"`` or ``"cbfloat16"``: the format the defaults were chosen for.
-        dialect: ``"cerebras"`` or ``"torch"``: whose defaults were used.
+        dialect: ``"cerebras"`` or ``"torch"``: whose defaults, and whose growth timing (``growth_interval``).
     """
 
     mode: str
@@ -93,6 +98,7 @@ class ScalerSettings:
     max_gradient_norm: float | None = None
     half_dtype: str = "float16"
     dialect: str = "cerebras"
+    consecutive_hysteresis: bool = False
 
     def __post_init__(self) -> None:
         problems = _problems(dataclasses.asdict(self))
@@ -119,6 +125,7 @@ class ScalerSettings:
         backoff_factor: float = 0.5,
         hysteresis: int = 1,
         half_dtype: Any = None,
+        consecutive_hysteresis: bool = False,
     ) -> ScalerSettings:
         """cstorch.amp's dialect: ``loss_scale`` ``"dynamic"``, a number (static) or ``None`` (dynamic for
         float16/cbfloat16, off for bfloat16); ``max_loss_scale`` 2**15 (2**31 for cbfloat16), ``init_scale`` the
@@ -152,6 +159,7 @@ class ScalerSettings:
             backoff_factor=backoff_factor,
             overflow_tolerance=overflow_tolerance,
             hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
             max_gradient_norm=max_gradient_norm,
             half_dtype=half,
             dialect="cerebras",
@@ -170,6 +178,7 @@ class ScalerSettings:
         max_loss_scale: float | None = None,
         overflow_tolerance: float = 0.0,
         hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
         max_gradient_norm: float | None = None,
         half_dtype: Any = None,
     ) -> ScalerSettings:
@@ -194,6 +203,7 @@ class ScalerSettings:
             backoff_factor=backoff_factor,
             overflow_tolerance=overflow_tolerance,
             hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
             max_gradient_norm=max_gradient_norm,
             half_dtype=half,
             dialect="torch",
@@ -217,12 +227,20 @@ class ScalerSettings:
         """A copy with ``changes`` applied and validated (``SettingsError`` names the argument)."""
         return dataclasses.replace(self, **changes)
 
+    @property
+    def growth_interval(self) -> int:
+        """Updates since the last rescale after which the scale grows: torch.amp's ``growth_interval`` (torch dialect),
+        ``steps_per_increase + 1`` (Cerebras dialect: cstorch.amp grows when ``steps_since_rescale >
+        steps_per_increase``). What torch.amp is told in a state dict, so it follows the same trajectory."""
+        return self.steps_per_increase + (self.dialect == "cerebras")
+
     def rule(self) -> DynamicRule | StaticRule:
         """The scale-update rule these settings describe (``off`` keeps the scale: a static rule)."""
         if self.mode != "dynamic":
             return StaticRule()
         return DynamicRule(
-            steps_per_increase=self.steps_per_increase,
+            growth_interval=self.growth_interval,
+            consecutive_hysteresis=self.consecutive_hysteresis,
             growth_factor=self.growth_factor,
             backoff_factor=self.backoff_factor,
             overflow_tolerance=self.overflow_tolerance,
@@ -238,6 +256,7 @@ def _problems(v: dict[str, Any], skip: set[str] | frozenset[str] = frozenset()) 
     out: list[tuple[str, str]] = []
     static = v["mode"] == "static"
     scale_name = "loss_scale" if static else "init_scale"
+    spi_max = INT32_MAX - (v["dialect"] == "cerebras")  # the Cerebras growth interval is steps_per_increase + 1
     checks: list[tuple[str, str | None]] = [
         (
             "mode",
@@ -250,12 +269,13 @@ def _problems(v: dict[str, Any], skip: set[str] | frozenset[str] = frozenset()) 
         (scale_name, scale_problem(scale_name, v["init_scale"])),
         ("min_loss_scale", scale_problem("min_loss_scale", v["min_loss_scale"])),
         ("max_loss_scale", scale_problem("max_loss_scale", v["max_loss_scale"])),
-        ("steps_per_increase", count_problem("steps_per_increase", v["steps_per_increase"])),
+        ("steps_per_increase", count_problem("steps_per_increase", v["steps_per_increase"], spi_max)),
         ("hysteresis", count_problem("hysteresis", v["hysteresis"])),
+        ("consecutive_hysteresis", flag_problem("consecutive_hysteresis", v["consecutive_hysteresis"])),
         ("growth_factor", factor_problem("growth_factor", v["growth_factor"], above_one=True)),
         ("backoff_factor", factor_problem("backoff_factor", v["backoff_factor"], above_one=False)),
         ("overflow_tolerance", tolerance_problem("overflow_tolerance", v["overflow_tolerance"])),
-        ("max_gradient_norm", _norm_problem(v["max_gradient_norm"])),
+        ("max_gradient_norm", limit_problem("max_gradient_norm", v["max_gradient_norm"])),
         (
             "half_dtype",
             None
@@ -274,12 +294,6 @@ def _problems(v: dict[str, Any], skip: set[str] | frozenset[str] = frozenset()) 
         elif init < low:
             out.append(("init_scale", f"init_scale ({init!r}) must not be below min_loss_scale ({low!r})"))
     return out
-
-
-def _norm_problem(value: Any) -> str | None:
-    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf):
-        return None
-    return f"max_gradient_norm must be a positive finite number or None; got {value!r}"
 
 
 def _above(value: Any, limit: float) -> bool:
@@ -302,11 +316,13 @@ def _mode(loss_scale: Any, half_dtype: str, problems: list[tuple[str, str]]) -> 
     if loss_scale == "dynamic":
         return "dynamic"
     if isinstance(loss_scale, str):
+        close = difflib.get_close_matches(loss_scale.strip().lower(), ["dynamic"], n=1, cutoff=0.6)
+        hint = " (did you mean 'dynamic'? only the lower-case spelling is accepted, as in cstorch.amp)" if close else ""
         problems.append(
             (
                 "loss_scale",
                 f"loss_scale must be 'dynamic', a number (a static scale) or None, or, torch.amp style, a device "
-                f"such as 'cuda' or 'cpu' as the first argument; got {loss_scale!r}",
+                f"such as 'cuda' or 'cpu' as the first argument; got {loss_scale!r}{hint}",
             )
         )
         return "dynamic"

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from dls.policy import flag_problem
 from dls.scaler import GradScaler
 
 _T = TypeVar("_T")
@@ -59,8 +60,8 @@ class SkipAware:
             raise ValueError("obj is already skip-aware; wrap the original object once")
         if not isinstance(scaler, GradScaler):
             raise ValueError(f"scaler must be a dls.GradScaler; got {type(scaler).__name__}")
-        if not isinstance(sync_free, bool):
-            raise ValueError(f"sync_free must be True or False; got {sync_free!r}")
+        if problem := flag_problem("sync_free", sync_free):
+            raise ValueError(problem)
         gated = _gated_method(obj, method)
         if sync_free and not isinstance(obj, torch.nn.Module):
             raise ValueError(
@@ -68,13 +69,9 @@ class SkipAware:
                 f"obj must be a torch.nn.Module (an AveragedModel or an EMA module); got {type(obj).__name__}"
             )
         source = optimizer if optimizer is not None else getattr(obj, "optimizer", None)
-        if source is None:
-            raise ValueError(
-                f"skip_aware cannot tell which optimizer's steps decide for {type(obj).__name__}: it has no "
-                ".optimizer attribute; pass optimizer=<the optimizer your GradScaler steps>"
-            )
-        candidates = _optimizer_chain(source)
-        if not candidates:
+        # No optimizer named: the one the scaler steps, bound at the first gated call after a step.
+        candidates = () if source is None else _optimizer_chain(source)
+        if source is not None and not candidates:
             raise ValueError(
                 "optimizer must be a torch.optim.Optimizer or a wrapper that keeps one as .optimizer (Accelerate's "
                 f"AcceleratedOptimizer, Lightning's LightningOptimizer); got {type(source).__name__}"
@@ -92,7 +89,18 @@ class SkipAware:
 
     # ------------------------------------------------------------------ the decision
     def _stepped_optimizer(self) -> torch.optim.Optimizer | None:
-        """The optimizer of the chain that steps through the scaler; ``None`` while none of them has stepped."""
+        """The optimizer of the chain that steps through the scaler; ``None`` while none of them has stepped. Without
+        a chain, the scaler's one stepped optimizer (an error naming them when it has stepped several)."""
+        if self._resolved is None and not self._candidates:
+            stepped = self._scaler._stepped_optimizers()
+            if len(stepped) > 1:
+                names = ", ".join(f"{type(o).__name__} at {id(o):#x}" for o in stepped)
+                raise ValueError(
+                    f"skip_aware({type(self._wrapped).__name__}, scaler) cannot tell which optimizer's steps decide: "
+                    f"the scaler has stepped {len(stepped)} optimizers ({names}); pass optimizer=<one of them>"
+                )
+            if stepped:
+                object.__setattr__(self, "_resolved", stepped[0])
         if self._resolved is None:
             for candidate in self._candidates:
                 try:
@@ -149,6 +157,7 @@ class SkipAware:
         return self._wrapped
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the wrapped object."""
         return self._wrapped(*args, **kwargs)
 
     def __dir__(self) -> list[str]:
@@ -186,8 +195,10 @@ def skip_aware(
             ``torch.optim.swa_utils.AveragedModel`` (``update_parameters()`` is gated), or any object whose gated
             method you name with ``method=`` (e.g. ``method="update"`` for EMA classes that call it so).
         scaler: the ``dls.GradScaler`` that steps the optimizer.
-        optimizer: the optimizer whose steps decide. Default: ``obj.optimizer`` (every torch LR scheduler has one);
-            required for averaged models. Wrappers that keep the real optimizer as ``.optimizer`` (Accelerate's
+        optimizer: the optimizer whose steps decide. Default: ``obj.optimizer`` (every torch LR scheduler has one),
+            else the optimizer the scaler steps, bound at the first gated call after a step (before any step the
+            call passes through; a scaler that has stepped several optimizers makes that call raise, naming them,
+            and ``optimizer=`` is needed). Wrappers that keep the real optimizer as ``.optimizer`` (Accelerate's
             ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) are accepted: the decision comes from the
             first optimizer along ``optimizer``, ``optimizer.optimizer``, ... that has stepped through ``scaler``.
         method: the method to gate; default ``"update_parameters"`` if ``obj`` has one, else ``"step"`` for an
@@ -212,8 +223,9 @@ def skip_aware(
         * A disabled scaler never skips.
 
     Raises:
-        ValueError: ``scaler`` is not a ``dls.GradScaler``, ``obj`` has no such method, no optimizer can be found,
-            ``obj`` is already wrapped, or ``sync_free=True`` for an object that is not an ``nn.Module``.
+        ValueError: ``scaler`` is not a ``dls.GradScaler``, ``obj`` has no such method, ``optimizer`` holds no
+            torch optimizer, ``obj`` is already wrapped, or ``sync_free=True`` for an object that is not an
+            ``nn.Module``.
     """
     wrapper: Any = SkipAware(obj, scaler, optimizer=optimizer, method=method, sync_free=sync_free)
     return wrapper

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
+from dls.policy import limit_problem
 from dls.scaler import GradScaler, Stage, optimizer_list
 
 
@@ -49,10 +49,8 @@ def optimizer_step(
     if max_gradient_norm is not None and max_gradient_value is not None:
         raise ValueError("give max_gradient_norm or max_gradient_value, not both")
     for name, limit in (("max_gradient_norm", max_gradient_norm), ("max_gradient_value", max_gradient_value)):
-        if limit is not None and (
-            isinstance(limit, bool) or not isinstance(limit, (int, float)) or not (0 < limit < math.inf)
-        ):
-            raise ValueError(f"{name} must be a positive finite number or None; got {limit!r}")
+        if problem := limit_problem(name, limit):
+            raise ValueError(problem)
     for opt in optimizers:
         stage = grad_scaler.stage(opt)
         if stage is Stage.STEPPED:
@@ -63,6 +61,7 @@ def optimizer_step(
                 "a whole iteration (scale, backward, unscale, clip, step, update)"
             )
 
+    grad_scaler._tracker.check_disjoint(optimizers)
     max_norm = max_gradient_norm
     if max_norm is None and max_gradient_value is None:
         max_norm = grad_scaler.max_gradient_norm

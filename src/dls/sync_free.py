@@ -21,9 +21,10 @@ def masked_step(
 ) -> Any:
     """Run the step unconditionally, then put back parameters and optimizer state where it overflowed.
 
-    Only called once every parameter with a gradient has stepped (``GradScaler._has_stepped``), so the state the
-    step touches exists before it. Exact: ``torch.where`` selects the old bits. The state must live on the flag's
-    device (e.g. ``capturable=True`` for Adam on CUDA), or each ``torch.where`` copies the flag over. State that
+    Only called once every parameter with a gradient has stepped since the optimizer's state was last reset
+    (``Tracker.has_stepped`` in ``dls.scaler``), so the state the step touches exists before it. Exact:
+    ``torch.where`` selects the old bits. The state must live on the flag's device (e.g. ``capturable=True`` for
+    Adam on CUDA), or each ``torch.where`` copies the flag over. State that
     is not a tensor (a custom optimizer's Python step count) cannot be selected on the device: when the step
     changed some, the flag is read once and the old values are put back on overflow.
 

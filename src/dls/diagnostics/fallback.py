@@ -21,11 +21,20 @@ fallback disarms for good and says so.
 Clean steps cost nothing: no hook exists until a forward overflow has been seen. Overflows born in backward
 (scaled gradients: the loss was finite) never arm anything: they are the loss scale's job.
 
-Distributed: at a forward-overflow skip (which every rank takes, the overflow flag being agreed) the ranks agree
-with one MAX all-reduce of one number: 0 no forward overflow anywhere, 1 a forward overflow but no module found,
+Distributed: at a skipped step (which every rank takes, the overflow flag being agreed) the ranks agree with one
+MAX all-reduce of one number: 0 no forward overflow anywhere, 1 a forward overflow but no module found,
 ``2 + (M - 1 - i)`` module ``i`` (of ``M`` in ``named_modules()`` order) found, so that the earliest module found on
-any rank wins. It runs only on skipped steps, so clean steps gain no collective; every rank must watch with
-``fallback=True``.
+any rank wins. It runs at every skipped step (a rank cannot tell from its own loss whether another rank's forward
+pass overflowed) and never at a clean one. This is deliberately not an extra element of the scaler's per-step
+collective: that would cost every clean step a kernel (whether the loss is finite, as a device flag) and a larger
+collective, for an event that only matters once the step is skipped, when the host reads the flag anyway; and the
+module an armed pass found is known on the host only. A caller with its own collective at skipped steps can carry
+:meth:`Fallback.local_code` in it and pass the reduced value as ``after_skip(agreed=...)``. Every rank must watch
+with ``fallback=True``. The scaler calls the fallback at the one place it decides a step is skipped and builds the
+overflow report (``dls.scaler.Reports.overflowed``), once per iteration.
+
+The kept set travels in the scaler's state dict (key ``kept_in_float32``) through :class:`KeptState`, which the
+scaler registers with ``GradScaler.register_state``.
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ if TYPE_CHECKING:
     from dls.scaler import GradScaler
 from dls.keep import KeptInFloat32, resolve_modules
 
-__all__ = ["Fallback", "apply_precision_fallback", "fallback_note", "kept_state", "load_kept"]
+__all__ = ["Fallback", "KeptState", "apply_precision_fallback", "fallback_note"]
 
 FRUITLESS_LIMIT = 3  # armed passes that find nothing before the fallback disarms for good
 
@@ -74,14 +83,18 @@ class Fallback:
     # ------------------------------------------------------------------ kept modules
     @property
     def names(self) -> tuple[str, ...]:
+        """Names of the kept modules, in the order they were added."""
         return self.kept.names
 
     def check_names(self, names: Any, what: str) -> list[tuple[str, nn.Module]]:
+        """``(name, module)`` of each of ``names`` (a list of module names); ``ValueError`` naming ``what`` and the
+        first name the model does not have. Changes nothing."""
         if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
             raise ValueError(f"{what} must be a list of module names; got {names!r}")
         return resolve_modules(self.root, names, what)
 
     def keep(self, modules: Iterable[tuple[str, nn.Module]]) -> None:
+        """Keep ``modules`` (as :meth:`check_names` returns them) in float32 from now on."""
         for name, module in modules:
             self.kept.add(name, module)
 
@@ -181,6 +194,7 @@ class Fallback:
     # ------------------------------------------------------------------ the armed pass
     @property
     def armed(self) -> bool:
+        """Whether hooks wait for the next forward pass with gradients enabled."""
         return bool(self._hooks)
 
     def _arm(self) -> None:
@@ -197,6 +211,7 @@ class Fallback:
         self._hooks.append(self.root.register_forward_hook(self._end))
 
     def disarm(self) -> None:
+        """Take the armed pass's hooks out and give the root its own class back."""
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -248,6 +263,7 @@ class Fallback:
         self._inputs = keep
 
     def remove(self) -> None:
+        """Disarm and stop keeping modules: the model computes as before the watch."""
         self.disarm()
         self._inputs.clear()
         self.kept.remove()
@@ -275,35 +291,52 @@ def apply_precision_fallback(
     return watch
 
 
-def kept_state(watches: Sequence[OverflowWatch], loaded: list[str] | None) -> dict[str, list[str]]:
-    """``{"kept_in_float32": names}`` for the scaler's state dict while a fallback watch is active (or a loaded list
-    waits for one); ``{}`` otherwise."""
-    kept = [w.kept_in_float32 for w in watches if w.fallback is not None]
-    if not kept:
-        return {} if loaded is None else {"kept_in_float32": list(loaded)}
-    return {"kept_in_float32": list(dict.fromkeys(name for names in kept for name in names))}
+class KeptState:
+    """The scaler's checkpoint entry ``kept_in_float32`` (registered with ``GradScaler.register_state``): the names
+    of the modules its fallback watches keep, in the order they were added. A loaded list is checked against the
+    active fallback watches before anything changes, kept by them, and waits for fallback watches made later
+    (:meth:`adopt`), so that ``watch(model, fallback=True)`` may come before or after ``load_state_dict``."""
 
+    WHAT = "state_dict['kept_in_float32']"
 
-def load_kept(reports: Any, state_dict: Any) -> tuple[Any, Callable[[], None]]:
-    """Split ``kept_in_float32`` off a scaler state dict and check it against the active fallback watches of
-    ``reports`` (``dls.stepping.Reports``) before anything changes; returns the rest and a function that applies it
-    (called once the rest has loaded; fallback watches made later pick it up from ``reports.kept``)."""
-    if not isinstance(state_dict, dict) or "kept_in_float32" not in state_dict:
-        return state_dict, lambda: None
-    rest = {k: v for k, v in state_dict.items() if k != "kept_in_float32"}
-    names = state_dict["kept_in_float32"]
-    what = "state_dict['kept_in_float32']"
-    fallbacks = [w.fallback for w in reports.active() if w.fallback is not None]
-    checked = [fb.check_names(names, what) for fb in fallbacks]
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"{what} must be a list of module names; got {names!r}")
+    def __init__(self, watches: Callable[[], Sequence[OverflowWatch]]) -> None:
+        self._watches = watches  # the scaler's active watches
+        self.loaded: list[str] | None = None
 
-    def apply() -> None:
-        reports.kept = list(names)
-        for fb, modules in zip(fallbacks, checked):
-            fb.keep(modules)
+    def _fallbacks(self) -> list[Fallback]:
+        return [w.fallback for w in self._watches() if w.fallback is not None]
 
-    return rest, apply
+    def state_dict(self) -> list[str] | None:
+        """The kept names while a fallback watch is active (or a loaded list waits for one); ``None`` otherwise
+        (no key in the scaler's state dict)."""
+        fallbacks = self._fallbacks()
+        if not fallbacks:
+            return None if self.loaded is None else list(self.loaded)
+        return list(dict.fromkeys(name for fb in fallbacks for name in fb.names))
+
+    def check_state(self, value: Any) -> None:
+        """``ValueError`` naming the key and the first name an active fallback watch's model does not have."""
+        if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
+            raise ValueError(f"{self.WHAT} must be a list of module names; got {value!r}")
+        for fb in self._fallbacks():
+            fb.check_names(value, self.WHAT)
+
+    def load_state_dict(self, value: list[str]) -> None:
+        """Keep the checked names in the active fallback watches, and in those made later."""
+        self.loaded = list(value)
+        for fb in self._fallbacks():
+            fb.keep(fb.check_names(value, self.WHAT))
+
+    def adopt(self, watch: OverflowWatch) -> None:
+        """A fallback watch made after a load keeps the loaded modules; on a name its model does not have, the
+        watch is removed (the model is as before) and ``ValueError`` names it."""
+        if watch.fallback is None or self.loaded is None:
+            return
+        try:
+            watch.keep(self.loaded, f"the loaded {self.WHAT}")
+        except ValueError:
+            watch.remove()
+            raise
 
 
 def fallback_note(watch: OverflowWatch) -> str:

@@ -308,6 +308,7 @@ class Fp8Stats:
         return [(name, role_name, role, row[:4], row[4:]) for (name, role_name, role), row in zip(entries, rows)]
 
     def as_dict(self) -> dict[str, dict[str, dict[str, float | int | None]]]:
+        """Per module and tensor role, as Python numbers: amax, scale, saturated and flushed fractions."""
         out: dict[str, dict[str, dict[str, float | int | None]]] = {}
         for name, role_name, role, sums, (amax, scale) in self._read():
             casts = int(sums[0])
@@ -416,8 +417,8 @@ class Fp8Handle(Removable):
         """Restore :meth:`state_dict`'s output (tensors are copied to each module's device).
 
         Raises:
-            ValueError: a different recipe, different module names, or histories of another length; nothing
-                is changed then.
+            ValueError: a different recipe, different module names, histories of another length, or a scale
+                that is not finite and > 0 (histories may hold inf/NaN); nothing is changed then.
         """
         if not isinstance(state, dict) or "recipe" not in state or "modules" not in state:
             raise ValueError("state must be a dict from Fp8Handle.state_dict() (keys 'recipe' and 'modules')")
@@ -437,13 +438,8 @@ class Fp8Handle(Removable):
                     raise ValueError(f"state['modules'][{name!r}][{role_name!r}] must hold 'amax_history' and 'scale'")
                 history, scale = item["amax_history"], item["scale"]
                 assert role.history is not None and role.scale is not None
-                if not isinstance(history, torch.Tensor) or history.shape != role.history.shape:
-                    raise ValueError(
-                        f"state['modules'][{name!r}][{role_name!r}]['amax_history'] must be a tensor of shape "
-                        f"{tuple(role.history.shape)}"
-                    )
-                if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
-                    raise ValueError(f"state['modules'][{name!r}][{role_name!r}]['scale'] must be a 1-element tensor")
+                key = f"state['modules'][{name!r}][{role_name!r}]"
+                scaling.check_saved_state(history, scale, key, tuple(role.history.shape))
                 updates.append((role, history, scale))
         for role, history, scale in updates:
             assert role.history is not None and role.scale is not None

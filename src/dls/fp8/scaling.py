@@ -77,6 +77,27 @@ def check_eps(eps: object, arg: str) -> float:
     return float(eps)
 
 
+def check_saved_state(history: object, scale: object, key: str, history_shape: tuple[int, ...]) -> None:
+    """A delayed-scaling role's saved ``amax_history`` and ``scale`` (``key`` names their entry in the error).
+
+    The scale multiplies every value the next cast sees, so it must be finite and > 0 (the handle never makes
+    another: ``_scale_from_amax`` clamps to float32's max and keeps the old scale for a non-finite amax). A
+    history may hold inf or NaN: it records the amax of an input that overflowed, and the handle saves it so.
+    """
+    if not isinstance(history, torch.Tensor) or tuple(history.shape) != history_shape:
+        raise ValueError(f"{key}['amax_history'] must be a tensor of shape {history_shape}")
+    if not history.is_floating_point():
+        raise ValueError(f"{key}['amax_history'] must be a floating-point tensor; got dtype {history.dtype}")
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+        raise ValueError(f"{key}['scale'] must be a 1-element tensor")
+    if not scale.is_floating_point():
+        raise ValueError(f"{key}['scale'] must be a floating-point tensor; got dtype {scale.dtype}")
+    value = float(scale.detach().to(torch.float64).reshape(()))
+    # float32's range: the handle keeps its scales in float32, where a larger value would load as inf.
+    if not (0.0 < value <= FLOAT32_MAX and _to_float32(value) > 0.0):
+        raise ValueError(f"{key}['scale'] must be finite and > 0 (a float32 value); got {value!r}")
+
+
 def _to_float32(value: float) -> float:
     """``value`` rounded to the nearest float32 (ties to even), on the host."""
     result: float = struct.unpack("f", struct.pack("f", value))[0]

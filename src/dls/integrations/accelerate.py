@@ -117,6 +117,7 @@ class DLSAcceleratedOptimizer(AcceleratedOptimizer):
     scaler: GradScaler
 
     def step(self, closure: Any = None) -> None:
+        """Step through the dls scaler (skipped on overflow) once gradients are synchronised."""
         if not self.gradient_state.sync_gradients:
             return
         self.scaler.step(self.optimizer, *(() if closure is None else (closure,)))
@@ -124,6 +125,7 @@ class DLSAcceleratedOptimizer(AcceleratedOptimizer):
 
     @property
     def step_was_skipped(self) -> bool:
+        """Whether the last step was skipped, as the scaler decided it (right for fused optimizers too)."""
         try:
             return self.scaler.step_was_skipped(self.optimizer)
         except RuntimeError:  # the optimizer has not stepped yet, so nothing was skipped

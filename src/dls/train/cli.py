@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from dls.train import init as init_command
 from dls.train.errors import (
     CheckpointError,
     ConfigError,
@@ -201,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--override", "-o", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE")
 
     sub.add_parser("keys", help="list every config key with its default and meaning")
+    init_command.add_parser(sub)
     return parser
 
 
@@ -233,7 +235,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 print(describe_keys())
                 return 0
-            command = {"validate": _validate, "train": _train, "demo": _demo, "audit": _audit}[args.command]
+            command = {
+                "validate": _validate,
+                "train": _train,
+                "demo": _demo,
+                "audit": _audit,
+                "init": init_command.command,
+            }[args.command]
             return command(args, run)
     except (Exception, KeyboardInterrupt) as exc:
         return _report(exc, run)

@@ -121,43 +121,83 @@ def plot_run(rows: Sequence[dict[str, Any]], out: IO[bytes], title: str = "") ->
 
 
 def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: IO[bytes], title: str = "") -> None:
-    """Several runs, as PNG into ``out``: loss curves (top) and loss scales (bottom), skipped steps as crosses."""
+    """Several runs as small multiples (:func:`comparison_figure`), PNG into ``out``."""
+    comparison_figure(runs, title).savefig(out, format="png", dpi=110)
+
+
+def comparison_figure(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], title: str = "") -> Any:
+    """A matplotlib Figure of several runs: per run, its loss over the first run's (the reference, dashed grey)
+    and below it the run's loss scale, skipped steps as red crosses. Loss panels share one axis and scale panels
+    another, so runs compare by position; no curve can hide another."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter
 
-    fig = Figure(figsize=(10, 7.5), layout="constrained")
+    columns = min(len(runs), 5)
+    groups = -(-len(runs) // columns)
+    fig = Figure(figsize=(3.1 * columns + 0.6, 3.5 * groups + 0.9), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_loss, ax_scale = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
-    colors = ["black", "tab:red", "tab:orange", "tab:blue", "tab:purple", "tab:green", "tab:brown", "tab:gray"]
-    colors += ["tab:olive", "tab:cyan", "tab:pink"]
+    axes = fig.subplots(2 * groups, columns, sharex=True, squeeze=False, height_ratios=[3, 1.3] * groups)
+    loss_axes, scale_axes = axes[0::2].ravel(), axes[1::2].ravel()
+    for ax in loss_axes[1:]:
+        ax.sharey(loss_axes[0])
+    for ax in scale_axes[1:]:
+        ax.sharey(scale_axes[0])
+
+    def losses(rows: Sequence[dict[str, Any]]) -> list[tuple[Any, Any]]:
+        return [(r["step"], r["loss"]) for r in rows if _finite(r.get("loss")) and r["loss"] > 0]
+
+    reference = losses(runs[0][1]) if runs else []
     any_scale = False
     for i, (label, rows) in enumerate(runs):
-        color = colors[i % len(colors)]
-        # The first run is the reference: dashed and on top, so it stays visible where others coincide with it;
-        # beyond the named colours the styles repeat dotted.
-        style, width, order = ("--", 2.0, 5) if i == 0 else ("-" if i < len(colors) else ":", 1.4, 2)
-        pts = [(r["step"], r["loss"]) for r in rows if _finite(r.get("loss"))]
+        ax_loss, ax_scale = loss_axes[i], scale_axes[i]
+        if reference and i > 0:
+            ax_loss.plot(*zip(*reference), "--", color="0.55", lw=1.2)
+        pts = losses(rows)
         if pts:
-            ax_loss.plot(*zip(*pts), style, color=color, lw=width, zorder=order, label=label)
+            ax_loss.plot(*zip(*pts), color="black" if i == 0 else "tab:blue", lw=1.4)
+        skipped = [r for r in rows if r.get("skipped")]
+        marks = [(r["step"], r["loss"]) for r in skipped if _finite(r.get("loss")) and r["loss"] > 0]
+        if marks:
+            ax_loss.scatter(*zip(*marks), marker="x", s=16, color="tab:red", zorder=3)
+        if rows and (not pts or pts[-1][0] < rows[-1]["step"]):  # the loss became inf/NaN: say so, not a gap
+            text = f"loss inf/NaN after step {pts[-1][0] if pts else 0}\nlast row: step {rows[-1]['step']}"
+            ax_loss.text(
+                0.97, 0.95, text, ha="right", va="top", fontsize=7, color="tab:red", transform=ax_loss.transAxes
+            )
+        ax_loss.set_title(label, fontsize=9)
+        ax_loss.set_yscale("log")
+        ax_loss.grid(True, which="both", alpha=0.3)
         scaled = [(r["step"], r["loss_scale"]) for r in rows if _finite(r.get("loss_scale"))]
         if scaled:
             any_scale = True
-            ax_scale.step(*zip(*scaled), where="post", color=color, lw=1.4, label=label)
-            skipped = [(r["step"], r["loss_scale"]) for r in rows if r.get("skipped") and _finite(r.get("loss_scale"))]
-            if skipped:
-                ax_scale.scatter(*zip(*skipped), marker="x", color=color, zorder=3)
-    ax_loss.set_yscale("log")
-    ax_loss.set_ylabel("training loss (unweighted)")
-    ax_loss.grid(True, which="both", alpha=0.3)
-    ax_loss.legend(loc="center right", fontsize=8 if len(runs) > 7 else None)
+            ax_scale.step(*zip(*scaled), where="post", color="tab:green", lw=1.4)
+            hits = [(r["step"], r["loss_scale"]) for r in skipped if _finite(r.get("loss_scale"))]
+            if hits:
+                ax_scale.scatter(*zip(*hits), marker="x", s=16, color="tab:red", zorder=3)
+        else:
+            ax_scale.text(
+                0.5, 0.5, "no loss scale", ha="center", va="center", color="0.4", transform=ax_scale.transAxes
+            )
+        ax_scale.grid(True, which="both", alpha=0.3)
+    for ax in list(loss_axes[len(runs) :]) + list(scale_axes[len(runs) :]):
+        ax.set_axis_off()
     if any_scale:
-        ax_scale.set_yscale("log", base=2)
-        ax_scale.yaxis.set_major_formatter(FuncFormatter(_scale_tick))
-        ax_scale.legend(loc="center right")
-    ax_scale.set_ylabel("loss scale (x = skipped step)")
-    ax_scale.set_xlabel("step")
-    ax_scale.grid(True, which="both", alpha=0.3)
+        scale_axes[0].set_yscale("log", base=2)
+        scale_axes[0].yaxis.set_major_formatter(FuncFormatter(_scale_tick))
+    for row in range(groups):
+        loss_axes[row * columns].set_ylabel("loss (unweighted)")
+        scale_axes[row * columns].set_ylabel("loss scale")
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    handles = [
+        Line2D([], [], color="tab:blue", lw=1.4, label="the run's loss"),
+        Line2D([], [], color="0.55", ls="--", lw=1.2, label=f"{runs[0][0]} (reference)" if runs else "reference"),
+        Line2D([], [], color="tab:green", lw=1.4, label="loss scale"),
+        Line2D([], [], color="tab:red", marker="x", ls="", label="skipped step"),
+    ]
+    fig.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=9, frameon=False)
     if title:
         fig.suptitle(title)
-    fig.savefig(out, format="png", dpi=110)
+    return fig

@@ -20,8 +20,8 @@ before FP8 existed) or of another recipe leaves FP8 scaling to start fresh, and 
 ``optimizer`` restores them bit for bit; a state without masters takes them from the loaded model.
 
 The checkpoint's loss-scaling state: the config (YAML and overrides) defines the scaler's mode and settings; the
-checkpoint contributes only its dynamic state (:data:`DYNAMIC_STATE_KEYS`), and each difference between the
-checkpoint's scaling and the config's is logged in one line. From static to dynamic scaling the scale starts
+checkpoint contributes only its dynamic state (read by ``dls.scaler_state.parse_state_dict``), and each difference
+between the checkpoint's scaling and the config's is logged in one line. From static to dynamic scaling the scale starts
 from the config's initial scale, from dynamic to static it is the config's static scale, and a changed static
 scale takes effect; the count of skipped steps always carries over.
 """
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dls.diagnostics.scales import pow2
+from dls.scaler_state import parse_state_dict
 from dls.settings import ScalerSettings
 from dls.train import checkpoint as ckpt
 from dls.train.config import (
@@ -53,16 +54,6 @@ from dls.train.rundir import entries, resolve_model_dir
 if TYPE_CHECKING:
     from dls.train.trainer import Trainer
 
-# The scaler's dynamic state; everything else in a grad_scaler state dict is a setting, which the config defines.
-DYNAMIC_STATE_KEYS = (
-    "loss_scale",
-    "steps_since_rescale",
-    "overflows_since_rescale",
-    "num_skipped_steps",
-    "hysteresis_hits",
-)
-# torch.amp.GradScaler's names, read when the dls names are absent.
-_TORCH_NAMES = {"loss_scale": "scale", "steps_since_rescale": "_growth_tracker"}
 # The settings of the dynamic rule (ScalerSettings attribute -> config key), compared on resume.
 _SETTING_KEYS = {k.scaler: name for name, k in section_keys("optimizer").items() if k.scaler and k.scaling == "dynamic"}
 # Per-parameter state every optimizer family needs once it has stepped.
@@ -334,20 +325,15 @@ def scaler_state_to_load(
     config stored with it; ``None`` when unreadable) and ``cfg``'s."""
     if not isinstance(saved, dict):
         raise CheckpointError(f"the grad_scaler state in {path} must be a mapping; got {type(saved).__name__}")
-    values = {}
-    for key in DYNAMIC_STATE_KEYS:
-        name = key if key in saved else _TORCH_NAMES.get(key)
-        if name in saved:
-            values[key] = saved[name]
-    scale = values.get("loss_scale")
-    if scale is not None and (
-        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf
-    ):
-        raise CheckpointError(f"grad_scaler.loss_scale in {path} must be a positive finite number; got {scale!r}")
-    for key in DYNAMIC_STATE_KEYS[1:]:
-        if key in values:
-            _count(values[key], f"grad_scaler.{key}", path)
     now_mode, now = loss_scaling_mode(cfg), scaler_settings(cfg)
+    try:  # the scaler's own parser: keys, torch's aliases, format versions, checks and the clamp into the bounds
+        loaded = parse_state_dict(
+            saved, now, apply_settings=False, own_names_first=True, label=lambda key: f"grad_scaler.{key} in {path}"
+        )
+    except (ValueError, RuntimeError) as exc:
+        raise CheckpointError(str(exc)) from None
+    values: dict[str, Any] = dict(loaded.values)
+    scale = loaded.clamped if loaded.clamped is not None else values.get("loss_scale")
     then_mode = loss_scaling_mode(saved_cfg) if saved_cfg is not None else None
     then: ScalerSettings | None = scaler_settings(saved_cfg) if saved_cfg is not None else None
     lines = []
@@ -388,16 +374,13 @@ def scaler_state_to_load(
             lines.append(
                 f"optimizer.{config_key}: {before:g} in the checkpoint's config, {after:g} now: {after:g} is used"
             )
-    if scale is not None:
-        low, high = now.min_loss_scale, now.max_loss_scale
-        clamped = min(max(float(scale), low), high)
-        if clamped != scale:
-            bound = "optimizer.max_loss_scale" if clamped == high else "optimizer.min_loss_scale"
-            lines.append(
-                f"the checkpoint's loss scale {pow2(scale)} is outside [{pow2(low)}, {pow2(high)}]: it continues at "
-                f"{bound} ({pow2(clamped)})"
-            )
-            values["loss_scale"] = clamped
+    if loaded.clamped is not None:
+        low, high, clamped = now.min_loss_scale, now.max_loss_scale, values["loss_scale"]
+        bound = "optimizer.max_loss_scale" if clamped == high else "optimizer.min_loss_scale"
+        lines.append(
+            f"the checkpoint's loss scale {pow2(loaded.clamped)} is outside [{pow2(low)}, {pow2(high)}]: it continues "
+            f"at {bound} ({pow2(clamped)})"
+        )
     return values, lines
 
 

@@ -1,0 +1,332 @@
+"""The keys of Model Zoo's ``model`` and data-loader sections, validated with pydantic (strict numbers: no ``True``
+as 1, no ``"1024"`` as 1024), defaults as Model Zoo's own config classes set them.
+
+Every key Model Zoo knows for these models is in one of three groups: honoured (a field below); ``_DEFAULT_ONLY``
+(a feature the Hugging Face classes cannot express: any value but Model Zoo's default is an error naming the key);
+``_IGNORED`` (matters only on Cerebras hardware or for inference: accepted and listed back to the caller). Anything
+else is a misspelling, reported with "did you mean".
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dls.train.errors import ConfigError
+
+Positive = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+Rate = Annotated[float, Field(ge=0, le=1)]
+IGNORE_INDEX = -100  # a label that the loss skips: where Model Zoo's attention_mask (a loss mask) is 0
+GPT_NAMES = ("gpt2", "gpt3", "llama")
+
+
+class _Keys(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+_INIT_ARGS = {"truncated_normal": ("mean", "std", "a", "b"), "normal": ("mean", "std"), "uniform": ("a", "b")}
+
+
+class Initializer(_Keys):
+    """``{name, ...}`` or just the name; defaults as Model Zoo's (truncated_normal: std 0.05, a/b = -/+2 std)."""
+
+    name: Literal[tuple(_INIT_ARGS)]  # type: ignore[valid-type]
+    mean: float = 0.0
+    std: PositiveFloat = 0.05
+    a: float | None = None
+    b: float | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _named(cls, data: Any) -> Any:
+        data = {"name": data} if isinstance(data, str) else data
+        if isinstance(data, dict) and data.get("name") in _INIT_ARGS:
+            unused = sorted(set(data) - {"name", *_INIT_ARGS[data["name"]]})
+            if unused:
+                raise ValueError(f"{', '.join(unused)} not used by the {data['name']} initializer")
+        return data
+
+    def fill_(self, tensor: Any) -> None:
+        from torch import nn
+
+        if self.name == "truncated_normal":
+            a, b = (-2 * self.std if self.a is None else self.a), (2 * self.std if self.b is None else self.b)
+            nn.init.trunc_normal_(tensor, self.mean, self.std, a, b)
+        elif self.name == "normal":
+            nn.init.normal_(tensor, self.mean, self.std)
+        else:
+            nn.init.uniform_(tensor, -0.05 if self.a is None else self.a, 0.05 if self.b is None else self.b)
+
+
+class FcMnistKeys(_Keys):
+    name: Literal["fc_mnist"] = "fc_mnist"
+    hidden_sizes: list[Positive] | None = None  # takes precedence over depth and hidden_size
+    depth: Positive | None = None
+    hidden_size: Positive | None = None
+    activation_fn: Literal["relu"] | None = None  # None: no nonlinearity (the current layout's default)
+    dropout: Rate = 0.0
+    use_bias: bool = True
+    disable_softmax: bool = False  # the NLL loss then reads the raw logits, as Model Zoo's does
+    mixed_precision: bool | None = None  # read by the trainer's precision set-up
+    fp16_type: Literal["float16", "bfloat16", "cbfloat16"] | None = None
+
+    @model_validator(mode="after")
+    def _sizes(self) -> FcMnistKeys:
+        if self.hidden_sizes is None and (self.depth is None or self.hidden_size is None):
+            raise ValueError("hidden_size and depth, or hidden_sizes, must be given")
+        return self
+
+    @property
+    def sizes(self) -> list[int]:
+        return self.hidden_sizes if self.hidden_sizes is not None else [self.hidden_size or 0] * (self.depth or 0)
+
+
+class _AttentionParams(_Keys):
+    num_kv_groups: Positive | None = None
+
+
+class _PosScalingArgs(_Keys):
+    low_freq_factor: PositiveFloat | None = None
+    high_freq_factor: PositiveFloat | None = None
+    original_max_position_embeddings: Positive | None = None
+
+
+class GptKeys(_Keys):
+    """Model Zoo's GPT2ModelConfig, shared by gpt2, gpt3 (Cerebras-GPT) and llama."""
+
+    name: Literal["gpt2", "gpt3", "llama", "LlamaModel"] | None = None
+    vocab_size: Annotated[int, Field(ge=1, le=512000)]
+    hidden_size: Positive = 768
+    num_hidden_layers: Positive = 12
+    num_heads: Positive = 12
+    filter_size: Positive = 3072
+    max_position_embeddings: Positive = 1024
+    position_embedding_type: Literal["learned", "fixed", "relative", "rotary", "alibi"] | None = "learned"
+    share_embedding_weights: bool = True
+    dropout_rate: Rate = 0.1
+    embedding_dropout_rate: Rate | None = None  # None: dropout_rate
+    attention_dropout_rate: Rate | None = None  # None: dropout_rate
+    norm_type: str = "layernorm"
+    layer_norm_epsilon: PositiveFloat = 1e-5
+    nonlinearity: str = "gelu"
+    attention_type: Literal["dot_product", "scaled_dot_product"] = "scaled_dot_product"
+    attention_module: Literal["aiayn_attention", "multiquery_attention"] = "aiayn_attention"
+    extra_attention_params: _AttentionParams = _AttentionParams()
+    scale_qk_dot_by_layer_idx: bool = False
+    use_projection_bias_in_attention: bool = True
+    use_ffn_bias_in_attention: bool = True
+    use_ffn_bias: bool = True
+    use_bias_in_output: bool = False
+    rotary_dim: Positive | None = None  # None: a quarter of the head size (Model Zoo's default)
+    rope_theta: PositiveFloat = 10000.0
+    pos_scaling_factor: PositiveFloat = 1.0
+    pos_scaling_type: Literal["linear", "yarn", "YaRN", "llama3", "longrope"] = "linear"
+    pos_scaling_extra_args: _PosScalingArgs | None = None
+    initializer_range: PositiveFloat = 0.02
+    embedding_initializer: Initializer | None = None
+    initializer: Initializer | None = None
+    output_layer_initializer: Initializer | None = None
+    ffn_initializer: Initializer | None = None
+    ffn_output_layer_initializer: Initializer | None = None
+    loss_scaling: Literal["num_tokens", "batch_size"] = "num_tokens"
+    loss_weight: float = 1.0
+    mixed_precision: bool | None = None  # read by the trainer's precision set-up
+    fp16_type: Literal["float16", "bfloat16", "cbfloat16"] | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.extra_attention_params.num_kv_groups or self.num_heads
+
+
+_GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_new", "relu": "relu", "silu": "silu", "tanh": "tanh"}
+_GPT_DEFAULT_ONLY: dict[str, Any] = {
+    **dict.fromkeys((
+        "constant_pos_embedding", "attention_inner_dim", "attention_sliding_window_length", "attention_sink_tokens",
+        "attention_vertical_column_spacing", "attention_vertical_column_width", "attention_chunk_size",
+        "attention_qk_norm_layer", "attention_logit_softcapping", "final_logit_softcapping", "fixed_sparse_attention",
+        "memory_tokens", "rel_distance_extra_args", "mup_base_hidden_size", "mup_base_filter_size",
+        "scale_qk_dot_by_d", "output_logits_alpha", "output_logits_scale", "lr_adjustment_groups", "moe", "moe_params",
+    ), None),
+    **dict.fromkeys((
+        "embedding_layer_norm", "alibi_trainable_slopes", "sliding_window_every_other_decoder_layer",
+        "norm_first_sandwich",
+    ), False),
+    "position_embedding_offset": 0, "num_extra_input_vocab_tokens": 0, "extra_ffn_params": {},
+    "cross_attention_layers": [], "rel_distance_mode": "default", "embeddings_scale": 1.0,
+    "attention_logits_alpha": 1.0, "scale_output_logits_by_d": True,
+}  # fmt: skip
+_GPT_IGNORED = (
+    "attention_kernel", "attention_softmax_fp32", "fold_rope_consts", "pad_rope", "use_experimental_flex_api",
+    "num_relative_attention_buckets", "attention_qk_norm_eps", "compute_eval_metrics", "boundary_casting",
+    "tf_summary", "dtype", "start_token", "stop_sequences", "max_tokens", "loop_dim", "temperature", "top_k", "top_p",
+)  # fmt: skip
+_FC_DEFAULT_ONLY: dict[str, Any] = {"to_float16": False}
+_FC_IGNORED = ("compute_eval_metrics",)
+
+_LOADER_DEFAULT_ONLY: dict[str, Any] = {
+    "use_vsl": False, "mixture": None, "data_subset": None, "num_samples": None, "pad_last": False,
+    "sort_files": True, "use_fake_data": False,
+}  # fmt: skip
+_LOADER_IGNORED = (
+    "num_workers", "prefetch_factor", "persistent_workers", "use_worker_cache", "shuffle_buffer", "micro_batch_size",
+    "to_float16", "fake_data_seed", "vocab_size", "repeat", "use_multiple_workers", "mixed_precision",
+)  # fmt: skip
+PROCESSORS = ("GptHDF5DataProcessor", "GptHDF5MapDataProcessor", "MNISTDataProcessor")
+_SHUFFLE_DEFAULT = {"GptHDF5DataProcessor": None, "GptHDF5MapDataProcessor": False, "MNISTDataProcessor": True}
+
+
+class LoaderKeys(_Keys):
+    data_processor: Literal[PROCESSORS] | None = None  # type: ignore[valid-type]
+    data_dir: str | list[str] | None = None
+    batch_size: Positive
+    shuffle: bool | None = None
+    shuffle_seed: int | None = None
+    drop_last: bool | None = None
+    drop_last_batch: bool | None = None  # the legacy layout's name of drop_last
+    split: Literal["train", "val"] | None = None  # MNISTDataProcessor
+    max_sequence_length: Positive | None = None  # GptHDF5MapDataProcessor, corpus (1-D) layout
+
+    @property
+    def dirs(self) -> list[str]:
+        return [self.data_dir] if isinstance(self.data_dir, str) else list(self.data_dir or [])
+
+    def shuffles(self, processor: str) -> bool:
+        return bool(self.shuffle if self.shuffle is not None else _SHUFFLE_DEFAULT[processor])
+
+    @property
+    def drops_last(self) -> bool:
+        return next((v for v in (self.drop_last, self.drop_last_batch) if v is not None), True)
+
+
+def _validate(
+    cls: type[_Keys], params: Any, prefix: str, default_only: dict[str, Any], ignored: tuple[str, ...]
+) -> tuple[Any, list[str], list[str]]:
+    """``(keys, ignored key paths, problems)``; ``keys`` is None when there are problems."""
+    if not isinstance(params, dict):
+        return None, [], [f"{prefix}: a mapping of keys is expected; got {type(params).__name__}"]
+    problems, skipped, rest = [], [], {}
+    for key, value in params.items():
+        if key in default_only:
+            if value != default_only[key]:
+                why = f"cannot be expressed by dls's Model Zoo models (only the default {default_only[key]!r} can)"
+                problems.append(f"{prefix}.{key}: {value!r} {why}")
+        elif key in ignored:
+            skipped.append(f"{prefix}.{key}")
+        else:
+            rest[key] = value
+    try:
+        keys = cls.model_validate(rest)
+    except ValidationError as exc:
+        keys = None
+        known = {*default_only, *ignored, *cls.model_fields, *Initializer.model_fields, *_PosScalingArgs.model_fields}
+        for err in exc.errors():
+            path = ".".join([prefix, *(str(p) for p in err["loc"])])
+            if err["type"] == "extra_forbidden":
+                close = difflib.get_close_matches(str(err["loc"][-1]), sorted(known), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                problems.append(f"{path}: unknown key{hint}")
+            else:
+                got = f" (got {err['input']!r})" if err["type"] != "missing" else ""
+                problems.append(f"{path}: {err['msg'].removeprefix('Value error, ')}{got}")
+    return keys, skipped, problems
+
+
+def _gpt_problems(name: str, k: GptKeys, prefix: str) -> tuple[list[str], list[str]]:
+    """What the Hugging Face class for ``name`` cannot express (problems), and keys it does not use (ignored)."""
+    problems: list[str] = []
+    skipped: list[str] = []
+
+    def need(key: str, ok: bool, why: str) -> None:
+        if not ok:
+            problems.append(f"{prefix}.{key}: {getattr(k, key)!r} {why}")
+
+    if k.hidden_size % k.num_heads:
+        need("num_heads", False, f"does not divide hidden_size ({k.hidden_size})")
+    if k.loss_scaling == "num_tokens" and k.loss_weight != 1.0:
+        skipped.append(f"{prefix}.loss_weight (Model Zoo uses 1.0 with loss_scaling: num_tokens)")
+    if name == "llama":
+        hf = "by Hugging Face's LlamaForCausalLM"
+        need("position_embedding_type", k.position_embedding_type == "rotary", f"cannot be built {hf} (rotary)")
+        need("norm_type", k.norm_type == "rmsnorm", f"cannot be built {hf} (rmsnorm)")
+        need("nonlinearity", k.nonlinearity == "swiglu", f"cannot be built {hf} (swiglu)")
+        need("attention_type", k.attention_type == "scaled_dot_product", f"cannot be built {hf}")
+        need("dropout_rate", k.dropout_rate == 0, f"cannot be built {hf}, which has no residual dropout: set 0.0")
+        emb = k.dropout_rate if k.embedding_dropout_rate is None else k.embedding_dropout_rate
+        if emb != 0:
+            problems.append(f"{prefix}.embedding_dropout_rate: {emb!r} cannot be built {hf} (no embedding dropout)")
+        rotary = k.rotary_dim if k.rotary_dim is not None else int(k.head_dim * 0.25)  # Model Zoo's default
+        if rotary != k.head_dim:
+            why = f"is not the head size; {hf.removeprefix('by ')} rotates whole heads: set rotary_dim: {k.head_dim}"
+            problems.append(f"{prefix}.rotary_dim: {rotary} {why}")
+        same = k.use_ffn_bias_in_attention == k.use_projection_bias_in_attention
+        need("use_ffn_bias_in_attention", same, f"must equal use_projection_bias_in_attention {hf} (attention_bias)")
+        need("pos_scaling_type", k.pos_scaling_type in ("linear", "llama3"), "is not supported (linear, llama3)")
+        args = k.pos_scaling_extra_args or _PosScalingArgs()
+        if k.pos_scaling_type == "llama3":
+            missing = [f for f in _PosScalingArgs.model_fields if getattr(args, f) is None]
+            problems += [f"{prefix}.pos_scaling_extra_args.{f}: required with pos_scaling_type llama3" for f in missing]
+        groups = k.extra_attention_params.num_kv_groups
+        if k.attention_module == "multiquery_attention" and (groups is None or k.num_heads % groups):
+            why = f"multiquery_attention needs a number of key/value heads that divides num_heads ({k.num_heads})"
+            problems.append(f"{prefix}.extra_attention_params.num_kv_groups: {groups!r}; {why}")
+        elif k.attention_module != "multiquery_attention" and groups is not None:
+            problems.append(f"{prefix}.extra_attention_params.num_kv_groups: needs multiquery_attention")
+    else:
+        hf = "by Hugging Face's GPT2LMHeadModel"
+        need("position_embedding_type", k.position_embedding_type == "learned", f"cannot be built {hf} (learned)")
+        need("norm_type", k.norm_type == "layernorm", f"cannot be built {hf} (layernorm)")
+        need("nonlinearity", k.nonlinearity in _GPT2_ACTIVATIONS, f"is not supported ({', '.join(_GPT2_ACTIVATIONS)})")
+        need("attention_module", k.attention_module == "aiayn_attention", f"cannot be built {hf} (use llama)")
+        for key in ("use_projection_bias_in_attention", "use_ffn_bias_in_attention", "use_ffn_bias"):
+            need(key, getattr(k, key), f"cannot be built {hf}, whose layers always have biases")
+        need("use_bias_in_output", not k.use_bias_in_output, f"cannot be built {hf}, whose output has no bias")
+        fields = ("rotary_dim", "rope_theta", "pos_scaling_type", "pos_scaling_factor", "pos_scaling_extra_args")
+        skipped += [f"{prefix}.{f} (learned positions)" for f in fields if f in k.model_fields_set]
+    return problems, skipped
+
+
+def parse_model(name: str, params: Any, prefix: str = "model") -> tuple[FcMnistKeys | GptKeys, list[str]]:
+    """The validated keys of model ``name`` and the key paths ignored here; ``ConfigError`` listing every problem."""
+    if name == "fc_mnist":
+        keys, ignored, problems = _validate(FcMnistKeys, params, prefix, _FC_DEFAULT_ONLY, _FC_IGNORED)
+    elif name in GPT_NAMES:
+        keys, ignored, problems = _validate(GptKeys, params, prefix, _GPT_DEFAULT_ONLY, _GPT_IGNORED)
+        if keys is not None:
+            more, skipped = _gpt_problems(name, keys, prefix)
+            problems, ignored = problems + more, ignored + skipped
+    else:
+        known = ", ".join(("fc_mnist", *GPT_NAMES))
+        raise ConfigError([f"{prefix}.name: {name!r} is not a Model Zoo model dls builds ({known})"])
+    if problems:
+        raise ConfigError(problems)
+    return keys, ignored
+
+
+def parse_loader(processor: str, params: Any, prefix: str) -> tuple[LoaderKeys, list[str]]:
+    """The validated keys of a data loader section and the key paths ignored here; ``ConfigError`` otherwise."""
+    if processor not in PROCESSORS:
+        raise ConfigError([f"{prefix}.data_processor: {processor!r} is not one of {', '.join(PROCESSORS)}"])
+    keys, ignored, problems = _validate(LoaderKeys, params, prefix, _LOADER_DEFAULT_ONLY, _LOADER_IGNORED)
+    if keys is not None:
+        if keys.data_processor not in (None, processor):
+            problems.append(f"{prefix}.data_processor: {keys.data_processor!r}, but {processor} is being built")
+        if None not in (keys.drop_last, keys.drop_last_batch) and keys.drop_last != keys.drop_last_batch:
+            problems.append(f"{prefix}.drop_last_batch: contradicts drop_last")
+        if keys.shuffle is None and _SHUFFLE_DEFAULT[processor] is None:
+            problems.append(f"{prefix}.shuffle: required by {processor}")
+        if processor == "MNISTDataProcessor" and isinstance(keys.data_dir, list):
+            problems.append(f"{prefix}.data_dir: MNISTDataProcessor reads one directory, not a list")
+        if processor != "MNISTDataProcessor" and not keys.dirs:
+            problems.append(f"{prefix}.data_dir: required by {processor}")
+        if processor == "GptHDF5DataProcessor" and keys.max_sequence_length is not None:
+            ignored.append(f"{prefix}.max_sequence_length (GptHDF5DataProcessor reads it from the data)")
+    if problems:
+        raise ConfigError(problems)
+    return keys, ignored

@@ -1,0 +1,102 @@
+"""``dls init``: the shipped configs, copying one out (with Model Zoo data), and the wheel carrying them."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import types
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from dls.train import init
+from dls.train.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_lists_every_config_in_the_repository_with_its_extras(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["init"]) == 0
+    out = capsys.readouterr().out
+    in_repo = sorted(p.relative_to(ROOT / "configs").with_suffix("").as_posix() for p in ROOT.glob("configs/**/*.yaml"))
+    assert in_repo and sorted(init.shipped_configs()) == in_repo
+    for name in in_repo:
+        assert f"  {name} " in out
+    assert "dls[train]" in out
+
+
+def test_copies_a_config_that_trains_as_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["init", "mlp_fp16_dls", str(tmp_path / "new")]) == 0
+    copy = tmp_path / "new" / "mlp_fp16_dls.yaml"
+    assert copy.read_bytes() == (ROOT / "configs" / "mlp_fp16_dls.yaml").read_bytes()
+    assert f"dls train {copy}" in capsys.readouterr().out
+    assert main(["validate", str(copy)]) == 0
+
+
+def test_refuses_to_overwrite_and_unknown_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "mlp_fp16_dls.yaml").write_text("mine")
+    assert main(["init", "mlp_fp16_dls", str(tmp_path)]) == 2
+    assert (tmp_path / "mlp_fp16_dls.yaml").read_text() == "mine"
+    assert "exists" in capsys.readouterr().err
+    assert main(["init", "no_such_config", str(tmp_path)]) == 2
+    assert "mlp_fp16_dls" in capsys.readouterr().err  # the message lists what is shipped
+    assert main(["init", "mlp_fp16_dls"]) == 2
+    assert "DIR" in capsys.readouterr().err
+
+
+MODELZOO_CONFIG = """\
+# A Model Zoo config
+train_input:
+  data_processor: "MNISTDataProcessor"
+  data_dir:
+    - "./mnist_a"
+    - "./mnist_b"
+  batch_size: 8
+runconfig:
+  max_steps: 10
+"""
+
+
+def test_modelzoo_config_gets_tiny_data_and_its_data_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "fc_mnist.yaml"
+    source.write_text(MODELZOO_CONFIG)
+    monkeypatch.setattr(init, "shipped_configs", lambda: {"modelzoo/fc_mnist": source})
+    written = []
+    fake = types.ModuleType("dls.train.modelzoo")
+    fake.write_tiny_data = lambda kind, directory: written.append((kind, directory))  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "dls.train.modelzoo", fake)
+    out = tmp_path / "out"
+    assert main(["init", "modelzoo/fc_mnist", str(out)]) == 0
+    assert written == [("MNISTDataProcessor", out / "data")]
+    text = (out / "fc_mnist.yaml").read_text()
+    assert f"  data_dir: {str(out / 'data')!r}\n  batch_size: 8\n" in text and "mnist_a" not in text
+    assert "dls[train,modelzoo]" in capsys.readouterr().out
+
+    monkeypatch.setitem(sys.modules, "dls.train.modelzoo", types.ModuleType("dls.train.modelzoo"))
+    assert main(["init", "modelzoo/fc_mnist", str(tmp_path / "other")]) == 2
+    assert "write_tiny_data is missing" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()  # nothing written before the error
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git to list the tracked files")
+def test_wheel_carries_the_configs(tmp_path: Path) -> None:
+    pytest.importorskip("setuptools")  # the dev extra installs it: the build runs without network
+    tree = tmp_path / "tree"
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    for name in tracked.split():
+        if name.startswith(("src/", "configs/")) or name in ("pyproject.toml", "README.md", "LICENSE"):
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / name, tree / name, follow_symlinks=False)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), "."],
+        cwd=tree,
+        check=True,
+    )
+    (wheel,) = tmp_path.glob("dls-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for config in ROOT.glob("configs/**/*.yaml"):
+        assert f"dls/train/configs/{config.relative_to(ROOT / 'configs').as_posix()}" in names
