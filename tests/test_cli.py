@@ -127,7 +127,7 @@ def test_existing_model_dir_needs_resume(tmp_path: Path, capsys: pytest.CaptureF
 
 
 def test_training_stopped_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = [*short(tmp_path / "run", 200), "model.loss_weight=1e39", "optimizer.min_loss_scale=1.0"]
+    args = [*short(tmp_path / "run", 200), "data.noise_std=1e30", "optimizer.min_loss_scale=1.0"]
     args += ["optimizer.initial_loss_scale=4", "runconfig.max_overflows_at_min_loss_scale=2"]
     assert main(["train", MLP, *args]) == 1
     err = capsys.readouterr().err

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dls.train.data import Batch, CharCorpus, DataInfo, Dataset
-from dls.train.keys import ModelConfig
+from dls.train.data import Batch, CharCorpus, DataInfo, Dataset, modelzoo
+from dls.train.schema import ZOO_MODELS, ModelConfig
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}
 
@@ -117,12 +118,25 @@ class TransformerLM(TrainModel):
         return F.cross_entropy(logits.reshape(-1, self.vocab_size), targets.reshape(-1))
 
 
-def build_model(cfg: ModelConfig, info: DataInfo) -> TrainModel:
-    if cfg.name == "mlp":
-        return MLP(cfg, info)
-    if cfg.name == "transformer_lm":
-        return TransformerLM(cfg, info)
-    raise ValueError(f"model.name must be one of 'mlp', 'transformer_lm'; got {cfg.name!r}")
+def build_model(cfg: ModelConfig, info: DataInfo | None) -> TrainModel:
+    """The model ``cfg`` names: built in (on ``info``'s data), or a Model Zoo model (``dls.train.modelzoo``)."""
+    if cfg.name in ZOO_MODELS:
+        model: TrainModel = modelzoo().build_model(cfg.name, dict(cfg.params))
+        return model
+    assert info is not None, "a built-in model is built on its data set"
+    return MLP(cfg, info) if cfg.name == "mlp" else TransformerLM(cfg, info)
+
+
+@torch.no_grad()
+def evaluate_batches(model: TrainModel, batches: Any, steps: int, device: torch.device, prepare: Any) -> float:
+    """Mean loss over ``steps`` batches of ``batches`` (``prepare`` puts one on the device), in eval mode."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for _ in range(steps):
+        total += model.loss(prepare(batches.next())).double()
+    model.train(was_training)
+    return float(total) / steps
 
 
 @torch.no_grad()

@@ -99,11 +99,20 @@ class RunPrecision:
             return torch.autocast(self.device.type, dtype=dtype)
         return contextlib.nullcontext()
 
-    def to_device(self, batch: Batch) -> Batch:
-        """``batch`` on the run's device; with half parameters, floating-point inputs in their dtype (no autocast)."""
-        x, y = batch
-        dtype = self.param_dtype if x.is_floating_point() else None
-        return x.to(self.device, dtype=dtype, non_blocking=True), y.to(self.device, non_blocking=True)
+    def to_device(self, batch: Batch, dtype: torch.dtype | None = None) -> Batch:
+        """``batch`` (tensors in tuples, lists, dicts) on the run's device; with half parameters, floating-point
+        inputs in their dtype (no autocast; the built-in models' targets stay as they are)."""
+        dtype = dtype or self.param_dtype
+        if isinstance(batch, torch.Tensor):
+            cast = dtype if batch.is_floating_point() else None
+            return batch.to(self.device, dtype=cast, non_blocking=True)
+        if isinstance(batch, dict):
+            return {k: self.to_device(v, dtype) for k, v in batch.items()}
+        if isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[1], torch.Tensor):
+            return self.to_device(batch[0], dtype), batch[1].to(self.device, non_blocking=True)
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self.to_device(v, dtype) for v in batch)
+        return batch
 
     @property
     def probes_underflow(self) -> bool:
@@ -118,7 +127,7 @@ class RunPrecision:
         model: TrainModel = self.model
         if self.param_dtype != torch.float32:  # half parameters: a float32 copy holds the same values
             model = copy.deepcopy(model).float()
-            batch = (batch[0].float() if batch[0].is_floating_point() else batch[0], batch[1])
+            batch = self.to_device(batch, torch.float32)
         params = [p for p in model.parameters() if p.requires_grad]
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), dls.emulate(model, self.compute_dtype) as handle:

@@ -99,12 +99,14 @@ def describe_fp8(recipe: Mapping[str, Any]) -> str:
     return ", ".join([f"{name} scaling", *changed])
 
 
-def describe_run(cfg: TrainConfig, start_step: int, model_dir: Path, world_size: int, device_type: str) -> str:
+def describe_run(
+    cfg: TrainConfig, start_step: int, model_dir: Path, world_size: int, device_type: str, max_steps: int
+) -> str:
     """The line a session starts with: model, data, precision, loss scaling, the steps from ``start_step``, where
     the outputs go, and, data-parallel, the ranks and the global batch."""
     text = (
-        f"{cfg.model.name} on {cfg.data.dataset}, {describe_precision(cfg)}, {describe_scaling(cfg)}; "
-        f"steps {start_step}->{cfg.runconfig.max_steps}; output in {model_dir}"
+        f"{cfg.model.name} on {cfg.data.dataset or cfg.data.data_processor}, {describe_precision(cfg)}, "
+        f"{describe_scaling(cfg)}; steps {start_step}->{max_steps}; output in {model_dir}"
     )
     if world_size > 1:
         text += (

@@ -37,6 +37,7 @@ metrics, plots and the terminal output.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import time
@@ -56,10 +57,10 @@ from dls.diagnostics import OverflowReport
 from dls.train import checkpoint as ckpt
 from dls.train import restore
 from dls.train.config import CHECKPOINT_STATES, TrainConfig, loss_scaling_mode, scaler_settings, to_dict
-from dls.train.data import BatchIterator, build_dataset
+from dls.train.data import build_batches
 from dls.train.errors import TrainingStopped
 from dls.train.launch import StopRequest, resolve_device, run_on_rank0, sum_over_ranks, wrap_data_parallel
-from dls.train.models import build_model, evaluate
+from dls.train.models import build_model, evaluate, evaluate_batches
 from dls.train.optim import build_optimizer, build_scheduler
 from dls.train.outputs import RunOutputs, require_tensorboard
 from dls.train.precision import RunPrecision
@@ -127,13 +128,23 @@ class Trainer:
         self.metrics_path = self.outputs.metrics_path
         self.crash_dir: Path | None = None  # where a crash report may go: model_dir, once this run has locked it
         ckpt.seed_everything(rc.seed)
-        self.dataset = build_dataset(cfg.data)
-        shuffle_seed = cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else rc.seed
-        self.batches = BatchIterator(
-            self.dataset, cfg.data.batch_size, cfg.data.shuffle, shuffle_seed, self.rank, self.world_size
-        )
+        if not cfg.data.dataset:  # Model Zoo data: the directories are checked here, not by dls validate
+            from dls.train.config import missing_paths
+
+            if missing := missing_paths(cfg):
+                raise ValueError("; ".join(missing))
+        self.batches = build_batches(cfg.data, rc.seed, "train", self.rank, self.world_size)
+        self.dataset = getattr(self.batches, "dataset", None)  # a built-in data set
+        self.eval_batches = build_batches(cfg.eval_data, rc.seed, "val") if cfg.eval_data is not None else None
         prec = cfg.precision
-        self.model = build_model(cfg.model, self.dataset.info).to(self.device)
+        self.model = build_model(cfg.model, getattr(self.dataset, "info", None)).to(self.device)
+        self.max_steps = rc.max_steps
+        if rc.num_epochs is not None and "max_steps" not in rc.model_fields_set:
+            per_epoch = rc.steps_per_epoch or max(1, self.batches.batches_per_epoch // rc.grad_accum_steps)
+            self.max_steps = rc.num_epochs * per_epoch
+        freq = rc.eval_frequency
+        self.eval_every = freq if isinstance(freq, int) else max(1, round(freq * self.max_steps)) if freq else None
+        self.eval_loss: float | None = None
         # Before DDP: FP8's delayed scaling reduces its amaxes over the same ranks.
         group = dist.group.WORLD if self.world_size > 1 else None
         self.precision = RunPrecision(cfg, self.model, self.device, process_group=group)
@@ -218,12 +229,20 @@ class Trainer:
             raise RuntimeError("a Trainer with precision.fp8 trains once: build a new Trainer (with resume=...)")
         session_start = time.perf_counter()
         self._ended_together = False
-        states = tuple(load_states or self.cfg.runconfig.load_checkpoint_states or CHECKPOINT_STATES)
+        rc = self.cfg.runconfig
+        states = tuple(load_states or CHECKPOINT_STATES)
         path: Path | None = None
         unreadable: list[tuple[Path, str]] = []
         run_on_rank0(lambda: check_unlocked(self.model_dir), self.rank, self.world_size)
+        if resume is None and rc.checkpoint_path is not None:  # trainer.fit.ckpt_path / runconfig.checkpoint_path
+            resume = rc.checkpoint_path
+        if resume is None and rc.autoload_last_checkpoint and ckpt.list_checkpoints(self.model_dir):
+            resume = self.model_dir  # the same command again continues the run (the --resume DIR rules)
         if resume is not None:
             path, state, unreadable = ckpt.load_resume_checkpoint(resume)
+            # LoadCheckpointStates applies to another run's checkpoint; the run's own load whole.
+            if load_states is None and rc.load_checkpoint_states and path.parent.resolve() != self.model_dir:
+                states = rc.load_checkpoint_states
             for bad, reason in unreadable:
                 self.log(f"Skipping {bad}: {reason}")
             restore.check_model_dir(self.model_dir, path, unreadable, states)
@@ -253,22 +272,24 @@ class Trainer:
             self.outputs.close()
 
     def _train(self, session_start: float) -> TrainResult:
-        cfg, rc = self.cfg, self.cfg.runconfig
-        for warning in cfg.warnings:
-            self.log(f"warning: {warning}")
-        self.log(describe_run(cfg, self.global_step, self.model_dir, self.world_size, self.device.type))
+        cfg, rc, max_steps = self.cfg, self.cfg.runconfig, self.max_steps
+        for note in cfg.notes:
+            self.log(f"note: {note}")
+        self.log(describe_run(cfg, self.global_step, self.model_dir, self.world_size, self.device.type, max_steps))
         start_step = self.global_step
-        tail = max(1, (rc.max_steps - start_step) // 10)  # the final loss: mean over the last 10% of the session
-        self._tail = (rc.max_steps - tail + 1, torch.zeros((), device=self.device), 0)
+        tail = max(1, (max_steps - start_step) // 10)  # the final loss: mean over the last 10% of the session
+        self._tail = (max_steps - tail + 1, torch.zeros((), device=self.device), 0)
         self.precision.start_session()
         display = ProgressDisplay(
-            self.console, self.show_progress and self.is_main, rc.max_steps, self.global_step, cfg.model.name
+            self.console, self.show_progress and self.is_main, max_steps, self.global_step, cfg.model.name
         )
+        if rc.save_initial_checkpoint and self.global_step == 0:
+            self._save(session_start)
         self.model.train()
         stop_request = StopRequest(self.log, distributed=self.world_size > 1)
         try:
             with stop_request:
-                while self.global_step < rc.max_steps:
+                while self.global_step < max_steps:
                     if self._stop_requested(stop_request):
                         raise stop_request.interrupt()
                     row = self._step(session_start, stop_request.requested)
@@ -276,7 +297,9 @@ class Trainer:
                         self.outputs.write_row(row)
                     self._check_floor(session_start)
                     step = self.global_step
-                    if rc.checkpoint_steps and step % rc.checkpoint_steps == 0 and step < rc.max_steps:
+                    if self.eval_every and (step % self.eval_every == 0 or step == max_steps):
+                        self._evaluate(step)
+                    if rc.checkpoint_steps and step % rc.checkpoint_steps == 0 and step < max_steps:
                         self._save(session_start)
                     if row is not None:
                         display.update(row, self._skipped_total)
@@ -322,7 +345,7 @@ class Trainer:
             global_step=self.global_step,
             steps_run=self.global_step - start_step,
             final_loss=final_loss,
-            eval_loss=evaluate(self.model, self.dataset, self.device) if self.is_main else None,
+            eval_loss=self._final_eval() if self.is_main else None,
             skipped_steps=self.scaler.get_num_skipped_steps(),
             loss_scale=self.scaler.get_scale() if enabled else None,
             scaling=self.scaling,
@@ -336,12 +359,44 @@ class Trainer:
         )
         return result
 
+    # ------------------------------------------------------------------ evaluation
+    def _evaluate(self, step: int) -> None:
+        """``eval_steps`` batches of the eval loader (the training data's without one), as a metrics row."""
+        rc = self.cfg.runconfig
+        source = self.eval_batches
+        if source is None and self.dataset is None:
+            source = build_batches(self.cfg.data, rc.seed, "train")
+        if source is None:
+            assert self.dataset is not None
+            self.eval_loss = evaluate(self.model, self.dataset, self.device)
+        else:
+            steps = rc.eval_steps or max(1, source.batches_per_epoch)
+            with self.precision.autocast():
+                self.eval_loss = evaluate_batches(self.model, source, steps, self.device, self.precision.to_device)
+            source.epoch, source.position, source._it = 0, 0, None  # every evaluation reads the same batches
+        if self.is_main:
+            self.outputs.write_row({"step": step, "eval_loss": json_number(self.eval_loss)})
+
+    def _final_eval(self) -> float | None:
+        if self.dataset is not None:  # a built-in data set: its first samples, in float32
+            return evaluate(self.model, self.dataset, self.device)
+        return self.eval_loss
+
     # ------------------------------------------------------------------ one step
     def _step(self, session_start: float, stop_requested: bool = False) -> dict[str, Any] | None:
         """One training step; its metrics row when the step is logged (see the module docstring), else ``None``."""
         cfg, rc, opt_cfg = self.cfg, self.cfg.runconfig, self.cfg.optimizer
         step = self.global_step + 1
-        log_now = step % rc.log_steps == 0 or step == rc.max_steps or step == 1
+        log_now = step % rc.log_steps == 0 or step == self.max_steps or step == 1
+        accum, weight = rc.grad_accum_steps, cfg.model.loss_weight / rc.grad_accum_steps
+        losses = []
+        for _ in range(accum - 1):  # micro-batches before the last: gradients add up, no step
+            with self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext():
+                micro = self.precision.to_device(self.batches.next())
+                with self.precision.autocast():
+                    losses.append(self.model.loss(micro) if self.ddp is None else self.ddp(micro))
+                self.scaler.scale(losses[-1] * weight).backward()
+                losses[-1] = losses[-1].detach()
         batch = self.precision.to_device(self.batches.next())
         underflow = None
         if log_now and self.precision.probes_underflow:
@@ -349,7 +404,9 @@ class Trainer:
         lr = float(self.optimizer.param_groups[0]["lr"])
         with self.precision.autocast():
             loss = self.model.loss(batch) if self.ddp is None else self.ddp(batch)
-        weighted = loss * cfg.model.loss_weight if cfg.model.loss_weight != 1.0 else loss
+        weighted = loss * weight if weight != 1.0 else loss
+        if losses:
+            loss = torch.stack([*losses, loss.detach()]).mean()
         try:
             result = dls.optimizer_step(
                 weighted,
