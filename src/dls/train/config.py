@@ -104,11 +104,20 @@ _INIT["logging"] = {"log_steps": ("runconfig", "log_steps"), "log_summaries": ("
 _RUN_KEYS = ("model_dir", "seed", "device", "num_threads", "tensorboard", "max_overflows_at_min_loss_scale")
 _SCHEDULERS = {"ConstantLR": "Constant", "LinearLR": "Linear", "CosineDecayLR": "CosineDecay"}
 # Model Zoo's defaults where they differ from dls's: (section, key) -> {layout: value}.
-_ZOO_DEFAULTS: dict[tuple[str, str], dict[str, Any]] = {
-    ("precision", "fp16_type"): {"legacy": "float16", "current": "bfloat16"},
-    ("precision", "mixed_precision"): {"legacy": False, "current": True},
-    ("optimizer", "loss_scaling_factor"): {"legacy": 1.0, "current": 1.0},
-    ("runconfig", "autoload_last_checkpoint"): {"legacy": False, "current": True},
+_ZOO_DEFAULTS: dict[tuple[str, str], dict[str, tuple[str, Any]]] = {  # where each layout writes it, and its value
+    ("precision", "fp16_type"): {
+        "legacy": ("model.fp16_type", "float16"),
+        "current": ("precision.fp16_type", "bfloat16"),
+    },
+    ("precision", "mixed_precision"): {
+        "legacy": ("model.mixed_precision", False),
+        "current": ("precision.enabled", True),
+    },
+    ("optimizer", "loss_scaling_factor"): {
+        "legacy": ("optimizer.loss_scaling_factor", 1.0),
+        "current": ("precision.loss_scaling_factor", 1.0),
+    },
+    ("runconfig", "autoload_last_checkpoint"): {"current": ("checkpoint.autoload_last_checkpoint", True)},
 }
 
 
@@ -473,19 +482,16 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
         r.errors.append(f"model.name must be one of {', '.join(map(repr, every))}; got {name!r}{hint}")
     zoo = layout == "current" or name in ZOO_MODELS or "data_processor" in s["data"]
     if zoo:
-        layout = layout if layout == "current" else "legacy"
         for (section, key), defaults in _ZOO_DEFAULTS.items():
-            if (section, key) not in r.written:
-                s[section][key] = defaults[layout]
-                other = defaults["legacy" if layout == "current" else "current"]
+            if (section, key) not in r.written and layout in defaults:
+                path, value = defaults[layout]
+                s[section][key] = value
+                other = defaults.get("legacy" if layout == "current" else "current", (None, value))[1]
                 differs = (
-                    f" (the {'legacy' if layout == 'current' else 'current'} layout's: {other})"
-                    if other != defaults[layout]
-                    else ""
+                    f" ({'legacy' if layout == 'current' else 'current'} layout: {other!r})" if other != value else ""
                 )
-                r.notes.append(
-                    f"{section}.{key}: {defaults[layout]!r}, Model Zoo's default in the {layout} layout{differs}"
-                )
+                prefix = "trainer.init." if layout == "current" else ""
+                r.notes.append(f"{prefix}{path}: {value!r}, Model Zoo's default in the {layout} layout{differs}")
     else:
         layout = "dls"
     for key in ("data", "eval_data"):
@@ -546,7 +552,8 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
         raise ConfigError(r.errors, source)
     if r.ignored:
         r.notes.append(f"ignored on this hardware (Cerebras only): {', '.join(dict.fromkeys(r.ignored))}")
-    return TrainConfig(**built, notes=tuple(r.notes), layout=layout)
+    sources = {f"{section}.{key}": path for (section, key), path in r.written.items()}
+    return TrainConfig(**built, notes=tuple(r.notes), layout=layout, sources=sources)
 
 
 def _build(cls: type, section: str, values: dict[str, Any], r: _Reader) -> Any:
@@ -757,13 +764,47 @@ def to_dict(cfg: TrainConfig) -> dict[str, Any]:
 
 def missing_paths(cfg: TrainConfig) -> list[str]:
     """The data directories of the loaders ``dls train`` uses that do not exist here (a note for ``validate``,
-    an error for ``train``)."""
+    an error for ``train``), one line per loader naming the key as written."""
     lines = []
-    for section, data in (("train_input", cfg.data), ("eval_input", cfg.eval_data)):
+    for section, data in (("data", cfg.data), ("eval_data", cfg.eval_data)):
         dirs = data.params.get("data_dir") if data is not None else None
-        for d in [dirs] if isinstance(dirs, str) else dirs or []:
-            if isinstance(d, str) and not Path(d).exists():
-                lines.append(
-                    f"{section}.data_dir {d} does not exist here (relative paths resolve against {Path.cwd()})"
-                )
+        missing = [d for d in ([dirs] if isinstance(dirs, str) else dirs or []) if not Path(str(d)).exists()]
+        if missing:
+            key = cfg.sources.get(f"{section}.params", "train_input" if section == "data" else "eval_input")
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            lines.append(
+                f"{key}.data_dir {missing[0]}{more} does not exist here (relative paths resolve against {Path.cwd()})"
+            )
     return lines
+
+
+def memory_problem(cfg: TrainConfig) -> str | None:
+    """What of ``cfg`` will not fit this machine's free memory (the generated data set; the model with its
+    gradients and Adam's two states), naming the key as written; ``None`` when it fits. A note for ``validate``,
+    exit status 3 for ``train``."""
+    m, d = cfg.model, cfg.data
+    need: dict[str, float] = {}
+    if d.dataset == "teacher_regression":
+        need["data.num_samples"] = 4.0 * d.num_samples * (d.input_dim + d.output_dim)
+    p = m.params
+    h = p.get("hidden_size", m.hidden_size)
+    if m.name in ("gpt2", "gpt3", "llama") and all(isinstance(p.get(k), int) for k in ("hidden_size", "filter_size")):
+        layers, vocab = p.get("num_hidden_layers", 1), p.get("vocab_size", 1)
+        mlp = 3 if p.get("nonlinearity") == "swiglu" else 2
+        count = vocab * h * (1 if p.get("share_embedding_weights", True) else 2) + layers * h * (
+            4 * h + mlp * p["filter_size"]
+        )
+        need["model.hidden_size"] = 16.0 * count
+    elif m.name == "mlp":
+        need["model.hidden_size"] = 16.0 * h * (d.input_dim + h * (m.depth - 1) + d.output_dim)
+    try:
+        pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/meminfo", "rb") as f:
+            free = next((int(line.split()[1]) * 1024 for line in f if line.startswith(b"MemAvailable:")), pages)
+    except (OSError, ValueError):
+        return None
+    key, size = max(need.items(), key=lambda item: item[1], default=("", 0.0))
+    if sum(need.values()) <= free:
+        return None
+    where = cfg.sources.get(key, key)
+    return f"{where}: this run needs about {sum(need.values()) / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free here"

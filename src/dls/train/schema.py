@@ -275,6 +275,7 @@ class TrainConfig(BaseModel):
     eval_data: DataConfig | None = None
     notes: tuple[str, ...] = ()
     layout: str = "dls"
+    sources: dict[str, str] = {}  # "section.key" -> the key as the file wrote it
 
     @property
     def warnings(self) -> tuple[str, ...]:
@@ -299,7 +300,9 @@ _MESSAGES = {
 
 
 def did_you_mean(word: Any, allowed: Any) -> str:
-    close = difflib.get_close_matches(str(word), [str(a) for a in allowed], n=1)
+    names = [str(a) for a in allowed]
+    same = [a for a in names if a.lower() == str(word).lower()]
+    close = same or difflib.get_close_matches(str(word), names, n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -344,7 +347,8 @@ def problems(exc: ValidationError, where: Any, cls: Any = None) -> list[str]:
         done.add(path)
         if len(loc) == 1 and loc[0] in nested:  # a union's other member: the nested error says more
             continue
-        if loc and loc[0] in _SHAPES and (len(loc) == 1 or loc[0] == "betas"):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if loc and loc[0] in _SHAPES and (len(loc) == 1 or loc[0] == "betas") and not (number and kind in _NUMERIC):
             out.append(f"{where(loc[:1])} must be {_SHAPES[loc[0]]}; got {value!r}")
         elif kind == "extra_forbidden":
             cls = SECTION_CLASSES.get(str(loc[0]), SchedulePiece) if len(loc) <= 2 else SchedulePiece
