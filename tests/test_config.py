@@ -780,3 +780,51 @@ def test_size_dependent_values_are_a_note_in_validate_and_exit_3_in_train(
     assert "# note: on this machine: data.num_samples: this run needs about" in capsys.readouterr().out
     assert main(["train", config, "-o", "data.num_samples=1e11", f"runconfig.model_dir={tmp_path / 'r'}"]) == 3
     assert "data.num_samples" in capsys.readouterr().err and not (tmp_path / "r").exists()
+
+
+# ---------------------------------------------------------------------- validate agrees with train (issue 18.6)
+def _numeric_keys() -> list[str]:
+    from dls.train.schema import SCALER_KEYS, _allowed
+
+    keys = [
+        f"{section}.{name}"
+        for section, cls in SECTION_CLASSES.items()
+        for name, field in cls.model_fields.items()
+        if _allowed(field, 0) is not None or (section == "optimizer" and name in SCALER_KEYS)
+    ]
+    return [*keys, "precision.fp8.amax_history_len", "precision.fp8.margin"]
+
+
+FUZZ = ["0", "-1", "1e-300", "1e300", ".inf", ".nan", str(2**63), "true", "'1'"]
+
+
+@pytest.mark.parametrize("key", _numeric_keys())
+def test_validate_agrees_with_train_on_every_numeric_key(
+    key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each hostile value: ``validate`` exits 0 or 2; ``train`` exits 2 exactly when ``validate`` did, and never 4
+    (its start-up and first three steps: a value such as ``max_steps: 2**63`` is a run that never ends)."""
+    from dls.train.cli import main
+    from dls.train.trainer import Trainer
+
+    original = Trainer.__init__
+
+    def capped(self: Trainer, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.max_steps = min(self.max_steps, 3)
+
+    monkeypatch.setattr(Trainer, "__init__", capped)
+    monkeypatch.setattr(Trainer, "_plot", lambda self: None)
+    config = tmp_path / "c.yaml"
+    base = "model: {name: mlp, hidden_size: 8, depth: 1}\ndata: {batch_size: 4, num_samples: 16, input_dim: 2, output_dim: 2}\n"
+    fp8 = "  fp8: {recipe: delayed}\n" if ".fp8." in key else ""
+    config.write_text(
+        base + "precision:\n  mixed_precision: true\n" + fp8 + "runconfig: {max_steps: 3, log_steps: 1}\n"
+    )
+    for i, value in enumerate(FUZZ):
+        override = [f"{key}={value}", f"runconfig.model_dir={tmp_path / str(i)}"]
+        checked = main(["validate", str(config), "-o", *override])
+        trained = main(["train", str(config), "--no_progress", "-o", *override])
+        err = capsys.readouterr().err
+        assert checked in (0, 2) and trained != 4, (value, checked, trained, err)
+        assert (checked == 2) == (trained == 2), (value, checked, trained, err)

@@ -803,7 +803,7 @@ def memory_problem(cfg: TrainConfig) -> str | None:
             free = next((int(line.split()[1]) * 1024 for line in f if line.startswith(b"MemAvailable:")), pages)
     except (OSError, ValueError):
         return None
-    key, size = max(need.items(), key=lambda item: item[1], default=("", 0.0))
+    key = max(need, key=need.__getitem__, default="")
     if sum(need.values()) <= free:
         return None
     where = cfg.sources.get(key, key)
