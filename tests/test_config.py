@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -816,7 +817,8 @@ def test_validate_agrees_with_train_on_every_numeric_key(
     monkeypatch.setattr(Trainer, "__init__", capped)
     monkeypatch.setattr(Trainer, "_plot", lambda self: None)
     config = tmp_path / "c.yaml"
-    base = "model: {name: mlp, hidden_size: 8, depth: 1}\ndata: {batch_size: 4, num_samples: 16, input_dim: 2, output_dim: 2}\n"
+    base = "model: {name: mlp, hidden_size: 8, depth: 1}\n"
+    base += "data: {batch_size: 4, num_samples: 16, input_dim: 2, output_dim: 2}\n"
     fp8 = "  fp8: {recipe: delayed}\n" if ".fp8." in key else ""
     config.write_text(
         base + "precision:\n  mixed_precision: true\n" + fp8 + "runconfig: {max_steps: 3, log_steps: 1}\n"
