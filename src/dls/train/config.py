@@ -374,6 +374,8 @@ class _Reader:
                 self.callbacks(value, path)
             else:
                 self.unknown("trainer.init", key, allowed)
+        if {"validate", "validate_all"} & trainer.keys():
+            self.notes.append("trainer.validate / trainer.validate_all: dls train runs trainer.fit (not checked)")
         fit = self.mapping(trainer.get("fit"), "trainer.fit")
         for key, value in fit.items():
             if key in ("train_dataloader", "val_dataloader"):

@@ -1,13 +1,6 @@
-"""Embedded data sets and a resumable batch iterator.
-
-No downloads: ``teacher_regression`` is generated from a seed (inputs drawn from a normal distribution, targets
-from a fixed random two-layer "teacher" network), ``char_corpus`` is the small text shipped in
-``dls/train/data/corpus.txt``. Batches come in epochs: each epoch visits every sample once, in an order drawn
-from ``(shuffle_seed, epoch)``, so the iterator's whole state is two integers and resuming is exact.
-
-Data-parallel (``rank`` of ``world_size``): the ranks share one epoch order and take strided batches of it (rank
-``r`` the ``r``-th of every ``world_size`` consecutive ones), so a global step covers ``world_size`` distinct
-batches and an epoch still visits every sample at most once.
+"""Batches: dls's embedded data sets (``teacher_regression`` generated from a seed, ``char_corpus`` shipped in
+``dls/train/data/corpus.txt``) and Model Zoo readers (``dls.train.modelzoo.build_loader``). Both are resumable
+from ``(epoch, position)``; data-parallel ranks take strided batches of one epoch order.
 """
 
 from __future__ import annotations
@@ -75,8 +68,8 @@ def corpus_text() -> str:
 
 
 class CharCorpus(Dataset):
-    """Windows of ``max_sequence_length + 1`` characters; inputs are a window's first ``L`` characters, targets
-    its last ``L``. Each epoch shifts the window grid by a different offset, so the model sees new splits."""
+    """Windows of ``max_sequence_length + 1`` characters; inputs are a window's first ``L`` characters, targets its
+    last ``L``."""
 
     def __init__(self, cfg: DataConfig) -> None:
         text = corpus_text()
@@ -133,9 +126,8 @@ def modelzoo() -> Any:
 
 
 class LoaderIterator:
-    """Batches of an iterable loader, epoch after epoch (``set_epoch(epoch)`` is called when the loader has it);
-    rank ``r`` of ``world_size`` takes every ``world_size``-th batch. State: ``epoch`` and ``position`` (batches of
-    the epoch taken by all ranks); a resumed run skips that many batches of the epoch."""
+    """Batches of an iterable loader, epoch after epoch (``set_epoch(epoch)`` is called when the loader has it); rank
+    ``r`` of ``world_size`` takes every ``world_size``-th batch."""
 
     def __init__(self, loader: Any, rank: int = 0, world_size: int = 1) -> None:
         self.loader, self.rank, self.world_size = loader, rank, world_size
@@ -181,16 +173,7 @@ class LoaderIterator:
 
 
 class BatchIterator:
-    """Full batches of ``batch_size`` samples, epoch after epoch (an incomplete last batch is dropped).
-
-    State: ``epoch`` and ``position`` (batches already taken from this epoch); the order of an epoch is a
-    function of ``(seed, epoch)`` only.
-
-    With ``world_size`` > 1 this rank takes batches ``rank``, ``rank + world_size``, ... of each epoch (the last
-    ``batches % world_size`` are dropped) and ``position`` counts its own; the saved ``position`` counts the
-    batches all ranks took together, so a state loads into any number of ranks (exactly when the number is the
-    same; otherwise each rank goes on from the first batch slot no rank has taken yet).
-    """
+    """Full batches of ``batch_size`` samples, epoch after epoch (an incomplete last batch is dropped)."""
 
     def __init__(
         self, dataset: Dataset, batch_size: int, shuffle: bool, seed: int, rank: int = 0, world_size: int = 1

@@ -1,8 +1,5 @@
-"""Built-in models: ``mlp`` (regression) and ``transformer_lm`` (a small character-level GPT).
-
-Each model's ``loss(batch)`` returns the unweighted training loss as a float32 scalar: the last layer's output is
-cast to float32 before the loss, as mixed-precision recipes do (under ``torch.autocast`` the loss functions run
-in float32 anyway).
+"""Built-in models (``mlp``, ``transformer_lm``) and the dispatch to Model Zoo models (``dls.train.modelzoo``).
+Each model's ``loss(batch)`` returns the unweighted training loss as a float32 scalar.
 """
 
 from __future__ import annotations
@@ -78,8 +75,8 @@ class _Block(nn.Module):
 
 
 class TransformerLM(TrainModel):
-    """Token and position embeddings, ``num_hidden_layers`` blocks, a final LayerNorm and an untied head;
-    cross-entropy over every position."""
+    """Token and position embeddings, ``num_hidden_layers`` blocks, a final LayerNorm and an untied head; cross-
+    entropy over every position."""
 
     def __init__(self, cfg: ModelConfig, info: DataInfo) -> None:
         super().__init__()
@@ -142,8 +139,7 @@ def evaluate_batches(model: TrainModel, batches: Any, steps: int, device: torch.
 @torch.no_grad()
 def evaluate(model: TrainModel, dataset: Dataset, device: torch.device, max_samples: int = 4096) -> float:
     """Mean loss in float32 over the first ``max_samples`` samples of ``dataset`` (64 sequences for the character
-    corpus), in eval mode (no dropout); one read of the device at the end. A model with half-precision parameters
-    is evaluated through a float32 copy of them (the same values)."""
+    corpus), in eval mode (no dropout); one read of the device at the end."""
     if any(p.dtype != torch.float32 for p in model.parameters() if p.is_floating_point()):
         model = copy.deepcopy(model).float()
     was_training = model.training

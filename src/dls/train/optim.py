@@ -1,9 +1,5 @@
-"""The optimizer and learning-rate schedule a config describes (``optimizer:``).
-
-The schedule is a ``LambdaLR`` over global LR multipliers (the optimizer's own ``lr`` is 1.0). The trainer wraps
-it with ``dls.skip_aware``, so it advances once per *applied* optimizer step: a step skipped for overflow leaves
-the learning rate where it was, and the schedule's position (``last_epoch``) counts the updates the weights
-received.
+"""The optimizer and learning-rate schedule of ``optimizer:``: a ``LambdaLR`` over the schedule's LR (the
+optimizer's own ``lr`` is 1.0), wrapped by the trainer with ``dls.skip_aware`` so it advances on applied steps.
 """
 
 from __future__ import annotations

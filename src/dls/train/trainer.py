@@ -1,38 +1,14 @@
-"""The training loop behind ``dls train``: one config in, a trained model, checkpoints, metrics and plots out.
+"""The training loop behind ``dls train``: one config in; a trained model, checkpoints, metrics and plots out.
 
-The trainer uses the library as its users do. Per step: forward (under ``torch.autocast`` for float16/bfloat16,
-or with ``dls.emulate`` hooks for cbfloat16 and ``precision.emulate``), then ``dls.optimizer_step``: scale,
-backward, unscale, clip (``max_gradient_norm``, whose norm pass also gives the logged norm, or
-``max_gradient_value``), the optimizer step (skipped on overflow), ``update()`` and ``zero_grad()``. Whether the
-step was applied is ``scaler.step_was_skipped``; the LR schedule is wrapped with ``dls.skip_aware``, so it advances
-on applied steps only.
-
-Precision beyond autocast (half parameters with float32 master weights, FP8 Linear layers) and the underflow
-measurements are set up by :class:`dls.train.precision.RunPrecision`; the FP8 state is the checkpoint's ``fp8`` entry.
-
-Diagnostics: ``scaler.watch(model)`` runs from the start. A skipped step's metrics row names the first module whose
-gradients overflowed (``overflow_module``, in backward order) and whether the loss was already inf/NaN
-(``forward_overflow``); the stops below name the modules too (:mod:`dls.train.stops`). The watch adds no kernel and,
-on the default path, no read: the report is built only on overflowing steps.
-
-Reads of the device: on a step that is not logged, only what the scaler's own step reads (the overflow flag, once;
-with an optimizer that skips inside its kernel the same flag, read by the scaler's step because a watch is active,
-and remembered for the LR schedule), or, in a run without loss scaling, the flag of the guard described below.
-Logged steps (every ``log_steps``, the first, the last and every skipped step) read the loss, the scale, the
-gradient norm and the count of skipped steps, which ``metrics.jsonl`` and the progress display both show (and
-FP8's statistics, with ``precision.fp8``); ``runconfig.tensorboard`` writes the same rows as events.
-
-Stops with :class:`TrainingStopped` (after writing a checkpoint) when loss scaling cannot help any more: the
-dynamic scale is pinned at its floor (``scaler.get_non_clamped_scale() < scaler.get_scale()``, read after skipped
-steps) on ``max_overflows_at_min_loss_scale`` overflowing steps without a clean step between, a static scale
-overflows that many steps in a row, or, with no loss scaling, gradients are inf/NaN: nothing could skip that step,
-so a step pre-hook refuses it before the optimizer applies it.
-
-Data-parallel (``torchrun``, see :mod:`dls.train.launch`): the model is wrapped in ``DistributedDataParallel``.
-Each rank takes its own strided batches (``data.batch_size`` per rank), ``dls.GradScaler`` agrees on overflow
-across ranks, so every rank skips, stops and checkpoints at the same steps; the logged loss is the mean over
-ranks; rank 0 alone writes checkpoints (of the unwrapped model: they load in a single process and vice versa),
-metrics, plots and the terminal output.
+The trainer uses the library as its users do. Per step: ``grad_accum_steps - 1`` micro-batches whose scaled losses
+are only backpropagated, then the forward pass (``torch.autocast``, or ``dls.emulate`` hooks for cbfloat16) and
+``dls.optimizer_step`` (scale, backward, unscale, clip, the step skipped on overflow, update, zero_grad). The LR
+schedule is wrapped with ``dls.skip_aware``; ``scaler.watch(model)`` names the module where an overflow starts.
+Device reads: on a step that is not logged, only the scaler's own; logged steps (every ``log_steps``, the first,
+the last and every skipped one) read the loss, scale, gradient norm and skipped count. Evaluation (``eval_frequency``:
+every N steps, or a fraction of the run) writes ``eval_loss`` rows. The stops of :mod:`dls.train.stops` raise
+:class:`TrainingStopped` after a checkpoint. Data-parallel under ``torchrun``: DDP, strided batches per rank, rank 0
+alone writes.
 """
 
 from __future__ import annotations
@@ -80,24 +56,7 @@ __all__ = ["TrainResult", "Trainer", "TrainingStopped"]
 
 
 class Trainer:
-    """Builds everything a config describes; :meth:`train` runs it.
-
-    Args:
-        cfg: a validated config (``dls.train.config.load_config`` / ``parse_config``).
-        console: where logs, the progress bar and the summary go (default: a new rich ``Console``).
-        progress: show a progress bar (terminal) or progress lines (otherwise).
-        summary: print the summary table at the end.
-        plot: write ``plots.png`` at the end.
-        config_file: the YAML file the config was read from, if any: it is never overwritten (``model_dir: .``
-            next to it would otherwise replace it by ``config.yaml``).
-
-    ``runconfig.model_dir`` is resolved once; :meth:`train` locks it for the run and writes nothing outside it
-    (see :mod:`dls.train.rundir` and, for resuming, :mod:`dls.train.restore`).
-
-    When ``torch.distributed`` is initialised with several ranks (``dls train`` under ``torchrun``), it trains
-    data-parallel with ``DistributedDataParallel``; only rank 0 writes files or prints. Call :meth:`close` before
-    destroying the process group.
-    """
+    """Builds everything a config describes; :meth:`train` runs it."""
 
     def __init__(
         self,
@@ -192,9 +151,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ data-parallel
     def close(self) -> None:
-        """Data-parallel: when :meth:`train` ended alike on every rank (done, stopped, Ctrl-C), wait for all
-        ranks (so rank 0 finishes its outputs before any rank exits), then release the DDP wrapper, which holds
-        the process group. Nothing to do in a single process."""
+        """Data-parallel: when :meth:`train` ended alike on every rank (done, stopped, Ctrl-C), wait for all ranks
+        (so rank 0 finishes its outputs before any rank exits), then release the DDP wrapper (it holds the process group)."""
         if self.ddp is None:
             return
         if self._ended_together and distributed.is_active():
@@ -208,14 +166,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ run
     def train(self, resume: str | Path | None = None, load_states: Sequence[str] | None = None) -> TrainResult:
-        """Train to ``runconfig.max_steps``; with ``resume`` (a model_dir or a checkpoint file) continue from
-        the checkpoint, loading ``load_states`` (default: ``runconfig.load_checkpoint_states``, else all).
-
-        A directory's newest checkpoint that cannot be read is skipped (said in the log; in place it is renamed
-        ``checkpoint_<step>.mdl.unreadable``); a named checkpoint file that cannot be read raises
-        :class:`~dls.train.errors.CheckpointError`. Where the run may write: :func:`dls.train.restore.check_model_dir`
-        (a refusal raises :class:`~dls.train.errors.ModelDirError` before anything is written). With
-        ``runconfig.num_threads``, torch uses that many CPU threads until this returns."""
+        """Train to ``runconfig.max_steps``; with ``resume`` (a model_dir or a checkpoint file) continue from the
+        checkpoint, loading ``load_states`` (default: ``runconfig.load_checkpoint_states``, else all)."""
         threads = torch.get_num_threads()
         if self.cfg.runconfig.num_threads is not None:
             torch.set_num_threads(self.cfg.runconfig.num_threads)
@@ -505,8 +457,7 @@ class Trainer:
         return state
 
     def _save(self, session_start: float) -> Path:
-        """Checkpoint the current state. Data-parallel: every rank calls it at the same step (it gathers each
-        rank's random-number generators into ``rng_ranks``); rank 0 alone writes."""
+        """Checkpoint the current state."""
         path = ckpt.checkpoint_path(self.model_dir, self.global_step)
         rng_ranks: list[Any] = []
         if self.world_size > 1:
