@@ -310,3 +310,48 @@ def test_autoload_last_checkpoint_continues_in_place_even_with_load_checkpoint_s
     result = again.train()  # the same command again: the run's own checkpoint loads whole
     assert (result.global_step, result.steps_run) == (6, 2)
     assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r][-1] == 6
+
+
+CURRENT_LAYOUT = """
+trainer:
+  init:
+    model_dir: {model_dir}
+    seed: 3
+    backend: {{backend_type: CPU}}
+    model: {{name: mlp, hidden_size: 16, depth: 2}}
+    optimizer:
+      AdamW: {{betas: [0.9, 0.95], weight_decay: 0.01, correct_bias: true}}
+    schedulers:
+    - SequentialLR:
+        schedulers:
+        - LinearLR: {{initial_learning_rate: 0.0, end_learning_rate: 0.01, total_iters: 4}}
+        - ConstantLR: {{learning_rate: 0.01}}
+    precision: {{enabled: true, fp16_type: float16, loss_scaling_factor: dynamic, max_gradient_norm: 1.0}}
+    loop: {{max_steps: 8, eval_frequency: 4, grad_accum_steps: 2}}
+    checkpoint: {{steps: 4}}
+    logging: {{log_steps: 2}}
+    callbacks: [{{ComputeNorm: {{}}}}]
+  fit:
+    train_dataloader: &loader {{dataset: teacher_regression, batch_size: 8, num_samples: 64, num_workers: 2}}
+    val_dataloader: *loader
+"""
+
+
+def test_a_current_layout_config_trains_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "params.yaml"
+    config.write_text(CURRENT_LAYOUT.format(model_dir=tmp_path / "run"))
+    assert main(["train", str(config), "--no_progress"]) == 0
+    out = capsys.readouterr().out
+    assert "note: ignored on this hardware (Cerebras only): trainer.init.callbacks[0].ComputeNorm" in out
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows if "eval_loss" in r] == [4, 8]
+    assert [r["lr"] for r in rows if r.get("step") in (1, 8) and "lr" in r] == pytest.approx([0.0, 0.01])
+    assert all(r["loss_scale"] > 0 for r in rows if "loss" in r)
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint_*.mdl")) == [
+        "checkpoint_4.mdl",
+        "checkpoint_8.mdl",
+    ]
+    # The same command again: autoload_last_checkpoint (Model Zoo's default in this layout) continues the run.
+    config.write_text(CURRENT_LAYOUT.format(model_dir=tmp_path / "run").replace("max_steps: 8", "max_steps: 10"))
+    assert main(["train", str(config), "--no_progress"]) == 0
+    assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r][-1] == 10
