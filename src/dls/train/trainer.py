@@ -152,7 +152,7 @@ class Trainer:
     # ------------------------------------------------------------------ data-parallel
     def close(self) -> None:
         """Data-parallel: when :meth:`train` ended alike on every rank (done, stopped, Ctrl-C), wait for all ranks
-        (so rank 0 finishes its outputs before any rank exits), then release the DDP wrapper (it holds the process group)."""
+        (so rank 0 finishes its outputs first), then release the DDP wrapper (it holds the process group)."""
         if self.ddp is None:
             return
         if self._ended_together and distributed.is_active():
