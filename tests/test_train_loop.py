@@ -355,3 +355,12 @@ def test_a_current_layout_config_trains_end_to_end(tmp_path: Path, capsys: pytes
     config.write_text(CURRENT_LAYOUT.format(model_dir=tmp_path / "run").replace("max_steps: 8", "max_steps: 10"))
     assert main(["train", str(config), "--no_progress"]) == 0
     assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r][-1] == 10
+
+
+def test_num_steps_is_the_steps_of_this_run(tmp_path: Path) -> None:
+    raw = tiny(tmp_path / "run", runconfig={"max_steps": 5, "num_steps": 3})
+    first, _ = make_trainer(raw)
+    assert first.train().global_step == 3
+    again, _ = make_trainer(raw)
+    result = again.train(resume=tmp_path / "run")
+    assert (result.global_step, result.steps_run) == (5, 2)  # three more, but never beyond max_steps

@@ -94,8 +94,7 @@ _PRECISION.update({k: ("optimizer", k) for k in [*SCALER_KEYS, "max_gradient_val
 _PRECISION.update({k: ("precision", k) for k in ("keep_in_float32", "fallback", "emulate", "half_params")})
 _PRECISION.update({k: ("precision", k) for k in ("master_weights", "fp8")})
 _LOOP = {k: ("runconfig", k) for k in ("max_steps", "num_epochs", "steps_per_epoch", "eval_frequency")}
-_LOOP.update({k: ("runconfig", k) for k in ("eval_steps", "grad_accum_steps")})
-_LOOP["num_steps"] = ("runconfig", "max_steps")
+_LOOP.update({k: ("runconfig", k) for k in ("eval_steps", "grad_accum_steps", "num_steps")})
 _CHECKPOINT = {"steps": ("runconfig", "checkpoint_steps")}
 _CHECKPOINT.update({k: ("runconfig", k) for k in ("save_initial_checkpoint", "disable_strict_checkpoint_loading")})
 _CHECKPOINT.update({k: ("runconfig", k) for k in ("autoload_last_checkpoint", "keep_checkpoint_max")})

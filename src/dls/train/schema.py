@@ -204,6 +204,7 @@ class RunConfig(Section):
     max_steps: Annotated[int, INTEGRAL, Bounds(1)] = help_(
         100, "train until this global step (num_epochs instead, when this is not given)"
     )
+    num_steps: Annotated[int, INTEGRAL, Bounds(1)] | None = help_(None, "train this many steps in this run (then stop)")
     num_epochs: Annotated[int, INTEGRAL, Bounds(1, 1 << 20)] | None = help_(
         None, "train this many epochs (when max_steps is not given)"
     )

@@ -224,7 +224,11 @@ class Trainer:
             self.outputs.close()
 
     def _train(self, session_start: float) -> TrainResult:
-        cfg, rc, max_steps = self.cfg, self.cfg.runconfig, self.max_steps
+        cfg, rc = self.cfg, self.cfg.runconfig
+        if rc.num_steps is not None:  # Model Zoo's num_steps: this many steps in this run, within max_steps
+            ends = [self.max_steps] if "max_steps" in rc.model_fields_set or rc.num_epochs else []
+            self.max_steps = min([*ends, self.global_step + rc.num_steps])
+        max_steps = self.max_steps
         for note in cfg.notes:
             self.log(f"note: {note}")
         self.log(describe_run(cfg, self.global_step, self.model_dir, self.world_size, self.device.type, max_steps))
