@@ -42,7 +42,7 @@ from dls.train.errors import (
 from dls.train.launch import init_distributed, shutdown_distributed, torchrun_env
 
 # What the trainer imports beyond torch (the ``train`` extra): import name -> package name.
-TRAIN_EXTRA = {"yaml": "PyYAML", "numpy": "numpy", "rich": "rich", "matplotlib": "matplotlib"}
+TRAIN_EXTRA = {"yaml": "PyYAML", "numpy": "numpy", "rich": "rich", "matplotlib": "matplotlib", "pydantic": "pydantic"}
 INSTALL_HINT = "pip install 'dls[train]'"
 
 DESCRIPTION = """\
