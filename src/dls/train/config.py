@@ -315,7 +315,14 @@ class _Reader:
                 self.put(*moved[key], value, where)
             elif key in CEREBRAS_ONLY:
                 self.ignored.append(where)
-            elif zoo and key not in ("name", "data_processor", "batch_size", "shuffle", "shuffle_seed"):
+            elif zoo and key not in (
+                "name",
+                "data_processor",
+                "batch_size",
+                "shuffle",
+                "shuffle_seed",
+                "drop_last_batch",
+            ):
                 params[key] = value
             elif key in fields and key != "params":
                 self.put(section, key, value, where)
