@@ -1,22 +1,12 @@
-"""Training configs: a YAML file in either Cerebras Model Zoo layout (or dls's own) → a validated
+"""Training configs: YAML in either Cerebras Model Zoo layout (or dls's own) → a validated
 :class:`~dls.train.schema.TrainConfig`.
 
-* Legacy Model Zoo (release <= 2.2) and dls's own configs: top-level ``train_input`` (dls: ``data``),
-  ``eval_input``, ``model``, ``optimizer``, ``runconfig`` (dls: also ``precision``); ``model.mixed_precision`` /
-  ``model.fp16_type`` are ``precision`` keys.
-* Current Model Zoo (2.3+): ``trainer: {init, fit, validate, validate_all}``, mapped key by key onto the same
-  sections (:data:`_INIT`); every error names the key as written.
-
-Reading is safe: regular files only (a FIFO would block), at most 1 MiB, UTF-8, PyYAML's SafeLoader with YAML 1.2
-floats, duplicate keys refused (naming both lines), and YAML aliases expanded into copies (bounded, so an alias
-bomb is refused), so that an override changes only the path it names. Overrides (``-o a.b.c=VALUE``) address keys
-as written; values are YAML. Keys that matter only on Cerebras hardware are accepted and listed once as ignored;
-keys a Model Zoo config leaves out take Model Zoo's defaults, listed once too (``TrainConfig.notes``).
-
-The loss-scaling keys are judged by ``dls.settings.ScalerSettings.cerebras`` (``loss_scaling_factor`` is its
-``loss_scale``, ``initial_loss_scale`` its ``init_scale``; :data:`~dls.train.schema.SCALER_KEYS`), so the config
-accepts exactly what ``GradScaler`` accepts; a run computing in float32 has no loss scaling, and cbfloat16 takes
-only dynamic scaling (as on Cerebras).
+Legacy Model Zoo (<= 2.2) and dls's configs have top-level sections (``train_input``/``data``, ``eval_input``,
+``model``, ``optimizer``, ``runconfig``, dls: ``precision``); the current layout (2.3+) ``trainer: {init, fit, ...}``
+is mapped key by key onto the same sections (:data:`_INIT`), and every error names the key as written. Files are
+read safely (regular files only, 1 MiB, UTF-8, SafeLoader with YAML 1.2 floats, duplicate keys refused, aliases
+expanded into bounded copies). Cerebras-only keys and Model Zoo's defaults are listed once (``TrainConfig.notes``).
+The loss-scaling keys are judged by ``ScalerSettings.cerebras``, so the config accepts what ``GradScaler`` accepts.
 """
 
 from __future__ import annotations
@@ -55,20 +45,9 @@ from dls.train.schema import (
 )
 
 __all__ = [
-    "CHECKPOINT_STATES",
-    "ConfigError",
-    "TrainConfig",
-    "apply_overrides",
-    "describe_keys",
-    "load_config",
-    "load_yaml",
-    "loss_scaling_mode",
-    "parse_checkpoint_states",
-    "parse_config",
-    "read_config",
-    "scaler_settings",
-    "to_dict",
-]
+    "CHECKPOINT_STATES", "ConfigError", "TrainConfig", "apply_overrides", "describe_keys", "load_config", "load_yaml",
+    "loss_scaling_mode", "parse_checkpoint_states", "parse_config", "read_config", "scaler_settings", "to_dict",
+]  # fmt: skip
 
 MAX_CONFIG_NODES = 100_000
 MAX_CONFIG_BYTES = 1 << 20
@@ -102,22 +81,16 @@ _INIT = {"precision": _PRECISION, "loop": _LOOP, "checkpoint": _CHECKPOINT}
 _INIT["logging"] = {"log_steps": ("runconfig", "log_steps"), "log_summaries": ("optimizer", "log_summaries")}
 _RUN_KEYS = ("model_dir", "seed", "device", "num_threads", "tensorboard", "max_overflows_at_min_loss_scale")
 _SCHEDULERS = {"ConstantLR": "Constant", "LinearLR": "Linear", "CosineDecayLR": "CosineDecay"}
-# Model Zoo's defaults where they differ from dls's: (section, key) -> {layout: value}.
-_ZOO_DEFAULTS: dict[tuple[str, str], dict[str, tuple[str, Any]]] = {  # where each layout writes it, and its value
-    ("precision", "fp16_type"): {
-        "legacy": ("model.fp16_type", "float16"),
-        "current": ("precision.fp16_type", "bfloat16"),
-    },
-    ("precision", "mixed_precision"): {
-        "legacy": ("model.mixed_precision", False),
-        "current": ("precision.enabled", True),
-    },
-    ("optimizer", "loss_scaling_factor"): {
-        "legacy": ("optimizer.loss_scaling_factor", 1.0),
-        "current": ("precision.loss_scaling_factor", 1.0),
-    },
+# Model Zoo's defaults where they differ from dls's: (section, key) -> {layout: (where it is written, value)}.
+_ZOO_DEFAULTS: dict[tuple[str, str], dict[str, tuple[str, Any]]] = {
+    ("precision", "fp16_type"):
+        {"legacy": ("model.fp16_type", "float16"), "current": ("precision.fp16_type", "bfloat16")},
+    ("precision", "mixed_precision"):
+        {"legacy": ("model.mixed_precision", False), "current": ("precision.enabled", True)},
+    ("optimizer", "loss_scaling_factor"):
+        {"legacy": ("optimizer.loss_scaling_factor", 1.0), "current": ("precision.loss_scaling_factor", 1.0)},
     ("runconfig", "autoload_last_checkpoint"): {"current": ("checkpoint.autoload_last_checkpoint", True)},
-}
+}  # fmt: skip
 
 
 # ---------------------------------------------------------------------- YAML
@@ -802,7 +775,7 @@ def memory_problem(cfg: TrainConfig) -> str | None:
         count = vocab * h * (1 if p.get("share_embedding_weights", True) else 2) + layers * h * (
             4 * h + mlp * p["filter_size"]
         )
-        need["model.hidden_size"] = 16.0 * count
+        need[cfg.sources.get("model.params", "model") + ".hidden_size"] = 16.0 * count
     elif m.name == "mlp":
         need["model.hidden_size"] = 16.0 * h * (d.input_dim + h * (m.depth - 1) + d.output_dim)
     try:
