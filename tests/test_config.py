@@ -830,3 +830,12 @@ def test_validate_agrees_with_train_on_every_numeric_key(
         err = capsys.readouterr().err
         assert checked in (0, 2) and trained != 4, (value, checked, trained, err)
         assert (checked == 2) == (trained == 2), (value, checked, trained, err)
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_a_model_zoo_config_round_trips_through_the_saved_config(name: str) -> None:
+    """What a run saves (config.yaml, the checkpoint's config) reads back to the same run."""
+    cfg = load_config(MODELZOO / name)
+    again = parse_config(C.to_dict(cfg))
+    same = {"sources", "notes", "layout"}
+    assert again.model_dump(exclude=same) == cfg.model_dump(exclude=same)

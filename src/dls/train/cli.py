@@ -321,7 +321,7 @@ def _validate(args: argparse.Namespace, run: _Run) -> int:
     cfg = load_config(args.config, args.override)
     # The config is judged, not this machine: a data directory or memory this machine lacks is a note.
     here = [*missing_paths(cfg), *filter(None, [memory_problem(cfg)])]
-    if not here and cfg.data.dataset is not None and cfg.eval_data is None:
+    if not here and cfg.data.data_processor is None and (cfg.eval_data is None or cfg.eval_data.data_processor is None):
         _build(cfg, args.config, console=Console(file=io.StringIO()), progress=False, summary=False, plot=False)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
     if loss_scaling_mode(cfg) == "off":
