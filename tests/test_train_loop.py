@@ -284,6 +284,9 @@ def test_model_zoo_names_dispatch_to_dls_train_modelzoo(tmp_path: Path, monkeypa
     losses = [r["loss"] for r in rows if "loss" in r]
     assert losses[-1] < losses[0] and result.eval_loss is not None
     assert [r["step"] for r in rows if "eval_loss" in r] == [6, 12]
+    raw["runconfig"].update(eval_frequency=None, model_dir=str(tmp_path / "again"))
+    make_trainer(raw)[0].train()
+    assert [r["step"] for r in metrics(tmp_path / "again") if "eval_loss" in r] == [12]  # a val loader: at the end
     assert "ignored on this hardware (Cerebras only): eval_input.num_workers" in out.getvalue()
 
 

@@ -253,7 +253,8 @@ class Trainer:
                         self.outputs.write_row(row)
                     self._check_floor(session_start)
                     step = self.global_step
-                    if self.eval_every and (step % self.eval_every == 0 or step == max_steps):
+                    last = step == max_steps and (self.eval_every or self.eval_batches is not None)
+                    if last or (self.eval_every and step % self.eval_every == 0):  # an eval loader: at the end too
                         self._evaluate(step)
                     if rc.checkpoint_steps and step % rc.checkpoint_steps == 0 and step < max_steps:
                         self._save(session_start)
