@@ -330,7 +330,7 @@ class Trainer:
             steps = rc.eval_steps or max(1, source.batches_per_epoch)
             with self.precision.autocast():
                 self.eval_loss = evaluate_batches(self.model, source, steps, self.device, self.precision.to_device)
-            source.epoch, source.position, source._it = 0, 0, None  # every evaluation reads the same batches
+            source.load_state_dict({"epoch": 0, "position": 0})  # every evaluation reads the same batches
         if self.is_main:
             self.outputs.write_row({"step": step, "eval_loss": json_number(self.eval_loss)})
 
