@@ -43,7 +43,7 @@ from dls.train.errors import (
 from dls.train.launch import init_distributed, shutdown_distributed, torchrun_env
 
 # What the trainer imports beyond torch (the ``train`` extra): import name -> package name.
-TRAIN_EXTRA = {"yaml": "PyYAML", "numpy": "numpy", "rich": "rich", "matplotlib": "matplotlib"}
+TRAIN_EXTRA = {"yaml": "PyYAML", "numpy": "numpy", "rich": "rich", "matplotlib": "matplotlib", "pydantic": "pydantic"}
 INSTALL_HINT = "pip install 'dls[train]'"
 
 DESCRIPTION = """\
@@ -324,29 +324,30 @@ def _validate(args: argparse.Namespace, run: _Run) -> int:
     import yaml
     from rich.console import Console
 
-    from dls.train.config import load_config, loss_scaling_mode, scaler_settings, to_dict
+    from dls.train.config import load_config, loss_scaling_mode, memory_problem, missing_paths, scaler_settings, to_dict
 
     cfg = load_config(args.config, args.override)
-    _build(cfg, args.config, console=Console(file=io.StringIO()), progress=False, summary=False, plot=False)
+    # The config is judged, not this machine: a data directory or memory this machine lacks is a note.
+    here = [*missing_paths(cfg), *filter(None, [memory_problem(cfg)])]
+    if not here and cfg.data.data_processor is None and (cfg.eval_data is None or cfg.eval_data.data_processor is None):
+        _build(cfg, args.config, console=Console(file=io.StringIO()), progress=False, summary=False, plot=False)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
     if loss_scaling_mode(cfg) == "off":
         print(f"# loss scaling: off ({cfg.precision.compute_dtype})")
     else:  # null loss-scaling keys above take these defaults
         print(f"# loss scaling: dls.GradScaler.from_settings({scaler_settings(cfg)})")
-    for warning in cfg.warnings:
-        print(f"# warning: {warning}")
+    for note in [*cfg.notes, *(f"on this machine: {line}" for line in here)]:
+        print(f"# note: {note}")
     print(f"# {args.config}: OK")
     return 0
 
 
 def _train(args: argparse.Namespace, run: _Run) -> int:
     from dls.train.checkpoint import load_resume_checkpoint
-    from dls.train.config import apply_overrides, parse_checkpoint_states, parse_config, read_config
+    from dls.train.config import apply_overrides, memory_problem, parse_checkpoint_states, parse_config, read_config
 
     states = None
     if args.load_checkpoint_states is not None:
-        if args.resume is None:
-            raise UsageError("--load_checkpoint_states needs --resume DIR_OR_FILE (the checkpoint to load from)")
         try:
             states = parse_checkpoint_states(args.load_checkpoint_states)
         except ValueError as exc:
@@ -371,6 +372,14 @@ def _train(args: argparse.Namespace, run: _Run) -> int:
         directory = resume.parent if resume.is_file() else resume
         raw = {**raw, "runconfig": {**(section if isinstance(section, dict) else {}), "model_dir": str(directory)}}
     cfg = parse_config(raw, source=source)
+    rc = cfg.runconfig
+    if states is not None and args.resume is None and rc.checkpoint_path is None and not rc.autoload_last_checkpoint:
+        raise UsageError(
+            "--load_checkpoint_states needs a checkpoint to load from: --resume DIR_OR_FILE (or the config's "
+            "trainer.fit.ckpt_path / runconfig.checkpoint_path)"
+        )
+    if (problem := memory_problem(cfg)) is not None:
+        raise MemoryError(problem)
     try:
         owns_group = init_distributed(cfg.runconfig.device)  # under torchrun (WORLD_SIZE > 1)
     except ValueError as exc:  # the device

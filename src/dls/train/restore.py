@@ -46,16 +46,16 @@ from dls.train.config import (
     loss_scaling_mode,
     parse_config,
     scaler_settings,
-    section_keys,
 )
 from dls.train.errors import CheckpointError, ModelDirError
 from dls.train.rundir import entries, resolve_model_dir
+from dls.train.schema import SCALER_KEYS
 
 if TYPE_CHECKING:
     from dls.train.trainer import Trainer
 
 # The settings of the dynamic rule (ScalerSettings attribute -> config key), compared on resume.
-_SETTING_KEYS = {k.scaler: name for name, k in section_keys("optimizer").items() if k.scaler and k.scaling == "dynamic"}
+_SETTING_KEYS = {arg: key for key, arg in SCALER_KEYS.items() if arg not in ("loss_scale", "max_gradient_norm")}
 # Per-parameter state every optimizer family needs once it has stepped.
 _REQUIRED_STATE = {"SGD": ("momentum_buffer",), "Adam": ("step", "exp_avg", "exp_avg_sq")}
 _INT64_MAX = 2**63 - 1
@@ -131,7 +131,8 @@ def restore(trainer: Trainer, path: Path, state: dict[str, Any], states: Sequenc
         floor = _count(extra.get("overflows_at_floor", 0), "trainer.overflows_at_floor", path)
     if "model" in states:
         try:
-            trainer.model.load_state_dict(state["model"])
+            strict = not trainer.cfg.runconfig.disable_strict_checkpoint_loading
+            trainer.model.load_state_dict(state["model"], strict=strict)
         except (RuntimeError, TypeError, ValueError, KeyError, AttributeError) as exc:
             first = str(exc).strip().splitlines()
             raise CheckpointError(
@@ -362,7 +363,7 @@ def scaler_state_to_load(
             )
         return values, lines
     for attribute, config_key in _SETTING_KEYS.items():
-        before, after = (getattr(then, attribute), getattr(now, attribute)) if then is not None else (0, 0)
+        before, after = (getattr(then, attribute, None), getattr(now, attribute, None)) if then else (0, 0)
         if before == after:
             continue
         if attribute == "init_scale":
