@@ -18,13 +18,10 @@ needs the ``train`` extra is imported inside the commands, after checking that t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
-import signal
 import sys
-import threading
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +30,13 @@ from dls.train.errors import (
     ConfigError,
     ExitStatus,
     MissingExtras,
-    Terminated,
     UsageError,
     describe,
     exit_status,
     write_crash_report,
 )
 from dls.train.launch import init_distributed, shutdown_distributed, torchrun_env
+from dls_entry import signals
 
 # What the trainer imports beyond torch (the ``train`` extra): import name -> package name.
 TRAIN_EXTRA = {"yaml": "PyYAML", "numpy": "numpy", "rich": "rich", "matplotlib": "matplotlib"}
@@ -226,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     run = _Run()
     try:
-        with _sigterm_raises():
+        with signals():  # Ctrl-C / SIGTERM raise from here on (dls_entry)
             _require_train_extra()
             if args.command == "keys":
                 from dls.train.config import describe_keys
@@ -237,24 +234,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return command(args, run)
     except (Exception, KeyboardInterrupt) as exc:
         return _report(exc, run)
-
-
-@contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """SIGTERM raises :class:`Terminated` (exit 143) instead of ending the process on the spot; the training loop
-    replaces this by a checkpoint-then-stop handler while it runs."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handle(signum: int, frame: Any) -> None:
-        raise Terminated
-
-    previous = signal.signal(signal.SIGTERM, handle)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _require_train_extra() -> None:

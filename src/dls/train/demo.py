@@ -46,7 +46,7 @@ from dls.train.errors import TrainingStopped
 from dls.train.outputs import CONFIG_FILE, METRICS_FILE, PLOT_FILE
 from dls.train.plots import plot_comparison, read_metrics
 from dls.train.reporting import TrainResult
-from dls.train.rundir import RunDir, open_directory, replace_file, resolve_model_dir
+from dls.train.rundir import RunDir, resolve_model_dir
 from dls.train.trainer import Trainer
 
 DEFAULT_STEPS = 600
@@ -132,9 +132,16 @@ class DemoResult:
 def run_demo(
     out: Path, steps: int = DEFAULT_STEPS, progress: bool = True, console: Console | None = None
 ) -> list[tuple[DemoRun, DemoResult]]:
-    """Train every run of :data:`RUNS` into ``out/<slug>/``, print the comparison, write ``out/demo.png``."""
+    """Train every run of :data:`RUNS` into ``out/<slug>/``, print the comparison, write ``out/demo.png``; ``out``
+    is locked for the whole demo (refused while another run holds it, as a model_dir is)."""
     console = console if console is not None else Console()
-    out.mkdir(parents=True, exist_ok=True)
+    with RunDir(resolve_model_dir(out, "--out"), "--out") as run_dir:
+        return _run_all(run_dir, out, steps, progress, console)
+
+
+def _run_all(
+    run_dir: RunDir, out: Path, steps: int, progress: bool, console: Console
+) -> list[tuple[DemoRun, DemoResult]]:
     console.print(
         f"[bold]dls demo[/]: a 3-layer tanh MLP (32 -> 128 -> 128 -> 128 -> 64) learns a random teacher network; "
         f"Adam, lr 1e-3, batch 128, {steps} steps. The loss is multiplied by {LOSS_WEIGHT:g} (model.loss_weight, "
@@ -153,12 +160,7 @@ def run_demo(
         png,
         title=f"dls demo: MLP regression, loss weight {LOSS_WEIGHT:g}, {steps} steps",
     )
-    plot = out / "demo.png"
-    directory = open_directory(resolve_model_dir(out))
-    try:
-        replace_file(directory, plot.name, png.getbuffer(), shown=plot)
-    finally:
-        os.close(directory)
+    plot = run_dir.replace("demo.png", png.getbuffer())
     console.print(
         "Runs: fp16 = float16 under torch.autocast; 'no scaling' = loss_scaling_factor 1.0 (Model Zoo's value for "
         f"no scaling); 'static {_scale(STATIC_SCALE)}' = a fixed, hand-picked scale; 'fp16 + DLS' = "

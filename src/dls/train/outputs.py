@@ -91,7 +91,8 @@ class RunOutputs:
         try:
             if run_dir.stale:
                 self.log(
-                    f"Taking over the lock of {describe_holder(run_dir.stale)}: that run ended without releasing it"
+                    f"Taking over the lock of {describe_holder(run_dir.stale, held=False)}: that run ended without "
+                    "releasing it"
                 )
             in_place = restore.check_model_dir(self.model_dir, checkpoint, unreadable, states)
             keep = metrics_to_keep(run_dir.read(METRICS_FILE), self.metrics_path, step)  # may refuse

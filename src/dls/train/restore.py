@@ -139,6 +139,14 @@ def restore(trainer: Trainer, path: Path, state: dict[str, Any], states: Sequenc
             raise CheckpointError(f"trainer.elapsed in {path} must be a number of seconds >= 0; got {elapsed!r}")
         floor = _count(extra.get("overflows_at_floor", 0), "trainer.overflows_at_floor", path)
     if "model" in states:
+        if not _finite(state["model"]):
+            broken = (
+                [k for k, v in state["model"].items() if not _finite(v)] if isinstance(state["model"], dict) else []
+            )
+            raise CheckpointError(
+                f"the model in {path} holds inf/NaN values ({', '.join(map(str, broken[:4]))}): resume from an "
+                "earlier checkpoint"
+            )
         try:
             trainer.model.load_state_dict(state["model"])
         except (RuntimeError, TypeError, ValueError, KeyError, AttributeError) as exc:
@@ -244,28 +252,66 @@ def _load_optimizer(trainer: Trainer, path: Path, saved: Any, saved_cfg: TrainCo
             "resume without it (--load_checkpoint_states with every state but optimizer; in the run's own "
             "directory keep global_step) or with the checkpoint's optimizer_type"
         )
+    _check_optimizer_state(saved, optimizer, _REQUIRED_STATE[_family(now)], path)
     try:
         optimizer.load_state_dict(saved)
     except (ValueError, KeyError, RuntimeError, TypeError, AttributeError, IndexError) as exc:
         raise CheckpointError(f"cannot load the optimizer state of {path}: {exc}") from None
-    required = _REQUIRED_STATE[_family(now)]
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            entry = optimizer.state.get(param)
-            if not entry:
-                continue
-            missing = [k for k in required if k not in entry and not (k == "momentum_buffer" and not group["momentum"])]
-            if missing:
-                raise CheckpointError(f"the optimizer state in {path} lacks {', '.join(missing)} for a parameter")
-            for key, value in entry.items():
-                if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
-                    continue
-                if not isinstance(value, torch.Tensor) or (value.dim() > 0 and value.shape != param.shape):
-                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                    raise CheckpointError(
-                        f"the optimizer state in {path} does not fit the model: {key} is {got} for a parameter "
-                        f"of shape {tuple(param.shape)}"
-                    )
+
+
+def _check_optimizer_state(saved: dict[str, Any], optimizer: Any, required: Sequence[str], path: Path) -> None:
+    """Check a saved optimizer state against ``optimizer`` before it is loaded (torch's ``load_state_dict`` checks
+    only the group sizes): every hyperparameter and value finite, each parameter's state of its shape and a
+    floating dtype, ``step`` a count >= 0, the state every parameter of the family needs once it has stepped."""
+    groups, now_groups = saved["param_groups"], optimizer.param_groups
+    if len(groups) != len(now_groups):
+        raise CheckpointError(
+            f"the optimizer state in {path} has {len(groups)} param groups; this run has {len(now_groups)}"
+        )
+    params: dict[Any, tuple[torch.Tensor, dict[str, Any]]] = {}
+    for g, (then, group) in enumerate(zip(groups, now_groups)):
+        ids = then.get("params")
+        if not isinstance(ids, list) or len(ids) != len(group["params"]):
+            raise CheckpointError(f"optimizer.param_groups[{g}].params in {path} does not fit this run's model")
+        for key, value in then.items():
+            if key != "params" and not _finite(value):
+                raise CheckpointError(f"optimizer.param_groups[{g}].{key} in {path} must be finite; got {value!r}")
+        params.update((i, (p, group)) for i, p in zip(ids, group["params"]))
+    for index, entry in saved["state"].items():
+        field = f"optimizer.state[{index!r}]"
+        if index not in params or not isinstance(entry, dict):
+            raise CheckpointError(f"{field} in {path} is not the state of a parameter of this run's optimizer")
+        param, group = params[index]
+        missing = [k for k in required if k not in entry and not (k == "momentum_buffer" and not group["momentum"])]
+        if missing:
+            raise CheckpointError(f"{field} in {path} lacks {', '.join(missing)}")
+        for key, value in entry.items():
+            if key == "step":
+                count = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+                if isinstance(count, bool) or not isinstance(count, (int, float)) or not 0 <= count < math.inf:
+                    raise CheckpointError(f"{field}.step in {path} must be a count >= 0; got {value!r}")
+            elif isinstance(value, torch.Tensor) and (not value.is_floating_point() or value.shape != param.shape):
+                raise CheckpointError(
+                    f"{field}.{key} in {path} is a {value.dtype} tensor of shape {tuple(value.shape)}; this run's "
+                    f"parameter needs a floating-point tensor of shape {tuple(param.shape)}"
+                )
+            if not _finite(value):
+                raise CheckpointError(f"{field}.{key} in {path} holds inf/NaN values")
+    if not _finite(saved.get("master_weights")):
+        raise CheckpointError(f"the master weights (optimizer.master_weights) in {path} hold inf/NaN values")
+
+
+def _finite(value: Any) -> bool:
+    """Whether every number and floating-point tensor in ``value`` (nested in lists, tuples, dicts) is finite."""
+    if isinstance(value, torch.Tensor):
+        return not value.is_floating_point() or bool(torch.isfinite(value).all())
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(_finite(v) for v in value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    return True
 
 
 def _check_scheduler(saved: Any, num_groups: int) -> None:

@@ -73,7 +73,14 @@ from dls.train.reporting import (
     print_summary,
 )
 from dls.train.rundir import check_unlocked, resolve_model_dir
-from dls.train.stops import FloorWatch, NonFiniteGradients, nonfinite_message, refuse_nonfinite_gradients
+from dls.train.stops import (
+    FloorWatch,
+    NonFiniteGradients,
+    nonfinite_message,
+    nonfinite_parameters,
+    nonfinite_weights,
+    refuse_nonfinite_gradients,
+)
 
 __all__ = ["TrainResult", "Trainer", "TrainingStopped"]
 
@@ -160,7 +167,7 @@ class Trainer:
         self.elapsed = 0.0
         # Stops when the scale cannot help.
         repair = "precision.master_weights: true, " if prec.half_params and not prec.master_weights else ""
-        self.floor = FloorWatch(rc.max_overflows_at_min_loss_scale, prec.fp16_type, self.model, repair)
+        self.floor = FloorWatch(rc.max_overflows_at_min_loss_scale, prec.fp16_type, repair)
         self._last_checkpoint: Path | None = None
         self._last_skipped = False
         self._skipped_total: int | None = None  # as last read, on a logged step
@@ -280,6 +287,8 @@ class Trainer:
                         self._save(session_start)
                     if row is not None:
                         display.update(row, self._skipped_total)
+                if self._last_checkpoint != ckpt.checkpoint_path(self.model_dir, self.global_step):  # not saved yet
+                    self._save(session_start)
         except KeyboardInterrupt:
             display.close()
             if self._stop_requested(stop_request) and not stop_request.forced:  # between two steps: consistent
@@ -300,8 +309,6 @@ class Trainer:
         finally:
             display.close()
             self.precision.remove_hooks()
-        if self._last_checkpoint != ckpt.checkpoint_path(self.model_dir, self.global_step):  # not saved yet
-            self._save(session_start)
         result = self._result(start_step, time.perf_counter() - session_start)
         if self.show_summary and self.is_main:
             print_summary(self.console, self.cfg, result)
@@ -449,7 +456,15 @@ class Trainer:
 
     def _save(self, session_start: float) -> Path:
         """Checkpoint the current state. Data-parallel: every rank calls it at the same step (it gathers each
-        rank's random-number generators into ``rng_ranks``); rank 0 alone writes."""
+        rank's random-number generators into ``rng_ranks``); rank 0 alone writes. Weights holding inf/NaN are never
+        written: the run stops (:func:`dls.train.stops.nonfinite_weights`), the newest checkpoint stays the last
+        finite one."""
+        broken = nonfinite_parameters(self.model)
+        if broken:
+            message = nonfinite_weights(
+                self.global_step, broken, self._last_checkpoint, self.model_dir, self.floor.repair
+            )
+            raise TrainingStopped(message, self._last_checkpoint)
         path = ckpt.checkpoint_path(self.model_dir, self.global_step)
         rng_ranks: list[Any] = []
         if self.world_size > 1:
