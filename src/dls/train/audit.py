@@ -85,9 +85,7 @@ def _cycle(batches: Iterable[Batch]) -> Iterator[Batch]:
         yield from batches
 
 
-def audit_formats(
-    model: TrainModel, batches: Batches, formats: Sequence[str], loss_weight: float = 1.0
-) -> AuditResult:
+def audit_formats(model: TrainModel, batches: Batches, formats: Sequence[str], loss_weight: float = 1.0) -> AuditResult:
     """``dls.audit`` of ``model`` on ``batches`` (one pass per batch) for each of ``formats``, every format on the
     same batches in the same order; the loss is ``model.loss(batch) * loss_weight``."""
     stream = _cycle(batches)

@@ -1,16 +1,5 @@
-"""Resuming: where a resumed run may write (:func:`check_model_dir`) and loading a checkpoint into a trainer
-(:func:`restore`), every field checked before use.
-
-Where a run writes (``runconfig.model_dir``, called DIR below; ``SRC`` is the directory of the checkpoint):
-
-* a fresh run (no ``--resume``) refuses a DIR that already holds checkpoints;
-* a resumed run continues *in place* (DIR is SRC) only from SRC's newest readable checkpoint and only when it
-  loads ``global_step``: the run goes on where it stopped (Model Zoo's case of loading every state but
-  ``grad_scaler`` to switch loss scaling on is one). Anything else in place (a rewind to an older checkpoint, a
-  restart at step 0) would overwrite the run's metrics and leave checkpoints of the other history behind, so it
-  is refused;
-* a resumed run with another DIR is a *fork*: DIR must be new or empty, SRC is only read, and the step count
-  continues from the checkpoint's (when ``global_step`` is loaded).
+"""Resuming: loading a checkpoint into a trainer (:func:`restore`), every field checked before use (where a
+resumed run may write: :func:`dls.train.outputs.check_model_dir`).
 
 The checkpoint's FP8 state (``fp8``: delayed scaling's amax histories and scales, ``Fp8Handle.state_dict()``)
 belongs to the model's tensors, so it is loaded with the ``model`` state (as TransformerEngine keeps it in the
@@ -47,8 +36,7 @@ from dls.train.config import (
     scaler_settings,
     section_keys,
 )
-from dls.train.errors import CheckpointError, ModelDirError
-from dls.train.rundir import entries, resolve_model_dir
+from dls.train.errors import CheckpointError
 
 if TYPE_CHECKING:
     from dls.train.trainer import Trainer
@@ -68,56 +56,6 @@ _SETTING_KEYS = {k.scaler: name for name, k in section_keys("optimizer").items()
 # Per-parameter state every optimizer family needs once it has stepped.
 _REQUIRED_STATE = {"SGD": ("momentum_buffer",), "Adam": ("step", "exp_avg", "exp_avg_sq")}
 _INT64_MAX = 2**63 - 1
-
-
-# ---------------------------------------------------------------------- where a run writes
-def check_model_dir(
-    model_dir: Path, checkpoint: Path | None, unreadable: Sequence[tuple[Path, str]], states: Sequence[str]
-) -> bool:
-    """Whether the run may write into ``model_dir`` (resolved) when resuming from ``checkpoint`` (``None``: a
-    fresh run) loading ``states``; ``unreadable`` are the newer checkpoints of its directory that could not be
-    read. Returns whether the run continues in place; raises :class:`ModelDirError` (reading only)."""
-    if checkpoint is None:
-        found = ckpt.list_checkpoints(model_dir)
-        if found:
-            raise ModelDirError(
-                f"runconfig.model_dir {model_dir} already holds checkpoints (latest: step {found[-1][0]}). To "
-                f"continue that run, add --resume {model_dir}; to start over, choose another model_dir "
-                f"(--override runconfig.model_dir=...) or delete {model_dir}."
-            )
-        return False
-    source = resolve_model_dir(checkpoint.parent)
-    if source != model_dir:
-        if any(True for _ in entries(model_dir)):
-            raise ModelDirError(
-                f"runconfig.model_dir {model_dir} is not the directory of the checkpoint ({source}), so this run "
-                f"starts a new run from the checkpoint, and a new run needs a new or empty directory: {model_dir} "
-                f"is not empty. To continue {source} itself, resume it without another model_dir "
-                f"(or with -o runconfig.model_dir={source})."
-            )
-        return False
-    skipped = {p.name for p, _ in unreadable}
-    newer = [p for step, p in ckpt.list_checkpoints(source) if p.name not in skipped and p.name != checkpoint.name]
-    newer = [p for p in newer if _step_of(p) > _step_of(checkpoint)]
-    fork_hint = "load it into a new or empty directory instead: -o runconfig.model_dir=NEW_DIR"
-    if newer:
-        raise ModelDirError(
-            f"{checkpoint} is not the latest checkpoint of {source} ({newer[-1].name} is): continuing in {source} "
-            f"would mix two histories of the run. Continue from the latest with --resume {source}, or {fork_hint}"
-        )
-    if "global_step" not in states:
-        raise ModelDirError(
-            f"loading {', '.join(states)} without global_step restarts at step 0, which in {source} would "
-            f"overwrite the run's metrics and leave its checkpoints behind. Add global_step to continue the run "
-            f"in place, or {fork_hint}"
-        )
-    return True
-
-
-def _step_of(path: Path) -> int:
-    name = path.name
-    digits = name[len("checkpoint_") : -len(".mdl")] if name.startswith("checkpoint_") else ""
-    return int(digits) if digits.isdigit() else -1
 
 
 # ---------------------------------------------------------------------- loading

@@ -200,24 +200,6 @@ def is_same_file(dir_fd: int, name: str, other: Path) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def check_unlocked(path: Path, what: str = "runconfig.model_dir") -> None:
-    """Raise the :class:`ModelDirError` that :class:`RunDir` would raise if another run holds ``path`` now,
-    writing nothing (a shared lock taken and dropped at once): a second run is told that the directory is in use
-    before it reads a directory another run is still writing."""
-    try:
-        fd = os.open(path / LOCK_FILE, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK)
-    except OSError:  # no lock file (or one RunDir will report)
-        return
-    try:
-        if stat.S_ISREG(os.fstat(fd).st_mode):
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise _in_use(path, _read_record(fd), what) from None
-    finally:
-        os.close(fd)
-
-
 def _in_use(path: Path, record: dict[str, Any] | None, what: str) -> ModelDirError:
     return ModelDirError(
         f"{what} {path} is in use by another dls run: {describe_holder(record)}. Wait for it to "
@@ -237,6 +219,7 @@ class RunDir:
         self.path, self.what = path, what
         if path.is_symlink():
             raise ModelDirError(f"{what} {path} is a symbolic link; give the directory it points to")
+        self.created = not path.exists()  # removed again by close() when nothing was written into it
         try:
             path.mkdir(parents=True, exist_ok=True)
         except FileExistsError:
@@ -336,12 +319,16 @@ class RunDir:
         raise FileExistsError(errno.EEXIST, "no free name to set the file aside", str(self.path / name))
 
     def close(self) -> None:
-        """Release the lock (removing the lock file first, so a waiting run cannot lock a file that is gone)."""
+        """Release the lock (removing the lock file first, so a waiting run cannot lock a file that is gone); a
+        directory this created and nothing was written into (a run refused after locking) is removed."""
         if self._lock_fd is not None:
             with contextlib.suppress(OSError):
                 os.unlink(LOCK_FILE, dir_fd=self.fd)
             os.close(self._lock_fd)
             self._lock_fd = None
+            if self.created:
+                with contextlib.suppress(OSError):  # not empty: kept
+                    os.rmdir(self.path)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -72,7 +72,7 @@ from dls.train.reporting import (
     json_number,
     print_summary,
 )
-from dls.train.rundir import check_unlocked, resolve_model_dir
+from dls.train.rundir import resolve_model_dir
 from dls.train.stops import (
     FloorWatch,
     NonFiniteGradients,
@@ -209,7 +209,7 @@ class Trainer:
 
         A directory's newest checkpoint that cannot be read is skipped (said in the log; in place it is renamed
         ``checkpoint_<step>.mdl.unreadable``); a named checkpoint file that cannot be read raises
-        :class:`~dls.train.errors.CheckpointError`. Where the run may write: :func:`dls.train.restore.check_model_dir`
+        :class:`~dls.train.errors.CheckpointError`. Where the run may write: :func:`dls.train.outputs.check_model_dir`
         (a refusal raises :class:`~dls.train.errors.ModelDirError` before anything is written). With
         ``runconfig.num_threads``, torch uses that many CPU threads until this returns."""
         threads = torch.get_num_threads()
@@ -228,33 +228,35 @@ class Trainer:
         states = tuple(load_states or self.cfg.runconfig.load_checkpoint_states or CHECKPOINT_STATES)
         path: Path | None = None
         unreadable: list[tuple[Path, str]] = []
-        run_on_rank0(lambda: check_unlocked(self.model_dir), self.rank, self.world_size)
-        if resume is not None:
-            path, state, unreadable = ckpt.load_resume_checkpoint(resume)
-            for bad, reason in unreadable:
-                self.log(f"Skipping {bad}: {reason}")
-            restore.check_model_dir(self.model_dir, path, unreadable, states)
-            restore.restore(self, path, state, states)
-            del state
-        else:
-            restore.check_model_dir(self.model_dir, None, [], ())
 
-        def open_outputs() -> None:
+        def lock() -> None:  # first: nothing of model_dir is read before its lock is held
             try:
-                self.outputs.open(
-                    checkpoint=path,
+                self.outputs.lock()
+            finally:
+                self.crash_dir = self.model_dir if self.outputs.locked else None
+
+        run_on_rank0(lock, self.rank, self.world_size)
+        try:
+            state = None
+            if resume is not None:
+                path, state, unreadable = ckpt.load_resume_checkpoint(resume)
+                for bad, reason in unreadable:
+                    self.log(f"Skipping {bad}: {reason}")
+            run_on_rank0(lambda: self.outputs.check(path, unreadable, states), self.rank, self.world_size)
+            if path is not None and state is not None:
+                restore.restore(self, path, state, states)
+                del state
+            run_on_rank0(
+                lambda: self.outputs.open(
                     unreadable=unreadable,
-                    states=states,
                     step=self.global_step,
                     config=to_dict(self.cfg),
                     config_file=self.config_file,
                     tensorboard=self.cfg.runconfig.tensorboard,
-                )
-            finally:
-                self.crash_dir = self.model_dir if self.outputs.locked else None
-
-        run_on_rank0(open_outputs, self.rank, self.world_size)
-        try:
+                ),
+                self.rank,
+                self.world_size,
+            )
             return self._train(session_start)
         finally:
             self.outputs.close()
