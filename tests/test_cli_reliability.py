@@ -259,3 +259,26 @@ def test_a_full_disk_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytes
         monkeypatch.undo()
         assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path / name)
         assert sorted(os.listdir(tmp_path)) == [rundir.LOCK_FILE]
+
+
+# ---------------------------------------------------------------------- adversarial: read-only media
+def test_a_run_on_read_only_media_is_exit_3_naming_the_path_and_changes_nothing(
+    finished: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Resuming in place on a read-only file system (EROFS; root ignores permission bits, so the file system's
+    answer is simulated): exit 3 naming the path, and the run is as it was."""
+    run = copy_of(finished, tmp_path)
+    before = snapshot(run)
+    real_open = os.open
+
+    def read_only(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    assert main(["train", "--resume", str(run), "--no_progress", "-o", "runconfig.max_steps=6"]) == 3
+    err = one_line(capsys.readouterr().err)
+    assert f"{run / rundir.LOCK_FILE}: Read-only file system" in err
+    monkeypatch.undo()
+    assert snapshot(run) == before
