@@ -1,18 +1,10 @@
 """The ``dls`` command: ``dls train``, ``dls demo``, ``dls audit``, ``dls validate``, ``dls keys``.
 
-Exit status (one map, :func:`dls.train.errors.exit_status`): 0 success; 1 training stopped because loss scaling
-cannot help (state checkpointed first); 2 bad input: config, command line, checkpoint, a model_dir refused or
-locked by another run, the ``train`` extra missing; 3 the environment failed (a file or directory cannot be read
-or written, disk full, out of memory); 4 internal error (traceback written to a file, which the message names);
-130 Ctrl-C and 143 SIGTERM (both after checkpointing the last finished step). Every message is one
-``dls: ...`` line on stderr (a config's problems are listed below it), without a traceback.
-
-Data-parallel: ``torchrun --nproc_per_node=2 -m dls.train.cli train CONFIG.yaml`` (or ``python -m
-torch.distributed.run ... -m dls.train.cli ...``, or ``torchrun ... $(which dls) train ...``); under torchrun
-only rank 0 prints, and torchrun itself exits 1 whenever a rank fails: the code is in rank 0's message.
-
-This module imports the standard library, ``dls.train.errors`` and ``dls.train.launch`` only; everything that
-needs the ``train`` extra is imported inside the commands, after checking that the extra is installed.
+Its entry point is ``dls_entry.main`` (the SIGINT/SIGTERM handler first); exit statuses: :mod:`dls.train.errors`.
+Every message is one ``dls: ...`` line on stderr (a config's problems are listed below it), without a traceback.
+Data-parallel: ``torchrun --nproc_per_node=2 -m dls.train.cli train CONFIG.yaml`` (or ``torchrun ... $(which dls)
+train ...``); only rank 0 prints. This module imports the standard library, ``dls.train.errors`` and
+``dls.train.launch`` only; what needs the ``train`` extra is imported inside the commands, after checking it.
 """
 
 from __future__ import annotations
@@ -92,10 +84,11 @@ and every skipped step, which also names overflow_module = the first module whos
 in backward order, and forward_overflow = whether the loss was already inf/NaN), plots.png, config.yaml
 (the resolved config; never over the input CONFIG), tensorboard/ (with runconfig.tensorboard: true; view
 with tensorboard --logdir DIR).
-exit status: 0 done; 1 stopped because loss scaling cannot help (checkpointed first); 2 bad config, usage,
-checkpoint, model_dir refused or locked, 'train' extra missing; 3 I/O or environment (unwritable model_dir,
-disk full); 4 internal error (traceback in a file named in the message); 130 Ctrl-C, 143 SIGTERM (both
-checkpoint first). Under torchrun only rank 0 prints, and torchrun exits 1 if any rank fails.
+exit status: 0 done; 1 stopped because loss scaling cannot help (checkpointed first) or the weights became
+inf/NaN (the newest checkpoint is the last finite one); 2 bad config, usage, checkpoint, model_dir refused or
+locked, 'train' extra missing; 3 I/O or environment (unwritable model_dir, disk full, out of memory); 4
+internal error (traceback in a file named in the message); 130 Ctrl-C, 143 SIGTERM (both checkpoint first).
+Under torchrun only rank 0 prints, and torchrun exits 1 if any rank fails.
 
 data-parallel (DDP, the same YAML; gloo on CPU, NCCL with one GPU per rank):
   torchrun --nproc_per_node=2 -m dls.train.cli train configs/mlp_fp16_dls.yaml

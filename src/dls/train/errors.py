@@ -5,7 +5,8 @@ command (:func:`exit_status`).
 code  meaning
 ====  ==========================================================================================================
 0     done
-1     stopped because loss scaling cannot help (:class:`TrainingStopped`; the state was checkpointed first)
+1     stopped because loss scaling cannot help (:class:`TrainingStopped`; the state was checkpointed first), or
+      because the weights became inf/NaN (no checkpoint of them: the newest is the last finite one)
 2     the input is wrong: config, command line, checkpoint, model_dir refused or locked by another run, missing
       ``train`` extra (message names the key, path or holder; nothing was written)
 3     the environment failed: a file or directory cannot be read or written (model_dir is a file, no permission,

@@ -11,9 +11,7 @@ following a symbolic link.
   fsync-ed and renamed over the final name (``os.replace``, which replaces a symbolic link itself, never its
   target). Readers see the old file or the new one, never a part.
 * ``metrics.jsonl`` is rewritten that way once, then kept open as one append handle (:meth:`RunDir.open_log`).
-* Streams that are only ever appended to (TensorBoard's event files) are new files created exclusively, never
-  through a link, in a subdirectory the run creates or opens without following a link
-  (:meth:`RunDir.subdirectory`, :func:`create_file`), and written through the one handle that created them.
+* A subdirectory (TensorBoard's) is created or opened without following a link (:meth:`RunDir.subdirectory`).
 
 POSIX only (Linux, macOS): it relies on ``flock``, ``O_NOFOLLOW`` and ``dir_fd``. On NFS, Linux emulates
 ``flock`` with byte-range locks, which work across hosts.
@@ -156,20 +154,6 @@ def _replace_file(dir_fd: int, name: str, data: bytes | memoryview, keep_open: b
         return f
     f.close()
     return None
-
-
-def create_file(dir_fd: int, name: str, *, shown: Path | None = None) -> IO[bytes]:
-    """A new file ``name`` in ``dir_fd``, created exclusively and never through a link, open for appending
-    (unbuffered writes go straight to it). ``FileExistsError`` when the name is taken; ``shown``: the path an
-    ``OSError`` names."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | _NOFOLLOW | _CLOEXEC
-    try:
-        fd = os.open(name, flags, 0o644, dir_fd=dir_fd)
-    except OSError as exc:
-        if shown is not None:
-            exc.filename = str(shown)
-        raise
-    return os.fdopen(fd, "ab")
 
 
 def read_file(dir_fd: int, name: str) -> bytes | None:
