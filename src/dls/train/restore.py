@@ -77,10 +77,10 @@ def restore(trainer: Trainer, path: Path, state: dict[str, Any], states: Sequenc
             raise CheckpointError(f"trainer.elapsed in {path} must be a number of seconds >= 0; got {elapsed!r}")
         floor = _count(extra.get("overflows_at_floor", 0), "trainer.overflows_at_floor", path)
     if "model" in states:
-        if not _finite(state["model"]):
-            broken = (
-                [k for k, v in state["model"].items() if not _finite(v)] if isinstance(state["model"], dict) else []
-            )
+        weights = {n for n, _ in trainer.model.named_parameters()}  # buffers may hold inf by design (masks)
+        saved = state["model"] if isinstance(state["model"], dict) else {}
+        broken = [k for k, v in saved.items() if k in weights and not _finite(v)]
+        if broken:
             raise CheckpointError(
                 f"the model in {path} holds inf/NaN values ({', '.join(map(str, broken[:4]))}): resume from an "
                 "earlier checkpoint"

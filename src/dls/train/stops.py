@@ -86,8 +86,9 @@ def nonfinite_message(
 
 
 def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
-    """Names of ``model``'s floating-point parameters and buffers holding inf/NaN (one read of the device)."""
-    named = [(n, t) for n, t in model.state_dict().items() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    """Names of ``model``'s floating-point parameters holding inf/NaN (one read of the device; buffers, such as a
+    mask of -inf, may hold them by design)."""
+    named = [(n, t) for n, t in model.named_parameters() if t.is_floating_point()]
     if not named:
         return []
     finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist()
