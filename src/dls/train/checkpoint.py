@@ -23,12 +23,8 @@ sets them aside. A file that parses but is not what this dls may load (a later f
 checkpoint; and, checked by ``dls.train.restore``, non-finite or ill-fitting state) is *refused*: a
 :class:`CheckpointError` naming the file and what is wrong, and nothing in the directory changes.
 
-Atomic write: the bytes go to a new hidden temporary file in the same directory (created exclusively, never
-through a symbolic link), which is flushed and fsync-ed, then renamed over the final name with ``os.replace``
-(atomic on POSIX and Windows) and the directory fsync-ed. A crash at any point leaves either the old set of
-checkpoints or the new one complete, never a truncated ``checkpoint_<step>.mdl``; a leftover temporary file is
-ignored and removed by the next save. Resuming a directory whose newest checkpoint is unreadable anyway (a disk
-error, a truncated copy) goes back to the newest readable one (:func:`load_resume_checkpoint`).
+Written atomically (``dls.train.rundir.replace_file``): a crash leaves the old set of checkpoints or the new one,
+never a truncated ``checkpoint_<step>.mdl``; the next save removes a leftover temporary file.
 """
 
 from __future__ import annotations

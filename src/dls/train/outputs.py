@@ -18,14 +18,11 @@ Rank 0 alone writes, while it holds the directory's lock (``dls.train.rundir``);
 once up to the step the run starts from (a crash may have left rows a checkpoint does not cover), then appended to
 through one handle, a row flushed before the next step runs.
 
-TensorBoard: torch's ``SummaryWriter`` writes each session's event file into ``tensorboard/``, which the run
-creates (or reuses) inside the locked model_dir without following a link (a link named ``tensorboard`` is refused)
-and which must be the run owner's and writable by no one else, so no one else can put a link in it. The writer is
-given the directory's descriptor (``/proc/self/fd/N`` on Linux), so the resolved path is not looked up again.
-A resumed session starts with TensorBoard's purge marker (``purge_step``) at its first step, so the events a
-crashed session wrote after its last checkpoint are hidden, as its metrics rows are dropped. Every numeric value
-of a row is a scalar under its metrics name (``loss``, ``loss_scale``, ``skipped`` as 0/1, ``grad_norm``, ``lr``,
-...) at ``step``, flushed with the row.
+TensorBoard: torch's ``SummaryWriter`` writes each session's event file into ``tensorboard/``, opened without
+following a link (a link there is refused), the run owner's and writable by no one else (so no one else can plant
+a link in it), and given to the writer as the descriptor's path (``/proc/self/fd/N`` on Linux). A resumed session
+purges (``purge_step``) the events a crashed session wrote after its checkpoint, as its metrics rows are dropped.
+Each numeric value of a row is a scalar under its metrics name at ``step``, flushed with the row.
 """
 
 from __future__ import annotations
