@@ -282,3 +282,16 @@ def test_a_run_on_read_only_media_is_exit_3_naming_the_path_and_changes_nothing(
     assert f"{run / rundir.LOCK_FILE}: Read-only file system" in err
     monkeypatch.undo()
     assert snapshot(run) == before
+
+
+# ---------------------------------------------------------------------- TensorBoard through SummaryWriter
+def test_tensorboard_refuses_a_directory_others_can_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Others could plant a link where SummaryWriter reopens its event file: refused before anything is written
+    (exit 2, naming the directory)."""
+    events = tmp_path / "run" / "tensorboard"
+    events.mkdir(parents=True)
+    events.chmod(0o777)
+    config = write_config(tmp_path / "c.yaml", tiny(tmp_path / "run", runconfig={"max_steps": 2, "tensorboard": True}))
+    assert main(["train", config, "--no_progress"]) == 2
+    assert str(events) in one_line(capsys.readouterr().err)
+    assert os.listdir(tmp_path / "run") == ["tensorboard"] and os.listdir(events) == []

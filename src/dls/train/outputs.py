@@ -102,6 +102,8 @@ class RunOutputs:
         session's event file."""
         run_dir = self.run_dir
         assert run_dir is not None, "open() follows lock()"
+        if tensorboard:  # checked before anything is written
+            self._events_fd = self._events_dir(run_dir)
         keep = metrics_to_keep(run_dir.read(METRICS_FILE), self.metrics_path, step)  # may refuse
         remove_temporaries(run_dir.fd, tuple(f".{name}." for name in (METRICS_FILE, PLOT_FILE, CONFIG_FILE)))
         for bad, _ in unreadable if self.in_place else []:  # out of the way of this run's checkpoints and rotation
@@ -112,21 +114,23 @@ class RunOutputs:
             self.log(f"{self.model_dir / CONFIG_FILE} is the input config: left as it is")
         else:
             run_dir.replace(CONFIG_FILE, yaml.safe_dump(config, sort_keys=False).encode())
-        if tensorboard:
-            self._open_events(run_dir, step)
+        if self._events_fd is not None:
+            from torch.utils.tensorboard import SummaryWriter
 
-    def _open_events(self, run_dir: RunDir, step: int) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+            proc = Path(f"/proc/self/fd/{self._events_fd}")
+            log_dir = proc if proc.is_dir() else self.model_dir / TENSORBOARD_DIR
+            self.events = SummaryWriter(str(log_dir), purge_step=step + 1 if step else None, flush_secs=3600)
 
-        fd = self._events_fd = run_dir.subdirectory(TENSORBOARD_DIR)
+    def _events_dir(self, run_dir: RunDir) -> int:
+        """A descriptor of ``tensorboard/`` (see the module docstring for what it must be)."""
+        fd = run_dir.subdirectory(TENSORBOARD_DIR)
         info = os.fstat(fd)
         if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            os.close(fd)
             raise ModelDirError(
                 f"{self.model_dir / TENSORBOARD_DIR} is writable by others than this run's user: move it away"
             )
-        proc = Path(f"/proc/self/fd/{fd}")
-        log_dir = proc if proc.is_dir() else self.model_dir / TENSORBOARD_DIR
-        self.events = SummaryWriter(str(log_dir), purge_step=step + 1 if step else None, flush_secs=3600)
+        return fd
 
     def write_row(self, row: dict[str, Any]) -> None:
         """Append one metrics row (on disk before this returns)."""
