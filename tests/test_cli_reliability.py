@@ -295,3 +295,19 @@ def test_tensorboard_refuses_a_directory_others_can_write(tmp_path: Path, capsys
     assert main(["train", config, "--no_progress"]) == 2
     assert str(events) in one_line(capsys.readouterr().err)
     assert os.listdir(tmp_path / "run") == ["tensorboard"] and os.listdir(events) == []
+
+
+def test_a_link_named_like_a_checkpoint_is_never_resumed_from(
+    finished: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A planted ``checkpoint_99.mdl`` link to another run's checkpoint would make the resume load that run."""
+    other = tmp_path / "other.mdl"
+    state = ckpt.load_checkpoint(finished / "checkpoint_4.mdl")
+    torch.save({**state, "global_step": 99}, other)
+    run = copy_of(finished, tmp_path)
+    (run / "checkpoint_99.mdl").symlink_to(other)
+    args = ["train", "--resume", str(run), "--no_progress", "-o", "runconfig.max_steps=8"]
+    assert main([*args, "runconfig.keep_checkpoint_max=2"]) == 0
+    assert "Loading " + str(run / "checkpoint_4.mdl") in capsys.readouterr().out
+    assert [s for s, _ in ckpt.list_checkpoints(run)] == [6, 8]  # rotation counts real checkpoints only
+    assert ckpt.load_checkpoint(other)["global_step"] == 99  # the link's target is untouched

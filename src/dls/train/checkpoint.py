@@ -34,6 +34,7 @@ import io
 import os
 import random
 import re
+import stat
 import warnings
 from pathlib import Path
 from typing import Any
@@ -74,14 +75,16 @@ def checkpoint_path(model_dir: str | Path, step: int) -> Path:
 
 
 def list_checkpoints(model_dir: str | Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every complete checkpoint in ``model_dir``, oldest first."""
+    """``(step, path)`` of every complete checkpoint in ``model_dir``, oldest first. A symbolic link under a
+    checkpoint's name is not one (it may point at another run's file): never resumed from, replaced when the run
+    writes that step."""
     directory = Path(model_dir)
     if not directory.is_dir():
         return []
     found = []
     for entry in directory.iterdir():
         match = _NAME_RE.match(entry.name)
-        if match and entry.is_file():
+        if match and entry.is_file() and not entry.is_symlink():
             found.append((int(match.group(1)), entry))
     return sorted(found)
 
@@ -135,7 +138,11 @@ def save_checkpoint(
     torch.save({"format": FORMAT, "format_version": FORMAT_VERSION, **state}, buffer)
     replace_file(dir_fd, final.name, buffer.getbuffer(), shown=final)
     if keep is not None:
-        steps = sorted((int(m.group(1)), n) for n in os.listdir(dir_fd) if (m := _NAME_RE.match(n)))
+        steps = sorted(
+            (int(m.group(1)), n)
+            for n in os.listdir(dir_fd)
+            if (m := _NAME_RE.match(n)) and stat.S_ISREG(os.stat(n, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        )  # a link is not a checkpoint: it does not push a real one out
         for _, name in steps[:-keep]:
             if name != final.name:
                 with contextlib.suppress(OSError):
