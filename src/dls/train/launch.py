@@ -1,13 +1,10 @@
-"""How a run is launched, works across ranks and is stopped: the device, ``torchrun``'s environment and process
-group, what the trainer does through that group, and the signals that ask a run to stop.
+"""How a run is launched and works across ranks: the device, ``torchrun``'s environment and process group
+(:func:`init_distributed`: gloo on CPU, NCCL with one GPU per rank), ``DistributedDataParallel``
+(:func:`wrap_data_parallel`), sums over ranks, what rank 0 alone does (:func:`run_on_rank0`), and the stop
+request of Ctrl-C / SIGTERM (:class:`StopRequest`, through ``dls_entry``'s one handler).
 
-Data-parallel: under ``torchrun --nproc_per_node=2 -m dls.train.cli train CONFIG.yaml`` (same YAML; gloo on CPU,
-NCCL with one GPU per rank) ``dls train`` initialises ``torch.distributed`` (:func:`init_distributed`) and the
-trainer wraps the model in ``DistributedDataParallel`` (:func:`wrap_data_parallel`), sums its logged values over the
-ranks (:func:`sum_over_ranks`) and does what only rank 0 does through :func:`run_on_rank0`.
-
-Imports torch, ``dls.train.errors`` and the standard library only: the ``dls`` command uses :func:`torchrun_env`
-before it knows whether the ``train`` extra is installed.
+Imports torch, ``dls_entry``, ``dls.train.errors`` and the standard library only (the ``dls`` command uses
+:func:`torchrun_env` before it knows whether the ``train`` extra is installed).
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Resuming: loading a checkpoint into a trainer (:func:`restore`), every field checked before use (where a
 resumed run may write: :func:`dls.train.outputs.check_model_dir`).
 
-The checkpoint's FP8 state (``fp8``: delayed scaling's amax histories and scales, ``Fp8Handle.state_dict()``)
-belongs to the model's tensors, so it is loaded with the ``model`` state (as TransformerEngine keeps it in the
-module's state dict), when the checkpoint's recipe is the config's; a checkpoint without it (no FP8, or written
-before FP8 existed) or of another recipe leaves FP8 scaling to start fresh, and says so. With
-``precision.half_params`` the optimizer state holds the float32 master weights (``dls.master_weights``), so loading
-``optimizer`` restores them bit for bit; a state without masters takes them from the loaded model.
+FP8 state (``fp8``) is loaded with ``model`` when the checkpoint's recipe is the config's (else FP8 scaling starts
+fresh, said in the log). With ``precision.half_params`` the ``optimizer`` state holds the float32 master weights,
+restored bit for bit; a state without masters takes them from the loaded model.
 
-The checkpoint's loss-scaling state: the config (YAML and overrides) defines the scaler's mode and settings; the
-checkpoint contributes only its dynamic state (:data:`DYNAMIC_STATE_KEYS`), and each difference between the
-checkpoint's scaling and the config's is logged in one line. From static to dynamic scaling the scale starts
-from the config's initial scale, from dynamic to static it is the config's static scale, and a changed static
-scale takes effect; the count of skipped steps always carries over.
+Loss scaling: the config (YAML and overrides) defines the scaler's mode and settings; the checkpoint contributes
+only its dynamic state (:data:`DYNAMIC_STATE_KEYS`), each difference logged in one line. Static to dynamic starts
+from the config's initial scale, dynamic to static uses the config's scale; skipped steps always carry over.
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """When a run stops because loss scaling cannot help, and what it tells the user (:class:`TrainingStopped`, exit
-status 1, always after a checkpoint).
+status 1, always after a checkpoint of finite weights).
 
-* Dynamic scaling: the scale is pinned at its floor, i.e. the rule wanted to go below ``min_loss_scale``
-  (``scaler.get_non_clamped_scale() < scaler.get_scale()``, Model Zoo's test), and the gradients overflowed on
-  ``max_overflows_at_min_loss_scale`` such steps without a clean step between. Skipped steps that did not back off
-  (``hysteresis``, ``overflow_tolerance``) neither count nor reset the count.
-* Static scaling: that many consecutive overflowing steps (a static scale never comes down).
-* No loss scaling (float32, bfloat16 by default): one step with inf/NaN gradients. Nothing would skip it, so
-  :func:`refuse_nonfinite_gradients`, an optimizer step pre-hook, refuses it before the optimizer applies it.
+* Dynamic scaling: the scale is pinned at its floor (``scaler.get_non_clamped_scale() < scaler.get_scale()``, Model
+  Zoo's test) and the gradients overflowed on ``max_overflows_at_min_loss_scale`` such steps without a clean step
+  between (skipped steps that did not back off neither count nor reset the count).
+* Static scaling: that many consecutive overflowing steps. No loss scaling: one step with inf/NaN gradients,
+  refused by :func:`refuse_nonfinite_gradients` before the optimizer applies it.
+* Weights that became inf/NaN (an applied step broke them): never checkpointed (:func:`nonfinite_weights`).
 
-Each message says where the overflow started, from the trainer's ``scaler.watch(model)``
-(:class:`~dls.diagnostics.OverflowReport`, built only on overflowing steps): the first module in backward order whose
-parameters' gradients were inf/NaN, in how many of the counted steps, the other modules with inf/NaN gradients, and
-whether the loss was already inf/NaN before scaling. In that last case the forward pass overflowed and no loss
-scale can fix it: the advice is then a format with more range (bfloat16 or cbfloat16 instead of float16) and
-``dls audit``, which names the first module whose output exceeds each format.
+Each message says where the overflow started (the trainer's ``scaler.watch(model)`` reports: the first module in
+backward order with inf/NaN gradients, the others, and whether the loss was already inf/NaN: then the forward pass
+overflowed, and the advice is a format with more range and ``dls audit``).
 """
 
 from __future__ import annotations
