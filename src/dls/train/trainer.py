@@ -49,8 +49,15 @@ from dls.train.reporting import (
     json_number,
     print_summary,
 )
-from dls.train.rundir import check_unlocked, resolve_model_dir
-from dls.train.stops import FloorWatch, NonFiniteGradients, nonfinite_message, refuse_nonfinite_gradients
+from dls.train.rundir import resolve_model_dir
+from dls.train.stops import (
+    FloorWatch,
+    NonFiniteGradients,
+    nonfinite_message,
+    nonfinite_parameters,
+    nonfinite_weights,
+    refuse_nonfinite_gradients,
+)
 
 __all__ = ["TrainResult", "Trainer", "TrainingStopped"]
 
@@ -130,7 +137,7 @@ class Trainer:
         self.elapsed = 0.0
         # Stops when the scale cannot help.
         repair = "precision.master_weights: true, " if prec.half_params and not prec.master_weights else ""
-        self.floor = FloorWatch(rc.max_overflows_at_min_loss_scale, prec.fp16_type, self.model, repair)
+        self.floor = FloorWatch(rc.max_overflows_at_min_loss_scale, prec.fp16_type, repair)
         self._last_checkpoint: Path | None = None
         self._last_skipped = False
         self._skipped_total: int | None = None  # as last read, on a logged step
@@ -166,8 +173,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ run
     def train(self, resume: str | Path | None = None, load_states: Sequence[str] | None = None) -> TrainResult:
-        """Train to ``runconfig.max_steps``; with ``resume`` (a model_dir or a checkpoint file) continue from the
-        checkpoint, loading ``load_states`` (default: ``runconfig.load_checkpoint_states``, else all)."""
+        """Train to ``runconfig.max_steps``; with ``resume`` (a model_dir or a checkpoint file) continue from
+        the checkpoint, loading ``load_states`` (default: ``runconfig.load_checkpoint_states``, else all).
+
+        A directory's newest checkpoint that cannot be read is skipped (said in the log; in place it is renamed
+        ``checkpoint_<step>.mdl.unreadable``); a named checkpoint file that cannot be read raises
+        :class:`~dls.train.errors.CheckpointError`. Where the run may write: :func:`dls.train.outputs.check_model_dir`
+        (a refusal raises :class:`~dls.train.errors.ModelDirError` before anything is written). With
+        ``runconfig.num_threads``, torch uses that many CPU threads until this returns."""
         threads = torch.get_num_threads()
         if self.cfg.runconfig.num_threads is not None:
             torch.set_num_threads(self.cfg.runconfig.num_threads)
@@ -185,40 +198,42 @@ class Trainer:
         states = tuple(load_states or CHECKPOINT_STATES)
         path: Path | None = None
         unreadable: list[tuple[Path, str]] = []
-        run_on_rank0(lambda: check_unlocked(self.model_dir), self.rank, self.world_size)
-        if resume is None and rc.checkpoint_path is not None:  # trainer.fit.ckpt_path / runconfig.checkpoint_path
-            resume = rc.checkpoint_path
-        if resume is None and rc.autoload_last_checkpoint and ckpt.list_checkpoints(self.model_dir):
-            resume = self.model_dir  # the same command again continues the run (the --resume DIR rules)
-        if resume is not None:
-            path, state, unreadable = ckpt.load_resume_checkpoint(resume)
-            # LoadCheckpointStates applies to another run's checkpoint; the run's own load whole.
-            if load_states is None and rc.load_checkpoint_states and path.parent.resolve() != self.model_dir:
-                states = rc.load_checkpoint_states
-            for bad, reason in unreadable:
-                self.log(f"Skipping {bad}: {reason}")
-            restore.check_model_dir(self.model_dir, path, unreadable, states)
-            restore.restore(self, path, state, states)
-            del state
-        else:
-            restore.check_model_dir(self.model_dir, None, [], ())
 
-        def open_outputs() -> None:
+        def lock() -> None:  # first: nothing of model_dir is read before its lock is held
             try:
-                self.outputs.open(
-                    checkpoint=path,
+                self.outputs.lock()
+            finally:
+                self.crash_dir = self.model_dir if self.outputs.locked else None
+
+        run_on_rank0(lock, self.rank, self.world_size)
+        try:
+            state = None
+            if resume is None and rc.checkpoint_path is not None:  # trainer.fit.ckpt_path / runconfig.checkpoint_path
+                resume = rc.checkpoint_path
+            if resume is None and rc.autoload_last_checkpoint and ckpt.list_checkpoints(self.model_dir):
+                resume = self.model_dir  # the same command again continues the run (the --resume DIR rules)
+            if resume is not None:
+                path, state, unreadable = ckpt.load_resume_checkpoint(resume)
+                # LoadCheckpointStates applies to another run's checkpoint; the run's own load whole.
+                if load_states is None and rc.load_checkpoint_states and path.parent.resolve() != self.model_dir:
+                    states = rc.load_checkpoint_states
+                for bad, reason in unreadable:
+                    self.log(f"Skipping {bad}: {reason}")
+            run_on_rank0(lambda: self.outputs.check(path, unreadable, states), self.rank, self.world_size)
+            if path is not None and state is not None:
+                restore.restore(self, path, state, states)
+                del state
+            run_on_rank0(
+                lambda: self.outputs.open(
                     unreadable=unreadable,
-                    states=states,
                     step=self.global_step,
                     config=to_dict(self.cfg),
                     config_file=self.config_file,
                     tensorboard=self.cfg.runconfig.tensorboard,
-                )
-            finally:
-                self.crash_dir = self.model_dir if self.outputs.locked else None
-
-        run_on_rank0(open_outputs, self.rank, self.world_size)
-        try:
+                ),
+                self.rank,
+                self.world_size,
+            )
             return self._train(session_start)
         finally:
             self.outputs.close()
@@ -260,6 +275,8 @@ class Trainer:
                         self._save(session_start)
                     if row is not None:
                         display.update(row, self._skipped_total)
+                if self._last_checkpoint != ckpt.checkpoint_path(self.model_dir, self.global_step):  # not saved yet
+                    self._save(session_start)
         except KeyboardInterrupt:
             display.close()
             if self._stop_requested(stop_request) and not stop_request.forced:  # between two steps: consistent
@@ -280,8 +297,6 @@ class Trainer:
         finally:
             display.close()
             self.precision.remove_hooks()
-        if self._last_checkpoint != ckpt.checkpoint_path(self.model_dir, self.global_step):  # not saved yet
-            self._save(session_start)
         result = self._result(start_step, time.perf_counter() - session_start)
         if self.show_summary and self.is_main:
             print_summary(self.console, self.cfg, result)
@@ -462,7 +477,16 @@ class Trainer:
         return state
 
     def _save(self, session_start: float) -> Path:
-        """Checkpoint the current state."""
+        """Checkpoint the current state. Data-parallel: every rank calls it at the same step (it gathers each
+        rank's random-number generators into ``rng_ranks``); rank 0 alone writes. Weights holding inf/NaN are never
+        written: the run stops (:func:`dls.train.stops.nonfinite_weights`), the newest checkpoint stays the last
+        finite one."""
+        broken = nonfinite_parameters(self.model)
+        if broken:
+            message = nonfinite_weights(
+                self.global_step, broken, self._last_checkpoint, self.model_dir, self.floor.repair
+            )
+            raise TrainingStopped(message, self._last_checkpoint)
         path = ckpt.checkpoint_path(self.model_dir, self.global_step)
         rng_ranks: list[Any] = []
         if self.world_size > 1:
