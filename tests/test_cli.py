@@ -106,7 +106,7 @@ def test_bad_config_exits_2_without_traceback(tmp_path: Path, capsys: pytest.Cap
         (["train", "missing.yaml"], "cannot read config file"),
         (["train", MLP, "--override", "runconfig.max_steps"], "must look like section.key=value"),
         (["train", MLP, "--override", "runconfig.max_steps=0"], "runconfig.max_steps must be an integer >= 1"),
-        (["train", MLP, "--load_checkpoint_states", "model"], "needs --resume"),
+        (["train", MLP, "--load_checkpoint_states", "model"], "needs a checkpoint to load from: --resume"),
         (["train", MLP, "--resume", "nowhere", "--load_checkpoint_states", "model,weights"], "unknown checkpoint"),
         (["train", MLP, "--resume", "nowhere"], "nowhere does not exist"),
         (["train", "--resume", "nowhere"], "nowhere does not exist"),
@@ -127,7 +127,7 @@ def test_existing_model_dir_needs_resume(tmp_path: Path, capsys: pytest.CaptureF
 
 
 def test_training_stopped_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = [*short(tmp_path / "run", 200), "model.loss_weight=1e39", "optimizer.min_loss_scale=1.0"]
+    args = [*short(tmp_path / "run", 200), "data.noise_std=1e30", "optimizer.min_loss_scale=1.0"]
     args += ["optimizer.initial_loss_scale=4", "runconfig.max_overflows_at_min_loss_scale=2"]
     assert main(["train", MLP, *args]) == 1
     err = capsys.readouterr().err
@@ -139,7 +139,7 @@ def test_validate(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["validate", MLP, "--override", "optimizer.loss_scaling_factor=1024"]) == 0
     out = capsys.readouterr().out
     assert "loss_scaling_factor: 1024.0" in out and "OK" in out
-    assert "warning: optimizer.initial_loss_scale is ignored" in out
+    assert "note: optimizer.initial_loss_scale is ignored" in out
     assert "# loss scaling: dls.GradScaler.from_settings(ScalerSettings(mode='static', init_scale=1024.0" in out
 
 

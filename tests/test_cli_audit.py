@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import dls.fp8
 from dls.train.audit import audit_formats, build_inputs, compare_fp8
 from dls.train.cli import main
 from dls.train.config import load_config, parse_config
+from dls.train.data import BatchIterator
 from test_train import tiny
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,12 +78,13 @@ def test_the_audit_sees_the_runs_first_batches_and_changes_nothing(tmp_path: Pat
     are left as they were."""
     cfg = parse_config(tiny(tmp_path / "run", model={"dropout": 0.1}))
     model, batches = build_inputs(cfg, 3)
-    assert len(batches) == 3 and not torch.equal(batches[0][0], batches[1][0])
+    inputs = [x for x, _ in batches]
+    assert len(batches) == len(inputs) == 3 and not torch.equal(inputs[0], inputs[1])
     seen: list[int] = []
     loss = model.loss
 
     def spy(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        seen.append(next(i for i, b in enumerate(batches) if b[0] is batch[0]))
+        seen.append(next(i for i, x in enumerate(inputs) if torch.equal(x, batch[0])))
         return loss(batch)
 
     model.loss = spy  # type: ignore[method-assign]
@@ -109,4 +112,23 @@ def test_the_audit_builds_the_model_dls_train_starts_from() -> None:
     model, batches = build_inputs(cfg, 1)
     for a, b in zip(model.state_dict().values(), trainer.model.state_dict().values()):
         assert torch.equal(a, b)
-    assert torch.equal(batches[0][0], trainer.batches.next()[0])
+    assert torch.equal(next(iter(batches))[0], trainer.batches.next()[0])
+
+
+def test_the_audit_streams_its_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dls audit --steps N`` makes each batch when a pass needs it: none up front, at most one held at a time
+    (issue 18, item 10: a billion steps ran out of memory collecting them)."""
+    made = 0
+    make = BatchIterator.next
+
+    def counted(self: BatchIterator) -> Any:
+        nonlocal made
+        made += 1
+        return make(self)
+
+    monkeypatch.setattr(BatchIterator, "next", counted)
+    _, batches = build_inputs(parse_config(tiny(tmp_path / "run")), 10**5)
+    assert made == 0 and len(batches) == 10**5
+    stream = iter(batches)
+    first, second = next(stream), next(stream)
+    assert made == 2 and not torch.equal(first[0], second[0])

@@ -78,6 +78,35 @@ def _optimizer_garbage(state: dict[str, Any]) -> None:
     state["optimizer"] = {"state": "x", "param_groups": 3}
 
 
+def _step_minus_5(state: dict[str, Any]) -> None:
+    state["optimizer"]["state"][0]["step"] = torch.tensor(-5.0)
+
+
+def _zero_dim_exp_avg(state: dict[str, Any]) -> None:
+    state["optimizer"]["state"][0]["exp_avg"] = torch.tensor(0.5)
+
+
+def _nan_exp_avg(state: dict[str, Any]) -> None:
+    state["optimizer"]["state"][1]["exp_avg"][0] = float("nan")
+
+
+def _integer_exp_avg_sq(state: dict[str, Any]) -> None:
+    entry = state["optimizer"]["state"][0]
+    entry["exp_avg_sq"] = entry["exp_avg_sq"].to(torch.int64)
+
+
+def _nan_lr(state: dict[str, Any]) -> None:
+    state["optimizer"]["param_groups"][0]["lr"] = float("nan")
+
+
+def _inf_beta(state: dict[str, Any]) -> None:
+    state["optimizer"]["param_groups"][0]["betas"] = (0.9, float("inf"))
+
+
+def _nan_weight(state: dict[str, Any]) -> None:
+    next(iter(state["model"].values()))[0] = float("nan")
+
+
 def _dataloader(state: dict[str, Any]) -> None:
     state["dataloader"]["epoch"] = -1
 
@@ -95,8 +124,15 @@ def _scaler(state: dict[str, Any]) -> None:
     [
         (_global_step, "global_step in {path} must be an integer >= 0; got 'abc'"),
         (_rng, "cannot restore the random-number generators (rng) of {path}"),
-        (_optimizer_shape, "the optimizer state in {path} does not fit the model: exp_avg is (7,)"),
+        (_optimizer_shape, "optimizer.state[0].exp_avg in {path} is a torch.float32 tensor of shape (7,)"),
         (_optimizer_garbage, "the optimizer state in {path} is not an optimizer state dict"),
+        (_step_minus_5, "optimizer.state[0].step in {path} must be a count >= 0; got tensor(-5.)"),
+        (_zero_dim_exp_avg, "optimizer.state[0].exp_avg in {path} is a torch.float32 tensor of shape ()"),
+        (_nan_exp_avg, "optimizer.state[1].exp_avg in {path} holds inf/NaN values"),
+        (_integer_exp_avg_sq, "optimizer.state[0].exp_avg_sq in {path} is a torch.int64 tensor"),
+        (_nan_lr, "optimizer.param_groups[0].lr in {path} must be finite; got nan"),
+        (_inf_beta, "optimizer.param_groups[0].betas in {path} must be finite; got (0.9, inf)"),
+        (_nan_weight, "the model in {path} holds inf/NaN values"),
         (_dataloader, "cannot load the dataloader state of {path}: epoch must be an integer >= 0; got -1"),
         (_scheduler, "cannot load the lr_scheduler state of {path}: base_lrs must be a list of 1 finite numbers"),
         (_scaler, "grad_scaler.loss_scale in {path} must be a positive finite number; got nan"),

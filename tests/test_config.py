@@ -5,15 +5,15 @@ from __future__ import annotations
 import inspect
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import dls
 from dls.settings import ScalerSettings, SettingsError
 from dls.train import config as C
-from dls.train.config import ConfigError, load_config, parse_config, scaler_settings
-from dls.train.keys import section_keys
-from dls.train.yamlfile import load_yaml
+from dls.train.config import ConfigError, load_config, load_yaml, parse_config, scaler_settings
+from dls.train.schema import SECTION_CLASSES
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 
@@ -151,7 +151,7 @@ def test_learning_rate_schedules() -> None:
         )
     )
     schedule = cfg.optimizer.learning_rate
-    assert isinstance(schedule, tuple) and schedule[1]["scheduler"] == "CosineDecay"
+    assert isinstance(schedule, tuple) and schedule[1].scheduler == "CosineDecay"
     from dls.train.optim import learning_rate_at
 
     assert learning_rate_at(schedule, 0) == 0.0
@@ -165,7 +165,7 @@ def test_learning_rate_schedules() -> None:
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_round_trip_through_plain_dict(path: Path) -> None:
     cfg = load_config(path)
-    assert parse_config(C.to_dict(cfg)) == cfg
+    assert parse_config(C.to_dict(cfg)).model_dump(exclude={"sources"}) == cfg.model_dump(exclude={"sources"})
 
 
 @pytest.mark.parametrize(
@@ -180,14 +180,14 @@ def test_round_trip_through_plain_dict(path: Path) -> None:
 )
 def test_round_trip_of_every_mode(raw: dict) -> None:
     cfg = parse_config(raw)
-    assert parse_config(C.to_dict(cfg)) == cfg
+    assert parse_config(C.to_dict(cfg)).model_dump(exclude={"sources"}) == cfg.model_dump(exclude={"sources"})
 
 
 def test_describe_keys_lists_every_key() -> None:
     text = C.describe_keys()
-    for section in C.SECTIONS:
+    for section, cls in SECTION_CLASSES.items():
         assert f"{section}:" in text
-        for key in section_keys(section):
+        for key in cls.model_fields:
             assert f"  {key} " in text
     # A loss-scaling key shows the scaler's default, for cbfloat16 too, read from the settings.
     (line,) = [line for line in text.splitlines() if line.strip().startswith("max_loss_scale ")]
@@ -210,8 +210,8 @@ def test_foreign_names_point_to_the_one_key() -> None:
 
 
 def test_unknown_section() -> None:
-    (msg,) = errors_of({"model": {"name": "mlp"}, "eval_input": {}})
-    assert "unknown section eval_input" in msg and "runconfig" in msg
+    (msg,) = errors_of({"model": {"name": "mlp"}, "evaluation": {}})
+    assert "unknown section evaluation" in msg and "runconfig" in msg
 
 
 @pytest.mark.parametrize(
@@ -230,7 +230,7 @@ def test_unknown_section() -> None:
         (mlp(precision={"fp16_type": "float8"}), "precision.fp16_type must be one of 'float16', 'bfloat16'"),
         (mlp(runconfig={"device": "tpu"}), "runconfig.device must be one of 'auto', 'cpu', 'cuda'"),
         (mlp(runconfig={"load_checkpoint_states": "model,weights"}), "unknown checkpoint state(s) 'weights'"),
-        ({"model": {"name": "resnet"}}, "model.name must be one of 'mlp', 'transformer_lm'"),
+        ({"model": {"name": "resnet"}}, "model.name must be one of 'mlp', 'transformer_lm', 'fc_mnist'"),
         ({"model": {}}, "model.name is required"),
         (mlp(data="big"), "section data must be a mapping"),
         (["model"], "the top level must be a mapping"),
@@ -272,10 +272,13 @@ def test_wrong_types_and_values(raw: object, needle: str) -> None:
             {"model": {"name": "transformer_lm", "max_position_embeddings": 8}, "data": {"max_sequence_length": 9}},
             "exceeds model.max_position_embeddings",
         ),
-        (mlp(optimizer={"learning_rate": {"scheduler": "Step"}}), "scheduler must be one of 'Constant'"),
+        (
+            mlp(optimizer={"learning_rate": {"scheduler": "Step"}}),
+            "learning_rate[0].scheduler must be one of 'Constant'",
+        ),
         (
             mlp(optimizer={"learning_rate": {"scheduler": "Linear", "initial_learning_rate": 1}}),
-            "optimizer.learning_rate.end_learning_rate is required",
+            "optimizer.learning_rate[0]: end_learning_rate is required for Linear",
         ),
         (
             mlp(optimizer={"learning_rate": [{"scheduler": "Constant", "learning_rate": 1, "gamma": 2}]}),
@@ -297,7 +300,7 @@ def test_every_problem_is_reported_at_once() -> None:
     )
     with pytest.raises(ConfigError) as info:
         parse_config(raw, source="bad.yaml")
-    assert len(info.value.errors) == 5
+    assert len(info.value.errors) == 5, info.value.errors
     assert str(info.value).startswith("invalid config in bad.yaml (5 problems):")
     assert isinstance(info.value, ValueError)
 
@@ -526,13 +529,15 @@ def test_recursive_aliases_and_deep_nesting_are_rejected() -> None:
         load_yaml("[" * 1000 + "]" * 1000)
 
 
-def test_overrides_copy_only_what_they_change() -> None:
-    shared = [{"scheduler": "Constant", "learning_rate": 1e-3}]
-    raw = {"model": {"name": "mlp"}, "optimizer": {"learning_rate": shared}, "data": {"batch_size": 8}}
-    out = C.apply_overrides(raw, ["optimizer.momentum=0.5", "runconfig.max_steps=3"])
-    assert raw == {"model": {"name": "mlp"}, "optimizer": {"learning_rate": shared}, "data": {"batch_size": 8}}
-    assert out["optimizer"]["learning_rate"] is shared and out["data"] is raw["data"]
-    assert out["optimizer"]["momentum"] == 0.5 and out["runconfig"] == {"max_steps": 3}
+def test_aliases_are_expanded_into_copies_so_an_override_changes_one_path(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {name: mlp}\ntrain_input: &d {batch_size: 8, shuffle: false}\neval_input: *d\n")
+    cfg = load_config(path, ["train_input.batch_size=4"])
+    assert cfg.data.batch_size == 4 and cfg.eval_data is not None and cfg.eval_data.batch_size == 8
+    raw = {"model": {"name": "mlp"}, "data": {"batch_size": 8}}
+    out = C.apply_overrides(raw, ["data.batch_size=2", "runconfig.max_steps=3"])
+    assert raw == {"model": {"name": "mlp"}, "data": {"batch_size": 8}}  # the input is not changed
+    assert out["data"] == {"batch_size": 2} and out["runconfig"] == {"max_steps": 3}
 
 
 def test_config_files_that_are_not_utf8_or_too_large_name_the_file(tmp_path: Path) -> None:
@@ -563,7 +568,6 @@ def test_half_params_need_a_half_precision_run() -> None:
 def test_keys_without_effect_in_the_half_params_modes_warn() -> None:
     cfg = parse_config(mlp(precision={"mixed_precision": True, "master_weights": False}))
     assert cfg.warnings == ("precision.master_weights has no effect without precision.half_params: true",)
-    assert cfg.precision.master_weights  # dropped: the default
     native = parse_config(mlp(precision={"mixed_precision": True, "half_params": True, "emulate": True}))
     assert not native.precision.emulated and any("precision.emulate has no effect" in w for w in native.warnings)
 
@@ -575,7 +579,14 @@ def test_keys_without_effect_in_the_half_params_modes_warn() -> None:
         ({"margin": 1}, "precision.fp8.recipe must be one of 'current', 'delayed', 'mxfp8', 'static'; got nothing"),
         ({"recipe": "tensorwise"}, "precision.fp8.recipe must be one of"),
         ({"recipe": "delayed", "margin": 0.5}, "precision.fp8.margin must be an int from -1000 to 1000; got 0.5"),
-        ({"recipe": "delayed", "amax_history_len": 0}, "precision.fp8.amax_history_len must be an int >= 1"),
+        (
+            {"recipe": "delayed", "amax_history_len": 0},
+            "precision.fp8.amax_history_len must be an integer in [1, 65536]",
+        ),
+        (
+            {"recipe": "delayed", "amax_history_len": 10**7},
+            "precision.fp8.amax_history_len must be an integer in [1, 65536]",
+        ),
         ({"recipe": "delayed", "amax_compute_algo": "mean"}, "precision.fp8.amax_compute_algo must be one of"),
         ({"recipe": "current", "margin": 2}, "unknown key precision.fp8.margin; allowed keys: recipe, power_2"),
         ({"recipe": "mxfp8", "scale_mod": "floor"}, "unknown key precision.fp8.scale_mod (did you mean 'scale_mode'?)"),
@@ -598,7 +609,7 @@ def test_fp8_config_holds_every_field_and_round_trips() -> None:
         "fp8_format": "hybrid",
         "saturate_gradients": True,
     }
-    assert parse_config(C.to_dict(cfg)) == cfg
+    assert parse_config(C.to_dict(cfg)).model_dump(exclude={"sources"}) == cfg.model_dump(exclude={"sources"})
     (msg,) = errors_of(mlp(precision={"mixed_precision": True, "fp16_type": "cbfloat16", "fp8": {"recipe": "current"}}))
     assert msg.startswith("precision.fp8 cannot be combined with dls.emulate's rounding")
     assert parse_config(mlp(precision={"mixed_precision": True, "fp8": {"recipe": "mxfp8"}})).warnings == ()
@@ -609,3 +620,222 @@ def test_fp8_keys_come_from_overrides_too(tmp_path: Path) -> None:
     path.write_text("model:\n  name: mlp\n")
     cfg = load_config(path, ["precision.fp8.recipe=static", "precision.fp8.scale=4", "runconfig.tensorboard=true"])
     assert cfg.precision.fp8 is not None and cfg.precision.fp8["scale"] == 4.0 and cfg.runconfig.tensorboard
+
+
+# ---------------------------------------------------------------------- Model Zoo layouts, as written
+MODELZOO = Path(__file__).resolve().parent / "data" / "modelzoo"
+# Copied unchanged from the Cerebras/modelzoo repository.
+SOURCES = {
+    "fc_mnist_legacy_params.yaml": "modelzoo/fc_mnist/pytorch/configs/params.yaml@886a4387",
+    "fc_mnist_params.yaml": "src/cerebras/modelzoo/models/vision/fc_mnist/configs/params.yaml@4db93fed",
+    "gpt3_cerebras_gpt_111m.yaml": "src/cerebras/modelzoo/models/nlp/gpt3/configs/Cerebras_GPT/111m.yaml@ccbe5f76",
+    "llama3p2_1b_msl_8k.yaml": "src/cerebras/modelzoo/models/nlp/llama/configs/params_llama3p2_1b_msl_8k.yaml@a0c06166",
+}
+
+
+def test_the_model_zoo_copies_are_all_listed() -> None:
+    assert sorted(p.name for p in MODELZOO.glob("*.yaml")) == sorted(SOURCES)
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_real_model_zoo_configs_validate_as_written(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from dls.train.cli import main
+
+    assert main(["validate", str(MODELZOO / name)]) == 0
+    out = capsys.readouterr().out
+    assert "# note: on this machine:" in out and "data_dir" in out  # the data is elsewhere: a note, not an error
+    cfg = load_config(MODELZOO / name)
+    assert cfg.layout == ("current" if "trainer" in (MODELZOO / name).read_text() else "legacy")
+    assert cfg.model.name in ("fc_mnist", "gpt3", "llama") and cfg.model.params
+
+
+def test_the_current_layout_maps_key_by_key() -> None:
+    cfg = load_config(MODELZOO / "llama3p2_1b_msl_8k.yaml")
+    assert cfg.precision.compute_dtype == "cbfloat16" and C.loss_scaling_mode(cfg) == "dynamic"
+    assert cfg.optimizer.optimizer_type == "AdamW" and cfg.optimizer.betas == (0.9, 0.95)
+    assert cfg.optimizer.weight_decay == 0.1 and cfg.optimizer.max_gradient_norm == 1.0
+    pieces = cfg.optimizer.learning_rate
+    assert isinstance(pieces, tuple) and [p.scheduler for p in pieces] == ["CosineDecay", "CosineDecay"]
+    from dls.train.optim import learning_rate_at
+
+    assert learning_rate_at(pieces, 34) == pytest.approx(3e-4) and learning_rate_at(pieces, 700) == pytest.approx(3e-5)
+    rc = cfg.runconfig
+    assert (rc.max_steps, rc.checkpoint_steps, rc.log_steps, rc.eval_steps, rc.seed) == (700, 70, 1, 10, 1)
+    assert rc.load_checkpoint_states == ("model",) and rc.disable_strict_checkpoint_loading
+    assert rc.autoload_last_checkpoint and rc.device == "auto"  # CSX: the best device here
+    assert cfg.data.data_processor == "GptHDF5MapDataProcessor" and cfg.data.shuffle_seed == 1337
+    assert cfg.eval_data is not None and cfg.eval_data.batch_size == 1024 and not cfg.eval_data.shuffle
+    assert cfg.model.params["extra_attention_params"] == {"num_kv_groups": 8}
+    (ignored,) = [n for n in cfg.notes if n.startswith("ignored on this hardware")]
+    assert "trainer.init.callbacks[0].ScopedTrainFlags" in ignored and "num_workers" in ignored
+    gpt = load_config(MODELZOO / "gpt3_cerebras_gpt_111m.yaml")
+    assert gpt.precision.compute_dtype == "bfloat16" and gpt.runconfig.eval_frequency == 903
+    assert any("loss_scaling_factor: 1.0, Model Zoo's default in the current layout" in n for n in gpt.notes)
+
+
+def test_legacy_model_zoo_defaults_are_model_zoos_and_logged() -> None:
+    cfg = load_config(MODELZOO / "fc_mnist_legacy_params.yaml")
+    assert cfg.data.data_processor == "MNISTDataProcessor"  # implied by the model, as Model Zoo's run.py does
+    assert cfg.precision.fp16_type == "float16" and cfg.optimizer.loss_scaling_factor == 1.0
+    assert any(n.startswith("model.fp16_type: 'float16', Model Zoo's default") for n in cfg.notes)
+    assert cfg.model.params == {"depth": 10, "hidden_size": 50, "dropout": 0.0, "activation_fn": "relu"}
+
+
+def test_a_legacy_config_without_a_model_name_says_how_to_name_it() -> None:
+    raw = {"train_input": {"data_processor": "GptHDF5DataProcessor", "data_dir": "d"}, "model": {"hidden_size": 8}}
+    (msg,) = errors_of(raw)
+    assert "model.name is required" in msg and "-o model.name=gpt2" in msg
+    assert parse_config(C.apply_overrides(raw, ["model.name=gpt2"])).model.params == {"hidden_size": 8}
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("trainer.init.loop.max_stpes=3", "unknown key trainer.init.loop.max_stpes (did you mean 'max_steps'?)"),
+        ("trainer.init.optimizer.AdamW.betaz=[0.9, 0.9]", "unknown key trainer.init.optimizer.AdamW.betaz"),
+        ("trainer.init.precision.loss_scaling_factor=Dynamic", "(did you mean 'dynamic'?)"),
+        ("trainer.init.precision.enabled=1", "trainer.init.precision.enabled must be true or false"),
+        ("trainer.init.precision.max_gradient_norm=true", "trainer.init.precision.max_gradient_norm must be"),
+        ("trainer.init.loop.max_steps='1024'", "trainer.init.loop.max_steps must be an integer >= 1; got '1024'"),
+        ("trainer.init.backend.backend_type=TPU", "trainer.init.backend.backend_type must be CSX, CPU or GPU"),
+        ("trainer.init.callbacks=[{CheckLoss: {}}]", "dls does not run the callback 'CheckLoss'"),
+        ("trainer.init.schedulers=[{StepLR: {}}]", "trainer.init.schedulers[0] must be one of ConstantLR"),
+        ("trainer.init.loop.grad_accum_steps=0", "trainer.init.loop.grad_accum_steps must be an integer in [1, 65536]"),
+        ("trainer.init.optimizer.AdamW.correct_bias=false", "trainer.init.optimizer.AdamW.correct_bias must be"),
+        ("trainer.init.precision.max_gradient_value=1e300", "at most float32's max"),
+    ],
+)
+def test_current_layout_errors_name_the_key_as_written(override: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(MODELZOO / "gpt3_cerebras_gpt_111m.yaml", [override])
+    assert needle in str(info.value)
+
+
+def test_overrides_address_keys_as_written_and_aliases_are_copies(tmp_path: Path) -> None:
+    path = MODELZOO / "gpt3_cerebras_gpt_111m.yaml"
+    overrides = [
+        "trainer.init.model.hidden_size=64",
+        f"trainer.fit.train_dataloader.data_dir={tmp_path}",
+        "trainer.fit.val_dataloader.batch_size=2",
+        "trainer.init.schedulers=[{ConstantLR: {learning_rate: 0.001}}]",
+        "trainer.init.backend.backend_type=CPU",
+    ]
+    raw = C.read_config(path, overrides)
+    assert raw["trainer"]["validate"]["val_dataloader"]["batch_size"] == 120  # the alias's other use is untouched
+    cfg = parse_config(raw)
+    assert cfg.model.params["hidden_size"] == 64 and cfg.data.params["data_dir"] == str(tmp_path)
+    assert cfg.eval_data is not None and cfg.eval_data.batch_size == 2 and cfg.runconfig.device == "cpu"
+    assert isinstance(cfg.optimizer.learning_rate, tuple) and cfg.optimizer.learning_rate[0].learning_rate == 1e-3
+
+
+# ---------------------------------------------------------------------- hostile input (issue 18)
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        (
+            "runconfig:\n  max_steps: 3\nmodel: {name: mlp}\nrunconfig:\n  seed: 1\n",
+            "'runconfig' is given twice: lines 1 and 4",
+        ),
+        ("model:\n  name: mlp\n  depth: 2\n  depth: 3\n", "'depth' is given twice: lines 3 and 4"),
+        ("trainer:\n  init:\n    loop: {max_steps: 1, max_steps: 2}\n", "'max_steps' is given twice: lines 3 and 3"),
+    ],
+)
+def test_duplicate_keys_at_any_level_name_the_key_and_both_lines(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert needle in str(info.value) and str(path) in str(info.value)
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    import os
+
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_config(fifo)
+
+
+@pytest.mark.parametrize("value", ["Dynamic", "DYNAMIC", "dynamics"])
+def test_only_lower_case_dynamic(value: str) -> None:
+    (msg,) = errors_of(mlp(optimizer={"loss_scaling_factor": value}))
+    assert "must be 'dynamic' (lower case)" in msg and "did you mean 'dynamic'?" in msg
+
+
+def test_amax_history_len_has_a_fixed_bound_in_validate(capsys: pytest.CaptureFixture[str]) -> None:
+    from dls.train.cli import main
+
+    config = str(CONFIGS[0].parent / "mlp_fp8_delayed_dls.yaml")
+    assert main(["validate", config, "-o", "precision.fp8.amax_history_len=10000000"]) == 2
+    assert "precision.fp8.amax_history_len must be an integer in [1, 65536]" in capsys.readouterr().err
+
+
+def test_size_dependent_values_are_a_note_in_validate_and_exit_3_in_train(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dls.train.cli import main
+
+    config = str(CONFIGS[0].parent / "mlp_fp16_dls.yaml")
+    assert main(["validate", config, "-o", "data.num_samples=1e11"]) == 0
+    assert "# note: on this machine: data.num_samples: this run needs about" in capsys.readouterr().out
+    assert main(["train", config, "-o", "data.num_samples=1e11", f"runconfig.model_dir={tmp_path / 'r'}"]) == 3
+    assert "data.num_samples" in capsys.readouterr().err and not (tmp_path / "r").exists()
+
+
+# ---------------------------------------------------------------------- validate agrees with train (issue 18.6)
+def _numeric_keys() -> list[str]:
+    from dls.train.schema import SCALER_KEYS, _allowed
+
+    keys = [
+        f"{section}.{name}"
+        for section, cls in SECTION_CLASSES.items()
+        for name, field in cls.model_fields.items()
+        if _allowed(field, 0) is not None or (section == "optimizer" and name in SCALER_KEYS)
+    ]
+    return [*keys, "precision.fp8.amax_history_len", "precision.fp8.margin"]
+
+
+FUZZ = ["0", "-1", "1e-300", "1e300", ".inf", ".nan", str(2**63), "true", "'1'"]
+
+
+@pytest.mark.parametrize("key", _numeric_keys())
+def test_validate_agrees_with_train_on_every_numeric_key(
+    key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each hostile value: ``validate`` exits 0 or 2; ``train`` exits 2 exactly when ``validate`` did, and never 4
+    (its start-up and first three steps: a value such as ``max_steps: 2**63`` is a run that never ends)."""
+    from dls.train.cli import main
+    from dls.train.trainer import Trainer
+
+    original = Trainer.__init__
+
+    def capped(self: Trainer, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.max_steps = min(self.max_steps, 3)
+
+    monkeypatch.setattr(Trainer, "__init__", capped)
+    monkeypatch.setattr(Trainer, "_plot", lambda self: None)
+    config = tmp_path / "c.yaml"
+    base = "model: {name: mlp, hidden_size: 8, depth: 1}\n"
+    base += "data: {batch_size: 4, num_samples: 16, input_dim: 2, output_dim: 2}\n"
+    fp8 = "  fp8: {recipe: delayed}\n" if ".fp8." in key else ""
+    config.write_text(
+        base + "precision:\n  mixed_precision: true\n" + fp8 + "runconfig: {max_steps: 3, log_steps: 1}\n"
+    )
+    for i, value in enumerate(FUZZ):
+        override = [f"{key}={value}", f"runconfig.model_dir={tmp_path / str(i)}"]
+        checked = main(["validate", str(config), "-o", *override])
+        trained = main(["train", str(config), "--no_progress", "-o", *override])
+        err = capsys.readouterr().err
+        assert checked in (0, 2) and trained != 4, (value, checked, trained, err)
+        assert (checked == 2) == (trained == 2), (value, checked, trained, err)
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_a_model_zoo_config_round_trips_through_the_saved_config(name: str) -> None:
+    """What a run saves (config.yaml, the checkpoint's config) reads back to the same run."""
+    cfg = load_config(MODELZOO / name)
+    again = parse_config(C.to_dict(cfg))
+    same = {"sources", "notes", "layout"}
+    assert again.model_dump(exclude=same) == cfg.model_dump(exclude=same)

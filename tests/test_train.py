@@ -303,7 +303,7 @@ def test_float16_underflow_is_measured_and_scaling_fixes_it(tmp_path: Path) -> N
 def test_stops_when_the_scale_is_pinned_at_min_and_still_overflows(tmp_path: Path) -> None:
     raw = tiny(
         tmp_path / "run",
-        model={"loss_weight": 1e39},  # the float32 loss is inf: every step overflows at any scale
+        data={"noise_std": 1e30},  # the float32 loss is inf: every step overflows at any scale
         optimizer={"initial_loss_scale": 1.0, "min_loss_scale": 0.25},
         runconfig={"max_steps": 50, "max_overflows_at_min_loss_scale": 3},
     )
@@ -322,14 +322,16 @@ def test_stops_when_the_scale_is_pinned_at_min_and_still_overflows(tmp_path: Pat
 
 
 def test_stops_when_a_static_scale_keeps_overflowing(tmp_path: Path) -> None:
-    raw = tiny(tmp_path / "run", model={"loss_weight": 1e39}, runconfig={"max_overflows_at_min_loss_scale": 2})
+    raw = tiny(tmp_path / "run", data={"noise_std": 1e30}, runconfig={"max_overflows_at_min_loss_scale": 2})
     raw["optimizer"] = {"loss_scaling_factor": 4.0}
     with pytest.raises(TrainingStopped, match="static loss scale 2\\^2 made the gradients overflow"):
         make_trainer(raw)[0].train()
 
 
 def test_stops_on_nonfinite_gradients_without_loss_scaling(tmp_path: Path) -> None:
-    raw = tiny(tmp_path / "run", model={"loss_weight": 1e39}, precision={"mixed_precision": False})
+    raw = tiny(
+        tmp_path / "run", data={"noise_std": 1e30}, model={"loss_weight": 3e38}, precision={"mixed_precision": False}
+    )
     raw["optimizer"] = {"learning_rate": 1e-3}
     with pytest.raises(TrainingStopped, match="loss scaling is off \\(float32\\)") as info:
         make_trainer(raw)[0].train()

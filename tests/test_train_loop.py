@@ -205,3 +205,165 @@ def test_a_checkpoint_of_a_later_format_is_refused_naming_both_versions(tmp_path
     torch.save({"format": "dls-checkpoint", "format_version": 99, "model": {}, "global_step": 1}, path)
     with pytest.raises(ckpt.CheckpointError, match="format version 99; this dls reads versions 1 to 2"):
         ckpt.load_checkpoint(path)
+
+
+# ---------------------------------------------------------------------- Model Zoo loop keys
+def test_gradient_accumulation_equals_one_larger_batch(tmp_path: Path) -> None:
+    """grad_accum_steps micro-batches make one step with the gradient of their mean loss."""
+    base = {"shuffle": False, "batch_size": 16}
+    one = tiny(tmp_path / "a", precision={"mixed_precision": False}, runconfig={"max_steps": 1})
+    one["data"].update(base, batch_size=32)
+    one["model"]["dropout"] = 0.0
+    two = tiny(tmp_path / "b", precision={"mixed_precision": False}, runconfig={"max_steps": 1, "grad_accum_steps": 2})
+    two["data"].update(base)
+    two["model"]["dropout"] = 0.0
+    a, _ = make_trainer(one)
+    b, _ = make_trainer(two)
+    a.train()
+    b.train()
+    for p, q in zip(a.model.parameters(), b.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert b.batches.position == 2  # two micro-batches taken for the one step
+
+
+@pytest.mark.parametrize(("frequency", "expected"), [(2, [2, 4, 6]), (0.5, [3, 6])])
+def test_eval_frequency_int_is_every_n_steps_float_a_fraction(tmp_path: Path, frequency: Any, expected: list) -> None:
+    raw = tiny(tmp_path / "run", runconfig={"max_steps": 6, "eval_frequency": frequency, "checkpoint_steps": 0})
+    trainer, _ = make_trainer(raw)
+    trainer.train()
+    rows = [r for r in metrics(tmp_path / "run") if "eval_loss" in r]
+    assert [r["step"] for r in rows] == expected and all(r["eval_loss"] > 0 for r in rows)
+
+
+def test_num_epochs_sets_the_steps_when_max_steps_is_not_given(tmp_path: Path) -> None:
+    raw = tiny(tmp_path / "run", runconfig={"num_epochs": 2, "grad_accum_steps": 2})
+    raw["runconfig"].pop("max_steps")
+    trainer, _ = make_trainer(raw)
+    assert trainer.max_steps == 2 * (64 // 16) // 2
+
+
+class _ZooModel(torch.nn.Module):
+    def __init__(self, params: dict[str, Any]) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.lin(batch["x"]).float(), batch["y"].float())
+
+
+def test_model_zoo_names_dispatch_to_dls_train_modelzoo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agreed interface: build_model(name, params) and build_loader(processor, params, split=, seed=)."""
+    import sys
+    import types
+
+    calls: list[tuple[str, dict[str, Any], str]] = []
+
+    def build_loader(processor: str, params: dict[str, Any], *, split: str, seed: int) -> list[dict[str, Any]]:
+        calls.append((processor, params, split))
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(8, params["batch_size"], 4, generator=gen)
+        return [{"x": xb, "y": xb.sum(-1, keepdim=True)} for xb in x]
+
+    fake = types.ModuleType("dls.train.modelzoo")
+    fake.build_model = lambda name, params: _ZooModel(params)  # type: ignore[attr-defined]
+    fake.build_loader = build_loader  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "dls.train.modelzoo", fake)
+    raw = {
+        "train_input": {"data_processor": "GptHDF5DataProcessor", "data_dir": str(tmp_path), "batch_size": 4},
+        "eval_input": {"data_dir": str(tmp_path), "batch_size": 2, "shuffle": False, "num_workers": 2},
+        "model": {"name": "gpt2", "hidden_size": 8, "mixed_precision": True, "fp16_type": "float16"},
+        "optimizer": {"optimizer_type": "SGD", "learning_rate": 0.05, "loss_scaling_factor": "dynamic"},
+        "runconfig": {"max_steps": 12, "eval_frequency": 6, "eval_steps": 2, "model_dir": str(tmp_path / "run")},
+    }
+    trainer, out = make_trainer(raw)
+    result = trainer.train()
+    assert [c[0] for c in calls] == ["GptHDF5DataProcessor", "GptHDF5DataProcessor"]
+    assert calls[0][1]["data_dir"] == str(tmp_path) and calls[0][1]["batch_size"] == 4
+    assert [c[2] for c in calls] == ["train", "val"] and "num_workers" not in calls[1][1]
+    rows = metrics(tmp_path / "run")
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses[-1] < losses[0] and result.eval_loss is not None
+    assert [r["step"] for r in rows if "eval_loss" in r] == [6, 12]
+    raw["runconfig"].update(eval_frequency=None, model_dir=str(tmp_path / "again"))
+    make_trainer(raw)[0].train()
+    assert [r["step"] for r in metrics(tmp_path / "again") if "eval_loss" in r] == [12]  # a val loader: at the end
+    assert "ignored on this hardware (Cerebras only): eval_input.num_workers" in out.getvalue()
+
+
+# ---------------------------------------------------------------------- where a run starts from (issue 20 item 6)
+def test_checkpoint_path_with_load_checkpoint_states_model_starts_a_new_run(tmp_path: Path) -> None:
+    first, _ = make_trainer(tiny(tmp_path / "a", runconfig={"max_steps": 4}))
+    first.train()
+    raw = tiny(tmp_path / "b", runconfig={"max_steps": 1})
+    raw["runconfig"].update(checkpoint_path=str(tmp_path / "a" / "checkpoint_4.mdl"), load_checkpoint_states="model")
+    raw["optimizer"]["learning_rate"] = 0.0
+    second, _ = make_trainer(raw)
+    second.train()
+    assert second.global_step == 1  # global_step was not loaded: a new run from the trained model
+    for p, q in zip(first.model.parameters(), second.model.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_autoload_last_checkpoint_continues_in_place_even_with_load_checkpoint_states(tmp_path: Path) -> None:
+    raw = tiny(tmp_path / "run", runconfig={"max_steps": 4})
+    first, _ = make_trainer(raw)
+    first.train()
+    raw["runconfig"].update(max_steps=6, autoload_last_checkpoint=True, load_checkpoint_states="model")
+    again, _ = make_trainer(raw)
+    result = again.train()  # the same command again: the run's own checkpoint loads whole
+    assert (result.global_step, result.steps_run) == (6, 2)
+    assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r][-1] == 6
+
+
+CURRENT_LAYOUT = """
+trainer:
+  init:
+    model_dir: {model_dir}
+    seed: 3
+    backend: {{backend_type: CPU}}
+    model: {{name: mlp, hidden_size: 16, depth: 2}}
+    optimizer:
+      AdamW: {{betas: [0.9, 0.95], weight_decay: 0.01, correct_bias: true}}
+    schedulers:
+    - SequentialLR:
+        schedulers:
+        - LinearLR: {{initial_learning_rate: 0.0, end_learning_rate: 0.01, total_iters: 4}}
+        - ConstantLR: {{learning_rate: 0.01}}
+    precision: {{enabled: true, fp16_type: float16, loss_scaling_factor: dynamic, max_gradient_norm: 1.0}}
+    loop: {{max_steps: 8, eval_frequency: 4, grad_accum_steps: 2}}
+    checkpoint: {{steps: 4}}
+    logging: {{log_steps: 2}}
+    callbacks: [{{ComputeNorm: {{}}}}]
+  fit:
+    train_dataloader: &loader {{dataset: teacher_regression, batch_size: 8, num_samples: 64, num_workers: 2}}
+    val_dataloader: *loader
+"""
+
+
+def test_a_current_layout_config_trains_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "params.yaml"
+    config.write_text(CURRENT_LAYOUT.format(model_dir=tmp_path / "run"))
+    assert main(["train", str(config), "--no_progress"]) == 0
+    out = capsys.readouterr().out
+    assert "note: ignored on this hardware (Cerebras only): trainer.init.callbacks[0].ComputeNorm" in out
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows if "eval_loss" in r] == [4, 8]
+    assert [r["lr"] for r in rows if r.get("step") in (1, 8) and "lr" in r] == pytest.approx([0.0, 0.01])
+    assert all(r["loss_scale"] > 0 for r in rows if "loss" in r)
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint_*.mdl")) == [
+        "checkpoint_4.mdl",
+        "checkpoint_8.mdl",
+    ]
+    # The same command again: autoload_last_checkpoint (Model Zoo's default in this layout) continues the run.
+    config.write_text(CURRENT_LAYOUT.format(model_dir=tmp_path / "run").replace("max_steps: 8", "max_steps: 10"))
+    assert main(["train", str(config), "--no_progress"]) == 0
+    assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r][-1] == 10
+
+
+def test_num_steps_is_the_steps_of_this_run(tmp_path: Path) -> None:
+    raw = tiny(tmp_path / "run", runconfig={"max_steps": 5, "num_steps": 3})
+    first, _ = make_trainer(raw)
+    assert first.train().global_step == 3
+    again, _ = make_trainer(raw)
+    result = again.train(resume=tmp_path / "run")
+    assert (result.global_step, result.steps_run) == (5, 2)  # three more, but never beyond max_steps

@@ -22,7 +22,7 @@ a temporary name and renamed, never through a symbolic link). Without ``--out`` 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -46,42 +46,59 @@ DEFAULT_FORMATS = ("float16", "bfloat16", "cbfloat16")
 AUDIT_PLOT = "audit.png"
 
 
-def build_inputs(cfg: TrainConfig, steps: int) -> tuple[TrainModel, list[Batch]]:
+class Batches:
+    """The run's first ``steps`` batches (rank 0's) on ``device``, made anew each time they are gone through: never
+    all held at once, so ``--steps`` costs time, not memory."""
+
+    def __init__(self, make: Callable[[], BatchIterator], steps: int, device: torch.device) -> None:
+        self.make, self.steps, self.device = make, steps, device
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[Batch]:
+        iterator = self.make()
+        for _ in range(self.steps):
+            x, y = iterator.next()
+            yield x.to(self.device), y.to(self.device)
+
+
+def build_inputs(cfg: TrainConfig, steps: int) -> tuple[TrainModel, Batches]:
     """The float32 model of ``cfg`` as ``dls train`` initialises it, on the run's device, and the run's first
-    ``steps`` batches (rank 0's)."""
+    ``steps`` batches (:class:`Batches`)."""
     rc = cfg.runconfig
     device = resolve_device(rc.device)
     ckpt.seed_everything(rc.seed)  # the order of what follows is the trainer's: the same weights and batches
     dataset = build_dataset(cfg.data)
     seed = cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else rc.seed
-    iterator = BatchIterator(dataset, cfg.data.batch_size, cfg.data.shuffle, seed, 0, 1)
+    BatchIterator(dataset, cfg.data.batch_size, cfg.data.shuffle, seed, 0, 1)  # its errors, before the model
     model = build_model(cfg.model, dataset.info).to(device)
-    batches = []
-    for _ in range(steps):
-        x, y = iterator.next()
-        batches.append((x.to(device), y.to(device)))
-    return model, batches
+
+    def make() -> BatchIterator:
+        return BatchIterator(dataset, cfg.data.batch_size, cfg.data.shuffle, seed, 0, 1)
+
+    return model, Batches(make, steps, device)
 
 
-def audit_formats(
-    model: TrainModel, batches: Sequence[Batch], formats: Sequence[str], loss_weight: float = 1.0
-) -> AuditResult:
+def _cycle(batches: Iterable[Batch]) -> Iterator[Batch]:
+    while True:  # not itertools.cycle, which keeps every batch
+        yield from batches
+
+
+def audit_formats(model: TrainModel, batches: Batches, formats: Sequence[str], loss_weight: float = 1.0) -> AuditResult:
     """``dls.audit`` of ``model`` on ``batches`` (one pass per batch) for each of ``formats``, every format on the
     same batches in the same order; the loss is ``model.loss(batch) * loss_weight``."""
-    position = 0
+    stream = _cycle(batches)
 
     def loss_fn(m: nn.Module) -> torch.Tensor:
-        nonlocal position
-        batch = batches[position % len(batches)]
-        position += 1
-        loss: torch.Tensor = model.loss(batch) * loss_weight
+        loss: torch.Tensor = model.loss(next(stream)) * loss_weight
         return loss
 
     audits: dict[str, FormatAudit] = {}
     keep: dict[str, list[str] | None] = {}
     result = None
     for fmt in formats:  # one call per format, so that each starts at the first batch
-        position = 0
+        stream = _cycle(batches)
         result = dls.audit(model, loss_fn, formats=[fmt], steps=len(batches))
         audits.update(result.audits)
         keep.update(result.keep_in_float32)
@@ -105,7 +122,7 @@ class Fp8Comparison:
 
 def compare_fp8(
     model: TrainModel,
-    batches: Sequence[Batch],
+    batches: Iterable[Batch],
     recipes: Sequence[dls.fp8.Recipe],
     loss_weight: float = 1.0,
     loss_scale: float = 1.0,
@@ -116,7 +133,7 @@ def compare_fp8(
     compare. The parameters are never written, and every ``.grad`` is put back as it was."""
     params = list(model.parameters())
     grads = [p.grad for p in params]
-    devices = [torch.cuda.current_device()] if any(b[0].is_cuda for b in batches) else []
+    devices = [torch.cuda.current_device()] if params and params[0].is_cuda else []
 
     def passes(backward: bool) -> list[torch.Tensor]:
         losses = []
@@ -226,8 +243,8 @@ def write_plot(result: AuditResult, out: Path) -> Path:
     removed at once) and its bytes are then written into ``out`` by the rundir rules."""
     import tempfile
 
-    directory = resolve_model_dir(out)
+    directory = resolve_model_dir(out, "--out")
     with tempfile.TemporaryDirectory(prefix="dls-audit-") as scratch:
         png = result.save_plot(Path(scratch) / AUDIT_PLOT).read_bytes()
-    with RunDir(directory) as run_dir:
+    with RunDir(directory, "--out") as run_dir:
         return run_dir.replace(AUDIT_PLOT, png)

@@ -15,15 +15,16 @@ Format versions (:data:`FORMAT_VERSION`; a file without one is version 1):
 * 2: the LR schedule advances on applied steps only (``last_epoch`` = optimizer updates); the config's
   loss-scaling keys may be null (the scaler's defaults); ``runconfig.num_threads``.
 
-Both load: a version-1 schedule goes on from where it was (its position counted the skipped steps too). A file
-of a later version than this dls knows is refused, naming both versions.
+Both load: a version-1 schedule goes on from where it was (its position counted the skipped steps too).
 
-Atomic write: the bytes go to a new hidden temporary file in the same directory (created exclusively, never
-through a symbolic link), which is flushed and fsync-ed, then renamed over the final name with ``os.replace``
-(atomic on POSIX and Windows) and the directory fsync-ed. A crash at any point leaves either the old set of
-checkpoints or the new one complete, never a truncated ``checkpoint_<step>.mdl``; a leftover temporary file is
-ignored and removed by the next save. Resuming a directory whose newest checkpoint is unreadable anyway (a disk
-error, a truncated copy) goes back to the newest readable one (:func:`load_resume_checkpoint`).
+Two kinds of bad file, two answers. Bytes that ``torch.load(weights_only=True)`` cannot parse (a truncated copy, a
+disk error, garbage) are *unreadable* (:class:`UnreadableCheckpoint`): resuming a directory skips them and, in place,
+sets them aside. A file that parses but is not what this dls may load (a later format version, not a dls
+checkpoint; and, checked by ``dls.train.restore``, non-finite or ill-fitting state) is *refused*: a
+:class:`CheckpointError` naming the file and what is wrong, and nothing in the directory changes.
+
+Written atomically (``dls.train.rundir.replace_file``): a crash leaves the old set of checkpoints or the new one,
+never a truncated ``checkpoint_<step>.mdl``; the next save removes a leftover temporary file.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import io
 import os
 import random
 import re
+import stat
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,7 @@ from dls.train.rundir import open_directory, remove_temporaries, replace_file
 
 __all__ = [
     "CheckpointError",
+    "UnreadableCheckpoint",
     "checkpoint_path",
     "find_checkpoint",
     "format_version",
@@ -62,19 +66,25 @@ _NAME_RE = re.compile(r"^checkpoint_(\d+)\.mdl$")
 _TMP_PREFIX = ".checkpoint_"  # temporary names: .checkpoint_<step>.mdl.<random>.tmp
 
 
+class UnreadableCheckpoint(CheckpointError):
+    """A checkpoint file whose bytes do not parse (see the module docstring)."""
+
+
 def checkpoint_path(model_dir: str | Path, step: int) -> Path:
     return Path(model_dir) / f"checkpoint_{step}.mdl"
 
 
 def list_checkpoints(model_dir: str | Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every complete checkpoint in ``model_dir``, oldest first."""
+    """``(step, path)`` of every complete checkpoint in ``model_dir``, oldest first. A symbolic link under a
+    checkpoint's name is not one (it may point at another run's file): never resumed from, replaced when the run
+    writes that step."""
     directory = Path(model_dir)
     if not directory.is_dir():
         return []
     found = []
     for entry in directory.iterdir():
         match = _NAME_RE.match(entry.name)
-        if match and entry.is_file():
+        if match and entry.is_file() and not entry.is_symlink():
             found.append((int(match.group(1)), entry))
     return sorted(found)
 
@@ -96,7 +106,8 @@ def load_resume_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any], list
     """The checkpoint to resume from: the file ``path``, or the newest readable checkpoint of the directory
     ``path``. Returns ``(file, state, unreadable)`` where ``unreadable`` lists the newer checkpoints of the
     directory that could not be read (truncated, garbage), each with the reason. A named file that cannot be
-    read, or a directory without a readable checkpoint, raises :class:`CheckpointError`."""
+    read, a directory without a readable checkpoint, or a newest readable one that is refused (a later format
+    version), raises :class:`CheckpointError`."""
     p = Path(path)
     if p.is_file():
         return p, load_checkpoint(p), []
@@ -105,7 +116,7 @@ def load_resume_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any], list
     for _, candidate in reversed(list_checkpoints(p)):
         try:
             return candidate, load_checkpoint(candidate), unreadable
-        except CheckpointError as exc:
+        except UnreadableCheckpoint as exc:
             unreadable.append((candidate, str(exc)))
     raise CheckpointError(f"--resume: no readable checkpoint in {p}: " + "; ".join(reason for _, reason in unreadable))
 
@@ -127,7 +138,11 @@ def save_checkpoint(
     torch.save({"format": FORMAT, "format_version": FORMAT_VERSION, **state}, buffer)
     replace_file(dir_fd, final.name, buffer.getbuffer(), shown=final)
     if keep is not None:
-        steps = sorted((int(m.group(1)), n) for n in os.listdir(dir_fd) if (m := _NAME_RE.match(n)))
+        steps = sorted(
+            (int(m.group(1)), n)
+            for n in os.listdir(dir_fd)
+            if (m := _NAME_RE.match(n)) and stat.S_ISREG(os.stat(n, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        )  # a link is not a checkpoint: it does not push a real one out
         for _, name in steps[:-keep]:
             if name != final.name:
                 with contextlib.suppress(OSError):
@@ -145,23 +160,41 @@ def _directory(path: Path) -> Any:
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Read a checkpoint onto the CPU (``weights_only=True``: no code runs)."""
+    """Read a checkpoint onto the CPU (``weights_only=True``: no code runs). Raises :class:`UnreadableCheckpoint`
+    when its bytes do not parse, :class:`CheckpointError` when it parses but is refused (module docstring)."""
     p = Path(path)
     try:
-        state = torch.load(p, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about pickle protocols on stderr; the error says it all
+            warnings.simplefilter("ignore")
+            state = torch.load(p, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {p} does not exist") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"checkpoint {p} is a directory") from None
     except Exception as exc:
-        raise CheckpointError(f"cannot read checkpoint {p}: {type(exc).__name__}: {exc}") from None
+        raise UnreadableCheckpoint(f"cannot read checkpoint {p}: {_reason(exc)}") from None
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{p} is not a dls training checkpoint (no 'model' state)")
     version = format_version(state)
-    if version is None or version > FORMAT_VERSION:
+    if version is None:
+        raise CheckpointError(f"{p} has an invalid format_version {state.get('format_version')!r}")
+    if version > FORMAT_VERSION:
         raise CheckpointError(
-            f"{p} has checkpoint format version {state.get('format_version')!r}; this dls reads versions 1 to "
-            f"{FORMAT_VERSION} (a newer dls wrote it?)"
+            f"{p} has checkpoint format version {version}; this dls reads versions 1 to {FORMAT_VERSION} (a newer "
+            "dls wrote it: resume it with that dls; nothing was changed)"
         )
     return state
+
+
+def _reason(exc: Exception) -> str:
+    """One line for what ``torch.load`` raised (its weights_only refusal is several paragraphs of advice that does
+    not apply: dls never loads with ``weights_only=False``)."""
+    text = str(exc)
+    found = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:Check the documentation|$)", text, re.S)
+    if found:
+        text = f"not a checkpoint of tensors and plain data ({found.group(1)})"
+    first = " ".join(text.split())
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def format_version(state: dict[str, Any]) -> int | None:

@@ -1,30 +1,19 @@
 """The ``dls`` command: ``dls train``, ``dls demo``, ``dls audit``, ``dls validate``, ``dls keys``.
 
-Exit status (one map, :func:`dls.train.errors.exit_status`): 0 success; 1 training stopped because loss scaling
-cannot help (state checkpointed first); 2 bad input: config, command line, checkpoint, a model_dir refused or
-locked by another run, the ``train`` extra missing; 3 the environment failed (a file or directory cannot be read
-or written, disk full, out of memory); 4 internal error (traceback written to a file, which the message names);
-130 Ctrl-C and 143 SIGTERM (both after checkpointing the last finished step). Every message is one
-``dls: ...`` line on stderr (a config's problems are listed below it), without a traceback.
-
-Data-parallel: ``torchrun --nproc_per_node=2 -m dls.train.cli train CONFIG.yaml`` (or ``python -m
-torch.distributed.run ... -m dls.train.cli ...``, or ``torchrun ... $(which dls) train ...``); under torchrun
-only rank 0 prints, and torchrun itself exits 1 whenever a rank fails: the code is in rank 0's message.
-
-This module imports the standard library, ``dls.train.errors`` and ``dls.train.launch`` only; everything that
-needs the ``train`` extra is imported inside the commands, after checking that the extra is installed.
+Its entry point is ``dls_entry.main`` (the SIGINT/SIGTERM handler first); exit statuses: :mod:`dls.train.errors`.
+Every message is one ``dls: ...`` line on stderr (a config's problems are listed below it), without a traceback.
+Data-parallel: ``torchrun --nproc_per_node=2 -m dls.train.cli train CONFIG.yaml`` (or ``torchrun ... $(which dls)
+train ...``); only rank 0 prints. This module imports the standard library, ``dls.train.errors`` and
+``dls.train.launch`` only; what needs the ``train`` extra is imported inside the commands, after checking it.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
-import signal
 import sys
-import threading
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +23,16 @@ from dls.train.errors import (
     ConfigError,
     ExitStatus,
     MissingExtras,
-    Terminated,
     UsageError,
     describe,
     exit_status,
     write_crash_report,
 )
 from dls.train.launch import init_distributed, shutdown_distributed, torchrun_env
+from dls_entry import signals
 
 # What the trainer imports beyond torch (the ``train`` extra): import name -> package name.
-TRAIN_EXTRA = {"yaml": "PyYAML", "numpy": "numpy", "rich": "rich", "matplotlib": "matplotlib"}
+TRAIN_EXTRA = {"yaml": "PyYAML", "numpy": "numpy", "rich": "rich", "matplotlib": "matplotlib", "pydantic": "pydantic"}
 INSTALL_HINT = "pip install 'dls[train]'"
 
 DESCRIPTION = """\
@@ -96,10 +85,11 @@ and every skipped step, which also names overflow_module = the first module whos
 in backward order, and forward_overflow = whether the loss was already inf/NaN), plots.png, config.yaml
 (the resolved config; never over the input CONFIG), tensorboard/ (with runconfig.tensorboard: true; view
 with tensorboard --logdir DIR).
-exit status: 0 done; 1 stopped because loss scaling cannot help (checkpointed first); 2 bad config, usage,
-checkpoint, model_dir refused or locked, 'train' extra missing; 3 I/O or environment (unwritable model_dir,
-disk full); 4 internal error (traceback in a file named in the message); 130 Ctrl-C, 143 SIGTERM (both
-checkpoint first). Under torchrun only rank 0 prints, and torchrun exits 1 if any rank fails.
+exit status: 0 done; 1 stopped because loss scaling cannot help (checkpointed first) or the weights became
+inf/NaN (the newest checkpoint is the last finite one); 2 bad config, usage, checkpoint, model_dir refused or
+locked, 'train' extra missing; 3 I/O or environment (unwritable model_dir, disk full, out of memory); 4
+internal error (traceback in a file named in the message); 130 Ctrl-C, 143 SIGTERM (both checkpoint first).
+Under torchrun only rank 0 prints, and torchrun exits 1 if any rank fails.
 
 data-parallel (DDP, the same YAML; gloo on CPU, NCCL with one GPU per rank):
   torchrun --nproc_per_node=2 -m dls.train.cli train configs/mlp_fp16_dls.yaml
@@ -228,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     run = _Run()
     try:
-        with _sigterm_raises():
+        with signals():  # Ctrl-C / SIGTERM raise from here on (dls_entry)
             _require_train_extra()
             if args.command == "keys":
                 from dls.train.config import describe_keys
@@ -245,24 +235,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return command(args, run)
     except (Exception, KeyboardInterrupt) as exc:
         return _report(exc, run)
-
-
-@contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """SIGTERM raises :class:`Terminated` (exit 143) instead of ending the process on the spot; the training loop
-    replaces this by a checkpoint-then-stop handler while it runs."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handle(signum: int, frame: Any) -> None:
-        raise Terminated
-
-    previous = signal.signal(signal.SIGTERM, handle)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _require_train_extra() -> None:
@@ -324,29 +296,30 @@ def _validate(args: argparse.Namespace, run: _Run) -> int:
     import yaml
     from rich.console import Console
 
-    from dls.train.config import load_config, loss_scaling_mode, scaler_settings, to_dict
+    from dls.train.config import load_config, loss_scaling_mode, memory_problem, missing_paths, scaler_settings, to_dict
 
     cfg = load_config(args.config, args.override)
-    _build(cfg, args.config, console=Console(file=io.StringIO()), progress=False, summary=False, plot=False)
+    # The config is judged, not this machine: a data directory or memory this machine lacks is a note.
+    here = [*missing_paths(cfg), *filter(None, [memory_problem(cfg)])]
+    if not here and cfg.data.data_processor is None and (cfg.eval_data is None or cfg.eval_data.data_processor is None):
+        _build(cfg, args.config, console=Console(file=io.StringIO()), progress=False, summary=False, plot=False)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
     if loss_scaling_mode(cfg) == "off":
         print(f"# loss scaling: off ({cfg.precision.compute_dtype})")
     else:  # null loss-scaling keys above take these defaults
         print(f"# loss scaling: dls.GradScaler.from_settings({scaler_settings(cfg)})")
-    for warning in cfg.warnings:
-        print(f"# warning: {warning}")
+    for note in [*cfg.notes, *(f"on this machine: {line}" for line in here)]:
+        print(f"# note: {note}")
     print(f"# {args.config}: OK")
     return 0
 
 
 def _train(args: argparse.Namespace, run: _Run) -> int:
     from dls.train.checkpoint import load_resume_checkpoint
-    from dls.train.config import apply_overrides, parse_checkpoint_states, parse_config, read_config
+    from dls.train.config import apply_overrides, memory_problem, parse_checkpoint_states, parse_config, read_config
 
     states = None
     if args.load_checkpoint_states is not None:
-        if args.resume is None:
-            raise UsageError("--load_checkpoint_states needs --resume DIR_OR_FILE (the checkpoint to load from)")
         try:
             states = parse_checkpoint_states(args.load_checkpoint_states)
         except ValueError as exc:
@@ -371,6 +344,14 @@ def _train(args: argparse.Namespace, run: _Run) -> int:
         directory = resume.parent if resume.is_file() else resume
         raw = {**raw, "runconfig": {**(section if isinstance(section, dict) else {}), "model_dir": str(directory)}}
     cfg = parse_config(raw, source=source)
+    rc = cfg.runconfig
+    if states is not None and args.resume is None and rc.checkpoint_path is None and not rc.autoload_last_checkpoint:
+        raise UsageError(
+            "--load_checkpoint_states needs a checkpoint to load from: --resume DIR_OR_FILE (or the config's "
+            "trainer.fit.ckpt_path / runconfig.checkpoint_path)"
+        )
+    if (problem := memory_problem(cfg)) is not None:
+        raise MemoryError(problem)
     try:
         owns_group = init_distributed(cfg.runconfig.device)  # under torchrun (WORLD_SIZE > 1)
     except ValueError as exc:  # the device

@@ -1,180 +1,192 @@
-"""Training configs: a Model-Zoo-style YAML file (or dict) → validated, frozen dataclasses.
+"""Training configs: YAML in either Cerebras Model Zoo layout (or dls's own) → a validated
+:class:`~dls.train.schema.TrainConfig`.
 
-A config has five sections::
-
-    model:      {name: mlp | transformer_lm, <sizes>, loss_weight}
-    data:       {dataset: teacher_regression | char_corpus, batch_size, ...}    (Model Zoo: train_input)
-    precision:  {fp16_type: float16 | bfloat16 | cbfloat16 | float32, mixed_precision, emulate, half_params,
-                 master_weights, fp8: {recipe: current | delayed | mxfp8 | static, ...}}
-    optimizer:  {optimizer_type, learning_rate, loss_scaling_factor: dynamic | <number>, initial_loss_scale,
-                 steps_per_increase, min_loss_scale, max_loss_scale, overflow_tolerance, max_gradient_norm,
-                 max_gradient_value, log_summaries, ...}
-    runconfig:  {max_steps, checkpoint_steps, log_steps, model_dir, seed, num_threads, keep_checkpoint_max,
-                 tensorboard, ...}
-
-Every key is declared once, in ``dls.train.keys`` (a dataclass field with its check, help and scope in its
-metadata); this module reads, validates and writes configs. Key names follow the Cerebras Model Zoo: the
-loss-scaling keys live in ``optimizer:``; ``model:`` may also hold ``mixed_precision`` and ``fp16_type`` (aliases of
-the ``precision:`` keys: giving both with different values is an error); ``train_input:`` is accepted for ``data:``
-and ``weight_decay_rate`` for ``weight_decay``. Unknown keys, wrong types and out-of-range values are errors naming
-the key and what is allowed; the whole file is checked at once and every problem is reported together
-(:class:`ConfigError`). Keys that are valid but have no effect in the chosen mode (``steps_per_increase`` with a
-static scale) are warnings (``TrainConfig.warnings``) and are dropped.
-
-Loss scaling is the library's to define: the keys that configure the scaler (``loss_scaling_factor`` is its
-``loss_scale``, ``initial_loss_scale`` its ``init_scale``, the others keep their names) are validated by building
-``dls.settings.ScalerSettings.cerebras`` with the run's ``precision.fp16_type`` as the half dtype, and each problem
-it finds is reported under the YAML key (a key is checked even where the run's mode ignores it). So the config
-accepts exactly what ``GradScaler`` accepts, a key left out (or null) takes the scaler's default, and the mode
-follows the scaler's rule: dynamic for float16 and cbfloat16, off for bfloat16, unless ``loss_scaling_factor`` says
-otherwise. Two rules are the trainer's own: a run computing in float32 has no loss scaling (its scaler is
-disabled), and cbfloat16 takes only dynamic scaling (as on Cerebras).
-
-Precision modes beyond autocast: ``precision.half_params`` (the parameters themselves in ``fp16_type``, with float32
-master weights unless ``master_weights: false``) needs a half-precision run (``mixed_precision: true`` and a half
-``fp16_type``): a float32 run already has float32 parameters, so asking for half parameters there is an error rather
-than a silent no-op. ``precision.fp8`` (FP8 Linear layers, ``dls.fp8``) works with float32 and with float16/bfloat16
-under autocast; it is an error with ``dls.emulate``'s rounding (cbfloat16, ``precision.emulate``), which would
-decide what the Linear layers compute too. Its fields are judged by the recipe classes, each problem under its key
-(``precision.fp8.margin must be an int ...``).
+Legacy Model Zoo (<= 2.2) and dls's configs have top-level sections (``train_input``/``data``, ``eval_input``,
+``model``, ``optimizer``, ``runconfig``, dls: ``precision``); the current layout (2.3+) ``trainer: {init, fit, ...}``
+is mapped key by key onto the same sections (:data:`_INIT`), and every error names the key as written. Files are
+read safely (regular files only, 1 MiB, UTF-8, SafeLoader with YAML 1.2 floats, duplicate keys refused, aliases
+expanded into bounded copies). Cerebras-only keys and Model Zoo's defaults are listed once (``TrainConfig.notes``).
+The loss-scaling keys are judged by ``ScalerSettings.cerebras``, so the config accepts what ``GradScaler`` accepts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
+import math
+import os
 import re
+import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+from pydantic import ValidationError
+
 from dls.settings import ScalerSettings, SettingsError
-from dls.train import checks
 from dls.train.errors import ConfigError
-from dls.train.keys import (
+from dls.train.schema import (
     CHECKPOINT_STATES,
-    KEY_ALIASES,
+    F32_MAX,
     MODEL_DATASETS,
-    MOVED_KEYS,
-    SECTION_ALIASES,
+    MODEL_NAMES,
+    ONLY,
+    OPTIMIZERS,
+    SCALER_KEYS,
     SECTION_CLASSES,
-    SECTIONS,
+    ZOO_MODELS,
+    ZOO_PROCESSORS,
     DataConfig,
-    Key,
-    ModelConfig,
-    OptimizerConfig,
-    PrecisionConfig,
-    RunConfig,
     TrainConfig,
+    _integral,
     describe_keys,
-    parse_checkpoint_states,
-    section_keys,
-    selector_of,
+    did_you_mean,
+    problems,
 )
-from dls.train.yamlfile import check_size, parse_yaml_value, read_yaml_file
 
 __all__ = [
-    "CHECKPOINT_STATES",
-    "SECTIONS",
-    "ConfigError",
-    "DataConfig",
-    "Key",
-    "ModelConfig",
-    "OptimizerConfig",
-    "PrecisionConfig",
-    "RunConfig",
-    "TrainConfig",
-    "apply_overrides",
-    "describe_keys",
-    "load_config",
-    "loss_scaling_mode",
-    "parse_checkpoint_states",
-    "parse_config",
-    "read_config",
-    "scaler_settings",
-    "to_dict",
-]
+    "CHECKPOINT_STATES", "ConfigError", "TrainConfig", "apply_overrides", "describe_keys", "load_config", "load_yaml",
+    "loss_scaling_mode", "parse_checkpoint_states", "parse_config", "read_config", "scaler_settings", "to_dict",
+]  # fmt: skip
 
+MAX_CONFIG_NODES = 100_000
+MAX_CONFIG_BYTES = 1 << 20
+# Keys that matter only on Cerebras hardware (or to Model Zoo's launcher): accepted, listed once as ignored.
+CEREBRAS_ONLY = {
+    "num_workers", "prefetch_factor", "persistent_workers", "precision_opt_level", "enable_distributed",
+    "num_csx", "mode", "log_loss_scale", "save_losses", "num_wgt_servers", "num_act_servers", "mgmt_address",
+    "credentials_path", "mount_dirs", "python_paths", "compile_dir", "job_labels", "compile_only",
+    "validate_only", "execute_crd_memory_gb", "use_cs_grad_accum", "micro_batch_size", "enable_act_frequency",
+    "log_level", "wsc_log_level", "ScopedTrainFlags", "ScopedValidateFlags", "ComputeNorm", "GlobalFlags",
+    "DebugArgsPath", "to_float16", "use_worker_cache", "sync_batchnorm",
+}  # fmt: skip
 # Names from other frameworks, pointed at the one key that does the same thing here.
 _HINTS = {
-    "growth_interval": "steps_per_increase (torch's growth_interval)",
-    "loss_scale_window": "steps_per_increase (DeepSpeed's loss_scale_window)",
-    "init_scale": "initial_loss_scale (torch's init_scale)",
-    "initial_scale_power": "initial_loss_scale (DeepSpeed's initial_scale_power is its log2)",
-    "min_scale": "min_loss_scale",
-    "min_loss_scale_power": "min_loss_scale",
-    "loss_scale": "loss_scaling_factor",
-    "lr": "learning_rate",
-    "clip_grad_norm": "max_gradient_norm",
-    "gradient_clipping": "max_gradient_norm",
-    "grad_clip": "max_gradient_norm",
-    "type": "optimizer_type",
-    "steps": "max_steps",
-    "num_steps": "max_steps",
-    "dtype": "fp16_type",
-    "amp": "mixed_precision",
-    "threads": "num_threads",
+    "growth_interval": "steps_per_increase", "loss_scale_window": "steps_per_increase",
+    "init_scale": "initial_loss_scale", "loss_scale": "loss_scaling_factor", "lr": "learning_rate",
+    "clip_grad_norm": "max_gradient_norm", "gradient_clipping": "max_gradient_norm", "type": "optimizer_type",
+    "dtype": "fp16_type", "amp": "mixed_precision",
+}  # fmt: skip
+# The current layout's trainer.init.<group>.<key> -> (section, key).
+_PRECISION = {"enabled": ("precision", "mixed_precision"), "fp16_type": ("precision", "fp16_type")}
+_PRECISION.update({k: ("optimizer", k) for k in [*SCALER_KEYS, "max_gradient_value", "log_summaries"]})
+_PRECISION.update({k: ("precision", k) for k in ("keep_in_float32", "fallback", "emulate", "half_params")})
+_PRECISION.update({k: ("precision", k) for k in ("master_weights", "fp8")})
+_LOOP = {k: ("runconfig", k) for k in ("max_steps", "num_epochs", "steps_per_epoch", "eval_frequency")}
+_LOOP.update({k: ("runconfig", k) for k in ("eval_steps", "grad_accum_steps", "num_steps")})
+_CHECKPOINT = {"steps": ("runconfig", "checkpoint_steps")}
+_CHECKPOINT.update({k: ("runconfig", k) for k in ("save_initial_checkpoint", "disable_strict_checkpoint_loading")})
+_CHECKPOINT.update({k: ("runconfig", k) for k in ("autoload_last_checkpoint", "keep_checkpoint_max")})
+_INIT = {"precision": _PRECISION, "loop": _LOOP, "checkpoint": _CHECKPOINT}
+_INIT["logging"] = {"log_steps": ("runconfig", "log_steps"), "log_summaries": ("optimizer", "log_summaries")}
+_RUN_KEYS = ("model_dir", "seed", "device", "num_threads", "tensorboard", "max_overflows_at_min_loss_scale")
+_SCHEDULERS = {"ConstantLR": "Constant", "LinearLR": "Linear", "CosineDecayLR": "CosineDecay"}
+# Model Zoo's defaults where they differ from dls's: (section, key) -> {layout: (where it is written, value)}.
+_ZOO_DEFAULTS: dict[tuple[str, str], dict[str, tuple[str, Any]]] = {
+    ("precision", "fp16_type"):
+        {"legacy": ("model.fp16_type", "float16"), "current": ("precision.fp16_type", "bfloat16")},
+    ("precision", "mixed_precision"):
+        {"legacy": ("model.mixed_precision", False), "current": ("precision.enabled", True)},
+    ("optimizer", "loss_scaling_factor"):
+        {"legacy": ("optimizer.loss_scaling_factor", 1.0), "current": ("precision.loss_scaling_factor", 1.0)},
+    ("runconfig", "autoload_last_checkpoint"): {"current": ("checkpoint.autoload_last_checkpoint", True)},
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------------- YAML
+class _Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 floats (``1e-3`` is a number) that refuses a key given twice in one mapping."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                line = key.start_mark.line + 1
+                if key.value in seen:
+                    raise ConfigError([f"key {key.value!r} is given twice: lines {seen[key.value]} and {line}"])
+                seen[key.value] = line
+        return super().construct_mapping(node, deep=deep)
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        """Merge keys (``<<: [*a, *b]``) that cannot multiply: each key once, the last value given wins."""
+        super().flatten_mapping(node)
+        index = {
+            (k.tag, k.value) if isinstance(k, yaml.ScalarNode) else id(k): i for i, (k, _) in enumerate(node.value)
+        }
+        if len(index) < len(node.value):
+            node.value = [node.value[i] for i in sorted(index.values())]
+
+
+_FLOAT = r"^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+|\.[0-9_]+"
+_FLOAT += r"(?:[eE][-+][0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+_Loader.yaml_implicit_resolvers = {
+    k: [(t, r) for t, r in v if t != "tag:yaml.org,2002:float"]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_FLOAT), list("-+0123456789."))
 
 
-# ---------------------------------------------------------------------- the loss scaler
-_SCALER_KEYS = {k.scaler: f"optimizer.{name}" for name, k in section_keys("optimizer").items() if k.scaler}
-_SCALER_NAME_RE = re.compile(r"\b(" + "|".join(sorted(map(re.escape, _SCALER_KEYS), key=len, reverse=True)) + r")\b")
+def _unshare(data: Any, budget: list[int]) -> Any:
+    """``data`` with every alias expanded into a copy; at most :data:`MAX_CONFIG_NODES` values in all."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ValueError(f"more than {MAX_CONFIG_NODES:,} values once its YAML aliases are expanded (an alias bomb?)")
+    if isinstance(data, dict):
+        return {_unshare(k, budget): _unshare(v, budget) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_unshare(v, budget) for v in data]
+    return data
 
 
-def _scaler_arguments(optimizer: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``ScalerSettings.cerebras`` arguments that the optimizer keys give (null keys are left to the scaler)."""
-    keys = section_keys("optimizer")
-    return {k.scaler: optimizer[name] for name, k in keys.items() if k.scaler and optimizer.get(name) is not None}
-
-
-def _settings(optimizer: Mapping[str, Any], fp16_type: str) -> ScalerSettings:
-    # A float32 run has no loss scaling; its (disabled) scaler's settings are float16's.
-    half = "float16" if fp16_type == "float32" else fp16_type
-    return ScalerSettings.cerebras(**_scaler_arguments(optimizer), half_dtype=half)
-
-
-def _relabel(error: SettingsError, given: Mapping[str, Any]) -> list[str]:
-    """The settings' problems under the YAML keys (``init_scale`` → ``optimizer.initial_loss_scale``). A problem
-    that names none of the ``given`` arguments follows from another one (an initial scale that defaults to a bad
-    ``max_loss_scale``) and is left out, unless every problem is such."""
-    named = [(set(_SCALER_NAME_RE.findall(message)), message) for _, message in error.problems]
-    kept = [message for names, message in named if names & given.keys()] or [message for _, message in named]
-    return [_SCALER_NAME_RE.sub(lambda m: _SCALER_KEYS[m.group(1)], message) for message in kept]
-
-
-def scaler_settings(cfg: TrainConfig) -> ScalerSettings:
-    """The loss scaler's settings of ``cfg`` (Cerebras' dialect, ``precision.fp16_type`` as the half dtype). The
-    scaler is enabled only when the run computes in a half format (:func:`loss_scaling_mode`)."""
-    return _settings(dataclasses.asdict(cfg.optimizer), cfg.precision.fp16_type)
-
-
-def loss_scaling_mode(cfg: TrainConfig) -> str:
-    """``"dynamic"``, ``"static"`` or ``"off"``: the scaler's mode, ``"off"`` when the run computes in float32."""
-    return "off" if cfg.precision.compute_dtype == "float32" else scaler_settings(cfg).mode
-
-
-# ---------------------------------------------------------------------- parsing
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Read a YAML config file, apply ``section.key=value`` overrides, validate. Raises :class:`ConfigError`."""
-    return parse_config(read_config(path, overrides), source=str(path))
+def load_yaml(text: str, source: str = "<string>") -> Any:
+    """Parse YAML text into plain data, aliases expanded into copies. Raises :class:`ConfigError`."""
+    try:
+        data = yaml.load(text, Loader=_Loader)  # a SafeLoader subclass
+        return _unshare(data, [MAX_CONFIG_NODES])
+    except ConfigError as exc:
+        raise ConfigError(exc.errors, source) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"not valid YAML: {exc}"], source) from None
+    except RecursionError:
+        raise ConfigError(["not a config: nested too deeply, or an alias contains itself"], source) from None
+    except ValueError as exc:
+        raise ConfigError([f"the config expands to {exc}"], source) from None
 
 
 def read_config(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """The YAML config file ``path`` as a dict, with ``overrides`` applied, not validated yet
-    (:func:`dls.train.yamlfile.read_yaml_file` says what is refused)."""
-    raw = read_yaml_file(path)
+    """The YAML file ``path`` (a regular file of at most 1 MiB of UTF-8) as a dict, ``overrides`` applied."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO without a writer must not block
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ConfigError(["not a regular file: a config is read from a plain file"], str(path))
+            with os.fdopen(os.dup(fd), "rb") as f:
+                data = f.read(MAX_CONFIG_BYTES + 1)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise ConfigError([f"cannot read config file: {exc.strerror or exc}"], str(path)) from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(["larger than 1 MiB: not a YAML config (a checkpoint? see --resume)"], str(path))
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            [f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); save the config as UTF-8"],
+            str(path),
+        ) from None
+    raw = load_yaml(text, str(path))
     return apply_overrides({} if raw is None else raw, overrides, source=str(path))
 
 
 def apply_overrides(raw: Any, overrides: Sequence[str], source: str | None = None) -> dict[str, Any]:
-    """``raw`` with each ``"section.key=value"`` applied (values parsed as YAML). ``raw`` is not changed: the
-    mappings on an override's path are copied, the rest is shared (so a large value is never copied)."""
-    check_size(raw, source)
-    if not isinstance(raw, dict):
-        raise ConfigError([f"the top level must be a mapping of sections ({', '.join(SECTIONS)}); got {raw!r}"], source)
-    result = dict(raw)
-    copies = {id(result)}  # the mappings that belong to result alone
+    """A copy of ``raw`` with each ``"a.b.c=value"`` set at the path as written (values are YAML)."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError([f"the top level must be a mapping of sections; got {raw!r}"], source)
+    try:
+        result: dict[str, Any] = _unshare(dict(raw), [MAX_CONFIG_NODES])
+    except (ValueError, RecursionError):
+        raise ConfigError(["the config is too large or contains itself"], source) from None
     errors = []
     for item in overrides:
         path, sep, text = item.partition("=")
@@ -183,22 +195,18 @@ def apply_overrides(raw: Any, overrides: Sequence[str], source: str | None = Non
             errors.append(f"override {item!r} must look like section.key=value, e.g. runconfig.max_steps=20")
             continue
         try:
-            value = parse_yaml_value(text)
+            value = load_yaml(text, "<override>") if text.strip() else ""
         except ConfigError as exc:
             errors.append(f"override {item!r}: value is not valid YAML ({exc.errors[0]})")
             continue
         node = result
         for i, k in enumerate(keys[:-1]):
-            child = node.get(k)
-            if child is None:
-                child = node[k] = {}
-                copies.add(id(child))
+            if node.get(k) is None:
+                node[k] = {}
+            child = node[k]
             if not isinstance(child, dict):
                 errors.append(f"override {item!r}: {'.'.join(keys[: i + 1])} is not a section/mapping")
                 break
-            if id(child) not in copies:
-                child = node[k] = dict(child)
-                copies.add(id(child))
             node = child
         else:
             node[keys[-1]] = value
@@ -207,235 +215,577 @@ def apply_overrides(raw: Any, overrides: Sequence[str], source: str | None = Non
     return result
 
 
-def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConfig:
-    """Validate a config dict (the parsed YAML) and build the :class:`TrainConfig`. Raises :class:`ConfigError`
-    listing every problem."""
-    check_size(dict(raw) if isinstance(raw, Mapping) else raw, source)
-    if not isinstance(raw, Mapping):
-        raise ConfigError([f"the top level must be a mapping of sections ({', '.join(SECTIONS)}); got {raw!r}"], source)
-    errors: list[str] = []
-    warnings: list[str] = []
-    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
-    shown: dict[str, str] = {}  # section -> the name the file used for it
-    for name, body in raw.items():
-        canonical = SECTION_ALIASES.get(str(name), str(name))
-        if canonical not in SECTION_CLASSES:
-            close = difflib.get_close_matches(str(name), [*SECTIONS, *SECTION_ALIASES], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            errors.append(f"unknown section {name}{hint}; allowed sections: {', '.join(SECTIONS)}")
-            continue
-        if canonical in shown:
-            errors.append(f"give section {canonical!r} once: both {shown[canonical]!r} and {name!r} are present")
-            continue
-        shown[canonical] = name
-        if body is None:
-            continue
-        if not isinstance(body, Mapping):
-            errors.append(f"section {name} must be a mapping of keys; got {body!r}")
-            continue
-        aliases = KEY_ALIASES.get(canonical, {})
-        for k, value in body.items():
-            target: str = aliases.get(k, k) if isinstance(k, str) else str(k)
-            if target in sections[canonical]:
-                errors.append(f"{name}.{k} and {name}.{target} are the same setting; give one")
-                continue
-            sections[canonical][target] = value
-
-    values: dict[str, dict[str, Any]] = {}
-    for name, given in sections.items():
-        default_selector = None
-        if name == "data":  # the data set defaults to the one the model trains on
-            default_selector = MODEL_DATASETS.get(values["model"].get("name", ""), (None,))[0]
-        values[name] = _check_section(name, shown.get(name, name), given, errors, default_selector)
-
-    _move_precision_aliases(values, errors)
-    _check_combinations(values, errors, warnings)
-    _check_loss_scaling(values, errors, warnings)
-    if errors:
-        raise ConfigError(errors, source)
-    built = {name: cls(**values[name]) for name, cls in SECTION_CLASSES.items()}
-    return TrainConfig(**built, warnings=tuple(warnings))
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Read a YAML config file, apply overrides, validate. Raises :class:`ConfigError`."""
+    return parse_config(read_config(path, overrides), source=str(path))
 
 
-def _check_section(
-    name: str, shown: str, given: dict[str, Any], errors: list[str], default_selector: str | None = None
-) -> dict[str, Any]:
-    keys = section_keys(name)
-    selector_key = selector_of(name)
-    selector = default_selector or (getattr(SECTION_CLASSES[name], selector_key) if selector_key else None)
-    if selector_key and selector_key in given:
-        parsed, problem = keys[selector_key].check(f"{shown}.{selector_key}", given[selector_key])
-        selector = parsed if problem is None else None  # the problem is reported below
-    for k, spec in keys.items():
-        if spec.required and k not in given:
-            allowed = spec.check.choices if isinstance(spec.check, checks.choice) else ("see dls keys",)
-            errors.append(f"{shown}.{k} is required; allowed values: {', '.join(allowed)}")
-    out: dict[str, Any] = {}
-    for k, value in given.items():
-        path = f"{shown}.{k}"
-        if not isinstance(k, str) or k not in keys:
-            applicable = [n for n, spec in keys.items() if not spec.only or selector in spec.only]
-            errors.append(checks.unknown_key(path, str(k), applicable, _HINTS.get(str(k))))
-            continue
-        spec = keys[k]
-        parsed, problem = spec.check(path, value)
-        if problem:
-            errors.extend([problem] if isinstance(problem, str) else problem)
-            continue
-        if spec.only and selector is not None and selector not in spec.only:
-            errors.append(
-                f"{path} applies only when {shown}.{selector_key} is {' or '.join(map(repr, spec.only))}; "
-                f"it is {selector!r}"
-            )
-            continue
-        out[k] = parsed
-    return out
-
-
-def _move_precision_aliases(values: dict[str, dict[str, Any]], errors: list[str]) -> None:
-    for section, names in MOVED_KEYS.items():
-        for name in names:
-            if name not in values[section]:
-                continue
-            alias = values[section].pop(name)
-            precision = values["precision"]
-            if name in precision and precision[name] != alias:
-                errors.append(
-                    f"{section}.{name} ({alias!r}) and precision.{name} ({precision[name]!r}) disagree; "
-                    f"give it in one place (precision.{name})"
-                )
-            precision[name] = alias
-
-
-def _check_combinations(values: dict[str, dict[str, Any]], errors: list[str], warnings: list[str]) -> None:
-    model, data, prec, opt = (values[s] for s in ("model", "data", "precision", "optimizer"))
-    name = model.get("name", ModelConfig.name)
-    dataset = data.get("dataset")
-    if dataset is None and name in MODEL_DATASETS:
-        data["dataset"] = dataset = MODEL_DATASETS[name][0]
-    if name in MODEL_DATASETS and dataset not in MODEL_DATASETS[name]:
-        errors.append(
-            f"data.dataset {dataset!r} does not fit model.name {name!r}; allowed: {', '.join(MODEL_DATASETS[name])}"
+def parse_checkpoint_states(value: str | Sequence[str]) -> tuple[str, ...]:
+    """``"model,optimizer"`` or a list → validated tuple of state names (``"all"`` → every state)."""
+    items = [s.strip() for s in value.split(",")] if isinstance(value, str) else list(value)
+    if not items or not all(isinstance(s, str) and s for s in items):
+        raise ValueError(f"expected a comma-separated list of {', '.join(CHECKPOINT_STATES)} (or 'all'); got {value!r}")
+    if items == ["all"]:
+        return CHECKPOINT_STATES
+    bad = [s for s in items if s not in CHECKPOINT_STATES]
+    if bad:
+        hint = did_you_mean(bad[0], CHECKPOINT_STATES)
+        raise ValueError(
+            f"unknown checkpoint state(s) {', '.join(map(repr, bad))}{hint}; allowed: {', '.join(CHECKPOINT_STATES)}"
         )
-    if name == "transformer_lm":
-        hidden = model.get("hidden_size", ModelConfig.hidden_size)
-        heads = model.get("num_heads", ModelConfig.num_heads)
-        if hidden % heads:
-            errors.append(f"model.num_heads ({heads}) must divide model.hidden_size ({hidden})")
-        seq = data.get("max_sequence_length", DataConfig.max_sequence_length)
-        positions = model.get("max_position_embeddings", ModelConfig.max_position_embeddings)
-        if seq > positions:
-            errors.append(f"data.max_sequence_length ({seq}) exceeds model.max_position_embeddings ({positions})")
-    mixed = prec.get("mixed_precision", PrecisionConfig.mixed_precision)
-    if not mixed and prec.get("fp16_type") in ("float16", "bfloat16", "cbfloat16"):
-        warnings.append(
-            f"precision.fp16_type ({prec['fp16_type']!r}) has no effect: precision.mixed_precision is false, so the "
-            "run computes in float32 (set mixed_precision: true to use it)"
-        )
-    if prec.get("emulate") and not (mixed and prec.get("fp16_type", PrecisionConfig.fp16_type) != "float32"):
-        warnings.append("precision.emulate has no effect: the run computes in float32")
-    _check_precision_modes(prec, errors, warnings)
-    if opt.get("max_gradient_norm") is not None and opt.get("max_gradient_value") is not None:
-        errors.append("give optimizer.max_gradient_norm or optimizer.max_gradient_value, not both")
+    return tuple(dict.fromkeys(items))
 
 
-def _check_precision_modes(prec: dict[str, Any], errors: list[str], warnings: list[str]) -> None:
-    """``half_params``, ``master_weights`` and ``fp8`` against the compute precision (see ``dls.train.keys``)."""
-    mixed = prec.get("mixed_precision", PrecisionConfig.mixed_precision)
-    half = prec.get("fp16_type", PrecisionConfig.fp16_type)
-    compute = half if mixed else "float32"
-    if prec.get("half_params"):
-        if compute == "float32":
-            errors.append(
-                "precision.half_params needs a half-precision run: the run computes in float32 (set "
-                "precision.mixed_precision: true and precision.fp16_type to float16, bfloat16 or cbfloat16), and "
-                "float32 parameters are what it keeps without half_params"
-            )
-        elif half == "cbfloat16" and prec.get("master_weights") is False:
-            errors.append(
-                "precision.master_weights: false does not work with cbfloat16 half_params: cbfloat16 has no torch "
-                "dtype, and its parameters stay on the cbfloat16 grid only through the master weights"
-            )
-        elif half != "cbfloat16" and prec.get("emulate"):
-            warnings.append(
-                f"precision.emulate has no effect: with half_params the model's parameters are {half} and it computes "
-                f"in {half} natively"
-            )
-            prec.pop("emulate")
-    elif "master_weights" in prec:
-        warnings.append("precision.master_weights has no effect without precision.half_params: true")
-        prec.pop("master_weights")
-    emulated = compute == "cbfloat16" or (compute != "float32" and prec.get("emulate", False))
-    if prec.get("fp8") is not None and emulated:
-        errors.append(
-            "precision.fp8 cannot be combined with dls.emulate's rounding (fp16_type cbfloat16, or "
-            "precision.emulate: true): both decide what the Linear layers compute; with fp8 the rest of the model "
-            "computes in float32, or in float16/bfloat16 under torch.autocast"
-        )
+# ---------------------------------------------------------------------- layouts → sections
+class _Reader:
+    """Collects the sections' values, where each was written (for errors), problems and notes."""
 
+    def __init__(self, zoo_model: bool) -> None:
+        self.zoo_model = zoo_model  # a Model Zoo model: its model and data keys go to params
+        self.sections: dict[str, dict[str, Any]] = {name: {} for name in SECTION_CLASSES}
+        self.sections["eval_data"] = {}
+        self.written: dict[tuple[str, str], str] = {}
+        self.errors: list[str] = []
+        self.ignored: list[str] = []
+        self.notes: list[str] = []
 
-def _check_loss_scaling(values: dict[str, dict[str, Any]], errors: list[str], warnings: list[str]) -> None:
-    """Let ``ScalerSettings`` judge every loss-scaling key that was given, whether or not it takes effect in this run
-    (``loss_scaling_factor`` on its own, the others as dynamic scaling's settings), then drop with a warning the keys
-    the run's mode ignores."""
-    opt, prec = values["optimizer"], values["precision"]
-    half = prec.get("fp16_type", PrecisionConfig.fp16_type)
-    factor = opt.get("loss_scaling_factor")
-    given = _scaler_arguments(opt)
-    others = {k: v for k, v in given.items() if k != "loss_scale"}
-    try:
-        mode = _settings({"loss_scaling_factor": factor}, half).mode  # the scaler's own rule for the mode
-        _settings({**opt, "loss_scaling_factor": "dynamic"}, half)
-    except SettingsError as exc:
-        errors.extend(_relabel(exc, given if "loss_scale" in {a for a, _ in exc.problems} else others))
-        return
-    if not prec.get("mixed_precision", PrecisionConfig.mixed_precision) or half == "float32":
-        mode, why = "off", "the run computes in float32 (precision.mixed_precision is false), without loss scaling"
-    elif half == "cbfloat16" and mode != "dynamic":
-        errors.append(f"optimizer.loss_scaling_factor must be 'dynamic' for cbfloat16 (as on Cerebras); got {factor!r}")
-        return
-    elif mode == "static":
-        why = f"loss_scaling_factor is a static {factor:g}"
-    else:  # off (dynamic scaling ignores nothing)
-        why = f"loss scaling is off for {half} (set optimizer.loss_scaling_factor: dynamic to use it)"
-    for name, spec in section_keys("optimizer").items():
-        ignored = (spec.scaling == "any" and mode == "off") or (spec.scaling == "dynamic" and mode != "dynamic")
-        if ignored and opt.get(name) is not None:
-            warnings.append(f"optimizer.{name} is ignored: {why}")
-            opt.pop(name)
+    def put(self, section: str, key: str, value: Any, path: str) -> None:
+        if (section, key) in self.written:
+            other, before = self.written[section, key], self.sections[section][key]
+            if before != value:
+                self.errors.append(f"{other} ({before!r}) and {path} ({value!r}) disagree; give it in one place")
+            elif path.split(".")[-1] != other.split(".")[-1]:
+                self.errors.append(f"{other} and {path} are the same setting; give one")
+            return
+        self.sections[section][key] = value
+        self.written[section, key] = path
 
-
-# ---------------------------------------------------------------------- output
-def to_dict(cfg: TrainConfig) -> dict[str, Any]:
-    """The config as plain nested dicts/lists (YAML- and JSON-friendly) that ``parse_config`` reads back to the
-    same config: keys that do not apply (the other model's sizes, dynamic-scaling keys without dynamic scaling,
-    ``fp16_type`` without mixed precision) and ``warnings`` are left out. Null loss-scaling keys stay null (the
-    scaler's defaults, see :func:`scaler_settings`)."""
-
-    def plain(value: Any) -> Any:
-        if isinstance(value, (list, tuple)):
-            return [plain(v) for v in value]
-        if isinstance(value, dict):
-            return {k: plain(v) for k, v in value.items()}
+    def mapping(self, value: Any, path: str) -> Mapping[Any, Any]:
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            self.errors.append(f"{'section ' * ('.' not in path)}{path} must be a mapping of keys; got {value!r}")
+            return {}
         return value
 
-    mode = loss_scaling_mode(cfg)
+    def unknown(self, path: str, key: Any, allowed: Sequence[str]) -> None:
+        if str(key) in CEREBRAS_ONLY:
+            self.ignored.append(f"{path}.{key}")
+            return
+        hint = f" (did you mean {_HINTS[key]!r}?)" if key in _HINTS else did_you_mean(key, allowed)
+        self.errors.append(f"unknown key {path}.{key}{hint}; allowed keys: {', '.join(allowed)}")
+
+    def section(self, section: str, body: Any, path: str, moved: Mapping[str, tuple[str, str]] = {}) -> None:
+        """A section written as dls's fields (legacy layout); Model Zoo models' and readers' keys go to ``params``."""
+        body = self.mapping(body, path)
+        fields = [k for k in SECTION_CLASSES["data" if section == "eval_data" else section].model_fields]
+        zoo = self.zoo_model if section == "model" else self.zoo_model or "data_processor" in body
+        zoo = zoo and section in ("model", "data", "eval_data")
+        params = {}
+        for key, value in body.items():
+            where = f"{path}.{key}"
+            if key in moved:
+                self.put(*moved[key], value, where)
+            elif key in CEREBRAS_ONLY:
+                self.ignored.append(where)
+            elif zoo and key not in (
+                "name",
+                "data_processor",
+                "batch_size",
+                "shuffle",
+                "shuffle_seed",
+                "drop_last_batch",
+            ):
+                params[key] = value
+            elif key in fields and key != "params":
+                self.put(section, key, value, where)
+            else:
+                self.unknown(path, key, [f for f in fields if f != "params"])
+        if params:
+            self.put(section, "params", params, path)
+
+    def legacy(self, raw: Mapping[Any, Any]) -> None:
+        names = {"train_input": "data", "data": "data", "eval_input": "eval_data", "model": "model"}
+        names.update({"optimizer": "optimizer", "runconfig": "runconfig", "precision": "precision"})
+        moved = {"mixed_precision": ("precision", "mixed_precision"), "fp16_type": ("precision", "fp16_type")}
+        alias = {"weight_decay_rate": ("optimizer", "weight_decay")}
+        seen: dict[str, str] = {}
+        for name, body in raw.items():
+            if name not in names:
+                self.errors.append(f"unknown section {name}{did_you_mean(name, names)}; allowed: {', '.join(names)}")
+                continue
+            section = names[name]
+            if section in seen:
+                self.errors.append(f"give section {section!r} once: both {seen[section]!r} and {name!r} are present")
+                continue
+            seen[section] = str(name)
+            self.section(section, body, str(name), moved if section == "model" else alias)
+
+    def current(self, raw: Mapping[Any, Any]) -> None:
+        for name in raw:
+            if name != "trainer":
+                self.errors.append(f"unknown section {name}: the current layout has trainer: alone")
+        trainer = self.mapping(raw.get("trainer"), "trainer")
+        for name in trainer:
+            if name not in ("init", "fit", "validate", "validate_all"):
+                self.unknown("trainer", name, ["init", "fit", "validate", "validate_all"])
+        init = self.mapping(trainer.get("init"), "trainer.init")
+        allowed = ["model_dir", "seed", "backend", "model", "optimizer", "schedulers", "callbacks", *_INIT]
+        for key, value in init.items():
+            path = f"trainer.init.{key}"
+            if key in _RUN_KEYS:
+                self.put("runconfig", key, value, path)
+            elif key == "model":
+                self.section("model", value, path)
+            elif key in _INIT:
+                for k, v in self.mapping(value, path).items():
+                    if k in _INIT[key]:
+                        self.put(*_INIT[key][k], v, f"{path}.{k}")
+                    else:
+                        self.unknown(path, k, list(_INIT[key]))
+            elif key == "backend":
+                self.backend(self.mapping(value, path), path)
+            elif key == "optimizer":
+                self.optimizer(self.mapping(value, path), path)
+            elif key == "schedulers":
+                self.put("optimizer", "learning_rate", _schedule(value, path, self.errors), path)
+            elif key == "callbacks":
+                self.callbacks(value, path)
+            else:
+                self.unknown("trainer.init", key, allowed)
+        if {"validate", "validate_all"} & trainer.keys():
+            self.notes.append("trainer.validate / trainer.validate_all: dls train runs trainer.fit (not checked)")
+        fit = self.mapping(trainer.get("fit"), "trainer.fit")
+        for key, value in fit.items():
+            if key in ("train_dataloader", "val_dataloader"):
+                self.section("data" if key == "train_dataloader" else "eval_data", value, f"trainer.fit.{key}")
+            elif key == "ckpt_path":
+                self.put("runconfig", "checkpoint_path", value, "trainer.fit.ckpt_path")
+            else:
+                self.unknown("trainer.fit", key, ["train_dataloader", "val_dataloader", "ckpt_path"])
+
+    def backend(self, backend: Mapping[Any, Any], path: str) -> None:
+        kind = backend.get("backend_type")
+        if kind in ("CPU", "GPU"):
+            self.put("runconfig", "device", "cpu" if kind == "CPU" else "cuda", f"{path}.backend_type")
+        elif kind == "CSX":
+            self.notes.append(f"{path}.backend_type CSX: not this hardware; the run uses the best device here")
+            self.put("runconfig", "device", "auto", f"{path}.backend_type")
+        elif kind is not None:
+            self.errors.append(f"{path}.backend_type must be CSX, CPU or GPU; got {kind!r}{did_you_mean(kind, 'CPU')}")
+        self.ignored.extend(f"{path}.{k}" for k in backend if k != "backend_type")
+
+    def optimizer(self, body: Mapping[Any, Any], path: str) -> None:
+        if len(body) != 1:
+            self.errors.append(f"{path} must name one optimizer class (SGD, Adam or AdamW); got {list(body)}")
+            return
+        ((name, args),) = body.items()
+        self.put("optimizer", "optimizer_type", name, path)
+        for key, value in self.mapping(args, f"{path}.{name}").items():
+            fields = ["learning_rate", "momentum", "weight_decay", "betas", "eps", "correct_bias"]
+            if key in fields or key == "lr":
+                self.put("optimizer", "learning_rate" if key == "lr" else key, value, f"{path}.{name}.{key}")
+            else:
+                self.unknown(f"{path}.{name}", key, fields)
+
+    def callbacks(self, value: Any, path: str) -> None:
+        for i, item in enumerate(value if isinstance(value, list) else [value]):
+            if not isinstance(item, Mapping) or len(item) != 1:
+                self.errors.append(f"{path}[{i}] must be {{CallbackName: {{...}}}}; got {item!r}")
+                continue
+            ((name, args),) = item.items()
+            if name == "LoadCheckpointStates":
+                states = self.mapping(args, f"{path}[{i}].LoadCheckpointStates").get("load_checkpoint_states")
+                self.put("runconfig", "load_checkpoint_states", states, f"{path}[{i}].LoadCheckpointStates")
+            elif name in CEREBRAS_ONLY:
+                self.ignored.append(f"{path}[{i}].{name}")
+            else:
+                self.errors.append(f"{path}[{i}]: dls does not run the callback {name!r}; remove it")
+
+
+def _schedule(value: Any, path: str, errors: list[str]) -> Any:
+    """Model Zoo's ``schedulers: [{LinearLR: {...}}]`` (or one ``SequentialLR`` of them) as schedule pieces."""
+    items = value if isinstance(value, list) else [value]
+    if len(items) == 1 and isinstance(items[0], Mapping) and list(items[0]) == ["SequentialLR"]:
+        body = items[0]["SequentialLR"]
+        if not isinstance(body, Mapping) or not isinstance(body.get("schedulers"), list):
+            errors.append(f"{path}[0].SequentialLR must hold schedulers: [...]")
+            return None
+        extra = [k for k in body if k != "schedulers"]
+        if extra:
+            errors.append(f"{path}[0].SequentialLR.{extra[0]} is not supported (pieces follow their total_iters)")
+        items, path = body["schedulers"], f"{path}[0].SequentialLR.schedulers"
+    elif len(items) != 1:
+        errors.append(f"{path} must be one scheduler (use SequentialLR to chain them); got {len(items)}")
+        return None
+    pieces = []
+    for i, item in enumerate(items):
+        name = next(iter(item)) if isinstance(item, Mapping) and len(item) == 1 else None
+        if name not in _SCHEDULERS or not isinstance(item[name], (Mapping, type(None))):
+            errors.append(
+                f"{path}[{i}] must be one of {', '.join(_SCHEDULERS)}; got {item!r}{did_you_mean(name, _SCHEDULERS)}"
+            )
+            continue
+        pieces.append({"scheduler": _SCHEDULERS[name], **(item[name] or {})})
+    return pieces
+
+
+# ---------------------------------------------------------------------- validation
+_MNIST = {"fc_mnist": "MNISTDataProcessor", "gpt2": "GptHDF5DataProcessor"}
+_MNIST.update({"gpt3": "GptHDF5DataProcessor", "llama": "GptHDF5DataProcessor"})
+_ZOO_PROCESSOR = {"data": _MNIST, "eval_data": _MNIST}  # the reader a legacy config's model implies
+
+
+def _get(raw: Any, *keys: str) -> Any:
+    for key in keys:
+        raw = raw.get(key) if isinstance(raw, Mapping) else None
+    return raw
+
+
+def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConfig:
+    """Validate a config dict (the parsed YAML, either layout) and build the :class:`TrainConfig`. Raises
+    :class:`ConfigError` listing every problem, each naming its key as written."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError([f"the top level must be a mapping of sections; got {raw!r}"], source)
+    raw = apply_overrides(raw, (), source)
+    layout = "current" if "trainer" in raw else "legacy"
+    model = raw.get("model") if layout == "legacy" else _get(raw, "trainer", "init", "model")
+    r = _Reader(isinstance(model, Mapping) and model.get("name") in ZOO_MODELS)
+    r.current(raw) if layout == "current" else r.legacy(raw)
+    s = r.sections
+    name = s["model"].get("name")
+    every = (*MODEL_NAMES, *ZOO_MODELS)
+    if name is None:
+        hint = "Model Zoo picks it by its run.py: name it, e.g. -o model.name=gpt2"
+        r.errors.append(f"model.name is required ({hint}); one of {', '.join(every)}")
+    elif name not in every:
+        hint = did_you_mean(name, every)
+        r.errors.append(f"model.name must be one of {', '.join(map(repr, every))}; got {name!r}{hint}")
+    zoo = layout == "current" or name in ZOO_MODELS or "data_processor" in s["data"]
+    if zoo:
+        for (section, key), defaults in _ZOO_DEFAULTS.items():
+            if (section, key) not in r.written and layout in defaults:
+                path, value = defaults[layout]
+                s[section][key] = value
+                other = defaults.get("legacy" if layout == "current" else "current", (None, value))[1]
+                differs = (
+                    f" ({'legacy' if layout == 'current' else 'current'} layout: {other!r})" if other != value else ""
+                )
+                prefix = "trainer.init." if layout == "current" else ""
+                r.notes.append(f"{prefix}{path}: {value!r}, Model Zoo's default in the {layout} layout{differs}")
+    else:
+        layout = "dls"
+    for key in ("data", "eval_data"):
+        proc = s[key].get("data_processor")
+        if proc is not None and proc not in ZOO_PROCESSORS:
+            r.errors.append(
+                f"{r.written.get((key, 'data_processor'))} must be one of {', '.join(ZOO_PROCESSORS)}; "
+                f"got {proc!r}{did_you_mean(proc, ZOO_PROCESSORS)}"
+            )
+    if name in MODEL_DATASETS and "data_processor" not in s["data"]:
+        s["data"].setdefault("dataset", MODEL_DATASETS[name])
+    for section, default in _ZOO_PROCESSOR.items():
+        if (
+            name in ZOO_MODELS
+            and not {"dataset", "data_processor"} & s[section].keys()
+            and (s[section] or section == "data")
+        ):
+            s[section]["data_processor"] = default[name]
+    kind = s["optimizer"].get("optimizer_type", "Adam")
+    kind = {k.lower(): k for k in OPTIMIZERS}.get(kind.lower(), kind) if isinstance(kind, str) else kind
+    selectors = {
+        "model": ("name", name),
+        "data": ("dataset", s["data"].get("dataset")),
+        "optimizer": ("optimizer_type", kind),
+    }
+    for section, (selector, value) in selectors.items():
+        for key in list(s[section]):
+            if key in ONLY and value is not None and value not in ONLY[key]:
+                only = " or ".join(map(repr, ONLY[key]))
+                r.errors.append(
+                    f"{r.written[section, key]} applies only when {section}.{selector} is {only}; it is {value!r}"
+                )
+                del s[section][key]
+    if s["runconfig"].get("load_checkpoint_states") is not None:
+        try:
+            s["runconfig"]["load_checkpoint_states"] = parse_checkpoint_states(s["runconfig"]["load_checkpoint_states"])
+        except ValueError as exc:
+            r.errors.append(f"{r.written['runconfig', 'load_checkpoint_states']}: {exc}")
+            del s["runconfig"]["load_checkpoint_states"]
+    built: dict[str, Any] = {}
+    for section, cls in SECTION_CLASSES.items():
+        built[section] = _build(cls, section, s[section], r)
+    if s["eval_data"]:
+        built["eval_data"] = _build(DataConfig, "eval_data", s["eval_data"], r)
+    factor = s["optimizer"].get("loss_scaling_factor")
+    if isinstance(factor, str) and factor != "dynamic":
+        hint = did_you_mean(factor, ["dynamic"])
+        where = r.written["optimizer", "loss_scaling_factor"]
+        r.errors.append(f"{where} must be 'dynamic' (lower case), a number or null; got {factor!r}{hint}")
+    if built["optimizer"] is not None and built["precision"] is not None:
+        _check_loss_scaling(built, r)
+    _check_numbers(s, r)
+    if not r.errors:
+        _check_combinations(built, r)
+    if not r.errors and built["precision"].fp8 is not None:
+        built["precision"] = built["precision"].model_copy(update={"fp8": _fp8(built["precision"].fp8, r)})
+    if r.errors:
+        raise ConfigError(r.errors, source)
+    if r.ignored:
+        r.notes.append(f"ignored on this hardware (Cerebras only): {', '.join(dict.fromkeys(r.ignored))}")
+    sources = {f"{section}.{key}": path for (section, key), path in r.written.items()}
+    return TrainConfig(**built, notes=tuple(r.notes), layout=layout, sources=sources)
+
+
+def _build(cls: type, section: str, values: dict[str, Any], r: _Reader) -> Any:
+    def where(loc: tuple[Any, ...]) -> str:
+        head = r.written.get((section, str(loc[0])), f"{section}.{loc[0]}") if loc else section
+        return head + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
+
+    if section == "optimizer" and isinstance(values.get("learning_rate"), dict):
+        values["learning_rate"] = [values["learning_rate"]]
+    try:
+        return cls(**values)
+    except ValidationError as exc:
+        r.errors.extend(problems(exc, where, cls))
+        return None
+
+
+def _check_numbers(s: Mapping[str, Any], r: _Reader) -> None:
+    """Every number finite and at most float32's max in size (loss-scaling keys included)."""
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not (math.isfinite(value) and abs(value) <= F32_MAX) and not any(e.startswith(path) for e in r.errors):
+                r.errors.append(f"{path} must be a finite number of at most float32's max (3.4e38); got {value!r}")
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(v, f"{path}.{k}")
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]")
+
+    for section in ("optimizer", "precision"):
+        for key, value in s[section].items():
+            if key in SCALER_KEYS or key == "fp8":
+                walk(value, r.written.get((section, key), f"{section}.{key}"))
+    r.errors[:] = list(dict.fromkeys(r.errors))
+
+
+def _fp8(recipe: Mapping[str, Any], r: _Reader) -> Any:
+    """``{recipe: current|delayed|mxfp8|static, <fields>}`` judged field by field by ``dls.fp8``'s recipe classes."""
+    from dls.fp8 import RECIPE_NAMES, recipe_from_dict
+
+    path = r.written.get(("precision", "fp8"), "precision.fp8")
+    cls = RECIPE_NAMES.get(recipe.get("recipe"))  # type: ignore[arg-type]
+    if cls is None:
+        got = repr(recipe["recipe"]) if "recipe" in recipe else "nothing"
+        r.errors.append(f"{path}.recipe must be one of {', '.join(map(repr, RECIPE_NAMES))}; got {got}")
+        return None
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
+    fields = {f: _integral(v) if types.get(f) == "int" else v for f, v in recipe.items() if f != "recipe"}
+    for key, value in fields.items():
+        if key not in cls.__dataclass_fields__:
+            r.unknown(path, key, ["recipe", *cls.__dataclass_fields__])
+        elif key == "amax_history_len" and not (
+            isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65536
+        ):
+            r.errors.append(f"{path}.amax_history_len must be an integer in [1, 65536]; got {value!r}")
+        else:
+            try:
+                cls(**{key: value})
+            except (ValueError, TypeError) as exc:
+                message = str(exc)
+                r.errors.append(f"{path}.{message}" if message.startswith(f"{key} ") else f"{path}.{key}: {message}")
+    if r.errors:
+        return None
+    return recipe_from_dict({"recipe": recipe["recipe"], **fields}).to_dict()
+
+
+def _check_combinations(b: dict[str, Any], r: _Reader) -> None:
+    model, data, prec, opt, run = b["model"], b["data"], b["precision"], b["optimizer"], b["runconfig"]
+    at = lambda section, key: r.written.get((section, key), f"{section}.{key}")  # noqa: E731
+    if model.name in MODEL_DATASETS and data.dataset != MODEL_DATASETS[model.name]:
+        r.errors.append(
+            f"{at('data', 'dataset')} {data.dataset!r} does not fit model.name {model.name!r}; "
+            f"allowed: {MODEL_DATASETS[model.name]}"
+        )
+    if model.name in ZOO_MODELS and data.data_processor is None and data.dataset is None:
+        r.errors.append(
+            f"{model.name} reads Model Zoo data: set train_input.data_processor ({', '.join(ZOO_PROCESSORS)})"
+        )
+    if model.name in MODEL_NAMES and data.data_processor is not None:
+        r.errors.append(
+            f"{at('data', 'data_processor')}: model.name {model.name!r} trains on dls's built-in data "
+            f"({MODEL_DATASETS[model.name]})"
+        )
+    if data.dataset is not None and not data.drop_last_batch:
+        r.errors.append(
+            f"{at('data', 'drop_last_batch')}: false is not supported for built-in data sets (they drop it)"
+        )
+    if model.name == "transformer_lm":
+        if model.hidden_size % model.num_heads:
+            r.errors.append(
+                f"{at('model', 'num_heads')} ({model.num_heads}) must divide model.hidden_size ({model.hidden_size})"
+            )
+        if data.max_sequence_length > model.max_position_embeddings:
+            r.errors.append(
+                f"{at('data', 'max_sequence_length')} ({data.max_sequence_length}) exceeds "
+                f"model.max_position_embeddings ({model.max_position_embeddings})"
+            )
+    if not prec.mixed_precision and ("precision", "fp16_type") in r.written and prec.fp16_type != "float32":
+        r.notes.append(f"{at('precision', 'fp16_type')} ({prec.fp16_type!r}) has no effect: mixed_precision is off")
+    if prec.half_params and prec.compute_dtype == "float32":
+        r.errors.append(
+            f"{at('precision', 'half_params')} needs a half-precision run (precision.mixed_precision: true and a half "
+            "fp16_type): float32 parameters are what it keeps without half_params"
+        )
+    if prec.half_params and prec.fp16_type == "cbfloat16" and not prec.master_weights:
+        r.errors.append(f"{at('precision', 'master_weights')}: false does not work with cbfloat16 half_params")
+    if prec.fp8 is not None and prec.emulated:
+        r.errors.append(
+            f"{at('precision', 'fp8')} cannot be combined with dls.emulate's rounding (cbfloat16 or precision.emulate)"
+        )
+    if opt.max_gradient_norm is not None and opt.max_gradient_value is not None:
+        r.errors.append(
+            f"give {at('optimizer', 'max_gradient_norm')} or {at('optimizer', 'max_gradient_value')}, not both"
+        )
+    if "master_weights" in prec.model_fields_set and not prec.half_params:
+        r.notes.append(f"{at('precision', 'master_weights')} has no effect without precision.half_params: true")
+    if prec.half_params and prec.emulate and prec.fp16_type != "cbfloat16":
+        r.notes.append(f"{at('precision', 'emulate')} has no effect: with half_params the model computes natively")
+        b["precision"] = prec = prec.model_copy(update={"emulate": False})
+    if prec.keep_in_float32:
+        r.errors.append(f"{at('precision', 'keep_in_float32')} is not supported by this dls yet")
+    if run.eval_steps is not None and b.get("eval_data") is None and "eval_data" not in b:
+        r.notes.append(
+            f"{at('runconfig', 'eval_steps')}: no eval_input / val_dataloader: evaluation reads the training data"
+        )
+
+
+def _scaler_arguments(opt: Any) -> dict[str, Any]:
+    return {arg: getattr(opt, key) for key, arg in SCALER_KEYS.items() if getattr(opt, key) is not None}
+
+
+def _settings(opt: Any, fp16_type: str, **replace: Any) -> ScalerSettings:
+    half = "float16" if fp16_type == "float32" else fp16_type
+    args = {**_scaler_arguments(opt), **replace}
+    return ScalerSettings.cerebras(**args, half_dtype=half)
+
+
+def _check_loss_scaling(b: dict[str, Any], r: _Reader) -> None:
+    """``ScalerSettings`` judges every loss-scaling key given, each problem under its key as written."""
+    opt, prec = b["optimizer"], b["precision"]
+    factor = opt.loss_scaling_factor
+    names = {arg: r.written.get(("optimizer", key), f"optimizer.{key}") for key, arg in SCALER_KEYS.items()}
+    if isinstance(factor, str) and factor != "dynamic":
+        return  # said by parse_config
+    pattern = re.compile(r"\b(" + "|".join(sorted(names, key=len, reverse=True)) + r")\b")
+    half = "float16" if prec.fp16_type == "float32" else prec.fp16_type
+    try:
+        only = {"loss_scale": factor} if factor is not None else {}
+        mode = ScalerSettings.cerebras(**only, half_dtype=half).mode  # the scaler's own rule for the mode
+        _settings(opt, prec.fp16_type, loss_scale="dynamic")
+    except SettingsError as exc:
+        given = _scaler_arguments(opt)
+        named = [(set(pattern.findall(m)), m) for _, m in exc.problems]
+        kept = [m for n, m in named if n & given.keys()] or [m for _, m in named]
+        r.errors.extend(pattern.sub(lambda m: names[m.group(1)], m) for m in kept)
+        return
+    except TypeError as exc:  # an argument this dls's GradScaler does not have yet
+        arg = next((a for a in names if f"'{a}'" in str(exc)), None)
+        r.errors.append(f"{names.get(arg or '', 'optimizer')}: not supported by this dls's GradScaler ({exc})")
+        return
+    if prec.compute_dtype == "float32":
+        mode, why = "off", "the run computes in float32, without loss scaling"
+    elif prec.fp16_type == "cbfloat16" and mode != "dynamic":
+        r.errors.append(f"{names['loss_scale']} must be 'dynamic' for cbfloat16 (as on Cerebras); got {factor!r}")
+        return
+    else:
+        why = f"loss_scaling_factor is a static {factor:g}" if mode == "static" else f"loss scaling is off for {half}"
+    if isinstance(factor, (int, float)) and not isinstance(factor, bool):
+        b["optimizer"] = opt = opt.model_copy(update={"loss_scaling_factor": float(factor)})
+    dynamic_only = [k for k, a in SCALER_KEYS.items() if a not in ("loss_scale", "max_gradient_norm")]
+    ignored = [k for k in ["loss_scaling_factor"] * (mode == "off") + dynamic_only if getattr(opt, k) is not None]
+    if mode != "dynamic" and ignored:
+        r.notes.extend(f"{r.written.get(('optimizer', k), 'optimizer.' + k)} is ignored: {why}" for k in ignored)
+        b["optimizer"] = opt.model_copy(update=dict.fromkeys(ignored))
+
+
+def scaler_settings(cfg: TrainConfig) -> ScalerSettings:
+    """The loss scaler's settings of ``cfg`` (Cerebras' dialect, ``precision.fp16_type`` as the half dtype)."""
+    return _settings(cfg.optimizer, cfg.precision.fp16_type)
+
+
+def loss_scaling_mode(cfg: TrainConfig) -> str:
+    """``"dynamic"``, ``"static"`` or ``"off"`` (``"off"`` when the run computes in float32)."""
+    return "off" if cfg.precision.compute_dtype == "float32" else scaler_settings(cfg).mode
+
+
+def to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """The config as plain data in dls's own layout, which :func:`parse_config` reads back to the same run."""
     out: dict[str, Any] = {}
-    for name in SECTIONS:
+    for name in SECTION_CLASSES:
         section = getattr(cfg, name)
-        selector_key = selector_of(name)
-        selector = getattr(section, selector_key) if selector_key else None
-        body = {}
-        for f in dataclasses.fields(section):
-            spec: Key = f.metadata["key"]
-            if spec.only and selector not in spec.only:
-                continue
-            if (spec.scaling == "any" and mode == "off") or (spec.scaling == "dynamic" and mode != "dynamic"):
-                continue
-            body[f.name] = plain(getattr(section, f.name))
-        out[name] = body
-    if not cfg.precision.mixed_precision:
-        out["precision"].pop("fp16_type")
-    if not cfg.precision.half_params:
-        out["precision"].pop("master_weights")
+        out[name] = section.model_dump(mode="json", exclude_defaults=name != "runconfig")
+    if cfg.eval_data is not None:
+        out["eval_input"] = cfg.eval_data.model_dump(mode="json", exclude_defaults=True)
+    out["data"] = {"dataset": cfg.data.dataset, **out["data"]} if cfg.data.dataset else out["data"]
+    out["model"] = {"name": cfg.model.name, **out["model"]}
+    for section in ("model", "data", "eval_input"):
+        if section in out and "params" in out[section]:
+            out[section].update(out[section].pop("params"))
+    opt = out["optimizer"]
+    if cfg.layout != "dls":  # Model Zoo's default scaling factor differs from dls's null
+        opt.setdefault("loss_scaling_factor", cfg.optimizer.loss_scaling_factor)
+        out["precision"].setdefault("fp16_type", cfg.precision.fp16_type)
+        out["precision"].setdefault("mixed_precision", cfg.precision.mixed_precision)
     return out
+
+
+def missing_paths(cfg: TrainConfig) -> list[str]:
+    """The data directories of the loaders ``dls train`` uses that do not exist here (a note for ``validate``,
+    an error for ``train``), one line per loader naming the key as written."""
+    lines = []
+    for section, data in (("data", cfg.data), ("eval_data", cfg.eval_data)):
+        dirs = data.params.get("data_dir") if data is not None else None
+        missing = [d for d in ([dirs] if isinstance(dirs, str) else dirs or []) if not Path(str(d)).exists()]
+        if missing:
+            key = cfg.sources.get(f"{section}.params", "train_input" if section == "data" else "eval_input")
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            lines.append(
+                f"{key}.data_dir {missing[0]}{more} does not exist here (relative paths resolve against {Path.cwd()})"
+            )
+    return lines
+
+
+def memory_problem(cfg: TrainConfig) -> str | None:
+    """What of ``cfg`` will not fit this machine's free memory (the generated data set; the model with its
+    gradients and Adam's two states), naming the key as written; ``None`` when it fits. A note for ``validate``,
+    exit status 3 for ``train``."""
+    m, d = cfg.model, cfg.data
+    need: dict[str, float] = {}
+    if d.dataset == "teacher_regression":
+        need["data.num_samples"] = 4.0 * d.num_samples * (d.input_dim + d.output_dim)
+    p = m.params
+    h = p.get("hidden_size", m.hidden_size)
+    if m.name in ("gpt2", "gpt3", "llama") and all(isinstance(p.get(k), int) for k in ("hidden_size", "filter_size")):
+        layers, vocab = p.get("num_hidden_layers", 1), p.get("vocab_size", 1)
+        mlp = 3 if p.get("nonlinearity") == "swiglu" else 2
+        count = vocab * h * (1 if p.get("share_embedding_weights", True) else 2) + layers * h * (
+            4 * h + mlp * p["filter_size"]
+        )
+        need[cfg.sources.get("model.params", "model") + ".hidden_size"] = 16.0 * count
+    elif m.name == "mlp":
+        need["model.hidden_size"] = 16.0 * h * (d.input_dim + h * (m.depth - 1) + d.output_dim)
+    try:
+        pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/meminfo", "rb") as f:
+            free = next((int(line.split()[1]) * 1024 for line in f if line.startswith(b"MemAvailable:")), pages)
+    except (OSError, ValueError):
+        return None
+    key = max(need, key=need.__getitem__, default="")
+    if sum(need.values()) <= free:
+        return None
+    where = cfg.sources.get(key, key)
+    return f"{where}: this run needs about {sum(need.values()) / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free here"

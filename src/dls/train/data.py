@@ -1,17 +1,11 @@
-"""Embedded data sets and a resumable batch iterator.
-
-No downloads: ``teacher_regression`` is generated from a seed (inputs drawn from a normal distribution, targets
-from a fixed random two-layer "teacher" network), ``char_corpus`` is the small text shipped in
-``dls/train/data/corpus.txt``. Batches come in epochs: each epoch visits every sample once, in an order drawn
-from ``(shuffle_seed, epoch)``, so the iterator's whole state is two integers and resuming is exact.
-
-Data-parallel (``rank`` of ``world_size``): the ranks share one epoch order and take strided batches of it (rank
-``r`` the ``r``-th of every ``world_size`` consecutive ones), so a global step covers ``world_size`` distinct
-batches and an epoch still visits every sample at most once.
+"""Batches: dls's embedded data sets (``teacher_regression`` generated from a seed, ``char_corpus`` shipped in
+``dls/train/data/corpus.txt``) and Model Zoo readers (``dls.train.modelzoo.build_loader``). Both are resumable
+from ``(epoch, position)``; data-parallel ranks take strided batches of one epoch order.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass
 from importlib import resources
@@ -19,9 +13,9 @@ from typing import Any
 
 import torch
 
-from dls.train.keys import DataConfig
+from dls.train.schema import DataConfig
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = Any  # (inputs, targets) for the built-in data sets; what a Model Zoo model's loss takes otherwise
 
 
 @dataclass(frozen=True)
@@ -74,8 +68,8 @@ def corpus_text() -> str:
 
 
 class CharCorpus(Dataset):
-    """Windows of ``max_sequence_length + 1`` characters; inputs are a window's first ``L`` characters, targets
-    its last ``L``. Each epoch shifts the window grid by a different offset, so the model sees new splits."""
+    """Windows of ``max_sequence_length + 1`` characters; inputs are a window's first ``L`` characters, targets its
+    last ``L``."""
 
     def __init__(self, cfg: DataConfig) -> None:
         text = corpus_text()
@@ -105,24 +99,81 @@ class CharCorpus(Dataset):
 
 
 def build_dataset(cfg: DataConfig) -> Dataset:
-    if cfg.dataset == "teacher_regression":
-        return TeacherRegression(cfg)
-    if cfg.dataset == "char_corpus":
-        return CharCorpus(cfg)
-    raise ValueError(f"data.dataset must be one of 'teacher_regression', 'char_corpus'; got {cfg.dataset!r}")
+    return TeacherRegression(cfg) if cfg.dataset == "teacher_regression" else CharCorpus(cfg)
+
+
+def build_batches(cfg: DataConfig, seed: int, split: str, rank: int = 0, world_size: int = 1) -> Any:
+    """The batch source of a data section: a :class:`BatchIterator` over a built-in data set, or a
+    :class:`LoaderIterator` over a Model Zoo reader (``dls.train.modelzoo.build_loader``)."""
+    shuffle_seed = cfg.shuffle_seed if cfg.shuffle_seed is not None else seed
+    if cfg.data_processor is None:
+        return BatchIterator(build_dataset(cfg), cfg.batch_size, cfg.shuffle, shuffle_seed, rank, world_size)
+    params = {**cfg.params, "batch_size": cfg.batch_size, "shuffle": cfg.shuffle, "shuffle_seed": shuffle_seed}
+    params["drop_last_batch"] = cfg.drop_last_batch
+    split = params.pop("split", split)
+    loader = modelzoo().build_loader(cfg.data_processor, params, split=split, seed=shuffle_seed)
+    return LoaderIterator(loader, rank, world_size)
+
+
+def modelzoo() -> Any:
+    """``dls.train.modelzoo`` (Model Zoo models and readers); a ``ValueError`` saying what is missing."""
+    try:
+        return importlib.import_module("dls.train.modelzoo")
+    except ImportError as exc:
+        raise ValueError(
+            f"Model Zoo models and data need dls.train.modelzoo and the 'modelzoo' extra ({exc})"
+        ) from None
+
+
+class LoaderIterator:
+    """Batches of an iterable loader, epoch after epoch (``set_epoch(epoch)`` is called when the loader has it); rank
+    ``r`` of ``world_size`` takes every ``world_size``-th batch."""
+
+    def __init__(self, loader: Any, rank: int = 0, world_size: int = 1) -> None:
+        self.loader, self.rank, self.world_size = loader, rank, world_size
+        self.epoch = 0
+        self.position = 0
+        self._it: Any = None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.loader) // self.world_size
+
+    def _start(self) -> None:
+        if hasattr(self.loader, "set_epoch"):
+            self.loader.set_epoch(self.epoch)
+        self._it = iter(self.loader)
+        for _ in range(self.position * self.world_size):
+            next(self._it)
+
+    def next(self) -> Batch:
+        if self._it is None:
+            self._start()
+        taken = []
+        for _ in range(self.world_size):
+            try:
+                taken.append(next(self._it))
+            except StopIteration:
+                if not taken and self.position == 0:
+                    raise ValueError("the data loader yields no batch (too few samples for one batch?)") from None
+                self.epoch, self.position, self._it = self.epoch + 1, 0, None
+                return self.next()
+        self.position += 1
+        return taken[self.rank]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position * self.world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("epoch", "position"):
+            value = state.get(key) if isinstance(state, dict) else None
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+                raise ValueError(f"{key} must be an integer >= 0; got {value!r}")
+        self.epoch, self.position, self._it = state["epoch"], -(-state["position"] // self.world_size), None
 
 
 class BatchIterator:
-    """Full batches of ``batch_size`` samples, epoch after epoch (an incomplete last batch is dropped).
-
-    State: ``epoch`` and ``position`` (batches already taken from this epoch); the order of an epoch is a
-    function of ``(seed, epoch)`` only.
-
-    With ``world_size`` > 1 this rank takes batches ``rank``, ``rank + world_size``, ... of each epoch (the last
-    ``batches % world_size`` are dropped) and ``position`` counts its own; the saved ``position`` counts the
-    batches all ranks took together, so a state loads into any number of ranks (exactly when the number is the
-    same; otherwise each rank goes on from the first batch slot no rank has taken yet).
-    """
+    """Full batches of ``batch_size`` samples, epoch after epoch (an incomplete last batch is dropped)."""
 
     def __init__(
         self, dataset: Dataset, batch_size: int, shuffle: bool, seed: int, rank: int = 0, world_size: int = 1

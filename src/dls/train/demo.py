@@ -1,29 +1,16 @@
 """``dls demo``: the same small model trained ten ways, to show what loss scaling does in float16, what float32
 master weights do for half-precision parameters, and what per-tensor scaling does in FP8.
 
-The task is a regression: a 3-layer tanh MLP learns a fixed random "teacher" network (``teacher_regression``,
-generated, 4096 samples). Its loss carries a weight of 1e-4 (``model.loss_weight``), as a down-weighted auxiliary
-loss would. Adam is invariant to a constant factor on the loss, so in float32 the weight changes nothing, but
-every gradient is 1e-4 times smaller, and in float16 a large share of the activation gradients falls below the
-smallest subnormal (2**-24 ≈ 6e-8) and is flushed to zero. That is the situation loss scaling exists for.
-
-Runs (identical initial weights and batches): float32; float16 without loss scaling (Model Zoo's
-``loss_scaling_factor: 1.0``); float16 with a static scale; float16 with dynamic loss scaling; cbfloat16 with
-dynamic loss scaling; float16 parameters (``precision.half_params``) with dynamic loss scaling, without and with
-float32 master weights; FP8 Linear layers (``precision.fp8``, the rest in float32, no loss scaling) with one fixed
-scale of 1 (no per-tensor scaling), delayed scaling and current scaling. float16 runs use real ``torch.autocast``
-(the half-parameter runs compute in float16 natively); cbfloat16 has no torch dtype and is emulated exactly by
-``dls.emulate``; FP8 is emulated exactly by ``dls.fp8.emulate``. The gradient-underflow column is measured, not
-assumed: every 10 steps one extra backward pass on the same batch, with ``dls.emulate`` rounding every activation
-gradient to the run's half format at the run's current loss scale, counts the nonzero gradient values that become
-zero; for FP8 runs it is the share of nonzero grad_output values the run's own E5M2 casts flushed to zero.
-
-A run that stops because loss scaling cannot help (``TrainingStopped``) is shown as stopped, with its step: the
-float16 parameters without masters are expected to (Adam's second moments of gradients this small underflow in
-float16, and the update divides by them).
-
-Time (2 shared CPU cores, one thread per run): the five loss-scaling runs take about 20 s, the five others about
-15 s more.
+A 3-layer tanh MLP learns a fixed random "teacher" network (``teacher_regression``, 4096 samples) with Adam; its
+loss carries a weight of 1e-4 (``model.loss_weight``), as a down-weighted auxiliary loss would. Adam is invariant
+to that factor, so float32 is unaffected, but in float16 many activation gradients fall below the smallest
+subnormal (2**-24) and are flushed to zero: the situation loss scaling exists for. The runs (identical initial
+weights and batches) are :data:`RUNS`; float16 uses real ``torch.autocast``, cbfloat16 and FP8 are emulated exactly
+(``dls.emulate``, ``dls.fp8.emulate``). The underflow column is measured: every 10 steps one extra backward pass
+rounds every activation gradient to the run's half format at its current scale (FP8: the share its own E5M2 casts
+flushed). A run that stops because loss scaling cannot help is shown as stopped at its step: float16 parameters
+without masters are expected to (Adam's float16 second moments underflow, and the update divides by them).
+About 35 s on 2 shared CPU cores, one thread per run.
 """
 
 from __future__ import annotations
@@ -47,7 +34,7 @@ from dls.train.fallback_demo import print_fallback_rows, run_fallback_rows
 from dls.train.outputs import CONFIG_FILE, METRICS_FILE, PLOT_FILE
 from dls.train.plots import plot_comparison, read_metrics
 from dls.train.reporting import TrainResult
-from dls.train.rundir import RunDir, open_directory, replace_file, resolve_model_dir
+from dls.train.rundir import RunDir, resolve_model_dir
 from dls.train.trainer import Trainer
 
 DEFAULT_STEPS = 600
@@ -133,9 +120,16 @@ class DemoResult:
 def run_demo(
     out: Path, steps: int = DEFAULT_STEPS, progress: bool = True, console: Console | None = None
 ) -> list[tuple[DemoRun, DemoResult]]:
-    """Train every run of :data:`RUNS` into ``out/<slug>/``, print the comparison, write ``out/demo.png``."""
+    """Train every run of :data:`RUNS` into ``out/<slug>/``, print the comparison, write ``out/demo.png``; ``out``
+    is locked for the whole demo (refused while another run holds it, as a model_dir is)."""
     console = console if console is not None else Console()
-    out.mkdir(parents=True, exist_ok=True)
+    with RunDir(resolve_model_dir(out, "--out"), "--out") as run_dir:
+        return _run_all(run_dir, out, steps, progress, console)
+
+
+def _run_all(
+    run_dir: RunDir, out: Path, steps: int, progress: bool, console: Console
+) -> list[tuple[DemoRun, DemoResult]]:
     console.print(
         f"[bold]dls demo[/]: a 3-layer tanh MLP (32 -> 128 -> 128 -> 128 -> 64) learns a random teacher network; "
         f"Adam, lr 1e-3, batch 128, {steps} steps. The loss is multiplied by {LOSS_WEIGHT:g} (model.loss_weight, "
@@ -155,12 +149,7 @@ def run_demo(
         png,
         title=f"dls demo: MLP regression, loss weight {LOSS_WEIGHT:g}, {steps} steps",
     )
-    plot = out / "demo.png"
-    directory = open_directory(resolve_model_dir(out))
-    try:
-        replace_file(directory, plot.name, png.getbuffer(), shown=plot)
-    finally:
-        os.close(directory)
+    plot = run_dir.replace("demo.png", png.getbuffer())
     console.print(
         "Runs: fp16 = float16 under torch.autocast; 'no scaling' = loss_scaling_factor 1.0 (Model Zoo's value for "
         f"no scaling); 'static {_scale(STATIC_SCALE)}' = a fixed, hand-picked scale; 'fp16 + DLS' = "

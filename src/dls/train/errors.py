@@ -5,11 +5,14 @@ command (:func:`exit_status`).
 code  meaning
 ====  ==========================================================================================================
 0     done
-1     stopped because loss scaling cannot help (:class:`TrainingStopped`; the state was checkpointed first)
+1     stopped because loss scaling cannot help (:class:`TrainingStopped`; the state was checkpointed first), or
+      because the weights became inf/NaN (no checkpoint of them: the newest is the last finite one)
 2     the input is wrong: config, command line, checkpoint, model_dir refused or locked by another run, missing
       ``train`` extra (message names the key, path or holder; nothing was written)
 3     the environment failed: a file or directory cannot be read or written (model_dir is a file, no permission,
-      disk full, file too large), out of memory
+      disk full, file too large), out of memory (CPU or GPU; the message names the allocation). A process the
+      kernel's out-of-memory killer ends gets no message: the shell shows "Killed" and status 137 (SIGKILL),
+      which no program can catch
 4     internal error (a bug in dls): the traceback is written to a file, whose name is printed
 130   interrupted by Ctrl-C (SIGINT) after checkpointing the last finished step
 143   terminated by SIGTERM (e.g. a cluster's pre-emption) after checkpointing the last finished step
@@ -18,7 +21,8 @@ code  meaning
 Under ``torchrun``, rank 0 alone prints; each rank's process exits with its own status, and torchrun itself exits
 1 whenever a rank exits non-zero, so read the code from rank 0's message (``dls: error: ...``).
 
-This module imports the standard library only: the ``dls`` command reports a missing ``train`` extra with it.
+This module imports the standard library (and the standard-library-only ``dls_entry``) only: the ``dls`` command
+reports a missing ``train`` extra with it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from dls_entry import Terminated
 
 __all__ = [
     "CheckpointError",
@@ -104,10 +110,6 @@ class MissingExtras(ImportError):
     """A dependency of the ``train`` extra cannot be imported. Exit status 2."""
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived; the run checkpointed the last finished step (when it had started one). Exit status 143."""
-
-
 class RankError(RuntimeError):
     """Data-parallel: rank 0 failed in a step only it performs (the model_dir, its outputs); the other ranks raise
     this with rank 0's message and exit status, so every rank exits alike."""
@@ -129,7 +131,7 @@ def exit_status(exc: BaseException) -> ExitStatus:
         return ExitStatus.STOPPED
     if isinstance(exc, (ConfigError, CheckpointError, ModelDirError, MissingExtras, UsageError)):
         return ExitStatus.USAGE
-    if isinstance(exc, (OSError, MemoryError)) or type(exc).__name__ == "OutOfMemoryError":  # torch's OOM
+    if isinstance(exc, OSError) or _out_of_memory(exc):
         return ExitStatus.ENVIRONMENT
     return ExitStatus.INTERNAL
 
@@ -145,9 +147,24 @@ def describe(exc: BaseException) -> str:
         if exc.filename2 is not None:
             where = f"{exc.filename} -> {exc.filename2}: "
         return f"{where}{reason}"
-    if isinstance(exc, MemoryError):
-        return "out of memory" + (f": {exc}" if str(exc) else "")
+    if _out_of_memory(exc):
+        first = str(exc).strip().splitlines()
+        return (
+            "out of memory"
+            + (f": {first[0]}" if first else "")
+            + ("; lower data.num_samples, data.batch_size or the model's size (or free memory), then --resume")
+        )
     return str(exc) or type(exc).__name__
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Python's ``MemoryError``, torch's CUDA ``OutOfMemoryError``, and torch's CPU allocator failing (a plain
+    ``RuntimeError``: "DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes")."""
+    return (
+        isinstance(exc, MemoryError)
+        or type(exc).__name__ == "OutOfMemoryError"
+        or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+    )
 
 
 def write_crash_report(exc: BaseException, directory: Path | None) -> Path | None:

@@ -1,29 +1,27 @@
-"""How a run is launched, works across ranks and is stopped: the device, ``torchrun``'s environment and process
-group, what the trainer does through that group, and the signals that ask a run to stop.
+"""How a run is launched and works across ranks: the device, ``torchrun``'s environment and process group
+(:func:`init_distributed`: gloo on CPU, NCCL with one GPU per rank), ``DistributedDataParallel``
+(:func:`wrap_data_parallel`), sums over ranks, what rank 0 alone does (:func:`run_on_rank0`), and the stop
+request of Ctrl-C / SIGTERM (:class:`StopRequest`, through ``dls_entry``'s one handler).
 
-Data-parallel: under ``torchrun --nproc_per_node=2 -m dls.train.cli train CONFIG.yaml`` (same YAML; gloo on CPU,
-NCCL with one GPU per rank) ``dls train`` initialises ``torch.distributed`` (:func:`init_distributed`) and the
-trainer wraps the model in ``DistributedDataParallel`` (:func:`wrap_data_parallel`), sums its logged values over the
-ranks (:func:`sum_over_ranks`) and does what only rank 0 does through :func:`run_on_rank0`.
-
-Imports torch, ``dls.train.errors`` and the standard library only: the ``dls`` command uses :func:`torchrun_env`
-before it knows whether the ``train`` extra is installed.
+Imports torch, ``dls_entry``, ``dls.train.errors`` and the standard library only (the ``dls`` command uses
+:func:`torchrun_env` before it knows whether the ``train`` extra is installed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
-import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from dls.train.errors import RankError, Terminated, describe, exit_status
+from dls_entry import signals
 
 if TYPE_CHECKING:
     from dls.train.data import Batch
@@ -157,29 +155,27 @@ class StopRequest:
         self.requested = False
         self.forced = False
         self.signum: int = signal.SIGINT
-        self._previous: dict[int, Any] = {}
+        self._signals = contextlib.ExitStack()
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _request(self, signum: int) -> bool:
+        """The first signal is a request (taken: ``True``); a second one raises at once (``dls_entry``)."""
         if self.requested:
             self.forced = True
-            raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+            return False
         self.requested, self.signum = True, signum
         when = "at the next logged step (all ranks together)" if self.distributed else "after this step"
         if signum == signal.SIGTERM:
             self.log(f"SIGTERM: stopping {when} and saving a checkpoint")
         else:
             self.log(f"Ctrl-C: stopping {when} and saving a checkpoint (press Ctrl-C again to quit at once)")
+        return True
 
     def interrupt(self) -> KeyboardInterrupt:
         return Terminated() if self.signum == signal.SIGTERM else KeyboardInterrupt()
 
     def __enter__(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                self._previous[signum] = signal.signal(signum, self._handle)
+        self._signals.enter_context(signals(self._request))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-        self._previous = {}
+        self._signals.close()

@@ -1,21 +1,19 @@
-"""Built-in models: ``mlp`` (regression) and ``transformer_lm`` (a small character-level GPT).
-
-Each model's ``loss(batch)`` returns the unweighted training loss as a float32 scalar: the last layer's output is
-cast to float32 before the loss, as mixed-precision recipes do (under ``torch.autocast`` the loss functions run
-in float32 anyway).
+"""Built-in models (``mlp``, ``transformer_lm``) and the dispatch to Model Zoo models (``dls.train.modelzoo``).
+Each model's ``loss(batch)`` returns the unweighted training loss as a float32 scalar.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dls.train.data import Batch, CharCorpus, DataInfo, Dataset
-from dls.train.keys import ModelConfig
+from dls.train.data import Batch, CharCorpus, DataInfo, Dataset, modelzoo
+from dls.train.schema import ZOO_MODELS, ModelConfig
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}
 
@@ -77,8 +75,8 @@ class _Block(nn.Module):
 
 
 class TransformerLM(TrainModel):
-    """Token and position embeddings, ``num_hidden_layers`` blocks, a final LayerNorm and an untied head;
-    cross-entropy over every position."""
+    """Token and position embeddings, ``num_hidden_layers`` blocks, a final LayerNorm and an untied head; cross-
+    entropy over every position."""
 
     def __init__(self, cfg: ModelConfig, info: DataInfo) -> None:
         super().__init__()
@@ -117,19 +115,31 @@ class TransformerLM(TrainModel):
         return F.cross_entropy(logits.reshape(-1, self.vocab_size), targets.reshape(-1))
 
 
-def build_model(cfg: ModelConfig, info: DataInfo) -> TrainModel:
-    if cfg.name == "mlp":
-        return MLP(cfg, info)
-    if cfg.name == "transformer_lm":
-        return TransformerLM(cfg, info)
-    raise ValueError(f"model.name must be one of 'mlp', 'transformer_lm'; got {cfg.name!r}")
+def build_model(cfg: ModelConfig, info: DataInfo | None) -> TrainModel:
+    """The model ``cfg`` names: built in (on ``info``'s data), or a Model Zoo model (``dls.train.modelzoo``)."""
+    if cfg.name in ZOO_MODELS:
+        model: TrainModel = modelzoo().build_model(cfg.name, dict(cfg.params))
+        return model
+    assert info is not None, "a built-in model is built on its data set"
+    return MLP(cfg, info) if cfg.name == "mlp" else TransformerLM(cfg, info)
+
+
+@torch.no_grad()
+def evaluate_batches(model: TrainModel, batches: Any, steps: int, device: torch.device, prepare: Any) -> float:
+    """Mean loss over ``steps`` batches of ``batches`` (``prepare`` puts one on the device), in eval mode."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for _ in range(steps):
+        total += model.loss(prepare(batches.next())).double()
+    model.train(was_training)
+    return float(total) / steps
 
 
 @torch.no_grad()
 def evaluate(model: TrainModel, dataset: Dataset, device: torch.device, max_samples: int = 4096) -> float:
     """Mean loss in float32 over the first ``max_samples`` samples of ``dataset`` (64 sequences for the character
-    corpus), in eval mode (no dropout); one read of the device at the end. A model with half-precision parameters
-    is evaluated through a float32 copy of them (the same values)."""
+    corpus), in eval mode (no dropout); one read of the device at the end."""
     if any(p.dtype != torch.float32 for p in model.parameters() if p.is_floating_point()):
         model = copy.deepcopy(model).float()
     was_training = model.training

@@ -1,9 +1,5 @@
-"""The optimizer and learning-rate schedule a config describes (``optimizer:``).
-
-The schedule is a ``LambdaLR`` over global LR multipliers (the optimizer's own ``lr`` is 1.0). The trainer wraps
-it with ``dls.skip_aware``, so it advances once per *applied* optimizer step: a step skipped for overflow leaves
-the learning rate where it was, and the schedule's position (``last_epoch``) counts the updates the weights
-received.
+"""The optimizer and learning-rate schedule of ``optimizer:``: a ``LambdaLR`` over the schedule's LR (the
+optimizer's own ``lr`` is 1.0), wrapped by the trainer with ``dls.skip_aware`` so it advances on applied steps.
 """
 
 from __future__ import annotations
@@ -14,26 +10,28 @@ from typing import Any
 
 import torch
 
-from dls.train.keys import OptimizerConfig
+from dls.train.schema import OptimizerConfig
 
 __all__ = ["build_optimizer", "build_scheduler", "learning_rate_at"]
 
 
 def build_optimizer(cfg: OptimizerConfig, params: Any) -> torch.optim.Optimizer:
-    """The optimizer with learning rate 1.0: the LR schedule (a ``LambdaLR``) sets the real one."""
+    """The optimizer with learning rate 1.0: the LR schedule (a ``LambdaLR``) sets the real one. Model Zoo's
+    argument names (``correct_bias`` is torch's only behaviour and is checked by the schema)."""
     if cfg.optimizer_type == "SGD":
         return torch.optim.SGD(params, lr=1.0, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     cls = torch.optim.Adam if cfg.optimizer_type == "Adam" else torch.optim.AdamW
     return cls(params, lr=1.0, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
-def learning_rate_at(schedule: float | Sequence[dict[str, Any]], step: int) -> float:
+def learning_rate_at(schedule: float | Sequence[Any], step: int) -> float:
     """The learning rate after ``step`` applied updates (0-based): a constant, or the schedule pieces one after
     another (``Constant``, ``Linear``, ``CosineDecay`` over ``total_iters`` steps each; the last holds its end)."""
     if isinstance(schedule, (int, float)):
         return float(schedule)
     t = step
-    for i, piece in enumerate(schedule):
+    for i, item in enumerate(schedule):
+        piece = item if isinstance(item, dict) else item.model_dump()
         total = piece.get("total_iters")
         last = i == len(schedule) - 1
         if total is not None and t >= total and not last:

@@ -1,24 +1,28 @@
-"""The files a run writes into its model_dir besides checkpoints (``dls.train.checkpoint``): ``metrics.jsonl``
-(one JSON row per logged step), ``config.yaml`` (the resolved config), ``plots.png``, and with
+"""A run's model_dir while it runs (:class:`RunOutputs`): locked first, then checked once, under the lock, for
+where the run may write (:func:`check_model_dir`), then the files besides checkpoints (``dls.train.checkpoint``):
+``metrics.jsonl`` (one JSON row per logged step), ``config.yaml`` (the resolved config), ``plots.png``, and with
 ``runconfig.tensorboard`` the same rows as TensorBoard events in ``tensorboard/``.
 
-Rank 0 alone writes them, while it holds the directory's lock (``dls.train.rundir``); ``metrics.jsonl`` is rewritten
+Where a run writes (``runconfig.model_dir``, called DIR below; ``SRC`` is the directory of the checkpoint):
+
+* a fresh run (no ``--resume``) refuses a DIR that already holds checkpoints;
+* a resumed run continues *in place* (DIR is SRC) only from SRC's newest readable checkpoint and only when it
+  loads ``global_step``: the run goes on where it stopped (Model Zoo's case of loading every state but
+  ``grad_scaler`` to switch loss scaling on is one). Anything else in place (a rewind to an older checkpoint, a
+  restart at step 0) would overwrite the run's metrics and leave checkpoints of the other history behind, so it
+  is refused;
+* a resumed run with another DIR is a *fork*: DIR must be new or empty, SRC is only read, and the step count
+  continues from the checkpoint's (when ``global_step`` is loaded).
+
+Rank 0 alone writes, while it holds the directory's lock (``dls.train.rundir``); ``metrics.jsonl`` is rewritten
 once up to the step the run starts from (a crash may have left rows a checkpoint does not cover), then appended to
 through one handle, a row flushed before the next step runs.
 
-TensorBoard (:class:`TensorBoardEvents`): each session writes one new event file,
-``tensorboard/events.out.tfevents.<seconds>.<nanoseconds>.<host>.<pid>``, in the subdirectory ``tensorboard`` that
-the run creates (or reuses) itself; ``tensorboard --logdir runs/`` shows every run under its model_dir. The rundir rules
-hold for it: the subdirectory is opened without following a link (a link named ``tensorboard`` is refused), the
-event file is created exclusively inside it, never through a link, and written through that one handle.
-That is why the events are framed by TensorBoard's own ``RecordWriter`` and the summaries built by
-``torch.utils.tensorboard.summary.scalar``, but not written by ``SummaryWriter``: its file writer takes a path and
-reopens the file by that path at every flush (TensorBoard's ``gfile`` without TensorFlow), which would follow a link
-put in its place, and it flushes from a thread of its own, where these rows are on disk when the step ends, as
-``metrics.jsonl``'s are. A resumed session starts its file with TensorBoard's purge marker at the step it resumes
-from, so the events a crashed session wrote after its last checkpoint are hidden, as its metrics rows are dropped.
-Every numeric value of a row is a scalar under its metrics name (``loss``, ``loss_scale``, ``skipped`` as 0/1,
-``grad_norm``, ``lr``, ``grad_underflow``, ``fp8_grad_output_flushed``, ...); ``step`` is the global step.
+TensorBoard: torch's ``SummaryWriter`` writes each session's event file into ``tensorboard/``, opened without
+following a link (a link there is refused), the run owner's and writable by no one else (so no one else can plant
+a link in it), and given to the writer as the descriptor's path (``/proc/self/fd/N`` on Linux). A resumed session
+purges (``purge_step``) the events a crashed session wrote after its checkpoint, as its metrics rows are dropped.
+Each numeric value of a row is a scalar under its metrics name at ``step``, flushed with the row.
 """
 
 from __future__ import annotations
@@ -26,18 +30,17 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
-import time
+import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 import yaml
 
-from dls.train import restore
-from dls.train.errors import MissingExtras
+from dls.train import checkpoint as ckpt
+from dls.train.errors import MissingExtras, ModelDirError
 from dls.train.plots import metrics_to_keep, plot_run, read_metrics
-from dls.train.rundir import RunDir, create_file, describe_holder, is_same_file, remove_temporaries
+from dls.train.rundir import RunDir, describe_holder, entries, is_same_file, remove_temporaries, resolve_model_dir
 
 __all__ = [
     "CONFIG_FILE",
@@ -45,7 +48,7 @@ __all__ = [
     "PLOT_FILE",
     "TENSORBOARD_DIR",
     "RunOutputs",
-    "TensorBoardEvents",
+    "check_model_dir",
     "require_tensorboard",
 ]
 
@@ -57,10 +60,8 @@ TENSORBOARD_HINT = "pip install 'dls[tensorboard]'"
 
 
 class RunOutputs:
-    """A run's model_dir while it runs: :meth:`open` locks it and prepares the files, :meth:`close` releases it.
-
-    ``locked``: whether :meth:`open` got the lock (then the directory is the run's: a crash report may go there).
-    """
+    """A run's model_dir while it runs: :meth:`lock`, :meth:`check`, :meth:`open`, then rows and plots;
+    :meth:`close` releases it. ``locked``: whether :meth:`lock` got the lock (then a crash report may go there)."""
 
     def __init__(self, model_dir: Path, log: Callable[[str], None]) -> None:
         self.model_dir = model_dir
@@ -68,47 +69,68 @@ class RunOutputs:
         self.log = log
         self.run_dir: RunDir | None = None
         self.locked = False
+        self.in_place = False
         self._metrics: IO[bytes] | None = None
-        self.events: TensorBoardEvents | None = None
+        self.events: Any = None  # torch.utils.tensorboard.SummaryWriter
+        self._events_fd: int | None = None
+
+    def lock(self) -> None:
+        """Create (if missing), open and lock model_dir (``dls.train.rundir.RunDir``)."""
+        run_dir = self.run_dir = RunDir(self.model_dir)
+        self.locked = True
+        if run_dir.stale:
+            self.log(
+                f"Taking over the lock of {describe_holder(run_dir.stale, held=False)}: that run ended without "
+                "releasing it"
+            )
+
+    def check(self, checkpoint: Path | None, unreadable: Sequence[tuple[Path, str]], states: Sequence[str]) -> None:
+        """Whether the run may write here (:func:`check_model_dir`), once, under the lock."""
+        self.in_place = check_model_dir(self.model_dir, checkpoint, unreadable, states)
 
     def open(
         self,
         *,
-        checkpoint: Path | None,
         unreadable: Sequence[tuple[Path, str]],
-        states: Sequence[str],
         step: int,
         config: dict[str, Any],
         config_file: Path | None,
         tensorboard: bool = False,
     ) -> None:
-        """Lock model_dir, check again under the lock where the run may write (:func:`restore.check_model_dir`),
-        put unreadable checkpoints aside (in place), rewrite metrics.jsonl up to ``step`` and keep it open, write
+        """Put unreadable checkpoints aside (in place), rewrite metrics.jsonl up to ``step`` and keep it open, write
         ``config`` to config.yaml unless that file is the input ``config_file``; with ``tensorboard``, start this
-        session's event file (:class:`TensorBoardEvents`)."""
-        run_dir = self.run_dir = RunDir(self.model_dir)
-        self.locked = True
-        try:
-            if run_dir.stale:
-                self.log(
-                    f"Taking over the lock of {describe_holder(run_dir.stale)}: that run ended without releasing it"
-                )
-            in_place = restore.check_model_dir(self.model_dir, checkpoint, unreadable, states)
-            keep = metrics_to_keep(run_dir.read(METRICS_FILE), self.metrics_path, step)  # may refuse
-            remove_temporaries(run_dir.fd, tuple(f".{name}." for name in (METRICS_FILE, PLOT_FILE, CONFIG_FILE)))
-            for bad, _ in unreadable if in_place else []:  # out of the way of this run's checkpoints and rotation
-                kept = run_dir.set_aside(bad.name, ".unreadable")
-                self.log(f"Renamed {bad.name} to {kept} (kept, never resumed from)")
-            self._metrics = run_dir.open_log(METRICS_FILE, keep)
-            if config_file is not None and is_same_file(run_dir.fd, CONFIG_FILE, config_file):
-                self.log(f"{self.model_dir / CONFIG_FILE} is the input config: left as it is")
-            else:
-                run_dir.replace(CONFIG_FILE, yaml.safe_dump(config, sort_keys=False).encode())
-            if tensorboard:
-                self.events = TensorBoardEvents(run_dir, step)
-        except BaseException:
-            self.close()
-            raise
+        session's event file."""
+        run_dir = self.run_dir
+        assert run_dir is not None, "open() follows lock()"
+        if tensorboard:  # checked before anything is written
+            self._events_fd = self._events_dir(run_dir)
+        keep = metrics_to_keep(run_dir.read(METRICS_FILE), self.metrics_path, step)  # may refuse
+        remove_temporaries(run_dir.fd, tuple(f".{name}." for name in (METRICS_FILE, PLOT_FILE, CONFIG_FILE)))
+        for bad, _ in unreadable if self.in_place else []:  # out of the way of this run's checkpoints and rotation
+            kept = run_dir.set_aside(bad.name, ".unreadable")
+            self.log(f"Renamed {bad.name} to {kept} (kept, never resumed from)")
+        self._metrics = run_dir.open_log(METRICS_FILE, keep)
+        if config_file is not None and is_same_file(run_dir.fd, CONFIG_FILE, config_file):
+            self.log(f"{self.model_dir / CONFIG_FILE} is the input config: left as it is")
+        else:
+            run_dir.replace(CONFIG_FILE, yaml.safe_dump(config, sort_keys=False).encode())
+        if self._events_fd is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            proc = Path(f"/proc/self/fd/{self._events_fd}")
+            log_dir = proc if proc.is_dir() else self.model_dir / TENSORBOARD_DIR
+            self.events = SummaryWriter(str(log_dir), purge_step=step + 1 if step else None, flush_secs=3600)
+
+    def _events_dir(self, run_dir: RunDir) -> int:
+        """A descriptor of ``tensorboard/`` (see the module docstring for what it must be)."""
+        fd = run_dir.subdirectory(TENSORBOARD_DIR)
+        info = os.fstat(fd)
+        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            os.close(fd)
+            raise ModelDirError(
+                f"{self.model_dir / TENSORBOARD_DIR} is writable by others than this run's user: move it away"
+            )
+        return fd
 
     def write_row(self, row: dict[str, Any]) -> None:
         """Append one metrics row (on disk before this returns)."""
@@ -120,7 +142,10 @@ class RunOutputs:
             exc.filename = exc.filename or str(self.metrics_path)
             raise
         if self.events is not None:
-            self.events.write(row)
+            for key, value in row.items():
+                if key not in ("step", "time") and isinstance(value, (int, float)):  # bool is an int
+                    self.events.add_scalar(key, float(value), row["step"])
+            self.events.flush()
 
     def plot(self, title: str) -> Path | None:
         """Write plots.png from metrics.jsonl; its path (``None`` when the outputs are not open)."""
@@ -138,71 +163,70 @@ class RunOutputs:
         if self.events is not None:
             self.events.close()
             self.events = None
+        if self._events_fd is not None:
+            os.close(self._events_fd)
+            self._events_fd = None
         if self.run_dir is not None:
             self.run_dir.close()
             self.run_dir = None
 
 
-class TensorBoardEvents:
-    """This session's TensorBoard event file in ``run_dir/tensorboard/`` (see the module docstring); the session
-    resumes from ``start_step``. Needs the ``tensorboard`` extra (imported here)."""
-
-    def __init__(self, run_dir: RunDir, start_step: int) -> None:
-        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
-        from tensorboard.compat.proto.summary_pb2 import Summary
-        from tensorboard.summary.writer.record_writer import RecordWriter
-        from torch.utils.tensorboard.summary import scalar
-
-        self._event, self._summary, self._scalar = Event, Summary, scalar
-        # TensorBoard reads a directory's event files in the order of their names: the start time, to the nanosecond,
-        # comes first, so a session's events follow those of the sessions before it.
-        seconds, nanoseconds = divmod(time.time_ns(), 10**9)
-        name = f"events.out.tfevents.{seconds:010d}.{nanoseconds:09d}.{socket.gethostname()}.{os.getpid()}"
-        self.path = run_dir.path / TENSORBOARD_DIR / name
-        directory = run_dir.subdirectory(TENSORBOARD_DIR)
-        try:
-            self._file = create_file(directory, name, shown=self.path)
-        finally:
-            os.close(directory)
-        self._records = RecordWriter(self._file)
-        now = time.time()
-        self._add(Event(wall_time=now, file_version="brain.Event:2"))
-        # TensorBoard hides the events at this step and after that earlier files hold (a crashed session's).
-        self._add(Event(wall_time=now, step=start_step + 1, session_log=SessionLog(status=SessionLog.START)))
-        self._flush()
-
-    def write(self, row: dict[str, Any]) -> None:
-        """One event at ``row["step"]`` holding every numeric value of the metrics row (booleans as 0/1)."""
-        values = [
-            v
-            for key, value in row.items()
-            if key not in ("step", "time") and isinstance(value, (int, float))  # bool is an int
-            for v in self._scalar(key, float(value)).value
-        ]
-        self._add(self._event(wall_time=time.time(), step=row["step"], summary=self._summary(value=values)))
-        self._flush()
-
-    def _add(self, event: Any) -> None:
-        self._records.write(event.SerializeToString())
-
-    def _flush(self) -> None:
-        try:
-            self._file.flush()
-        except OSError as exc:
-            exc.filename = exc.filename or str(self.path)
-            raise
-
-    def close(self) -> None:
-        self._file.close()
-
-
 def require_tensorboard() -> None:
-    """Raise :class:`MissingExtras` (exit status 2) when ``runconfig.tensorboard`` cannot work: TensorBoard's event
-    writer is not installed (the ``tensorboard`` extra). The trainer calls it before anything is built or written."""
+    """Raise :class:`MissingExtras` (exit status 2) when ``runconfig.tensorboard`` cannot work: TensorBoard is not
+    installed (the ``tensorboard`` extra). The trainer calls it before anything is built or written."""
     try:
-        import tensorboard.summary.writer.record_writer  # noqa: F401
-        import torch.utils.tensorboard.summary  # noqa: F401
+        import tensorboard  # noqa: F401
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
     except ImportError as exc:
         raise MissingExtras(
             f"runconfig.tensorboard needs the 'tensorboard' extra ({exc}); install it with: {TENSORBOARD_HINT}"
         ) from None
+
+
+def check_model_dir(
+    model_dir: Path, checkpoint: Path | None, unreadable: Sequence[tuple[Path, str]], states: Sequence[str]
+) -> bool:
+    """Whether the run may write into ``model_dir`` (resolved) when resuming from ``checkpoint`` (``None``: a
+    fresh run) loading ``states``; ``unreadable`` are the newer checkpoints of its directory that could not be
+    read. Returns whether the run continues in place; raises :class:`ModelDirError` (reading only)."""
+    if checkpoint is None:
+        found = ckpt.list_checkpoints(model_dir)
+        if found:
+            raise ModelDirError(
+                f"runconfig.model_dir {model_dir} already holds checkpoints (latest: step {found[-1][0]}). To "
+                f"continue that run, add --resume {model_dir}; to start over, choose another model_dir "
+                f"(--override runconfig.model_dir=...) or delete {model_dir}."
+            )
+        return False
+    source = resolve_model_dir(checkpoint.parent)
+    if source != model_dir:
+        if any(True for _ in entries(model_dir)):
+            raise ModelDirError(
+                f"runconfig.model_dir {model_dir} is not the directory of the checkpoint ({source}), so this run "
+                f"starts a new run from the checkpoint, and a new run needs a new or empty directory: {model_dir} "
+                f"is not empty. To continue {source} itself, resume it without another model_dir "
+                f"(or with -o runconfig.model_dir={source})."
+            )
+        return False
+    skipped = {p.name for p, _ in unreadable}
+    newer = [p for step, p in ckpt.list_checkpoints(source) if p.name not in skipped and p.name != checkpoint.name]
+    newer = [p for p in newer if _step_of(p) > _step_of(checkpoint)]
+    fork_hint = "load it into a new or empty directory instead: -o runconfig.model_dir=NEW_DIR"
+    if newer:
+        raise ModelDirError(
+            f"{checkpoint} is not the latest checkpoint of {source} ({newer[-1].name} is): continuing in {source} "
+            f"would mix two histories of the run. Continue from the latest with --resume {source}, or {fork_hint}"
+        )
+    if "global_step" not in states:
+        raise ModelDirError(
+            f"loading {', '.join(states)} without global_step restarts at step 0, which in {source} would "
+            f"overwrite the run's metrics and leave its checkpoints behind. Add global_step to continue the run "
+            f"in place, or {fork_hint}"
+        )
+    return True
+
+
+def _step_of(path: Path) -> int:
+    name = path.name
+    digits = name[len("checkpoint_") : -len(".mdl")] if name.startswith("checkpoint_") else ""
+    return int(digits) if digits.isdigit() else -1

@@ -1,22 +1,5 @@
-"""How a run computes (``precision:``): the model's parameter dtype, FP8 Linear layers, master weights, the forward
-pass's autocast or ``dls.emulate`` hooks, and what each logged row measures of the half format.
-
-* ``mixed_precision`` alone: the forward pass runs under ``torch.autocast`` (float16/bfloat16), or, for cbfloat16
-  and ``precision.emulate``, under ``dls.emulate`` hooks installed for each training session.
-* ``precision.half_params``: the model's parameters are float16/bfloat16 (cbfloat16: float32 values on its grid),
-  the optimizer is wrapped by ``dls.master_weights`` (float32 masters, in the optimizer's state dict and so in the
-  checkpoints), there is no autocast: floating-point inputs are cast to the parameters' dtype, and the models
-  compute their loss in float32. ``precision.master_weights: false`` steps the half parameters directly (to show
-  what masters are for).
-* ``precision.fp8``: ``dls.fp8.emulate(model, recipe)`` right after the model is built (before DDP); its state
-  (delayed scaling's amax histories) is the checkpoint's ``fp8`` entry, which travels with the ``model`` state;
-  the grad_output flushed/saturated fractions are logged. The handle is removed when ``Trainer.train`` returns,
-  so the final evaluation is float32, as for every run (a Trainer with fp8 trains once).
-
-Gradient underflow (``optimizer.log_summaries``, logged steps only): under ``dls.emulate`` its own statistics since
-the previous logged step; otherwise, in a half-precision run without FP8, one emulated backward pass of the step's
-batch (:meth:`RunPrecision.probe_underflow`). The logged values, averaged over the ranks by the trainer, are kept
-(:meth:`RunPrecision.record`) for the run's summary (:meth:`RunPrecision.means`).
+"""How a run computes (``precision:``): parameter dtype, FP8 Linear layers, master weights, the forward pass's
+autocast or ``dls.emulate`` hooks, and the underflow each logged row measures (``optimizer.log_summaries``).
 """
 
 from __future__ import annotations
@@ -41,14 +24,8 @@ HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class RunPrecision:
-    """The precision set-up of ``cfg`` applied to ``model`` (on ``device``): casts the model to the parameters'
-    dtype and, with ``precision.fp8``, installs FP8 Linear layers (``process_group``: the ranks of a data-parallel
-    run, whose delayed scaling reduces its amaxes over them; call this before wrapping the model in DDP).
-
-    Attributes:
-        fp8: the ``dls.fp8.emulate`` handle (``None`` without ``precision.fp8``).
-        param_dtype: the dtype of the model's parameters (and of the floating-point inputs: see :meth:`to_device`).
-    """
+    """The precision set-up of ``cfg`` applied to ``model`` (on ``device``): casts the model to the parameters' dtype
+    and, with ``precision.fp8``, installs FP8 Linear layers (``process_group``: a data-parallel run's ranks)."""
 
     def __init__(self, cfg: TrainConfig, model: TrainModel, device: torch.device, process_group: Any = None) -> None:
         prec = cfg.precision
@@ -83,8 +60,8 @@ class RunPrecision:
             self.emulation = dls.emulate(self.model, self.compute_dtype, track_stats=self.log_summaries)
 
     def remove_hooks(self) -> None:
-        """Take out the emulation hooks of this session and FP8's (the evaluation after training is float32); the
-        FP8 state stays readable for the final checkpoint."""
+        """Take out the emulation hooks of this session and FP8's (the evaluation after training is float32); the FP8
+        state stays readable for the final checkpoint."""
         if self.emulation is not None:
             self.emulation.remove()
             self.emulation = None
@@ -92,33 +69,41 @@ class RunPrecision:
             self.fp8.remove()
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """The forward pass's context: ``torch.autocast`` for float16/bfloat16 without emulation or half
-        parameters, else nothing."""
+        """The forward pass's context: ``torch.autocast`` for float16/bfloat16 without emulation or half parameters,
+        else nothing."""
         if self.compute_dtype in HALF_DTYPES and self.emulation is None and not self.half_params:
             dtype = torch.float16 if self.compute_dtype == "float16" else torch.bfloat16
             return torch.autocast(self.device.type, dtype=dtype)
         return contextlib.nullcontext()
 
-    def to_device(self, batch: Batch) -> Batch:
-        """``batch`` on the run's device; with half parameters, floating-point inputs in their dtype (no autocast)."""
-        x, y = batch
-        dtype = self.param_dtype if x.is_floating_point() else None
-        return x.to(self.device, dtype=dtype, non_blocking=True), y.to(self.device, non_blocking=True)
+    def to_device(self, batch: Batch, dtype: torch.dtype | None = None) -> Batch:
+        """``batch`` (tensors in tuples, lists, dicts) on the run's device; with half parameters, floating-point
+        inputs in their dtype (no autocast; the built-in models' targets stay as they are)."""
+        dtype = dtype or self.param_dtype
+        if isinstance(batch, torch.Tensor):
+            cast = dtype if batch.is_floating_point() else None
+            return batch.to(self.device, dtype=cast, non_blocking=True)
+        if isinstance(batch, dict):
+            return {k: self.to_device(v, dtype) for k, v in batch.items()}
+        if isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[1], torch.Tensor):
+            return self.to_device(batch[0], dtype), batch[1].to(self.device, non_blocking=True)
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self.to_device(v, dtype) for v in batch)
+        return batch
 
     @property
     def probes_underflow(self) -> bool:
-        """Whether logged steps measure underflow with :meth:`probe_underflow`: with ``log_summaries`` in a
-        half-precision run, but not under ``dls.emulate`` (its own statistics count the same thing) nor FP8 (whose
-        casts are counted by ``dls.fp8``, and whose delayed scaling would record the probe's amaxes)."""
+        """Whether logged steps measure underflow with :meth:`probe_underflow`: with ``log_summaries`` in a half-
+        precision run, but not under ``dls.emulate`` (its own statistics count the same thing) nor FP8."""
         return self.log_summaries and self.compute_dtype != "float32" and self.emulation is None and self.fp8 is None
 
     def probe_underflow(self, batch: Batch, scale: float) -> float:
-        """The fraction of nonzero activation gradients that the half format flushes to zero at loss scale
-        ``scale``, from one emulated backward pass on ``batch`` (parameters' ``.grad`` and every RNG untouched)."""
+        """The fraction of nonzero activation gradients that the half format flushes to zero at loss scale ``scale``,
+        from one emulated backward pass on ``batch`` (parameters' ``.grad`` and every RNG untouched)."""
         model: TrainModel = self.model
         if self.param_dtype != torch.float32:  # half parameters: a float32 copy holds the same values
             model = copy.deepcopy(model).float()
-            batch = (batch[0].float() if batch[0].is_floating_point() else batch[0], batch[1])
+            batch = self.to_device(batch, torch.float32)
         params = [p for p in model.parameters() if p.requires_grad]
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), dls.emulate(model, self.compute_dtype) as handle:

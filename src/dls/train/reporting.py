@@ -1,6 +1,6 @@
-"""What a run shows: the progress display, one-line descriptions of its precision and loss scaling, and the
-summary table at the end. Everything here is built from values the loop has already read (the logged row), so
-showing progress costs no extra read of the device."""
+"""What a run shows: the progress display, one-line descriptions of its precision and loss scaling, the summary
+table. Built from values the loop has already read.
+"""
 
 from __future__ import annotations
 
@@ -30,11 +30,7 @@ __all__ = [
 
 @dataclass
 class TrainResult:
-    """What a run did. ``final_loss``: mean training loss over the last 10% of this session's steps;
-    ``eval_loss``: the loss over (up to 4096 samples of) the data set, computed in float32 after training;
-    ``grad_underflow``: mean of the logged ``grad_underflow`` values (``None`` without ``log_summaries``);
-    ``fp8_flushed`` / ``fp8_saturated``: with ``precision.fp8``, the mean of the logged shares of nonzero
-    grad_output values that the FP8 casts flushed to zero / saturated (``None`` without FP8)."""
+    """What a run did."""
 
     model_dir: Path
     global_step: int
@@ -99,12 +95,14 @@ def describe_fp8(recipe: Mapping[str, Any]) -> str:
     return ", ".join([f"{name} scaling", *changed])
 
 
-def describe_run(cfg: TrainConfig, start_step: int, model_dir: Path, world_size: int, device_type: str) -> str:
-    """The line a session starts with: model, data, precision, loss scaling, the steps from ``start_step``, where
-    the outputs go, and, data-parallel, the ranks and the global batch."""
+def describe_run(
+    cfg: TrainConfig, start_step: int, model_dir: Path, world_size: int, device_type: str, max_steps: int
+) -> str:
+    """The line a session starts with: model, data, precision, loss scaling, the steps from ``start_step``, where the
+    outputs go, and, data-parallel, the ranks and the global batch."""
     text = (
-        f"{cfg.model.name} on {cfg.data.dataset}, {describe_precision(cfg)}, {describe_scaling(cfg)}; "
-        f"steps {start_step}->{cfg.runconfig.max_steps}; output in {model_dir}"
+        f"{cfg.model.name} on {cfg.data.dataset or cfg.data.data_processor}, {describe_precision(cfg)}, "
+        f"{describe_scaling(cfg)}; steps {start_step}->{max_steps}; output in {model_dir}"
     )
     if world_size > 1:
         text += (
@@ -114,8 +112,7 @@ def describe_run(cfg: TrainConfig, start_step: int, model_dir: Path, world_size:
 
 
 class ProgressDisplay:
-    """A rich progress bar on a terminal; otherwise a plain line about every 10% of the steps. Updated with the
-    logged rows only."""
+    """A rich progress bar on a terminal; otherwise a plain line about every 10% of the steps."""
 
     def __init__(self, console: Console, enabled: bool, total: int, start: int, label: str) -> None:
         self.console = console

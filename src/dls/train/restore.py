@@ -1,29 +1,14 @@
-"""Resuming: where a resumed run may write (:func:`check_model_dir`) and loading a checkpoint into a trainer
-(:func:`restore`), every field checked before use.
+"""Resuming: loading a checkpoint into a trainer (:func:`restore`), every field checked before use (where a
+resumed run may write: :func:`dls.train.outputs.check_model_dir`).
 
-Where a run writes (``runconfig.model_dir``, called DIR below; ``SRC`` is the directory of the checkpoint):
+FP8 state (``fp8``) is loaded with ``model`` when the checkpoint's recipe is the config's (else FP8 scaling starts
+fresh, said in the log). With ``precision.half_params`` the ``optimizer`` state holds the float32 master weights,
+restored bit for bit; a state without masters takes them from the loaded model.
 
-* a fresh run (no ``--resume``) refuses a DIR that already holds checkpoints;
-* a resumed run continues *in place* (DIR is SRC) only from SRC's newest readable checkpoint and only when it
-  loads ``global_step``: the run goes on where it stopped (Model Zoo's case of loading every state but
-  ``grad_scaler`` to switch loss scaling on is one). Anything else in place (a rewind to an older checkpoint, a
-  restart at step 0) would overwrite the run's metrics and leave checkpoints of the other history behind, so it
-  is refused;
-* a resumed run with another DIR is a *fork*: DIR must be new or empty, SRC is only read, and the step count
-  continues from the checkpoint's (when ``global_step`` is loaded).
-
-The checkpoint's FP8 state (``fp8``: delayed scaling's amax histories and scales, ``Fp8Handle.state_dict()``)
-belongs to the model's tensors, so it is loaded with the ``model`` state (as TransformerEngine keeps it in the
-module's state dict), when the checkpoint's recipe is the config's; a checkpoint without it (no FP8, or written
-before FP8 existed) or of another recipe leaves FP8 scaling to start fresh, and says so. With
-``precision.half_params`` the optimizer state holds the float32 master weights (``dls.master_weights``), so loading
-``optimizer`` restores them bit for bit; a state without masters takes them from the loaded model.
-
-The checkpoint's loss-scaling state: the config (YAML and overrides) defines the scaler's mode and settings; the
-checkpoint contributes only its dynamic state (read by ``dls.scaler_state.parse_state_dict``), and each difference
-between the checkpoint's scaling and the config's is logged in one line. From static to dynamic scaling the scale starts
-from the config's initial scale, from dynamic to static it is the config's static scale, and a changed static
-scale takes effect; the count of skipped steps always carries over.
+Loss scaling: the config (YAML and overrides) defines the scaler's mode and settings; the checkpoint contributes
+only its dynamic state (read by :func:`dls.scaler_state.parse_state_dict`), each difference logged in one
+line. Static to dynamic starts
+from the config's initial scale, dynamic to static uses the config's scale; skipped steps always carry over.
 """
 
 from __future__ import annotations
@@ -46,69 +31,18 @@ from dls.train.config import (
     loss_scaling_mode,
     parse_config,
     scaler_settings,
-    section_keys,
 )
-from dls.train.errors import CheckpointError, ModelDirError
-from dls.train.rundir import entries, resolve_model_dir
+from dls.train.errors import CheckpointError
+from dls.train.schema import SCALER_KEYS
 
 if TYPE_CHECKING:
     from dls.train.trainer import Trainer
 
 # The settings of the dynamic rule (ScalerSettings attribute -> config key), compared on resume.
-_SETTING_KEYS = {k.scaler: name for name, k in section_keys("optimizer").items() if k.scaler and k.scaling == "dynamic"}
+_SETTING_KEYS = {arg: key for key, arg in SCALER_KEYS.items() if arg not in ("loss_scale", "max_gradient_norm")}
 # Per-parameter state every optimizer family needs once it has stepped.
 _REQUIRED_STATE = {"SGD": ("momentum_buffer",), "Adam": ("step", "exp_avg", "exp_avg_sq")}
 _INT64_MAX = 2**63 - 1
-
-
-# ---------------------------------------------------------------------- where a run writes
-def check_model_dir(
-    model_dir: Path, checkpoint: Path | None, unreadable: Sequence[tuple[Path, str]], states: Sequence[str]
-) -> bool:
-    """Whether the run may write into ``model_dir`` (resolved) when resuming from ``checkpoint`` (``None``: a
-    fresh run) loading ``states``; ``unreadable`` are the newer checkpoints of its directory that could not be
-    read. Returns whether the run continues in place; raises :class:`ModelDirError` (reading only)."""
-    if checkpoint is None:
-        found = ckpt.list_checkpoints(model_dir)
-        if found:
-            raise ModelDirError(
-                f"runconfig.model_dir {model_dir} already holds checkpoints (latest: step {found[-1][0]}). To "
-                f"continue that run, add --resume {model_dir}; to start over, choose another model_dir "
-                f"(--override runconfig.model_dir=...) or delete {model_dir}."
-            )
-        return False
-    source = resolve_model_dir(checkpoint.parent)
-    if source != model_dir:
-        if any(True for _ in entries(model_dir)):
-            raise ModelDirError(
-                f"runconfig.model_dir {model_dir} is not the directory of the checkpoint ({source}), so this run "
-                f"starts a new run from the checkpoint, and a new run needs a new or empty directory: {model_dir} "
-                f"is not empty. To continue {source} itself, resume it without another model_dir "
-                f"(or with -o runconfig.model_dir={source})."
-            )
-        return False
-    skipped = {p.name for p, _ in unreadable}
-    newer = [p for step, p in ckpt.list_checkpoints(source) if p.name not in skipped and p.name != checkpoint.name]
-    newer = [p for p in newer if _step_of(p) > _step_of(checkpoint)]
-    fork_hint = "load it into a new or empty directory instead: -o runconfig.model_dir=NEW_DIR"
-    if newer:
-        raise ModelDirError(
-            f"{checkpoint} is not the latest checkpoint of {source} ({newer[-1].name} is): continuing in {source} "
-            f"would mix two histories of the run. Continue from the latest with --resume {source}, or {fork_hint}"
-        )
-    if "global_step" not in states:
-        raise ModelDirError(
-            f"loading {', '.join(states)} without global_step restarts at step 0, which in {source} would "
-            f"overwrite the run's metrics and leave its checkpoints behind. Add global_step to continue the run "
-            f"in place, or {fork_hint}"
-        )
-    return True
-
-
-def _step_of(path: Path) -> int:
-    name = path.name
-    digits = name[len("checkpoint_") : -len(".mdl")] if name.startswith("checkpoint_") else ""
-    return int(digits) if digits.isdigit() else -1
 
 
 # ---------------------------------------------------------------------- loading
@@ -130,8 +64,17 @@ def restore(trainer: Trainer, path: Path, state: dict[str, Any], states: Sequenc
             raise CheckpointError(f"trainer.elapsed in {path} must be a number of seconds >= 0; got {elapsed!r}")
         floor = _count(extra.get("overflows_at_floor", 0), "trainer.overflows_at_floor", path)
     if "model" in states:
+        weights = {n for n, _ in trainer.model.named_parameters()}  # buffers may hold inf by design (masks)
+        saved = state["model"] if isinstance(state["model"], dict) else {}
+        broken = [k for k, v in saved.items() if k in weights and not _finite(v)]
+        if broken:
+            raise CheckpointError(
+                f"the model in {path} holds inf/NaN values ({', '.join(map(str, broken[:4]))}): resume from an "
+                "earlier checkpoint"
+            )
         try:
-            trainer.model.load_state_dict(state["model"])
+            strict = not trainer.cfg.runconfig.disable_strict_checkpoint_loading
+            trainer.model.load_state_dict(state["model"], strict=strict)
         except (RuntimeError, TypeError, ValueError, KeyError, AttributeError) as exc:
             first = str(exc).strip().splitlines()
             raise CheckpointError(
@@ -235,28 +178,66 @@ def _load_optimizer(trainer: Trainer, path: Path, saved: Any, saved_cfg: TrainCo
             "resume without it (--load_checkpoint_states with every state but optimizer; in the run's own "
             "directory keep global_step) or with the checkpoint's optimizer_type"
         )
+    _check_optimizer_state(saved, optimizer, _REQUIRED_STATE[_family(now)], path)
     try:
         optimizer.load_state_dict(saved)
     except (ValueError, KeyError, RuntimeError, TypeError, AttributeError, IndexError) as exc:
         raise CheckpointError(f"cannot load the optimizer state of {path}: {exc}") from None
-    required = _REQUIRED_STATE[_family(now)]
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            entry = optimizer.state.get(param)
-            if not entry:
-                continue
-            missing = [k for k in required if k not in entry and not (k == "momentum_buffer" and not group["momentum"])]
-            if missing:
-                raise CheckpointError(f"the optimizer state in {path} lacks {', '.join(missing)} for a parameter")
-            for key, value in entry.items():
-                if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
-                    continue
-                if not isinstance(value, torch.Tensor) or (value.dim() > 0 and value.shape != param.shape):
-                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                    raise CheckpointError(
-                        f"the optimizer state in {path} does not fit the model: {key} is {got} for a parameter "
-                        f"of shape {tuple(param.shape)}"
-                    )
+
+
+def _check_optimizer_state(saved: dict[str, Any], optimizer: Any, required: Sequence[str], path: Path) -> None:
+    """Check a saved optimizer state against ``optimizer`` before it is loaded (torch's ``load_state_dict`` checks
+    only the group sizes): every hyperparameter and value finite, each parameter's state of its shape and a
+    floating dtype, ``step`` a count >= 0, the state every parameter of the family needs once it has stepped."""
+    groups, now_groups = saved["param_groups"], optimizer.param_groups
+    if len(groups) != len(now_groups):
+        raise CheckpointError(
+            f"the optimizer state in {path} has {len(groups)} param groups; this run has {len(now_groups)}"
+        )
+    params: dict[Any, tuple[torch.Tensor, dict[str, Any]]] = {}
+    for g, (then, group) in enumerate(zip(groups, now_groups)):
+        ids = then.get("params")
+        if not isinstance(ids, list) or len(ids) != len(group["params"]):
+            raise CheckpointError(f"optimizer.param_groups[{g}].params in {path} does not fit this run's model")
+        for key, value in then.items():
+            if key != "params" and not _finite(value):
+                raise CheckpointError(f"optimizer.param_groups[{g}].{key} in {path} must be finite; got {value!r}")
+        params.update((i, (p, group)) for i, p in zip(ids, group["params"]))
+    for index, entry in saved["state"].items():
+        field = f"optimizer.state[{index!r}]"
+        if index not in params or not isinstance(entry, dict):
+            raise CheckpointError(f"{field} in {path} is not the state of a parameter of this run's optimizer")
+        param, group = params[index]
+        missing = [k for k in required if k not in entry and not (k == "momentum_buffer" and not group["momentum"])]
+        if missing:
+            raise CheckpointError(f"{field} in {path} lacks {', '.join(missing)}")
+        for key, value in entry.items():
+            if key == "step":
+                count = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+                if isinstance(count, bool) or not isinstance(count, (int, float)) or not 0 <= count < math.inf:
+                    raise CheckpointError(f"{field}.step in {path} must be a count >= 0; got {value!r}")
+            elif isinstance(value, torch.Tensor) and (not value.is_floating_point() or value.shape != param.shape):
+                raise CheckpointError(
+                    f"{field}.{key} in {path} is a {value.dtype} tensor of shape {tuple(value.shape)}; this run's "
+                    f"parameter needs a floating-point tensor of shape {tuple(param.shape)}"
+                )
+            if not _finite(value):
+                raise CheckpointError(f"{field}.{key} in {path} holds inf/NaN values")
+    if not _finite(saved.get("master_weights")):
+        raise CheckpointError(f"the master weights (optimizer.master_weights) in {path} hold inf/NaN values")
+
+
+def _finite(value: Any) -> bool:
+    """Whether every number and floating-point tensor in ``value`` (nested in lists, tuples, dicts) is finite."""
+    if isinstance(value, torch.Tensor):
+        return not value.is_floating_point() or bool(torch.isfinite(value).all())
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(_finite(v) for v in value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    return True
 
 
 def _check_scheduler(saved: Any, num_groups: int) -> None:
@@ -362,7 +343,7 @@ def scaler_state_to_load(
             )
         return values, lines
     for attribute, config_key in _SETTING_KEYS.items():
-        before, after = (getattr(then, attribute), getattr(now, attribute)) if then is not None else (0, 0)
+        before, after = (getattr(then, attribute, None), getattr(now, attribute, None)) if then else (0, 0)
         if before == after:
             continue
         if attribute == "init_scale":

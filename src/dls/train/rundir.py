@@ -11,9 +11,7 @@ following a symbolic link.
   fsync-ed and renamed over the final name (``os.replace``, which replaces a symbolic link itself, never its
   target). Readers see the old file or the new one, never a part.
 * ``metrics.jsonl`` is rewritten that way once, then kept open as one append handle (:meth:`RunDir.open_log`).
-* Streams that are only ever appended to (TensorBoard's event files) are new files created exclusively, never
-  through a link, in a subdirectory the run creates or opens without following a link
-  (:meth:`RunDir.subdirectory`, :func:`create_file`), and written through the one handle that created them.
+* A subdirectory (TensorBoard's) is created or opened without following a link (:meth:`RunDir.subdirectory`).
 
 POSIX only (Linux, macOS): it relies on ``flock``, ``O_NOFOLLOW`` and ``dir_fd``. On NFS, Linux emulates
 ``flock`` with byte-range locks, which work across hosts.
@@ -40,8 +38,11 @@ LOCK_FILE = ".dls.lock"
 _NOFOLLOW, _CLOEXEC, _DIRECTORY = os.O_NOFOLLOW, os.O_CLOEXEC, os.O_DIRECTORY
 
 
-def resolve_model_dir(path: str | Path) -> Path:
-    """``path`` made absolute with every symbolic link resolved (done once per run)."""
+def resolve_model_dir(path: str | Path, what: str = "runconfig.model_dir") -> Path:
+    """``path`` made absolute with every symbolic link resolved (done once per run); ``what``: the key or option
+    that named it, for the error."""
+    if "\0" in str(path):
+        raise ModelDirError(f"{what} {str(path)!r} contains a NUL character, which no path can hold")
     return Path(os.path.realpath(Path(path).expanduser()))
 
 
@@ -50,12 +51,13 @@ def _holder_record() -> dict[str, Any]:
     return {"pid": os.getpid(), "host": socket.gethostname(), "since": now}
 
 
-def describe_holder(record: dict[str, Any] | None) -> str:
+def describe_holder(record: dict[str, Any] | None, held: bool = True) -> str:
+    """Who ``record`` names; ``held``: the lock is still held now (then a holder that ended left a child with it)."""
     if not record:
         return "another process (no holder recorded)"
     pid, host = record.get("pid", "?"), record.get("host", "?")
     text = f"pid {pid} on host {host}" + (f" (since {record['since']})" if record.get("since") else "")
-    if host == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
+    if held and host == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
         text += f"; process {pid} has ended, so a process it started (which inherited the lock) still holds it"
     return text
 
@@ -139,29 +141,19 @@ def _replace_file(dir_fd: int, name: str, data: bytes | memoryview, keep_open: b
         os.fsync(f.fileno())
         os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
-        f.close()
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=dir_fd)
+        try:  # close() flushes again, and raises again on a full disk: the temporary file goes all the same
+            f.close()
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
         raise
     _fsync_dir(dir_fd)
     if keep_open:
         return f
     f.close()
     return None
-
-
-def create_file(dir_fd: int, name: str, *, shown: Path | None = None) -> IO[bytes]:
-    """A new file ``name`` in ``dir_fd``, created exclusively and never through a link, open for appending
-    (unbuffered writes go straight to it). ``FileExistsError`` when the name is taken; ``shown``: the path an
-    ``OSError`` names."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | _NOFOLLOW | _CLOEXEC
-    try:
-        fd = os.open(name, flags, 0o644, dir_fd=dir_fd)
-    except OSError as exc:
-        if shown is not None:
-            exc.filename = str(shown)
-        raise
-    return os.fdopen(fd, "ab")
 
 
 def read_file(dir_fd: int, name: str) -> bytes | None:
@@ -175,9 +167,10 @@ def read_file(dir_fd: int, name: str) -> bytes | None:
         if exc.errno == errno.ELOOP:
             return None
         raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which names a directory by its descriptor number
+        os.close(fd)
+        return None
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            return None
         return f.read()
 
 
@@ -191,46 +184,30 @@ def is_same_file(dir_fd: int, name: str, other: Path) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def check_unlocked(path: Path) -> None:
-    """Raise the :class:`ModelDirError` that :class:`RunDir` would raise if another run holds ``path`` now,
-    writing nothing (a shared lock taken and dropped at once): a second run is told that the directory is in use
-    before it reads a directory another run is still writing."""
-    try:
-        fd = os.open(path / LOCK_FILE, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK)
-    except OSError:  # no lock file (or one RunDir will report)
-        return
-    try:
-        if stat.S_ISREG(os.fstat(fd).st_mode):
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise _in_use(path, _read_record(fd)) from None
-    finally:
-        os.close(fd)
-
-
-def _in_use(path: Path, record: dict[str, Any] | None) -> ModelDirError:
+def _in_use(path: Path, record: dict[str, Any] | None, what: str) -> ModelDirError:
     return ModelDirError(
-        f"runconfig.model_dir {path} is in use by another dls run: {describe_holder(record)}. Wait for it to "
+        f"{what} {path} is in use by another dls run: {describe_holder(record)}. Wait for it to "
         "finish (or stop it), or choose another model_dir"
     )
 
 
 class RunDir:
     """``path`` (already resolved), created if missing, opened and locked. Raises :class:`ModelDirError` (held by
-    another run, a symbolic link) or ``OSError`` (not a directory, not writable).
+    another run, a symbolic link) or ``OSError`` (not a directory, not writable); ``what``: the key or option that
+    named the directory, for the messages.
 
     ``stale``: the holder record of a lock file left by a run that ended without releasing it (killed), or
     ``None``. Release with :meth:`close` (also a context manager)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, what: str = "runconfig.model_dir") -> None:
+        self.path, self.what = path, what
         if path.is_symlink():
-            raise ModelDirError(f"runconfig.model_dir {path} is a symbolic link; give the directory it points to")
+            raise ModelDirError(f"{what} {path} is a symbolic link; give the directory it points to")
+        self.created = not path.exists()  # removed again by close() when nothing was written into it
         try:
             path.mkdir(parents=True, exist_ok=True)
         except FileExistsError:
-            raise NotADirectoryError(errno.ENOTDIR, "runconfig.model_dir is not a directory", str(path)) from None
+            raise NotADirectoryError(errno.ENOTDIR, f"{what} is not a directory", str(path)) from None
         self.fd = open_directory(path)
         self.stale: dict[str, Any] | None = None
         self._lock_fd: int | None = None
@@ -259,7 +236,7 @@ class RunDir:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    raise _in_use(self.path, _read_record(fd)) from None
+                    raise _in_use(self.path, _read_record(fd), self.what) from None
                 # A holder that released between our open and our lock has unlinked the file we locked: retry.
                 try:
                     current = os.stat(LOCK_FILE, dir_fd=self.fd, follow_symlinks=False)
@@ -326,12 +303,16 @@ class RunDir:
         raise FileExistsError(errno.EEXIST, "no free name to set the file aside", str(self.path / name))
 
     def close(self) -> None:
-        """Release the lock (removing the lock file first, so a waiting run cannot lock a file that is gone)."""
+        """Release the lock (removing the lock file first, so a waiting run cannot lock a file that is gone); a
+        directory this created and nothing was written into (a run refused after locking) is removed."""
         if self._lock_fd is not None:
             with contextlib.suppress(OSError):
                 os.unlink(LOCK_FILE, dir_fd=self.fd)
             os.close(self._lock_fd)
             self._lock_fd = None
+            if self.created:
+                with contextlib.suppress(OSError):  # not empty: kept
+                    os.rmdir(self.path)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

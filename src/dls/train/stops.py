@@ -1,20 +1,16 @@
 """When a run stops because loss scaling cannot help, and what it tells the user (:class:`TrainingStopped`, exit
-status 1, always after a checkpoint).
+status 1, always after a checkpoint of finite weights).
 
-* Dynamic scaling: the scale is pinned at its floor, i.e. the rule wanted to go below ``min_loss_scale``
-  (``scaler.get_non_clamped_scale() < scaler.get_scale()``, Model Zoo's test), and the gradients overflowed on
-  ``max_overflows_at_min_loss_scale`` such steps without a clean step between. Skipped steps that did not back off
-  (``hysteresis``, ``overflow_tolerance``) neither count nor reset the count.
-* Static scaling: that many consecutive overflowing steps (a static scale never comes down).
-* No loss scaling (float32, bfloat16 by default): one step with inf/NaN gradients. Nothing would skip it, so
-  :func:`refuse_nonfinite_gradients`, an optimizer step pre-hook, refuses it before the optimizer applies it.
+* Dynamic scaling: the scale is pinned at its floor (``scaler.get_non_clamped_scale() < scaler.get_scale()``, Model
+  Zoo's test) and the gradients overflowed on ``max_overflows_at_min_loss_scale`` such steps without a clean step
+  between (skipped steps that did not back off neither count nor reset the count).
+* Static scaling: that many consecutive overflowing steps. No loss scaling: one step with inf/NaN gradients,
+  refused by :func:`refuse_nonfinite_gradients` before the optimizer applies it.
+* Weights that became inf/NaN (an applied step broke them): never checkpointed (:func:`nonfinite_weights`).
 
-Each message says where the overflow started, from the trainer's ``scaler.watch(model)``
-(:class:`~dls.diagnostics.OverflowReport`, built only on overflowing steps): the first module in backward order whose
-parameters' gradients were inf/NaN, in how many of the counted steps, the other modules with inf/NaN gradients, and
-whether the loss was already inf/NaN before scaling. In that last case the forward pass overflowed and no loss
-scale can fix it: the advice is then a format with more range (bfloat16 or cbfloat16 instead of float16) and
-``dls audit``, which names the first module whose output exceeds each format.
+Each message says where the overflow started (the trainer's ``scaler.watch(model)`` reports: the first module in
+backward order with inf/NaN gradients, the others, and whether the loss was already inf/NaN: then the forward pass
+overflowed, and the advice is a format with more range and ``dls audit``).
 """
 
 from __future__ import annotations
@@ -30,7 +26,14 @@ from dls.diagnostics import OverflowReport
 from dls.diagnostics.scales import module_label, pow2
 from dls.scaler import GradScaler
 
-__all__ = ["FloorWatch", "NonFiniteGradients", "nonfinite_message", "refuse_nonfinite_gradients"]
+__all__ = [
+    "FloorWatch",
+    "NonFiniteGradients",
+    "nonfinite_message",
+    "nonfinite_parameters",
+    "nonfinite_weights",
+    "refuse_nonfinite_gradients",
+]
 
 
 class NonFiniteGradients(Exception):
@@ -78,6 +81,28 @@ def nonfinite_message(
     )
 
 
+def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
+    """Names of ``model``'s floating-point parameters holding inf/NaN (one read of the device; buffers, such as a
+    mask of -inf, may hold them by design)."""
+    named = [(n, t) for n, t in model.named_parameters() if t.is_floating_point()]
+    if not named:
+        return []
+    finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist()
+    return [n for (n, _), ok in zip(named, finite) if not ok]
+
+
+def nonfinite_weights(step: int, broken: Sequence[str], last: object, model_dir: object, repair: str = "") -> str:
+    """The stop message of a run whose weights hold inf/NaN at ``step`` (``broken``: their names): no checkpoint
+    of them is written, so ``last`` (or none) stays the newest, and what can work from there."""
+    then = f"then --resume {model_dir} (its metrics rows after that step are dropped)" if last else "start again"
+    return (
+        f"Step {step}: the model's weights hold inf/NaN ({_listed(broken, 4)}): an applied step broke them, so every "
+        f"step after it would overflow. No checkpoint of them was written; the newest checkpoint, {last or 'none'}, "
+        f"is the last with finite weights. To try: {repair}a lower optimizer.learning_rate or clipping "
+        f"(optimizer.max_gradient_norm), {then}"
+    )
+
+
 def _listed(names: Sequence[str], count: int = 6) -> str:
     shown = [module_label(n) for n in names[:count]]
     return ", ".join(shown) + (f" and {len(names) - count} more" if len(names) > count else "")
@@ -98,17 +123,12 @@ class FloorWatch:
     Args:
         limit: ``runconfig.max_overflows_at_min_loss_scale``.
         half_dtype: the format the run computes in (``precision.fp16_type``), for the advice.
-        model: the model, whose parameters are checked for inf/NaN when the run stops (a step that was applied
-            may have broken them; then every forward pass overflows, whatever the format).
-        repair: what to try when that happened, besides resuming from an earlier checkpoint.
+        repair: the config change that keeps the weights finite, for the advice of :func:`nonfinite_weights`.
     """
 
-    def __init__(
-        self, limit: int, half_dtype: str = "float16", model: torch.nn.Module | None = None, repair: str = ""
-    ) -> None:
+    def __init__(self, limit: int, half_dtype: str = "float16", repair: str = "") -> None:
         self.limit = limit
         self.half_dtype = half_dtype
-        self.model = model
         self.repair = repair
         self.count = 0
         self.reports: list[OverflowReport | None] = []
@@ -152,18 +172,7 @@ class FloorWatch:
                 "range matches float32, if the forward pass itself overflows in float16; or lower "
                 "optimizer.min_loss_scale"
             )
-        broken = self._broken_parameters()
-        if broken:
-            where += (
-                f" The model's parameters already hold inf/NaN ({_listed(broken, 4)}): a step that was applied broke "
-                "them, so every forward pass overflows now."
-            )
-            advice = (
-                "resume from a checkpoint written before that (--resume DIR/checkpoint_<step>.mdl -o "
-                f"runconfig.model_dir=NEW_DIR) with {self.repair or ''}a lower optimizer.learning_rate or clipping "
-                "(optimizer.max_gradient_norm)"
-            )
-        elif forward:
+        if forward:
             wider = _WIDER.get(self.half_dtype)
             advice = (
                 (f"use {wider}, if {self.half_dtype}'s range is what overflowed; " if wider else "")
@@ -172,16 +181,6 @@ class FloorWatch:
                 "model may have diverged), or check the data and model.loss_weight"
             )
         return f"{what}.{where} Skipping more steps cannot help. To try: {advice}"
-
-    def _broken_parameters(self) -> list[str]:
-        """Names of the model's parameters holding inf/NaN (one read; on the stop path only)."""
-        if self.model is None:
-            return []
-        named = [(n, p) for n, p in self.model.named_parameters() if p.is_floating_point()]
-        if not named:
-            return []
-        finite = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()
-        return [n for (n, _), ok in zip(named, finite) if not ok]
 
     def _provenance(self) -> tuple[str, bool]:
         """Where the counted overflows started (a sentence or two beginning with a space), and whether the forward

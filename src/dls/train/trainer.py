@@ -1,42 +1,19 @@
-"""The training loop behind ``dls train``: one config in, a trained model, checkpoints, metrics and plots out.
+"""The training loop behind ``dls train``: one config in; a trained model, checkpoints, metrics and plots out.
 
-The trainer uses the library as its users do. Per step: forward (under ``torch.autocast`` for float16/bfloat16,
-or with ``dls.emulate`` hooks for cbfloat16 and ``precision.emulate``), then ``dls.optimizer_step``: scale,
-backward, unscale, clip (``max_gradient_norm``, whose norm pass also gives the logged norm, or
-``max_gradient_value``), the optimizer step (skipped on overflow), ``update()`` and ``zero_grad()``. Whether the
-step was applied is ``scaler.step_was_skipped``; the LR schedule is wrapped with ``dls.skip_aware``, so it advances
-on applied steps only.
-
-Precision beyond autocast (half parameters with float32 master weights, FP8 Linear layers) and the underflow
-measurements are set up by :class:`dls.train.precision.RunPrecision`; the FP8 state is the checkpoint's ``fp8`` entry.
-
-Diagnostics: ``scaler.watch(model)`` runs from the start. A skipped step's metrics row names the first module whose
-gradients overflowed (``overflow_module``, in backward order) and whether the loss was already inf/NaN
-(``forward_overflow``); the stops below name the modules too (:mod:`dls.train.stops`). The watch adds no kernel and,
-on the default path, no read: the report is built only on overflowing steps.
-
-Reads of the device: on a step that is not logged, only what the scaler's own step reads (the overflow flag, once;
-with an optimizer that skips inside its kernel the same flag, read by the scaler's step because a watch is active,
-and remembered for the LR schedule), or, in a run without loss scaling, the flag of the guard described below.
-Logged steps (every ``log_steps``, the first, the last and every skipped step) read the loss, the scale, the
-gradient norm and the count of skipped steps, which ``metrics.jsonl`` and the progress display both show (and
-FP8's statistics, with ``precision.fp8``); ``runconfig.tensorboard`` writes the same rows as events.
-
-Stops with :class:`TrainingStopped` (after writing a checkpoint) when loss scaling cannot help any more: the
-dynamic scale is pinned at its floor (``scaler.get_non_clamped_scale() < scaler.get_scale()``, read after skipped
-steps) on ``max_overflows_at_min_loss_scale`` overflowing steps without a clean step between, a static scale
-overflows that many steps in a row, or, with no loss scaling, gradients are inf/NaN: nothing could skip that step,
-so a step pre-hook refuses it before the optimizer applies it.
-
-Data-parallel (``torchrun``, see :mod:`dls.train.launch`): the model is wrapped in ``DistributedDataParallel``.
-Each rank takes its own strided batches (``data.batch_size`` per rank), ``dls.GradScaler`` agrees on overflow
-across ranks, so every rank skips, stops and checkpoints at the same steps; the logged loss is the mean over
-ranks; rank 0 alone writes checkpoints (of the unwrapped model: they load in a single process and vice versa),
-metrics, plots and the terminal output.
+The trainer uses the library as its users do. Per step: ``grad_accum_steps - 1`` micro-batches whose scaled losses
+are only backpropagated, then the forward pass (``torch.autocast``, or ``dls.emulate`` hooks for cbfloat16) and
+``dls.optimizer_step`` (scale, backward, unscale, clip, the step skipped on overflow, update, zero_grad). The LR
+schedule is wrapped with ``dls.skip_aware``; ``scaler.watch(model)`` names the module where an overflow starts.
+Device reads: on a step that is not logged, only the scaler's own; logged steps (every ``log_steps``, the first,
+the last and every skipped one) read the loss, scale, gradient norm and skipped count. Evaluation (``eval_frequency``:
+every N steps, or a fraction of the run) writes ``eval_loss`` rows. The stops of :mod:`dls.train.stops` raise
+:class:`TrainingStopped` after a checkpoint. Data-parallel under ``torchrun``: DDP, strided batches per rank, rank 0
+alone writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import time
@@ -56,10 +33,10 @@ from dls.diagnostics import OverflowReport
 from dls.train import checkpoint as ckpt
 from dls.train import restore
 from dls.train.config import CHECKPOINT_STATES, TrainConfig, loss_scaling_mode, scaler_settings, to_dict
-from dls.train.data import BatchIterator, build_dataset
+from dls.train.data import build_batches
 from dls.train.errors import TrainingStopped
 from dls.train.launch import StopRequest, resolve_device, run_on_rank0, sum_over_ranks, wrap_data_parallel
-from dls.train.models import build_model, evaluate
+from dls.train.models import build_model, evaluate, evaluate_batches
 from dls.train.optim import build_optimizer, build_scheduler
 from dls.train.outputs import RunOutputs, require_tensorboard
 from dls.train.precision import RunPrecision
@@ -72,31 +49,21 @@ from dls.train.reporting import (
     json_number,
     print_summary,
 )
-from dls.train.rundir import check_unlocked, resolve_model_dir
-from dls.train.stops import FloorWatch, NonFiniteGradients, nonfinite_message, refuse_nonfinite_gradients
+from dls.train.rundir import resolve_model_dir
+from dls.train.stops import (
+    FloorWatch,
+    NonFiniteGradients,
+    nonfinite_message,
+    nonfinite_parameters,
+    nonfinite_weights,
+    refuse_nonfinite_gradients,
+)
 
 __all__ = ["TrainResult", "Trainer", "TrainingStopped"]
 
 
 class Trainer:
-    """Builds everything a config describes; :meth:`train` runs it.
-
-    Args:
-        cfg: a validated config (``dls.train.config.load_config`` / ``parse_config``).
-        console: where logs, the progress bar and the summary go (default: a new rich ``Console``).
-        progress: show a progress bar (terminal) or progress lines (otherwise).
-        summary: print the summary table at the end.
-        plot: write ``plots.png`` at the end.
-        config_file: the YAML file the config was read from, if any: it is never overwritten (``model_dir: .``
-            next to it would otherwise replace it by ``config.yaml``).
-
-    ``runconfig.model_dir`` is resolved once; :meth:`train` locks it for the run and writes nothing outside it
-    (see :mod:`dls.train.rundir` and, for resuming, :mod:`dls.train.restore`).
-
-    When ``torch.distributed`` is initialised with several ranks (``dls train`` under ``torchrun``), it trains
-    data-parallel with ``DistributedDataParallel``; only rank 0 writes files or prints. Call :meth:`close` before
-    destroying the process group.
-    """
+    """Builds everything a config describes; :meth:`train` runs it."""
 
     def __init__(
         self,
@@ -127,13 +94,23 @@ class Trainer:
         self.metrics_path = self.outputs.metrics_path
         self.crash_dir: Path | None = None  # where a crash report may go: model_dir, once this run has locked it
         ckpt.seed_everything(rc.seed)
-        self.dataset = build_dataset(cfg.data)
-        shuffle_seed = cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else rc.seed
-        self.batches = BatchIterator(
-            self.dataset, cfg.data.batch_size, cfg.data.shuffle, shuffle_seed, self.rank, self.world_size
-        )
+        if not cfg.data.dataset:  # Model Zoo data: the directories are checked here, not by dls validate
+            from dls.train.config import missing_paths
+
+            if missing := missing_paths(cfg):
+                raise ValueError("; ".join(missing))
+        self.batches = build_batches(cfg.data, rc.seed, "train", self.rank, self.world_size)
+        self.dataset = getattr(self.batches, "dataset", None)  # a built-in data set
+        self.eval_batches = build_batches(cfg.eval_data, rc.seed, "val") if cfg.eval_data is not None else None
         prec = cfg.precision
-        self.model = build_model(cfg.model, self.dataset.info).to(self.device)
+        self.model = build_model(cfg.model, getattr(self.dataset, "info", None)).to(self.device)
+        self.max_steps = rc.max_steps
+        if rc.num_epochs is not None and "max_steps" not in rc.model_fields_set:
+            per_epoch = rc.steps_per_epoch or max(1, self.batches.batches_per_epoch // rc.grad_accum_steps)
+            self.max_steps = rc.num_epochs * per_epoch
+        freq = rc.eval_frequency
+        self.eval_every = freq if isinstance(freq, int) else max(1, round(freq * self.max_steps)) if freq else None
+        self.eval_loss: float | None = None
         # Before DDP: FP8's delayed scaling reduces its amaxes over the same ranks.
         group = dist.group.WORLD if self.world_size > 1 else None
         self.precision = RunPrecision(cfg, self.model, self.device, process_group=group)
@@ -160,7 +137,7 @@ class Trainer:
         self.elapsed = 0.0
         # Stops when the scale cannot help.
         repair = "precision.master_weights: true, " if prec.half_params and not prec.master_weights else ""
-        self.floor = FloorWatch(rc.max_overflows_at_min_loss_scale, prec.fp16_type, self.model, repair)
+        self.floor = FloorWatch(rc.max_overflows_at_min_loss_scale, prec.fp16_type, repair)
         self._last_checkpoint: Path | None = None
         self._last_skipped = False
         self._skipped_total: int | None = None  # as last read, on a logged step
@@ -181,9 +158,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ data-parallel
     def close(self) -> None:
-        """Data-parallel: when :meth:`train` ended alike on every rank (done, stopped, Ctrl-C), wait for all
-        ranks (so rank 0 finishes its outputs before any rank exits), then release the DDP wrapper, which holds
-        the process group. Nothing to do in a single process."""
+        """Data-parallel: when :meth:`train` ended alike on every rank (done, stopped, Ctrl-C), wait for all ranks
+        (so rank 0 finishes its outputs first), then release the DDP wrapper (it holds the process group)."""
         if self.ddp is None:
             return
         if self._ended_together and distributed.is_active():
@@ -202,7 +178,7 @@ class Trainer:
 
         A directory's newest checkpoint that cannot be read is skipped (said in the log; in place it is renamed
         ``checkpoint_<step>.mdl.unreadable``); a named checkpoint file that cannot be read raises
-        :class:`~dls.train.errors.CheckpointError`. Where the run may write: :func:`dls.train.restore.check_model_dir`
+        :class:`~dls.train.errors.CheckpointError`. Where the run may write: :func:`dls.train.outputs.check_model_dir`
         (a refusal raises :class:`~dls.train.errors.ModelDirError` before anything is written). With
         ``runconfig.num_threads``, torch uses that many CPU threads until this returns."""
         threads = torch.get_num_threads()
@@ -218,57 +194,73 @@ class Trainer:
             raise RuntimeError("a Trainer with precision.fp8 trains once: build a new Trainer (with resume=...)")
         session_start = time.perf_counter()
         self._ended_together = False
-        states = tuple(load_states or self.cfg.runconfig.load_checkpoint_states or CHECKPOINT_STATES)
+        rc = self.cfg.runconfig
+        states = tuple(load_states or CHECKPOINT_STATES)
         path: Path | None = None
         unreadable: list[tuple[Path, str]] = []
-        run_on_rank0(lambda: check_unlocked(self.model_dir), self.rank, self.world_size)
-        if resume is not None:
-            path, state, unreadable = ckpt.load_resume_checkpoint(resume)
-            for bad, reason in unreadable:
-                self.log(f"Skipping {bad}: {reason}")
-            restore.check_model_dir(self.model_dir, path, unreadable, states)
-            restore.restore(self, path, state, states)
-            del state
-        else:
-            restore.check_model_dir(self.model_dir, None, [], ())
 
-        def open_outputs() -> None:
+        def lock() -> None:  # first: nothing of model_dir is read before its lock is held
             try:
-                self.outputs.open(
-                    checkpoint=path,
+                self.outputs.lock()
+            finally:
+                self.crash_dir = self.model_dir if self.outputs.locked else None
+
+        run_on_rank0(lock, self.rank, self.world_size)
+        try:
+            state = None
+            if resume is None and rc.checkpoint_path is not None:  # trainer.fit.ckpt_path / runconfig.checkpoint_path
+                resume = rc.checkpoint_path
+            if resume is None and rc.autoload_last_checkpoint and ckpt.list_checkpoints(self.model_dir):
+                resume = self.model_dir  # the same command again continues the run (the --resume DIR rules)
+            if resume is not None:
+                path, state, unreadable = ckpt.load_resume_checkpoint(resume)
+                # LoadCheckpointStates applies to another run's checkpoint; the run's own load whole.
+                if load_states is None and rc.load_checkpoint_states and path.parent.resolve() != self.model_dir:
+                    states = rc.load_checkpoint_states
+                for bad, reason in unreadable:
+                    self.log(f"Skipping {bad}: {reason}")
+            run_on_rank0(lambda: self.outputs.check(path, unreadable, states), self.rank, self.world_size)
+            if path is not None and state is not None:
+                restore.restore(self, path, state, states)
+                del state
+            run_on_rank0(
+                lambda: self.outputs.open(
                     unreadable=unreadable,
-                    states=states,
                     step=self.global_step,
                     config=to_dict(self.cfg),
                     config_file=self.config_file,
                     tensorboard=self.cfg.runconfig.tensorboard,
-                )
-            finally:
-                self.crash_dir = self.model_dir if self.outputs.locked else None
-
-        run_on_rank0(open_outputs, self.rank, self.world_size)
-        try:
+                ),
+                self.rank,
+                self.world_size,
+            )
             return self._train(session_start)
         finally:
             self.outputs.close()
 
     def _train(self, session_start: float) -> TrainResult:
         cfg, rc = self.cfg, self.cfg.runconfig
-        for warning in cfg.warnings:
-            self.log(f"warning: {warning}")
-        self.log(describe_run(cfg, self.global_step, self.model_dir, self.world_size, self.device.type))
+        if rc.num_steps is not None:  # Model Zoo's num_steps: this many steps in this run, within max_steps
+            ends = [self.max_steps] if "max_steps" in rc.model_fields_set or rc.num_epochs else []
+            self.max_steps = min([*ends, self.global_step + rc.num_steps])
+        max_steps = self.max_steps
+        for note in cfg.notes:
+            self.log(f"note: {note}")
+        self.log(describe_run(cfg, self.global_step, self.model_dir, self.world_size, self.device.type, max_steps))
         start_step = self.global_step
-        tail = max(1, (rc.max_steps - start_step) // 10)  # the final loss: mean over the last 10% of the session
-        self._tail = (rc.max_steps - tail + 1, torch.zeros((), device=self.device), 0)
+        tail = max(1, (max_steps - start_step) // 10)  # the final loss: mean over the last 10% of the session
+        self._tail = (max_steps - tail + 1, torch.zeros((), device=self.device), 0)
         self.precision.start_session()
         display = ProgressDisplay(
-            self.console, self.show_progress and self.is_main, rc.max_steps, self.global_step, cfg.model.name
+            self.console, self.show_progress and self.is_main, max_steps, self.global_step, cfg.model.name
         )
+        if rc.save_initial_checkpoint and self.global_step == 0:
+            self._save(session_start)
         self.model.train()
         stop_request = StopRequest(self.log, distributed=self.world_size > 1)
         try:
             with stop_request:
-                while self.global_step < rc.max_steps:
+                while self.global_step < max_steps:
                     if self._stop_requested(stop_request):
                         raise stop_request.interrupt()
                     row = self._step(session_start, stop_request.requested)
@@ -276,10 +268,15 @@ class Trainer:
                         self.outputs.write_row(row)
                     self._check_floor(session_start)
                     step = self.global_step
-                    if rc.checkpoint_steps and step % rc.checkpoint_steps == 0 and step < rc.max_steps:
+                    last = step == max_steps and (self.eval_every or self.eval_batches is not None)
+                    if last or (self.eval_every and step % self.eval_every == 0):  # an eval loader: at the end too
+                        self._evaluate(step)
+                    if rc.checkpoint_steps and step % rc.checkpoint_steps == 0 and step < max_steps:
                         self._save(session_start)
                     if row is not None:
                         display.update(row, self._skipped_total)
+                if self._last_checkpoint != ckpt.checkpoint_path(self.model_dir, self.global_step):  # not saved yet
+                    self._save(session_start)
         except KeyboardInterrupt:
             display.close()
             if self._stop_requested(stop_request) and not stop_request.forced:  # between two steps: consistent
@@ -300,8 +297,6 @@ class Trainer:
         finally:
             display.close()
             self.precision.remove_hooks()
-        if self._last_checkpoint != ckpt.checkpoint_path(self.model_dir, self.global_step):  # not saved yet
-            self._save(session_start)
         result = self._result(start_step, time.perf_counter() - session_start)
         if self.show_summary and self.is_main:
             print_summary(self.console, self.cfg, result)
@@ -322,7 +317,7 @@ class Trainer:
             global_step=self.global_step,
             steps_run=self.global_step - start_step,
             final_loss=final_loss,
-            eval_loss=evaluate(self.model, self.dataset, self.device) if self.is_main else None,
+            eval_loss=self._final_eval() if self.is_main else None,
             skipped_steps=self.scaler.get_num_skipped_steps(),
             loss_scale=self.scaler.get_scale() if enabled else None,
             scaling=self.scaling,
@@ -336,12 +331,44 @@ class Trainer:
         )
         return result
 
+    # ------------------------------------------------------------------ evaluation
+    def _evaluate(self, step: int) -> None:
+        """``eval_steps`` batches of the eval loader (the training data's without one), as a metrics row."""
+        rc = self.cfg.runconfig
+        source = self.eval_batches
+        if source is None and self.dataset is None:
+            source = build_batches(self.cfg.data, rc.seed, "train")
+        if source is None:
+            assert self.dataset is not None
+            self.eval_loss = evaluate(self.model, self.dataset, self.device)
+        else:
+            steps = rc.eval_steps or max(1, source.batches_per_epoch)
+            with self.precision.autocast():
+                self.eval_loss = evaluate_batches(self.model, source, steps, self.device, self.precision.to_device)
+            source.load_state_dict({"epoch": 0, "position": 0})  # every evaluation reads the same batches
+        if self.is_main:
+            self.outputs.write_row({"step": step, "eval_loss": json_number(self.eval_loss)})
+
+    def _final_eval(self) -> float | None:
+        if self.dataset is not None:  # a built-in data set: its first samples, in float32
+            return evaluate(self.model, self.dataset, self.device)
+        return self.eval_loss
+
     # ------------------------------------------------------------------ one step
     def _step(self, session_start: float, stop_requested: bool = False) -> dict[str, Any] | None:
         """One training step; its metrics row when the step is logged (see the module docstring), else ``None``."""
         cfg, rc, opt_cfg = self.cfg, self.cfg.runconfig, self.cfg.optimizer
         step = self.global_step + 1
-        log_now = step % rc.log_steps == 0 or step == rc.max_steps or step == 1
+        log_now = step % rc.log_steps == 0 or step == self.max_steps or step == 1
+        accum, weight = rc.grad_accum_steps, cfg.model.loss_weight / rc.grad_accum_steps
+        losses = []
+        for _ in range(accum - 1):  # micro-batches before the last: gradients add up, no step
+            with self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext():
+                micro = self.precision.to_device(self.batches.next())
+                with self.precision.autocast():
+                    losses.append(self.model.loss(micro) if self.ddp is None else self.ddp(micro))
+                self.scaler.scale(losses[-1] * weight).backward()
+                losses[-1] = losses[-1].detach()
         batch = self.precision.to_device(self.batches.next())
         underflow = None
         if log_now and self.precision.probes_underflow:
@@ -349,7 +376,9 @@ class Trainer:
         lr = float(self.optimizer.param_groups[0]["lr"])
         with self.precision.autocast():
             loss = self.model.loss(batch) if self.ddp is None else self.ddp(batch)
-        weighted = loss * cfg.model.loss_weight if cfg.model.loss_weight != 1.0 else loss
+        weighted = loss * weight if weight != 1.0 else loss
+        if losses:
+            loss = torch.stack([*losses, loss.detach()]).mean()
         try:
             result = dls.optimizer_step(
                 weighted,
@@ -449,7 +478,15 @@ class Trainer:
 
     def _save(self, session_start: float) -> Path:
         """Checkpoint the current state. Data-parallel: every rank calls it at the same step (it gathers each
-        rank's random-number generators into ``rng_ranks``); rank 0 alone writes."""
+        rank's random-number generators into ``rng_ranks``); rank 0 alone writes. Weights holding inf/NaN are never
+        written: the run stops (:func:`dls.train.stops.nonfinite_weights`), the newest checkpoint stays the last
+        finite one."""
+        broken = nonfinite_parameters(self.model)
+        if broken:
+            message = nonfinite_weights(
+                self.global_step, broken, self._last_checkpoint, self.model_dir, self.floor.repair
+            )
+            raise TrainingStopped(message, self._last_checkpoint)
         path = ckpt.checkpoint_path(self.model_dir, self.global_step)
         rng_ranks: list[Any] = []
         if self.world_size > 1:
