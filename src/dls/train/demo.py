@@ -173,7 +173,7 @@ def _clear_previous_run(model_dir: Path) -> None:
     if not model_dir.exists():
         return
     with RunDir(resolve_model_dir(model_dir)) as run_dir:
-        for name in run_dir.names():
+        for name in os.listdir(run_dir.fd):
             if name in (METRICS_FILE, PLOT_FILE, CONFIG_FILE) or (name.startswith("checkpoint_") and ".mdl" in name):
                 os.unlink(name, dir_fd=run_dir.fd)
 
