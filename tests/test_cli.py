@@ -33,8 +33,10 @@ def test_help_for_newcomers(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_the_dls_command_is_this_main() -> None:
+    import dls_entry  # installs the signal handler, then runs this main
+
     (script,) = [e for e in entry_points(group="console_scripts") if e.name == "dls"]
-    assert script.load() is main
+    assert script.load() is dls_entry.main
 
 
 def test_train_help(capsys: pytest.CaptureFixture[str]) -> None:
