@@ -1,5 +1,4 @@
-"""Reading ``metrics.jsonl``, and PNG plots of it (matplotlib's Agg canvas: no display, no global backend change;
-matplotlib is imported by the plotting functions only, so a run starts without paying for it)."""
+"""Reading ``metrics.jsonl``, and PNG plots of it (matplotlib's Agg canvas, imported only when plotting)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from dls.train.errors import ModelDirError
 
 
 def read_metrics(data: bytes) -> list[dict[str, Any]]:
-    """The rows of ``metrics.jsonl`` content, for plotting: lines that are not metrics rows are left out."""
+    """The metrics rows of ``metrics.jsonl`` content (other lines left out)."""
     rows: list[dict[str, Any]] = []
     for line in data.splitlines():
         try:
@@ -27,10 +26,8 @@ def read_metrics(data: bytes) -> list[dict[str, Any]]:
 
 
 def metrics_to_keep(data: bytes | None, path: Path, step: int) -> bytes:
-    """The lines of ``metrics.jsonl`` content ``data`` (of the file ``path``) whose step is at most ``step``: what a
-    run resumed at ``step`` keeps (a crash may have left rows the checkpoint does not cover). A last line without
-    its newline (a run killed while writing it) is dropped. Any other line that is not a metrics row raises
-    :class:`~dls.train.errors.ModelDirError` naming it: the file is left as it is rather than losing it."""
+    """The rows of ``data`` (the file ``path``) a run resumed at ``step`` keeps; an unfinished last line is
+    dropped, any other line that is not a metrics row refused (:class:`ModelDirError`: the file is kept)."""
     if not data:
         return b""
     lines = data.split(b"\n")
@@ -62,7 +59,7 @@ def _finite(value: Any) -> bool:
 
 
 def _scale_tick(value: float, _pos: Any = None) -> str:
-    """A loss-scale axis label: ``dls.diagnostics.scales.pow2``'s ``2^k`` as a mathtext exponent."""
+    """A loss-scale axis label: ``pow2``'s ``2^k`` as a mathtext exponent."""
     if value <= 0:
         return ""
     text = pow2(value)
@@ -100,14 +97,8 @@ def plot_run(rows: Sequence[dict[str, Any]], out: IO[bytes], title: str = "") ->
         ax_scale.yaxis.set_major_formatter(FuncFormatter(_scale_tick))
         marks = [(r["step"], r["loss_scale"]) for r in skipped if _finite(r.get("loss_scale"))]
         if marks:
-            ax_scale.scatter(
-                [m[0] for m in marks],
-                [m[1] for m in marks],
-                marker="x",
-                color="tab:red",
-                zorder=3,
-                label=f"skipped step ({len(marks)})",
-            )
+            label = f"skipped step ({len(marks)})"
+            ax_scale.scatter(*zip(*marks), marker="x", color="tab:red", zorder=3, label=label)
             ax_scale.legend(loc="lower right")
     else:
         ax_scale.text(0.5, 0.5, "no loss scaling in this run", ha="center", va="center", transform=ax_scale.transAxes)
@@ -121,14 +112,12 @@ def plot_run(rows: Sequence[dict[str, Any]], out: IO[bytes], title: str = "") ->
 
 
 def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: IO[bytes], title: str = "") -> None:
-    """Several runs as small multiples (:func:`comparison_figure`), PNG into ``out``."""
     comparison_figure(runs, title).savefig(out, format="png", dpi=110)
 
 
 def comparison_figure(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], title: str = "") -> Any:
-    """A matplotlib Figure of several runs: per run, its loss over the first run's (the reference, dashed grey)
-    and below it the run's loss scale, skipped steps as red crosses. Loss panels share one axis and scale panels
-    another, so runs compare by position; no curve can hide another."""
+    """Small multiples: per run its loss over the first run's (dashed grey) and its loss scale below, skipped steps
+    as red crosses; shared axes, so runs compare by position and no curve hides another."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
