@@ -1,6 +1,4 @@
-"""What a run shows: the progress display, one-line descriptions of its precision and loss scaling, the summary
-table. Built from values the loop has already read.
-"""
+"""What a run shows (progress, one-line descriptions, the summary), from values the loop has already read."""
 
 from __future__ import annotations
 
@@ -16,16 +14,6 @@ from rich.table import Table
 
 from dls.diagnostics.scales import pow2
 from dls.train.config import TrainConfig, loss_scaling_mode, scaler_settings
-
-__all__ = [
-    "ProgressDisplay",
-    "TrainResult",
-    "describe_precision",
-    "describe_run",
-    "describe_scaling",
-    "json_number",
-    "print_summary",
-]
 
 
 @dataclass
@@ -50,12 +38,10 @@ class TrainResult:
 
 
 def json_number(value: float | None) -> float | None:
-    """``value``, or ``None`` for inf/NaN (JSON has neither)."""
     return value if value is not None and math.isfinite(value) else None
 
 
 def describe_scaling(cfg: TrainConfig) -> str:
-    """The run's loss scaling in one line, from the scaler's settings."""
     mode = loss_scaling_mode(cfg)
     if mode == "off":
         return "no loss scaling"
@@ -69,7 +55,6 @@ def describe_scaling(cfg: TrainConfig) -> str:
 
 
 def describe_precision(cfg: TrainConfig) -> str:
-    """The run's precision in a few words: compute format and how it is had, parameters, FP8 recipe."""
     prec = cfg.precision
     dtype = prec.compute_dtype
     if dtype == "float32":
@@ -86,7 +71,7 @@ def describe_precision(cfg: TrainConfig) -> str:
 
 
 def describe_fp8(recipe: Mapping[str, Any]) -> str:
-    """``delayed scaling, margin 2`` : the recipe's name and the fields that differ from its defaults."""
+    """``delayed scaling, margin 2``: the recipe's name and the fields that differ from its defaults."""
     from dls.fp8 import RECIPE_NAMES
 
     name = recipe["recipe"]
@@ -98,8 +83,7 @@ def describe_fp8(recipe: Mapping[str, Any]) -> str:
 def describe_run(
     cfg: TrainConfig, start_step: int, model_dir: Path, world_size: int, device_type: str, max_steps: int
 ) -> str:
-    """The line a session starts with: model, data, precision, loss scaling, the steps from ``start_step``, where the
-    outputs go, and, data-parallel, the ranks and the global batch."""
+    """The line a session starts with."""
     text = (
         f"{cfg.model.name} on {cfg.data.dataset or cfg.data.data_processor}, {describe_precision(cfg)}, "
         f"{describe_scaling(cfg)}; steps {start_step}->{max_steps}; output in {model_dir}"
@@ -134,7 +118,6 @@ class ProgressDisplay:
             self.progress.start()
 
     def update(self, row: dict[str, Any], skipped_total: int | None) -> None:
-        """Show the logged ``row`` (and the run's count of skipped steps, read with it)."""
         if not self.enabled:
             return
         step = row["step"]
