@@ -67,48 +67,8 @@ def _scale_tick(value: float, _pos: Any = None) -> str:
 
 
 def plot_run(rows: Sequence[dict[str, Any]], out: IO[bytes], title: str = "") -> None:
-    """Loss (top) and loss scale (bottom) over steps, as PNG into ``out``; skipped steps are red crosses on both."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter
-
-    fig = Figure(figsize=(9, 6.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax_loss, ax_scale = fig.subplots(2, 1, sharex=True)
-    steps = [r["step"] for r in rows if _finite(r.get("loss"))]
-    losses = [r["loss"] for r in rows if _finite(r.get("loss"))]
-    ax_loss.plot(steps, losses, color="tab:blue", lw=1.2, label="training loss")
-    skipped = [r for r in rows if r.get("skipped")]
-    positive = [v for v in losses if v > 0]
-    if positive and max(positive) / min(positive) > 20:  # a log axis only where the loss spans decades
-        ax_loss.set_yscale("log")
-    if skipped:
-        low = min(positive) if positive else 0.0
-        ys = [r["loss"] if _finite(r.get("loss")) and r["loss"] > 0 else low for r in skipped]
-        ax_loss.scatter([r["step"] for r in skipped], ys, marker="x", color="tab:red", zorder=3, label="skipped step")
-    ax_loss.set_ylabel("loss")
-    ax_loss.grid(True, which="both", alpha=0.3)
-    ax_loss.legend(loc="upper right")
-
-    scaled = [r for r in rows if _finite(r.get("loss_scale"))]
-    if scaled:
-        ax_scale.step([r["step"] for r in scaled], [r["loss_scale"] for r in scaled], where="post", color="tab:green")
-        ax_scale.set_yscale("log", base=2)
-        ax_scale.yaxis.set_major_formatter(FuncFormatter(_scale_tick))
-        marks = [(r["step"], r["loss_scale"]) for r in skipped if _finite(r.get("loss_scale"))]
-        if marks:
-            label = f"skipped step ({len(marks)})"
-            ax_scale.scatter(*zip(*marks), marker="x", color="tab:red", zorder=3, label=label)
-            ax_scale.legend(loc="lower right")
-    else:
-        ax_scale.text(0.5, 0.5, "no loss scaling in this run", ha="center", va="center", transform=ax_scale.transAxes)
-        ax_scale.set_yticks([])
-    ax_scale.set_ylabel("loss scale")
-    ax_scale.set_xlabel("step")
-    ax_scale.grid(True, which="both", alpha=0.3)
-    if title:
-        fig.suptitle(title, fontsize=11, wrap=True)
-    fig.savefig(out, format="png", dpi=110)
+    """plots.png: the run's loss over steps and its loss scale below, skipped steps as red crosses."""
+    plot_comparison([("training loss", rows)], out, title)
 
 
 def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: IO[bytes], title: str = "") -> None:
@@ -125,7 +85,8 @@ def comparison_figure(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], titl
 
     columns = min(len(runs), 5)
     groups = -(-len(runs) // columns)
-    fig = Figure(figsize=(3.1 * columns + 0.6, 3.5 * groups + 0.9), layout="constrained")
+    width = 8.4 if columns == 1 else 3.1
+    fig = Figure(figsize=(width * columns + 0.6, 3.5 * groups + 0.9), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(2 * groups, columns, sharex=True, squeeze=False, height_ratios=[3, 1.3] * groups)
     loss_axes, scale_axes = axes[0::2].ravel(), axes[1::2].ravel()
@@ -145,7 +106,7 @@ def comparison_figure(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], titl
             ax_loss.plot(*zip(*reference), "--", color="0.55", lw=1.2)
         pts = losses(rows)
         if pts:
-            ax_loss.plot(*zip(*pts), color="black" if i == 0 else "tab:blue", lw=1.4)
+            ax_loss.plot(*zip(*pts), color="black" if i == 0 and len(runs) > 1 else "tab:blue", lw=1.4)
         skipped = [r for r in rows if r.get("skipped")]
         marks = [(r["step"], r["loss"]) for r in skipped if _finite(r.get("loss")) and r["loss"] > 0]
         if marks:
@@ -186,6 +147,8 @@ def comparison_figure(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], titl
         Line2D([], [], color="tab:green", lw=1.4, label="loss scale"),
         Line2D([], [], color="tab:red", marker="x", ls="", label="skipped step"),
     ]
+    if len(runs) == 1:
+        del handles[1]  # one run: no reference
     fig.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=9, frameon=False)
     if title:
         fig.suptitle(title)
