@@ -19,7 +19,7 @@ import yaml
 from dls.train import checkpoint as ckpt
 from dls.train.errors import MissingExtras, ModelDirError
 from dls.train.plots import metrics_to_keep, plot_run, read_metrics
-from dls.train.rundir import RunDir, describe_holder, entries, is_same_file, remove_temporaries, resolve_model_dir
+from dls.train.rundir import LOCK_FILE, RunDir, describe_holder, is_same_file, remove_temporaries, resolve_model_dir
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "plots.png"
@@ -164,7 +164,7 @@ def check_model_dir(
         return False
     source = resolve_model_dir(checkpoint.parent)
     if source != model_dir:
-        if any(True for _ in entries(model_dir)):
+        if model_dir.is_dir() and set(os.listdir(model_dir)) - {LOCK_FILE}:
             raise ModelDirError(
                 f"runconfig.model_dir {model_dir} is not the directory of the checkpoint ({source}), so this run "
                 f"starts a new run from the checkpoint, and a new run needs a new or empty directory: {model_dir} "

@@ -15,7 +15,6 @@ import os
 import secrets
 import socket
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -267,12 +266,3 @@ class RunDir:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def entries(path: Path) -> Iterator[str]:
-    """Names in the directory ``path`` other than a lock file (none when it does not exist)."""
-    try:
-        names = os.listdir(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return iter(())
-    return iter(n for n in names if n != LOCK_FILE)
