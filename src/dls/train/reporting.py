@@ -89,9 +89,8 @@ def describe_run(
         f"{describe_scaling(cfg)}; steps {start_step}->{max_steps}; output in {model_dir}"
     )
     if world_size > 1:
-        text += (
-            f"; data-parallel on {world_size} ranks ({device_type}), global batch {world_size} x {cfg.data.batch_size}"
-        )
+        text += f"; data-parallel on {world_size} ranks ({device_type}), global batch {world_size} x "
+        text += str(cfg.data.batch_size)
     return text
 
 
@@ -105,15 +104,9 @@ class ProgressDisplay:
         self.progress: Progress | None = None
         self.enabled = enabled
         if enabled and console.is_terminal:
-            self.progress = Progress(
-                TextColumn("[bold]{task.fields[label]}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.description}"),
-                TimeElapsedColumn(),
-                TimeRemainingColumn(),
-                console=console,
-            )
+            bar = (TextColumn("[bold]{task.fields[label]}"), BarColumn(), MofNCompleteColumn())
+            times = (TextColumn("{task.description}"), TimeElapsedColumn(), TimeRemainingColumn())
+            self.progress = Progress(*bar, *times, console=console)
             self.task = self.progress.add_task("", total=total, completed=start, label=label)
             self.progress.start()
 
@@ -155,10 +148,9 @@ def print_summary(console: Console, cfg: TrainConfig, result: TrainResult) -> No
     if result.grad_underflow is not None:
         table.add_row("gradient underflow", f"{100 * result.grad_underflow:.2f}% of nonzero activation gradients")
     if result.fp8_flushed is not None and result.fp8_saturated is not None:
+        flushed, saturated = 100 * result.fp8_flushed, 100 * result.fp8_saturated
         table.add_row(
-            "FP8 grad_output",
-            f"{100 * result.fp8_flushed:.2f}% of nonzero values flushed to zero, {100 * result.fp8_saturated:.2f}% "
-            "saturated",
+            "FP8 grad_output", f"{flushed:.2f}% of nonzero values flushed to zero, {saturated:.2f}% saturated"
         )
     table.add_row("wall time", f"{result.wall_time:.1f} s")
     table.add_row("checkpoint", str(result.checkpoint))
