@@ -12,46 +12,37 @@ from dls.diagnostics.scales import pow2
 from dls.train.errors import ModelDirError
 
 
+def _row(line: bytes) -> dict[str, Any] | str:
+    """A metrics row (a mapping with a step >= 0), or what is wrong with ``line``."""
+    try:
+        row = json.loads(line)
+    except ValueError as exc:  # not JSON or not UTF-8
+        return str(exc).splitlines()[0]
+    step = row.get("step") if isinstance(row, dict) else None
+    return row if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else str(row)
+
+
 def read_metrics(data: bytes) -> list[dict[str, Any]]:
     """The metrics rows of ``metrics.jsonl`` content (other lines left out)."""
-    rows: list[dict[str, Any]] = []
-    for line in data.splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:  # also UnicodeDecodeError
-            continue
-        if isinstance(row, dict) and _is_step(row.get("step")):
-            rows.append(row)
-    return rows
+    return [row for line in data.splitlines() if isinstance(row := _row(line), dict)]
 
 
 def metrics_to_keep(data: bytes | None, path: Path, step: int) -> bytes:
     """The rows of ``data`` (the file ``path``) a run resumed at ``step`` keeps; an unfinished last line is
     dropped, any other line that is not a metrics row refused (:class:`ModelDirError`: the file is kept)."""
-    if not data:
-        return b""
-    lines = data.split(b"\n")
     kept = []
-    for number, line in enumerate(lines[:-1], start=1):  # lines[-1] is b"" or an unfinished last line
+    for number, line in enumerate((data or b"").split(b"\n")[:-1], start=1):  # [-1]: b"" or an unfinished line
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-            ok = isinstance(row, dict) and _is_step(row.get("step"))
-        except ValueError as exc:  # not JSON or not UTF-8
-            ok, row = False, str(exc).splitlines()[0]
-        if not ok:
+        row = _row(line)
+        if isinstance(row, str):
             raise ModelDirError(
-                f"{path} line {number} is not a metrics row ({str(row)[:80]}); a resumed run rewrites that file "
+                f"{path} line {number} is not a metrics row ({row[:80]}); a resumed run rewrites that file "
                 "and would lose it: move the file away (resuming does not need it) and run again"
             )
         if row["step"] <= step:
             kept.append(line + b"\n")
     return b"".join(kept)
-
-
-def _is_step(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _finite(value: Any) -> bool:
