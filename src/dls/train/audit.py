@@ -7,6 +7,7 @@ model_dir rules (locked, atomic, no link followed).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -52,13 +53,9 @@ def build_inputs(cfg: TrainConfig, steps: int) -> tuple[TrainModel, Batches]:
     ckpt.seed_everything(rc.seed)  # the order of what follows is the trainer's: the same weights and batches
     dataset = build_dataset(cfg.data)
     seed = cfg.data.shuffle_seed if cfg.data.shuffle_seed is not None else rc.seed
-    BatchIterator(dataset, cfg.data.batch_size, cfg.data.shuffle, seed, 0, 1)  # its errors, before the model
-    model = build_model(cfg.model, dataset.info).to(device)
-
-    def make() -> BatchIterator:
-        return BatchIterator(dataset, cfg.data.batch_size, cfg.data.shuffle, seed, 0, 1)
-
-    return model, Batches(make, steps, device)
+    make = functools.partial(BatchIterator, dataset, cfg.data.batch_size, cfg.data.shuffle, seed, 0, 1)
+    make()  # its errors, before the model
+    return build_model(cfg.model, dataset.info).to(device), Batches(make, steps, device)
 
 
 def _cycle(batches: Iterable[Batch]) -> Iterator[Batch]:
