@@ -264,15 +264,10 @@ def _audit(args: argparse.Namespace, run: _Run) -> int:
             formats.get(name)
         except ValueError:
             raise UsageError(f"--formats: unknown format {name!r}; allowed: {', '.join(formats.names())}") from None
-    recipe_names = None
-    if args.fp8_recipes is not None:
-        recipe_names = list(dict.fromkeys(args.fp8_recipes or dls.fp8.RECIPE_NAMES))
-        unknown = [r for r in recipe_names if r not in dls.fp8.RECIPE_NAMES]
-        if unknown:
-            raise UsageError(
-                f"--fp8-recipes: unknown recipe(s) {', '.join(map(repr, unknown))}; allowed: "
-                f"{', '.join(dls.fp8.RECIPE_NAMES)}"
-            )
+    recipe_names = None if args.fp8_recipes is None else list(dict.fromkeys(args.fp8_recipes or dls.fp8.RECIPE_NAMES))
+    if unknown := [r for r in recipe_names or () if r not in dls.fp8.RECIPE_NAMES]:
+        allowed = ", ".join(dls.fp8.RECIPE_NAMES)
+        raise UsageError(f"--fp8-recipes: unknown recipe(s) {', '.join(map(repr, unknown))}; allowed: {allowed}")
     cfg = load_config(args.config, args.override)
     threads = torch.get_num_threads()
     if cfg.runconfig.num_threads is not None:
@@ -289,21 +284,15 @@ def _audit(args: argparse.Namespace, run: _Run) -> int:
             "(model.loss_weight)"
         )
         result = audit.audit_formats(model, batches, names, weight)
-        print(result.to_text())
-        print()
-        print("\n".join(audit.recommendation_lines(cfg, result)))
+        print(result.to_text() + "\n\n" + "\n".join(audit.recommendation_lines(cfg, result)))
         if recipe_names is not None:
-            configured = cfg.precision.fp8
+            own = cfg.precision.fp8 or {"recipe": None}  # a recipe the config names keeps its fields
             recipes = [
-                dls.fp8.recipe_from_dict(
-                    dict(configured) if configured is not None and configured["recipe"] == name else {"recipe": name}
-                )
-                for name in recipe_names
+                dls.fp8.recipe_from_dict(dict(own) if own["recipe"] == n else {"recipe": n}) for n in recipe_names
             ]
             scale = scaler_settings(cfg).init_scale if loss_scaling_mode(cfg) != "off" else 1.0
             rows = audit.compare_fp8(model, batches, recipes, weight, scale, seed=cfg.runconfig.seed)
-            print()
-            print(audit.fp8_table(rows, scale, args.steps))
+            print("\n" + audit.fp8_table(rows, scale, args.steps))
         if args.out is not None:
             print(f"\nPlot: {audit.write_plot(result, Path(args.out))}")
     finally:
