@@ -172,36 +172,30 @@ def _print_table(console: Console, results: list[tuple[DemoRun, DemoResult]], st
 
 def _print_verdict(console: Console, results: list[tuple[DemoRun, DemoResult]]) -> None:
     outcomes = {run.slug: r for run, r in results}
-    by_slug = {slug: r.result for slug, r in outcomes.items()}
-    ref = by_slug["float32"].eval_loss
-    plain = by_slug["float16_no_scaling"].eval_loss
-    dls_loss = by_slug["float16_dls"].eval_loss
-    if ref is None or plain is None or dls_loss is None:
+    loss = {slug: r.result.eval_loss for slug, r in outcomes.items()}
+    ref, plain, dyn = loss["float32"], loss["float16_no_scaling"], loss["float16_dls"]
+    if ref is None or plain is None or dyn is None:
         return
-    close = abs(dls_loss - ref) <= 0.05 * ref
-    lines = [
-        f"float16 + DLS ends at {dls_loss:.4g} vs float32's {ref:.4g} "
-        + ("(within 5%)." if close else f"({dls_loss / ref:.2f}x: NOT within 5% this time).")
-    ]
-    if plain > 1.05 * ref:
-        lines.append(
-            f"float16 without loss scaling ends at {plain:.4g}, {plain / ref:.1f}x float32's: its flushed gradients "
-            "never reach the weights."
+    within = "(within 5%)." if abs(dyn - ref) <= 0.05 * ref else f"({dyn / ref:.2f}x: NOT within 5% this time)."
+    lines = [f"float16 + DLS ends at {dyn:.4g} vs float32's {ref:.4g} {within}"]
+    lines.append(
+        f"float16 without loss scaling ends at {plain:.4g}, {plain / ref:.1f}x float32's: its flushed gradients "
+        "never reach the weights."
+        if plain > 1.05 * ref
+        else f"float16 without loss scaling ends at {plain:.4g}, about as well as float32 in this run."
+    )
+    bare, masters = outcomes["float16_params"], loss["float16_params_masters"]
+    if outcomes["float16_params_masters"].stopped is None and masters is not None:
+        without = (
+            f"without masters the run stopped at step {bare.stopped}: its float16 weights became inf/NaN."
+            if bare.stopped is not None
+            else f"without masters at {bare.result.eval_loss:.4g}."
         )
-    else:
-        lines.append(f"float16 without loss scaling ends at {plain:.4g}, about as well as float32 in this run.")
-    masters, bare = outcomes["float16_params_masters"], outcomes["float16_params"]
-    if masters.stopped is None and masters.result.eval_loss is not None:
-        loss = masters.result.eval_loss
         lines.append(
-            f"float16 parameters with float32 master weights end at {loss:.4g} ({loss / ref:.2f}x float32's); "
-            + (
-                f"without masters the run stopped at step {bare.stopped}: its float16 weights became inf/NaN."
-                if bare.stopped is not None
-                else f"without masters at {bare.result.eval_loss:.4g}."
-            )
+            f"float16 parameters with float32 master weights end at {masters:.4g} ({masters / ref:.2f}x float32's); "
+            + without
         )
-    fixed, delayed, current = (by_slug[slug] for slug in ("fp8_scale_1", "fp8_delayed", "fp8_current"))
+    fixed, delayed, current = (outcomes[slug].result for slug in ("fp8_scale_1", "fp8_delayed", "fp8_current"))
     if all(r.eval_loss is not None and r.fp8_flushed is not None for r in (fixed, delayed, current)):
         lines.append(
             f"FP8 at scale 1 flushes {100 * (fixed.fp8_flushed or 0):.0f}% of the gradients and ends at "
