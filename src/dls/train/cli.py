@@ -1,7 +1,5 @@
-"""The ``dls`` command (entry point ``dls_entry.main``): one ``dls: ...`` line on stderr per failure, the exit
-status of :func:`dls.train.errors.exit_status`; under torchrun only rank 0 prints. Imports the standard library and
-``dls.train.{errors,launch}`` only: what needs the ``train`` extra is imported inside the commands, after checking.
-"""
+"""The ``dls`` command (entry ``dls_entry.main``): one ``dls: ...`` line per failure, exit status by
+``errors.exit_status``; rank 0 alone prints. What needs the ``train`` extra is imported inside the commands."""
 
 from __future__ import annotations
 
@@ -94,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _quiet_rank() -> bool:
     env = torchrun_env()  # ranks other than 0 print nothing: every rank meets the same errors
-    return env.launched and env.rank != 0
+    return env.world_size > 1 and env.rank != 0
 
 
 class _Run:

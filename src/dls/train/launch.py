@@ -1,7 +1,5 @@
-"""Launching across ranks: the device, ``torchrun``'s environment and process group (gloo on CPU, NCCL with one
-GPU per rank), DDP, what rank 0 alone does, and the training loop's Ctrl-C / SIGTERM stop request. Imports torch
-and the standard library only (the ``dls`` command reads :func:`torchrun_env` before checking the extras).
-"""
+"""Launching across ranks: the device, torchrun's process group (gloo on CPU, NCCL with a GPU per rank), DDP,
+what rank 0 alone does, and the loop's Ctrl-C / SIGTERM stop request. Imports torch and the standard library only."""
 
 from __future__ import annotations
 
@@ -31,10 +29,6 @@ class TorchrunEnv(NamedTuple):
     local_rank: int
     world_size: int
 
-    @property
-    def launched(self) -> bool:
-        return self.world_size > 1
-
 
 def torchrun_env() -> TorchrunEnv:
     """The one reader of torchrun's variables; a value that is not an integer reads as unset."""
@@ -61,7 +55,7 @@ def init_distributed(device: str) -> bool:
     """Under torchrun, initialise the default process group (NCCL on GPU ``LOCAL_RANK``, else gloo); whether it
     did (then :func:`shutdown_distributed` ends it)."""
     env = torchrun_env()
-    if not env.launched or not dist.is_available() or dist.is_initialized():
+    if env.world_size < 2 or not dist.is_available() or dist.is_initialized():
         return False
     if resolve_device(device).type == "cuda":
         torch.cuda.set_device(env.local_rank)
