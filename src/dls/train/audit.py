@@ -1,8 +1,5 @@
-"""``dls audit CONFIG.yaml``: which half formats can hold the config's model, from which loss scale, and what FP8
-recipes do to it. The model and first batches are those ``dls train`` starts with (in float32); the loss is the
-training loss times ``model.loss_weight``. Nothing is trained; ``--out DIR`` writes ``DIR/audit.png`` by the
-model_dir rules (locked, atomic, no link followed).
-"""
+"""``dls audit``: which half formats hold the config's model (as ``dls train`` starts it, in float32), from
+which loss scale, and what FP8 recipes do to it. Nothing is trained; ``--out`` writes by the model_dir rules."""
 
 from __future__ import annotations
 

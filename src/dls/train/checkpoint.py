@@ -1,13 +1,6 @@
-"""Checkpoint files ``MODEL_DIR/checkpoint_<step>.mdl``: a ``torch.save``-d dict with Model Zoo's state names
-(``model``, ``optimizer``, ``grad_scaler``, ``lr_scheduler``, ``dataloader``, ``global_step``) and ``rng``,
-``config``, ``trainer``, ``fp8``, ``format``/``format_version``; loaded with ``weights_only=True``; written
-atomically, the last N kept.
-
-Format versions (:data:`FORMAT_VERSION`; none is 1): 1 advanced the LR schedule on skipped steps too; 2 on applied
-steps only, with nullable loss-scaling keys and ``runconfig.num_threads``. Both load. Bytes that do not parse are
-*unreadable* (:class:`UnreadableCheckpoint`: a resumed directory skips them); a file that parses but may not be
-loaded (a newer format, not a dls checkpoint, invalid state) is refused (:class:`CheckpointError`).
-"""
+"""``checkpoint_<step>.mdl``: Model Zoo's state names plus ``rng``, ``config``, ``trainer``, ``fp8``, ``format_version``
+(1: the LR schedule counted skipped steps; 2: applied steps only); written atomically, the last N kept. Bytes that
+do not parse are *unreadable* (skipped when resuming a directory); a file that parses but may not load is refused."""
 
 from __future__ import annotations
 

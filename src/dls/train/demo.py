@@ -1,9 +1,5 @@
-"""``dls demo``: one small model trained ten ways (:data:`RUNS`): float32, float16 without, with static and with
-dynamic loss scaling, cbfloat16, float16 parameters without and with master weights, FP8 at scale 1, delayed and
-current scaling. A 3-layer tanh MLP learns a random teacher with Adam; its loss weight of 1e-4 pushes float16's
-gradients below its smallest subnormal, the case loss scaling exists for. What each run and column means:
-docs/guides/trainer.md.
-"""
+"""``dls demo``: one small MLP trained ten ways (:data:`RUNS`); its loss weight of 1e-4 pushes float16's gradients
+below its smallest subnormal, the case loss scaling exists for. The runs and columns: docs/guides/trainer.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""What can go wrong in a ``dls`` command, and the command's one exit-status map (:func:`exit_status`): 0 done,
-1 stopped (loss scaling cannot help, or the weights became inf/NaN), 2 bad input, 3 environment (I/O, out of
-memory), 4 internal error (traceback in a file), 130 SIGINT, 143 SIGTERM. Standard library only (the ``dls``
-command reports a missing ``train`` extra with it).
-"""
+"""What can go wrong in a ``dls`` command, and its one exit-status map (:func:`exit_status`): 0 done, 1 stopped,
+2 bad input, 3 environment (I/O, memory), 4 internal error, 130 SIGINT, 143 SIGTERM. Standard library only."""
 
 from __future__ import annotations
 

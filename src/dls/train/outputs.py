@@ -1,8 +1,5 @@
-"""A run's model_dir while it runs (:class:`RunOutputs`): locked, then checked once under the lock for where the
-run may write (:func:`check_model_dir`), then ``metrics.jsonl`` (one JSON row per logged step, rewritten once up to
-the step the run starts from, then appended to), ``config.yaml``, ``plots.png`` and, with
-``runconfig.tensorboard``, the same rows as TensorBoard events in ``tensorboard/``. Rank 0 alone writes.
-"""
+"""A run's model_dir while it runs: locked, checked once under the lock (:func:`check_model_dir`), then
+``metrics.jsonl``, ``config.yaml``, ``plots.png`` and TensorBoard events in ``tensorboard/``. Rank 0 alone writes."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The run directory (``runconfig.model_dir``): resolved once, locked for one run at a time (``flock`` on
-``.dls.lock``, which records the holder; a lock left by a killed run is taken over), and written only through a
-descriptor of it, never following a symbolic link: every file goes to a new exclusive temporary name, is fsync-ed
-and renamed into place. POSIX only.
-"""
+"""The run directory: resolved once, locked for one run at a time (``flock``; a lock left by a killed run is
+taken over), written only through its descriptor, never through a link, each file atomically. POSIX only."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""When a run stops because loss scaling cannot help (:class:`FloorWatch`: dynamic scaling pinned at its floor
-and still overflowing, a static scale overflowing, inf/NaN gradients without loss scaling, inf/NaN weights), and
-what it tells the user: where the overflow started and what to try. Exit status 1, after a finite checkpoint.
-"""
+"""When a run stops because loss scaling cannot help (exit 1, after a finite checkpoint), and what it tells the
+user: where the overflow started and what to try."""
 
 from __future__ import annotations
 
