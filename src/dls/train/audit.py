@@ -61,7 +61,6 @@ def _cycle(batches: Iterable[Batch]) -> Iterator[Batch]:
 
 
 def audit_formats(model: TrainModel, batches: Batches, formats: Sequence[str], loss_weight: float = 1.0) -> AuditResult:
-    """``dls.audit`` per format, each on the same batches in the same order."""
     stream = _cycle(batches)
 
     def loss_fn(m: nn.Module) -> torch.Tensor:

@@ -50,7 +50,6 @@ def list_checkpoints(model_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """``path`` itself if it is a file, else the latest checkpoint in the directory ``path``."""
     p = Path(path)
     if p.is_file():
         return p

@@ -35,7 +35,6 @@ def shipped_configs() -> dict[str, Any]:
 
 
 def extras(name: str, text: str) -> list[str]:
-    """The extras the config ``name`` with the content ``text`` needs."""
     needed = ["train"]
     if name.startswith("modelzoo/"):
         needed.append("modelzoo")

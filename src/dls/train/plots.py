@@ -23,7 +23,6 @@ def _row(line: bytes) -> dict[str, Any] | str:
 
 
 def read_metrics(data: bytes) -> list[dict[str, Any]]:
-    """The metrics rows of ``metrics.jsonl`` content (other lines left out)."""
     return [row for line in data.splitlines() if isinstance(row := _row(line), dict)]
 
 

@@ -83,7 +83,6 @@ def describe_fp8(recipe: Mapping[str, Any]) -> str:
 def describe_run(
     cfg: TrainConfig, start_step: int, model_dir: Path, world_size: int, device_type: str, max_steps: int
 ) -> str:
-    """The line a session starts with."""
     text = (
         f"{cfg.model.name} on {cfg.data.dataset or cfg.data.data_processor}, {describe_precision(cfg)}, "
         f"{describe_scaling(cfg)}; steps {start_step}->{max_steps}; output in {model_dir}"

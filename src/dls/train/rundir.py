@@ -193,12 +193,10 @@ class RunDir:
             return
 
     def replace(self, name: str, data: bytes | memoryview) -> Path:
-        """Write ``name`` atomically (:func:`replace_file`); its path."""
         replace_file(self.fd, name, data, shown=self.path / name)
         return self.path / name
 
     def open_log(self, name: str, content: bytes) -> IO[bytes]:
-        """Replace ``name`` by ``content`` atomically and return it open for appending."""
         f = replace_file(self.fd, name, content, keep_open=True, shown=self.path / name)
         assert f is not None
         return f
