@@ -252,29 +252,39 @@ class _ZooModel(torch.nn.Module):
 
 
 def test_model_zoo_names_dispatch_to_dls_train_modelzoo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The agreed interface: build_model(name, params) and build_loader(processor, params, split=, seed=)."""
-    import sys
-    import types
+    """The interface: build_model(name, params) and build_loader(processor, params, split=, seed=, rank=,
+    world_size=) returning resumable batches."""
+    import dls.train.modelzoo
+    from dls.train.data import BatchIterator, DataInfo, Dataset
 
     calls: list[tuple[str, dict[str, Any], str]] = []
 
-    def build_loader(processor: str, params: dict[str, Any], *, split: str, seed: int) -> list[dict[str, Any]]:
-        calls.append((processor, params, split))
-        gen = torch.Generator().manual_seed(seed)
-        x = torch.randn(8, params["batch_size"], 4, generator=gen)
-        return [{"x": xb, "y": xb.sum(-1, keepdim=True)} for xb in x]
+    class Pairs(Dataset):
+        def __init__(self, seed: int) -> None:
+            self.x = torch.randn(32, 4, generator=torch.Generator().manual_seed(seed))
+            self.info = DataInfo(task="regression")
 
-    fake = types.ModuleType("dls.train.modelzoo")
-    fake.build_model = lambda name, params: _ZooModel(params)  # type: ignore[attr-defined]
-    fake.build_loader = build_loader  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "dls.train.modelzoo", fake)
+        def __len__(self) -> int:
+            return len(self.x)
+
+        def batch(self, indices: torch.Tensor, epoch: int) -> dict[str, torch.Tensor]:
+            return {"x": self.x[indices], "y": self.x[indices].sum(-1, keepdim=True)}
+
+    def build_loader(processor: str, params: dict[str, Any], *, split: str, seed: int, **ranks: int) -> Any:
+        calls.append((processor, params, split))
+        return BatchIterator(Pairs(seed), params["batch_size"], False, seed, **ranks)
+
+    monkeypatch.setattr(dls.train.modelzoo, "build_model", lambda name, params: _ZooModel(params))
+    monkeypatch.setattr(dls.train.modelzoo, "build_loader", build_loader)
+    monkeypatch.setattr("dls.train.config.missing_paths", lambda cfg: [])  # no files: the loaders are fakes
     raw = {
         "train_input": {"data_processor": "GptHDF5DataProcessor", "data_dir": str(tmp_path), "batch_size": 4},
         "eval_input": {"data_dir": str(tmp_path), "batch_size": 2, "shuffle": False, "num_workers": 2},
-        "model": {"name": "gpt2", "hidden_size": 8, "mixed_precision": True, "fp16_type": "float16"},
+        "model": {"name": "gpt2", "hidden_size": 8, "num_heads": 2, "vocab_size": 16, "mixed_precision": True,
+                  "fp16_type": "float16"},
         "optimizer": {"optimizer_type": "SGD", "learning_rate": 0.05, "loss_scaling_factor": "dynamic"},
         "runconfig": {"max_steps": 12, "eval_frequency": 6, "eval_steps": 2, "model_dir": str(tmp_path / "run")},
-    }
+    }  # fmt: skip
     trainer, out = make_trainer(raw)
     result = trainer.train()
     assert [c[0] for c in calls] == ["GptHDF5DataProcessor", "GptHDF5DataProcessor"]

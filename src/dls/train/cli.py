@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--override", "-o", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE")
 
     sub.add_parser("keys", help="list every config key with its default and meaning")
+    # dls.train.modelzoo.main parses its own arguments (--help included: no option of this parser's own)
+    data = sub.add_parser("data", help="write a tiny data set in a Model Zoo format", add_help=False, prefix_chars="\0")
+    data.add_argument("args", nargs=argparse.REMAINDER)
     init_command.add_parser(sub)
     return parser
 
@@ -231,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "demo": _demo,
                 "audit": _audit,
                 "init": init_command.command,
+                "data": lambda args, run: importlib.import_module("dls.train.modelzoo").main(args.args),
             }[args.command]
             return command(args, run)
     except (Exception, KeyboardInterrupt) as exc:

@@ -527,6 +527,7 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
     _check_numbers(s, r)
     if not r.errors:
         _check_combinations(built, r)
+        _check_zoo(built, r)
     if not r.errors and built["precision"].fp8 is not None:
         built["precision"] = built["precision"].model_copy(update={"fp8": _fp8(built["precision"].fp8, r)})
     if r.errors:
@@ -663,6 +664,29 @@ def _check_combinations(b: dict[str, Any], r: _Reader) -> None:
         )
 
 
+def _check_zoo(b: dict[str, Any], r: _Reader) -> None:
+    """A Model Zoo model's and readers' own keys, judged by ``dls.train.modelzoo.keys`` (no torch, no files)."""
+    from dls.train.modelzoo.keys import parse_loader, parse_model
+
+    checks: list[tuple[Any, str, dict[str, Any], str]] = []
+    if b["model"].name in ZOO_MODELS:
+        checks.append(
+            (parse_model, b["model"].name, dict(b["model"].params), r.written.get(("model", "params"), "model"))
+        )
+    for section, default in (("data", "train_input"), ("eval_data", "eval_input")):
+        data = b.get(section)
+        if data is not None and data.data_processor is not None:
+            params = {**data.params, "batch_size": data.batch_size, "shuffle": data.shuffle}
+            params.update(drop_last_batch=data.drop_last_batch, shuffle_seed=data.shuffle_seed)
+            where = r.written.get((section, "data_processor"), f"{default}.").rsplit(".", 1)[0]
+            checks.append((parse_loader, data.data_processor, params, where))
+    for parse, name, params, where in checks:
+        try:
+            r.ignored.extend(parse(name, params, where)[1])
+        except ConfigError as exc:
+            r.errors.extend(exc.errors)
+
+
 def _scaler_arguments(opt: Any) -> dict[str, Any]:
     return {arg: getattr(opt, key) for key, arg in SCALER_KEYS.items() if getattr(opt, key) is not None}
 
@@ -744,18 +768,25 @@ def to_dict(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def missing_paths(cfg: TrainConfig) -> list[str]:
-    """The data directories of the loaders ``dls train`` uses that do not exist here (a note for ``validate``,
-    an error for ``train``), one line per loader naming the key as written."""
+    """What is missing or malformed here in the data of the loaders ``dls train`` uses (a note for ``validate``, an
+    error for ``train``), naming the key as written and the layout expected."""
+    from dls.train.modelzoo import check_data
+
     lines = []
     for section, data in (("data", cfg.data), ("eval_data", cfg.eval_data)):
-        dirs = data.params.get("data_dir") if data is not None else None
+        if data is None or data.data_processor is None:
+            continue
+        dirs = data.params.get("data_dir")
         missing = [d for d in ([dirs] if isinstance(dirs, str) else dirs or []) if not Path(str(d)).exists()]
+        key = cfg.sources.get(f"{section}.params", "train_input" if section == "data" else "eval_input")
         if missing:
-            key = cfg.sources.get(f"{section}.params", "train_input" if section == "data" else "eval_input")
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             lines.append(
                 f"{key}.data_dir {missing[0]}{more} does not exist here (relative paths resolve against {Path.cwd()})"
             )
+        else:
+            params = {**data.params, "batch_size": data.batch_size, "shuffle": data.shuffle}
+            lines += check_data(data.data_processor, params, split="train" if section == "data" else "val", prefix=key)
     return lines
 
 

@@ -102,17 +102,19 @@ def build_dataset(cfg: DataConfig) -> Dataset:
     return TeacherRegression(cfg) if cfg.dataset == "teacher_regression" else CharCorpus(cfg)
 
 
-def build_batches(cfg: DataConfig, seed: int, split: str, rank: int = 0, world_size: int = 1) -> Any:
-    """The batch source of a data section: a :class:`BatchIterator` over a built-in data set, or a
-    :class:`LoaderIterator` over a Model Zoo reader (``dls.train.modelzoo.build_loader``)."""
+def build_batches(cfg: DataConfig, seed: int, split: str, rank: int = 0, world_size: int = 1) -> BatchIterator:
+    """The resumable batches of a data section: a built-in data set, or a Model Zoo reader
+    (``dls.train.modelzoo.build_loader``, itself a :class:`BatchIterator`)."""
     shuffle_seed = cfg.shuffle_seed if cfg.shuffle_seed is not None else seed
     if cfg.data_processor is None:
         return BatchIterator(build_dataset(cfg), cfg.batch_size, cfg.shuffle, shuffle_seed, rank, world_size)
     params = {**cfg.params, "batch_size": cfg.batch_size, "shuffle": cfg.shuffle, "shuffle_seed": shuffle_seed}
     params["drop_last_batch"] = cfg.drop_last_batch
     split = params.pop("split", split)
-    loader = modelzoo().build_loader(cfg.data_processor, params, split=split, seed=shuffle_seed)
-    return LoaderIterator(loader, rank, world_size)
+    batches: BatchIterator = modelzoo().build_loader(
+        cfg.data_processor, params, split=split, seed=shuffle_seed, rank=rank, world_size=world_size
+    )
+    return batches
 
 
 def modelzoo() -> Any:
@@ -123,53 +125,6 @@ def modelzoo() -> Any:
         raise ValueError(
             f"Model Zoo models and data need dls.train.modelzoo and the 'modelzoo' extra ({exc})"
         ) from None
-
-
-class LoaderIterator:
-    """Batches of an iterable loader, epoch after epoch (``set_epoch(epoch)`` is called when the loader has it); rank
-    ``r`` of ``world_size`` takes every ``world_size``-th batch."""
-
-    def __init__(self, loader: Any, rank: int = 0, world_size: int = 1) -> None:
-        self.loader, self.rank, self.world_size = loader, rank, world_size
-        self.epoch = 0
-        self.position = 0
-        self._it: Any = None
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return len(self.loader) // self.world_size
-
-    def _start(self) -> None:
-        if hasattr(self.loader, "set_epoch"):
-            self.loader.set_epoch(self.epoch)
-        self._it = iter(self.loader)
-        for _ in range(self.position * self.world_size):
-            next(self._it)
-
-    def next(self) -> Batch:
-        if self._it is None:
-            self._start()
-        taken = []
-        for _ in range(self.world_size):
-            try:
-                taken.append(next(self._it))
-            except StopIteration:
-                if not taken and self.position == 0:
-                    raise ValueError("the data loader yields no batch (too few samples for one batch?)") from None
-                self.epoch, self.position, self._it = self.epoch + 1, 0, None
-                return self.next()
-        self.position += 1
-        return taken[self.rank]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position * self.world_size}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("epoch", "position"):
-            value = state.get(key) if isinstance(state, dict) else None
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-                raise ValueError(f"{key} must be an integer >= 0; got {value!r}")
-        self.epoch, self.position, self._it = state["epoch"], -(-state["position"] // self.world_size), None
 
 
 class BatchIterator:

@@ -183,7 +183,9 @@ class OptimizerConfig(Section):
     correct_bias: Literal[True] = help_(True, "AdamW bias correction (torch's AdamW always corrects)")
     loss_scaling_factor: Any = help_(None, "'dynamic', a static scale, or null: dynamic for float16/cbfloat16")
     initial_loss_scale: Any = help_(None, "first dynamic scale (null: the max)")
-    steps_per_increase: Annotated[Any, BeforeValidator(_integral)] = help_(None, "clean steps before the scale grows")
+    steps_per_increase: Annotated[Any, BeforeValidator(_integral)] = help_(
+        None, "the scale grows on the next clean step after this many"
+    )
     min_loss_scale: Any = help_(None, "floor of the dynamic scale")
     max_loss_scale: Any = help_(None, "ceiling of the dynamic scale")
     overflow_tolerance: Any = help_(None, "fraction of overflowing steps tolerated before backing off")

@@ -100,7 +100,7 @@ class Trainer:
             if missing := missing_paths(cfg):
                 raise ValueError("; ".join(missing))
         self.batches = build_batches(cfg.data, rc.seed, "train", self.rank, self.world_size)
-        self.dataset = getattr(self.batches, "dataset", None)  # a built-in data set
+        self.dataset = self.batches.dataset if cfg.data.data_processor is None else None  # a built-in data set
         self.eval_batches = build_batches(cfg.eval_data, rc.seed, "val") if cfg.eval_data is not None else None
         prec = cfg.precision
         self.model = build_model(cfg.model, getattr(self.dataset, "info", None)).to(self.device)
