@@ -4,6 +4,7 @@ from dls import formats, fp8, integrations
 from dls.diagnostics import OverflowReport, OverflowWatch, audit
 from dls.emulate import emulate
 from dls.formats import get_half_dtype, get_half_dtype_str, get_half_format, set_half_dtype
+from dls.keep import keep_in_float32
 from dls.master_weights import MasterWeights, master_weights
 from dls.scaler import GradScaler, Stage
 from dls.settings import ScalerSettings
@@ -27,6 +28,7 @@ __all__ = [
     "get_half_dtype_str",
     "get_half_format",
     "integrations",
+    "keep_in_float32",
     "master_weights",
     "optimizer_step",
     "set_half_dtype",

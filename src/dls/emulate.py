@@ -20,6 +20,9 @@
   underflow to zero in half precision, and where loss scaling rescues them; ``handle.stats`` counts how many
   nonzero gradient values it flushes to zero (and how many overflow).
 
+Modules kept in float32 (``dls.keep_in_float32``) and their descendants are left alone: nothing in their call is
+rounded.
+
 Computations between leaf modules (functional calls in a parent's ``forward``, residual additions, the loss)
 run in float32 and are rounded when they enter the next leaf module. Nothing here syncs with the host: the
 statistics accumulate in device tensors and are read when you ask for them.
@@ -37,6 +40,7 @@ from torch.utils.hooks import RemovableHandle
 from dls import formats
 from dls.formats import FloatFormat
 from dls.handles import Removable
+from dls.keep import in_kept_call
 
 __all__ = ["EmulationHandle", "EmulationStats", "emulate"]
 
@@ -208,6 +212,8 @@ class EmulationHandle(Removable):
     # ------------------------------------------------------------------ hooks
     def _make_pre_hook(self, owns: bool, is_leaf: bool) -> Callable[..., Any]:
         def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if in_kept_call():
+                return None
             if owns:
                 self._swap_in(module, is_leaf)
             if is_leaf and self._round_inputs:
@@ -218,6 +224,8 @@ class EmulationHandle(Removable):
 
     def _make_post_hook(self, owns: bool, is_leaf: bool) -> Callable[..., Any]:
         def post_hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            if in_kept_call():
+                return None
             if owns:
                 self._swap_out(module)
             if is_leaf and (self._round_outputs or self._round_grads) and output is not None:

@@ -406,19 +406,24 @@ def max_flag(flags: Iterable[torch.Tensor | None]) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------- how a step ends: the skip decision
 class Reports:
-    """The watches of a scaler and the overflow report of the current iteration (``GradScaler.watch``)."""
+    """The watches of a scaler, the overflow report of the current iteration (``GradScaler.watch``) and the modules
+    its fallback watches keep in float32 (``kept``: the scaler's checkpoint entry ``kept_in_float32``)."""
 
     def __init__(self) -> None:
+        from dls.diagnostics.fallback import KeptState
+
         self.watches: list[OverflowWatch] = []
         self.seen_loss: Any = None  # what the last scale() was given, detached, while a watch is active
         self.report: OverflowReport | None = None
         self.stale = False  # update() ran: the next scale() starts an iteration without a report
+        self.kept = KeptState(self.active)
 
-    def watch(self, model: torch.nn.Module) -> OverflowWatch:
+    def watch(self, model: torch.nn.Module, fallback: bool, process_group: Any) -> OverflowWatch:
         from dls.diagnostics.watch import OverflowWatch
 
         self.watches = [w for w in self.watches if w.active]
-        watch = OverflowWatch(model)
+        watch = OverflowWatch(model, fallback=fallback, process_group=process_group)
+        self.kept.adopt(watch)  # a loaded kept_in_float32 applies to a fallback watch made after the load
         self.watches.append(watch)
         return watch
 
@@ -436,7 +441,11 @@ class Reports:
         if self.report is not None:
             return  # the iteration's first overflowing step has reported already
         value = float(scale.tensor)  # the overflow path: one more read is fine
-        reports = [w.build_report(self.seen_loss, loss_scale=value) for w in watches]
+        # The skip is decided (and agreed across ranks): a fallback watch keeps, arms or gives up here. Its ranks
+        # agree on the module with a MAX all-reduce of their own (Fallback.after_skip), on skipped steps only, not
+        # as an extra element of the per-step collective: that element would cost every clean step an isfinite(loss)
+        # kernel and a larger collective, and the module found is known on the host only after an armed pass.
+        reports = [w.after_skip(w.build_report(self.seen_loss, loss_scale=value)) for w in watches]
         self.report = next((r for r in reports if r.first_module is not None), reports[0] if reports else None)
 
 
@@ -694,6 +703,7 @@ class GradScaler:
         pg, sharded = self._process_group, self._gradients_sharded
         self._check = OverflowCheck(self._tracker, self._scale, self._enabled, pg, sharded)
         self._reports = Reports()
+        self.register_state("kept_in_float32", self._reports.kept)  # registered first: loads may precede a watch
         self._stepper = Stepper(self._tracker, self._scale, self._check, self._sync_free, self._reports)
 
     # ------------------------------------------------------------------ queries
@@ -913,15 +923,19 @@ class GradScaler:
         return self._stepper.if_finite(optimizer, state, args, kwargs)
 
     # ------------------------------------------------------------------ diagnostics
-    def watch(self, model: torch.nn.Module) -> OverflowWatch:
+    def watch(self, model: torch.nn.Module, *, fallback: bool = False) -> OverflowWatch:
         """Name ``model``'s parameters and modules and record the order backward produces their gradients, so that
         after an overflowing step ``overflow_report()`` says where it started (``dls.diagnostics.watch``).
+
+        ``fallback=True``: modules whose half-precision output overflows are found and kept in float32 from then on
+        (``dls.diagnostics.fallback``); ``watch.kept_in_float32`` lists them, and the scaler's state dict carries
+        them (key ``kept_in_float32``), whether the watch is made before or after ``load_state_dict``.
 
         Clean steps cost no kernel: a Python-only hook per parameter in backward (about 1 µs each on a CPU), no
         extra work in ``step`` or ``update`` on the default path; on the fused and sync-free paths ``step`` reads the
         overflow flag once while a watch is active. ``watch(...).remove()`` (or ``with``) takes the hooks out.
         """
-        return self._reports.watch(model)
+        return self._reports.watch(model, fallback, self._process_group)
 
     def overflow_report(self) -> OverflowReport | None:
         """Where this iteration's overflow started (first module in backward order, the parameters with inf/NaN
@@ -976,12 +990,13 @@ class GradScaler:
             return {}
         values = self._scale.values()
         extra = {name: owner.state_dict() for name, owner in self._extra_state.items()}
-        return to_state_dict(values, self._scale.settings) | extra
+        return to_state_dict(values, self._scale.settings) | {k: v for k, v in extra.items() if v is not None}
 
     def register_state(self, name: str, owner: Any) -> None:
         """Keep ``owner``'s state in this scaler's checkpoint under ``name`` (an extension point: e.g. a watch's
-        record of modules kept in float32). ``owner`` has ``state_dict()`` and ``check_state(value)`` (raises
-        ``ValueError`` naming the problem; called before anything changes) and ``load_state_dict(value)``."""
+        record of modules kept in float32). ``owner`` has ``state_dict()`` (``None``: nothing to save, no key) and
+        ``check_state(value)`` (raises ``ValueError`` naming the problem; called before anything changes) and
+        ``load_state_dict(value)``."""
         if not isinstance(name, str) or name in self.state_dict_keys():
             raise ValueError(f"name must be a new state dict key; got {name!r}")
         self._extra_state[name] = owner
@@ -1042,7 +1057,9 @@ class GradScaler:
 def _distributed() -> bool:
     """Whether ranks may have to agree (``dls.distributed`` decides per group); the default path never enters it.
     An extension point for more per-step agreement (an extra element in the collective) belongs in
-    ``dls.distributed``, behind this check."""
+    ``dls.distributed``, behind this check. The float32 fallback (``watch(model, fallback=True)``) does not use it:
+    its ranks agree on skipped steps only, with one small all-reduce of their own (see ``Reports.overflowed``), so
+    that clean steps gain neither a collective element nor a kernel."""
     return dist.is_available() and dist.is_initialized()
 
 

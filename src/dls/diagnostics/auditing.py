@@ -46,6 +46,7 @@ from dls.diagnostics.report import AuditResult, FormatAudit, ModuleStats
 from dls.diagnostics.scales import HIST_BINS, HIST_LOW, module_label, percent, pow2, recommend_exponent
 from dls.emulate import _map_tensors, emulate
 from dls.formats import FloatFormat
+from dls.keep import in_kept_call, keep_in_float32
 
 __all__ = ["audit"]
 
@@ -129,6 +130,8 @@ class _Recorder:
         if not outs:
             return
         biggest = torch.stack([t.abs().nan_to_num(nan=0.0, posinf=math.inf).amax().double() for t in outs]).amax()
+        if in_kept_call():  # kept in float32 (dls.keep_in_float32): not rounded to the format, only inf overflows
+            biggest = torch.where(torch.isinf(biggest), biggest, torch.zeros_like(biggest))
         has_nan = torch.stack([t.isnan().any() for t in outs]).any()
         stats.max_activation = _maximum(stats.max_activation, biggest)
         self.events.append((index, biggest, has_nan))
@@ -263,6 +266,9 @@ class _Snapshot:
 
 
 # ------------------------------------------------------------------------------------------- audit
+KEEP_ROUNDS = 8  # forward audits with modules kept in float32, at most, per format that overflows
+
+
 def audit(
     model: nn.Module,
     loss_fn: Callable[[nn.Module], torch.Tensor],
@@ -289,7 +295,13 @@ def audit(
 
     Returns:
         An :class:`AuditResult`: ``forward_overflow[fmt]``, ``verdicts[fmt]``, ``recommended_init_scale[fmt]``,
-        ``audits[fmt].modules`` (the per-module table), ``to_text()``, ``save_plot(path)``.
+        ``audits[fmt].modules`` (the per-module table), ``keep_in_float32[fmt]``, ``to_text()``,
+        ``save_plot(path)``.
+
+        ``keep_in_float32[fmt]``: the module names to keep in float32 (``dls.keep_in_float32``) so that the forward
+        pass fits the format, found by auditing the forward pass again with the modules found so far kept (fresh
+        batches from ``loss_fn`` each round, at most 8 rounds); ``[]`` when it fits already, ``None`` when nothing
+        fits that way.
 
         ``recommended_init_scale[fmt]`` is a power of two at which, over all the gradient values seen, at most
         ``underflow_tolerance`` of them flush to zero with three binades to spare (gradients may shrink 8x) and
@@ -344,6 +356,12 @@ def audit(
                     assert handle.stats is not None
                     measured = types.MappingProxyType(handle.stats.as_dict())
                 runs.append((fmt, recorder, modules, exponent, measured))
+
+        keep: dict[str, list[str] | None] = {}
+        with torch.enable_grad():
+            for fmt, recorder, *_ in runs:
+                first = _born(recorder)
+                keep[fmt.name] = [] if first is None else _fit_by_keeping(model, loss_fn, fmt, first, steps, snapshot)
     finally:
         snapshot.restore()
 
@@ -365,7 +383,49 @@ def audit(
         alternatives = [n for n in clean if n != fmt.name]
         verdict = _verdict(draft, exponent, underflow_tolerance, alternatives)
         audits[fmt.name] = dataclasses.replace(draft, verdict=verdict)
-    return AuditResult(types.MappingProxyType(audits), steps, float(underflow_tolerance))
+    return AuditResult(types.MappingProxyType(audits), steps, float(underflow_tolerance), types.MappingProxyType(keep))
+
+
+def _born(recorder: _Recorder) -> str | None:
+    """Where the forward pass stopped fitting: the first NaN (e.g. a norm of an input rounded to inf) or overflow."""
+    index = recorder.forward_nan
+    if index is None and recorder.forward_overflow is not None:
+        index = recorder.forward_overflow[0]
+    return None if index is None else recorder.modules[index][0]
+
+
+def _fit_by_keeping(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module], torch.Tensor],
+    fmt: FloatFormat,
+    first: str,
+    steps: int,
+    snapshot: _Snapshot,
+) -> list[str] | None:
+    """The modules to keep in float32 so that ``steps`` forward passes fit ``fmt``: audit the forward pass again
+    with the modules found so far kept, adding the next overflowing one, for at most ``KEEP_ROUNDS`` rounds. Each
+    round draws fresh batches (the RNG states are not rewound between rounds). ``None`` when nothing fits: a kept
+    module's float32 output overflows (or is NaN), or the pass still overflows after the last round."""
+    names = [first]
+    for _ in range(KEEP_ROUNDS):
+        with keep_in_float32(model, names), emulate(model, fmt, round_grads=False, track_stats=False):
+            recorder = _Recorder(model, fmt)
+            try:
+                for _ in range(steps):
+                    snapshot.clear_grads()
+                    _checked_loss(loss_fn(model))  # forward only: no gradient is computed
+                    recorder.end_forward()
+                    if recorder.forward_overflow is not None or recorder.forward_nan is not None:
+                        break
+            finally:
+                recorder.remove()
+        name = _born(recorder)
+        if name is None:
+            return names
+        if name in names:
+            return None
+        names.append(name)
+    return None
 
 
 def _resolve_formats(value: Any) -> list[FloatFormat]:

@@ -133,11 +133,17 @@ class AuditResult:
         audits: one :class:`FormatAudit` per format name, in the order given.
         steps: forward/backward passes per format.
         underflow_tolerance: the tolerance the recommendations used.
+        keep_in_float32: per format name, the modules to keep in float32 (``dls.keep_in_float32``) so that the
+            forward pass fits the format: ``[]`` when it fits already, ``None`` when nothing found within the bound
+            of rounds fits (see :func:`~dls.diagnostics.audit`).
     """
 
     audits: Mapping[str, FormatAudit]
     steps: int
     underflow_tolerance: float
+    keep_in_float32: Mapping[str, list[str] | None] = dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({})
+    )
 
     @property
     def forward_overflow(self) -> Mapping[str, str | None]:
@@ -211,10 +217,29 @@ def format_table(fa: FormatAudit) -> str:
     return "\n".join(lines)
 
 
+def keep_lines(result: AuditResult) -> list[str]:
+    """One sentence per format whose forward pass overflows: what to keep in float32 so that it fits."""
+    lines = []
+    for name, names in result.keep_in_float32.items():
+        if names is None:
+            lines.append(
+                f"{name}: keeping modules in float32 does not make the forward pass fit (no module found, a float32 "
+                "overflow, or still overflowing after the bound of rounds); use a wider format"
+            )
+        elif names:
+            listed = ", ".join(repr(n) for n in names)
+            lines.append(
+                f"{name}: the forward pass fits with {listed} kept in float32 (dls.keep_in_float32(model, [{listed}]), "
+                "or precision.keep_in_float32 in a config)"
+            )
+    return lines
+
+
 def render_text(result: AuditResult) -> str:
     """Verdicts first, then per format a summary line and its table."""
     lines = [f"dls audit: {result.steps} forward/backward passes per format, emulated exactly"]
     lines += [f"  {v}" for v in result.verdicts.values()]
+    lines += [f"  {line}" for line in keep_lines(result)]
     for name, fa in result.audits.items():
         fmt = fa.format
         lines.append("")

@@ -53,8 +53,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dls import distributed
+from dls.diagnostics.fallback import Fallback
 from dls.diagnostics.scales import module_label, pow2
 from dls.handles import Removable
+from dls.keep import KeptInFloat32, resolve_modules, unwrap
 
 __all__ = ["NonFiniteGradient", "OverflowReport", "OverflowWatch"]
 
@@ -104,6 +106,8 @@ class OverflowReport:
             overflowed: loss scaling cannot fix that), ``False`` when it was finite, ``None`` when no loss was given.
         watched: how many parameters the watch covers.
         loss_scale: the loss scale of the step, when the caller gave it (shown by ``str``).
+        non_finite_parameters: with ``fallback=True``, after a forward overflow: the parameters whose values are
+            inf/NaN (not a range problem: nothing is kept in float32 then), in registration order.
     """
 
     first_module: str | None
@@ -113,6 +117,7 @@ class OverflowReport:
     forward: bool | None
     watched: int
     loss_scale: float | None = None
+    non_finite_parameters: tuple[str, ...] = ()
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -151,6 +156,12 @@ class OverflowReport:
             )
         else:
             lines.append("Forward pass: the loss was finite; the overflow arose in backward.")
+        if self.non_finite_parameters:
+            n = len(self.non_finite_parameters)
+            lines.append(
+                f"{n} parameters hold inf/NaN values (not a range problem; nothing is kept in float32): "
+                f"{_first(self.non_finite_parameters, _LISTED)}"
+            )
         return "\n".join(lines)
 
 
@@ -166,15 +177,21 @@ class OverflowWatch(Removable):
     Args:
         model: an ``nn.Module``; a ``DistributedDataParallel`` or ``torch.compile`` wrapper is named through the
             module it wraps.
+        fallback: keep modules whose half-precision output overflows in float32, automatically
+            (``dls.diagnostics.fallback``); needs the scaler to tell the watch about skipped steps
+            (``scaler.watch(model, fallback=True)``).
+        process_group: the group whose ranks agree on the modules kept (the scaler's).
 
     Raises:
-        ValueError: ``model`` is not an ``nn.Module``.
+        ValueError: ``model`` is not an ``nn.Module``; ``fallback`` is not a bool.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, fallback: bool = False, process_group: Any = None) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-        root = _unwrap(model)
+        if not isinstance(fallback, bool):
+            raise ValueError(f"fallback must be True or False; got {fallback!r}")
+        root = unwrap(model)
         self.model = model
         names: dict[torch.Tensor, str] = {p: name for name, p in root.named_parameters()}
         owners: dict[torch.Tensor, tuple[str, str]] = {}
@@ -193,12 +210,21 @@ class OverflowWatch(Removable):
         self._hooks: list[RemovableHandle] = [
             p.register_post_accumulate_grad_hook(self._order.move_to_end) for p in self._params if p.requires_grad
         ]
+        self.fallback: Fallback | None = Fallback(root, names, process_group) if fallback else None
+        self._kept = KeptInFloat32(root, [])  # modules kept by keep() without the fallback
+        self._removed = False
 
     # ------------------------------------------------------------------ queries
     @property
     def active(self) -> bool:
-        """Whether the hooks are installed."""
-        return bool(self._hooks)
+        """Whether the hooks are installed (or, with ``fallback=True``, until ``remove()``)."""
+        return bool(self._hooks) or (self.fallback is not None and not self._removed)
+
+    @property
+    def kept_in_float32(self) -> tuple[str, ...]:
+        """Names of the modules kept in float32 (by the fallback, or by :meth:`keep`), in the order they were
+        added."""
+        return self._kept.names if self.fallback is None else self.fallback.names
 
     @property
     def parameter_names(self) -> tuple[str, ...]:
@@ -211,6 +237,26 @@ class OverflowWatch(Removable):
             if name == parameter_name:
                 return self._owners[p][0]
         raise ValueError(f"parameter_name must be one of the watched parameters' names; got {parameter_name!r}")
+
+    def keep(self, names: Any, what: str = "names") -> None:
+        """Keep the named modules in float32 (``dls.keep_in_float32``) until ``remove()``; with ``fallback=True``
+        they join ``kept_in_float32`` (and the scaler's state dict). Every name is checked first: ``ValueError``
+        naming ``what`` and the first name the watched model does not have."""
+        if self.fallback is not None:
+            self.fallback.keep(self.fallback.check_names(names, what))
+            return
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{what} must be a list of module names; got {names!r}")
+        for name, module in resolve_modules(unwrap(self.model), names, what):
+            self._kept.add(name, module)
+
+    def after_skip(self, report: OverflowReport) -> OverflowReport:
+        """The scaler skipped a step and built ``report``: let the fallback keep, arm or give up (every rank calls
+        this at the same skipped steps). Returns the report, naming non-finite parameters when there are some."""
+        if self.fallback is None or self._removed:
+            return report
+        broken = self.fallback.after_skip(report.forward)
+        return dataclasses.replace(report, non_finite_parameters=broken) if broken else report
 
     def backward_order(self) -> tuple[str, ...]:
         """Names of the parameters whose gradients backward has accumulated since the watch was installed, in the
@@ -307,22 +353,16 @@ class OverflowWatch(Removable):
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        if self.fallback is not None:
+            self.fallback.remove()  # the model computes as before the watch again
+        self._kept.remove()
+        self._removed = True
 
     def __repr__(self) -> str:
-        return f"OverflowWatch({type(_unwrap(self.model)).__name__}, parameters={len(self._params)}, {self._state()})"
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module that names the parameters: DDP's ``module`` and torch.compile's ``_orig_mod`` are looked through."""
-    while True:
-        inner = None
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            inner = model.module
-        elif type(model).__name__ == "OptimizedModule":
-            inner = getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
+        kept = "" if self.fallback is None else f", kept_in_float32={list(self.kept_in_float32)}"
+        return (
+            f"OverflowWatch({type(unwrap(self.model)).__name__}, parameters={len(self._params)}{kept}, {self._state()})"
+        )
 
 
 def _tensors(value: Any, what: str) -> Iterator[torch.Tensor]:

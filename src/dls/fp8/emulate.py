@@ -15,6 +15,8 @@ accumulator instead of to each operand, and accumulate in a different order: res
 float32 rounding, never by FP8 rounding. Inputs of other dtypes (bfloat16 models, autocast) are computed in
 float32 the same way; the output has the dtype ``F.linear`` would give (the autocast dtype under autocast).
 
+A layer kept in float32 (``dls.keep_in_float32``) computes a plain float32 ``F.linear`` instead: no FP8 casts.
+
 **Loss scaling.** The output gradient that reaches a layer carries the loss scale of a ``dls.GradScaler``.
 Per-tensor recipes divide it out again when they scale the gradient to E5M2's range, so the loss scale matters
 for FP8 only where the FP8 scale does not follow the gradient: :class:`~dls.fp8.StaticScaling` (the loss scale
@@ -61,6 +63,7 @@ from dls.fp8.recipes import (
     recipe_from_dict,
 )
 from dls.handles import Removable
+from dls.keep import in_kept_call
 
 __all__ = ["Fp8Handle", "Fp8Stats", "emulate"]
 
@@ -267,6 +270,8 @@ class _Fp8Linear(torch.autograd.Function):
 
 def _make_forward(module: nn.Linear, caster: _Caster) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(input: torch.Tensor) -> torch.Tensor:
+        if in_kept_call():  # kept in float32 (dls.keep_in_float32): a plain float32 linear, no FP8 casts
+            return nn.Linear.forward(module, input)
         out: torch.Tensor = _Fp8Linear.apply(input, module.weight, caster, torch.is_grad_enabled())
         if module.bias is not None:
             out = out + module.bias.to(out.dtype)

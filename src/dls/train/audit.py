@@ -95,13 +95,15 @@ def audit_formats(model: TrainModel, batches: Batches, formats: Sequence[str], l
         return loss
 
     audits: dict[str, FormatAudit] = {}
+    keep: dict[str, list[str] | None] = {}
     result = None
     for fmt in formats:  # one call per format, so that each starts at the first batch
         stream = _cycle(batches)
         result = dls.audit(model, loss_fn, formats=[fmt], steps=len(batches))
         audits.update(result.audits)
+        keep.update(result.keep_in_float32)
     assert result is not None, "formats is not empty"
-    return dataclasses.replace(result, audits=audits)
+    return dataclasses.replace(result, audits=audits, keep_in_float32=keep)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,7 @@ from rich.table import Table
 from dls.diagnostics.scales import pow2
 from dls.train.config import parse_config
 from dls.train.errors import TrainingStopped
+from dls.train.fallback_demo import print_fallback_rows, run_fallback_rows
 from dls.train.outputs import CONFIG_FILE, METRICS_FILE, PLOT_FILE
 from dls.train.plots import plot_comparison, read_metrics
 from dls.train.reporting import TrainResult
@@ -141,6 +142,7 @@ def _run_all(
         results.append((run, _train_one(run, out, steps, progress, console)))
     total = time.perf_counter() - start
     _print_table(console, results, steps)
+    print_fallback_rows(console, run_fallback_rows(steps), steps)  # its own model: one amplifying layer
     png = io.BytesIO()
     plot_comparison(
         [(run.label, read_metrics(r.result.metrics_path.read_bytes())) for run, r in results],
