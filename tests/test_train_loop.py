@@ -377,3 +377,50 @@ def test_num_steps_is_the_steps_of_this_run(tmp_path: Path) -> None:
     again, _ = make_trainer(raw)
     result = again.train(resume=tmp_path / "run")
     assert (result.global_step, result.steps_run) == (5, 2)  # three more, but never beyond max_steps
+
+
+# ---------------------------------------------------------------------- dls-only precision keys (issues 19, 21)
+def test_consecutive_hysteresis_reaches_the_scaler(tmp_path: Path) -> None:
+    raw = tiny(tmp_path / "run")
+    raw["optimizer"].update(hysteresis=2, consecutive_hysteresis=True)
+    trainer, _ = make_trainer(raw)
+    assert not [n for n in trainer.cfg.notes if "not supported" in n]
+    assert trainer.scaler.settings.consecutive_hysteresis and trainer.scaler.settings.hysteresis == 2
+
+
+def test_keep_in_float32_and_fallback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    raw = tiny(tmp_path / "run", runconfig={"max_steps": 3})
+    raw["precision"]["keep_in_float32"] = ["net.0"]
+    trainer, _ = make_trainer(raw)
+    assert (
+        list(trainer.watch.kept_in_float32) == ["net.0"] and trainer.watch.fallback is not None
+    )  # float16: default on
+    trainer.train()
+    assert trainer.global_step == 3 and "kept_in_float32" in trainer.scaler.state_dict()
+    for fp16, on in (("bfloat16", False), ("cbfloat16", True)):
+        raw = tiny(tmp_path / fp16, precision={"mixed_precision": True, "fp16_type": fp16})
+        assert (make_trainer(raw)[0].watch.fallback is not None) is on
+    raw = tiny(tmp_path / "off", precision={"mixed_precision": True, "fp16_type": "float16", "fallback": False})
+    assert make_trainer(raw)[0].watch.fallback is None
+    raw = tiny(tmp_path / "bad")
+    raw["precision"]["keep_in_float32"] = ["net.9"]
+    config = tmp_path / "bad.yaml"
+    config.write_text(__import__("yaml").safe_dump(raw))
+    assert main(["train", str(config), "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    assert "precision.keep_in_float32" in err and "net.9" in err
+
+
+def test_the_floor_stop_says_what_the_fallback_tried(tmp_path: Path) -> None:
+    from dls.train.errors import TrainingStopped
+
+    raw = tiny(
+        tmp_path / "run",
+        data={"noise_std": 1e30},  # the float32 loss is inf: every step overflows at any scale, in no module
+        optimizer={"initial_loss_scale": 1.0, "min_loss_scale": 0.25},
+        runconfig={"max_steps": 50, "max_overflows_at_min_loss_scale": 3},
+    )
+    raw["precision"]["keep_in_float32"] = ["net.2"]
+    with pytest.raises(TrainingStopped) as info, pytest.warns(UserWarning, match="found no module to keep"):
+        make_trainer(raw)[0].train()
+    assert "the float32 fallback kept 'net.2' in float32 (disarmed after finding nothing)" in str(info.value)

@@ -656,8 +656,8 @@ def _check_combinations(b: dict[str, Any], r: _Reader) -> None:
     if prec.half_params and prec.emulate and prec.fp16_type != "cbfloat16":
         r.notes.append(f"{at('precision', 'emulate')} has no effect: with half_params the model computes natively")
         b["precision"] = prec = prec.model_copy(update={"emulate": False})
-    if prec.keep_in_float32:
-        r.errors.append(f"{at('precision', 'keep_in_float32')} is not supported by this dls yet")
+    if prec.fallback and prec.compute_dtype not in ("float16", "cbfloat16"):
+        r.notes.append(f"{at('precision', 'fallback')} has no effect: the run computes in {prec.compute_dtype}")
     if run.eval_steps is not None and b.get("eval_data") is None and "eval_data" not in b:
         r.notes.append(
             f"{at('runconfig', 'eval_steps')}: no eval_input / val_dataloader: evaluation reads the training data"

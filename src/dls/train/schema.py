@@ -134,10 +134,14 @@ class PrecisionConfig(Section):
     half_params: bool = help_(False, "parameters in fp16_type, stepped through float32 master weights")
     master_weights: bool = help_(True, "with half_params: step float32 masters (false: the half parameters)")
     fp8: dict[str, Any] | None = help_(None, "FP8 Linear layers: {recipe: current|delayed|mxfp8|static, <fields>}")
-    keep_in_float32: Annotated[tuple[str, ...], LISTED] = help_(
-        (), "module names (patterns) kept in float32 [not wired yet]"
+    keep_in_float32: Annotated[tuple[str, ...], LISTED] = help_((), "names of modules that compute in float32")
+    fallback: bool | None = help_(
+        None, "keep the module where a forward overflow starts in float32 (null: on for float16 and cbfloat16)"
     )
-    fallback: bool | None = help_(None, "let the overflow watch keep failing modules in float32 (null: float16/cbf16)")
+
+    @property
+    def fallback_on(self) -> bool:
+        return self.compute_dtype in ("float16", "cbfloat16") if self.fallback is None else self.fallback
 
     @property
     def compute_dtype(self) -> str:

@@ -30,6 +30,7 @@ import dls
 import dls.fp8
 from dls import distributed
 from dls.diagnostics import OverflowReport
+from dls.diagnostics.fallback import apply_precision_fallback, fallback_note
 from dls.train import checkpoint as ckpt
 from dls.train import restore
 from dls.train.config import CHECKPOINT_STATES, TrainConfig, loss_scaling_mode, scaler_settings, to_dict
@@ -128,8 +129,10 @@ class Trainer:
             scaler_settings(cfg), enabled=self.compute_dtype != "float32", device=self.device
         )
         self.scheduler = dls.skip_aware(build_scheduler(cfg.optimizer, self.optimizer), self.scaler)
-        # Where an overflow starts: hooks of Python only; a report is built on overflowing steps alone.
-        self.watch = self.scaler.watch(self.model)
+        # Where an overflow starts (hooks of Python only; a report on overflowing steps alone); the modules kept in
+        # float32 (precision.keep_in_float32, and those the fallback finds).
+        keep, fallback = prec.keep_in_float32, prec.fallback_on and self.scaler.is_enabled()
+        self.watch = apply_precision_fallback(self.model, self.scaler, keep, fallback)
         if not self.scaler.is_enabled():
             guard = refuse_nonfinite_gradients(self.device, list(self.model.parameters()))
             self.optimizer.register_step_pre_hook(guard)
@@ -453,8 +456,8 @@ class Trainer:
             return
         path = self._save(session_start)
         raise TrainingStopped(
-            f"Stopped at step {self.global_step}: {problem}. Nothing is lost: the state is saved in {path}; after "
-            f"changing the config, continue with --resume {self.model_dir}",
+            f"Stopped at step {self.global_step}: {problem}{fallback_note(self.watch)}. Nothing is lost: the state is "
+            f"saved in {path}; after changing the config, continue with --resume {self.model_dir}",
             path,
         )
 
