@@ -1,13 +1,6 @@
-"""Training configs: YAML in either Cerebras Model Zoo layout (or dls's own) → a validated
-:class:`~dls.train.schema.TrainConfig`.
-
-Legacy Model Zoo (<= 2.2) and dls's configs have top-level sections (``train_input``/``data``, ``eval_input``,
-``model``, ``optimizer``, ``runconfig``, dls: ``precision``); the current layout (2.3+) ``trainer: {init, fit, ...}``
-is mapped key by key onto the same sections (:data:`_INIT`), and every error names the key as written. Files are
-read safely (regular files only, 1 MiB, UTF-8, SafeLoader with YAML 1.2 floats, duplicate keys refused, aliases
-expanded into bounded copies). Cerebras-only keys and Model Zoo's defaults are listed once (``TrainConfig.notes``).
-The loss-scaling keys are judged by ``ScalerSettings.cerebras``, so the config accepts what ``GradScaler`` accepts.
-"""
+"""Training configs: YAML in either Cerebras Model Zoo layout (or dls's own), read safely, mapped key by key onto
+:class:`~dls.train.schema.TrainConfig` with every error naming the key as written; the loss-scaling keys are judged
+by ``ScalerSettings.cerebras``, so the config accepts what ``GradScaler`` accepts."""
 
 from __future__ import annotations
 

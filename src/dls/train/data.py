@@ -1,7 +1,5 @@
-"""Batches: dls's embedded data sets (``teacher_regression`` generated from a seed, ``char_corpus`` shipped in
-``dls/train/data/corpus.txt``) and Model Zoo readers (``dls.train.modelzoo.build_loader``). Both are resumable
-from ``(epoch, position)``; data-parallel ranks take strided batches of one epoch order.
-"""
+"""Resumable batches (from ``(epoch, position)``; data-parallel ranks take strided batches of one epoch order) of
+dls's built-in data sets (``teacher_regression``, ``char_corpus``) and Model Zoo's readers."""
 
 from __future__ import annotations
 
@@ -128,10 +126,20 @@ def modelzoo() -> Any:
 
 
 class BatchIterator:
-    """Full batches of ``batch_size`` samples, epoch after epoch (an incomplete last batch is dropped)."""
+    """Batches of ``batch_size`` samples, epoch after epoch; an epoch's incomplete last batch is dropped unless
+    ``drop_last`` is false (Model Zoo's readers)."""
+
+    ignored_keys: list[str]  # a Model Zoo reader's keys that matter only on Cerebras hardware
 
     def __init__(
-        self, dataset: Dataset, batch_size: int, shuffle: bool, seed: int, rank: int = 0, world_size: int = 1
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        shuffle: bool,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = True,
     ) -> None:
         if batch_size > len(dataset):
             raise ValueError(
@@ -145,20 +153,17 @@ class BatchIterator:
                 f"the data set ({len(dataset)} samples) has fewer than one batch of data.batch_size ({batch_size}) "
                 f"per rank for {world_size} ranks; lower batch_size (or raise num_samples)"
             )
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
-        self.epoch = 0
-        self.position = 0
+        self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
+        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
+        self.epoch = self.position = 0
         self._order: torch.Tensor | None = None
 
     @property
     def batches_per_epoch(self) -> int:
         """Batches this rank takes per epoch."""
-        return len(self.dataset) // self.batch_size // self.world_size
+        return (
+            (len(self.dataset) + (0 if self.drop_last else self.batch_size - 1)) // self.batch_size // self.world_size
+        )
 
     def _epoch_order(self) -> torch.Tensor:
         if self._order is None:
@@ -171,24 +176,17 @@ class BatchIterator:
 
     def next(self) -> Batch:
         if self.position >= self.batches_per_epoch:
-            self.epoch += 1
-            self.position = 0
-            self._order = None
+            self.epoch, self.position, self._order = self.epoch + 1, 0, None
         start = (self.position * self.world_size + self.rank) * self.batch_size
         indices = self._epoch_order()[start : start + self.batch_size]
         self.position += 1
         return self.dataset.batch(indices, self.epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {
-            "epoch": self.epoch,
-            "position": self.position * self.world_size,  # batches of this epoch taken by all ranks
-            "seed": self.seed,
-            "batch_size": self.batch_size,
-        }
-        if self.world_size > 1:
-            state["world_size"] = self.world_size
-        return state
+        # position: the batches of this epoch taken by all ranks
+        state = {"epoch": self.epoch, "position": self.position * self.world_size}
+        state.update(seed=self.seed, batch_size=self.batch_size)
+        return state | ({"world_size": self.world_size} if self.world_size > 1 else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (:meth:`state_dict`); ``ValueError`` naming the field when it is not one."""
@@ -199,6 +197,5 @@ class BatchIterator:
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
                 raise ValueError(f"{key} must be an integer >= 0; got {value!r}")
         self.epoch = state["epoch"]
-        taken = state["position"]
-        self.position = -(-taken // self.world_size)  # rounded up: no batch slot is taken twice
+        self.position = -(-state["position"] // self.world_size)  # rounded up: no batch slot is taken twice
         self._order = None
