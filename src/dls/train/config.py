@@ -72,6 +72,7 @@ _CHECKPOINT.update({k: ("runconfig", k) for k in ("save_initial_checkpoint", "di
 _CHECKPOINT.update({k: ("runconfig", k) for k in ("autoload_last_checkpoint", "keep_checkpoint_max")})
 _INIT = {"precision": _PRECISION, "loop": _LOOP, "checkpoint": _CHECKPOINT}
 _INIT["logging"] = {"log_steps": ("runconfig", "log_steps"), "log_summaries": ("optimizer", "log_summaries")}
+_DLS_FIELDS = ("name", "data_processor", "batch_size", "shuffle", "shuffle_seed", "drop_last_batch")
 _RUN_KEYS = ("model_dir", "seed", "device", "num_threads", "tensorboard", "max_overflows_at_min_loss_scale")
 _SCHEDULERS = {"ConstantLR": "Constant", "LinearLR": "Linear", "CosineDecayLR": "CosineDecay"}
 # Model Zoo's defaults where they differ from dls's: (section, key) -> {layout: (where it is written, value)}.
@@ -281,14 +282,7 @@ class _Reader:
                 self.put(*moved[key], value, where)
             elif key in CEREBRAS_ONLY:
                 self.ignored.append(where)
-            elif zoo and key not in (
-                "name",
-                "data_processor",
-                "batch_size",
-                "shuffle",
-                "shuffle_seed",
-                "drop_last_batch",
-            ):
+            elif zoo and key not in _DLS_FIELDS:  # the model's or reader's own key
                 params[key] = value
             elif key in fields and key != "params":
                 self.put(section, key, value, where)
@@ -478,11 +472,8 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
     if name in MODEL_DATASETS and "data_processor" not in s["data"]:
         s["data"].setdefault("dataset", MODEL_DATASETS[name])
     for section, default in _ZOO_PROCESSOR.items():
-        if (
-            name in ZOO_MODELS
-            and not {"dataset", "data_processor"} & s[section].keys()
-            and (s[section] or section == "data")
-        ):
+        given = {"dataset", "data_processor"} & s[section].keys()
+        if name in ZOO_MODELS and not given and (s[section] or section == "data"):
             s[section]["data_processor"] = default[name]
     kind = s["optimizer"].get("optimizer_type", "Adam")
     kind = {k.lower(): k for k in OPTIMIZERS}.get(kind.lower(), kind) if isinstance(kind, str) else kind
@@ -599,62 +590,55 @@ def _fp8(recipe: Mapping[str, Any], r: _Reader) -> Any:
 def _check_combinations(b: dict[str, Any], r: _Reader) -> None:
     model, data, prec, opt, run = b["model"], b["data"], b["precision"], b["optimizer"], b["runconfig"]
     at = lambda section, key: r.written.get((section, key), f"{section}.{key}")  # noqa: E731
+    refuse, note = r.errors.append, r.notes.append
     if model.name in MODEL_DATASETS and data.dataset != MODEL_DATASETS[model.name]:
-        r.errors.append(
+        refuse(
             f"{at('data', 'dataset')} {data.dataset!r} does not fit model.name {model.name!r}; "
             f"allowed: {MODEL_DATASETS[model.name]}"
         )
     if model.name in ZOO_MODELS and data.data_processor is None and data.dataset is None:
-        r.errors.append(
-            f"{model.name} reads Model Zoo data: set train_input.data_processor ({', '.join(ZOO_PROCESSORS)})"
-        )
+        refuse(f"{model.name} reads Model Zoo data: set train_input.data_processor ({', '.join(ZOO_PROCESSORS)})")
     if model.name in MODEL_NAMES and data.data_processor is not None:
-        r.errors.append(
+        refuse(
             f"{at('data', 'data_processor')}: model.name {model.name!r} trains on dls's built-in data "
             f"({MODEL_DATASETS[model.name]})"
         )
     if data.dataset is not None and not data.drop_last_batch:
-        r.errors.append(
-            f"{at('data', 'drop_last_batch')}: false is not supported for built-in data sets (they drop it)"
-        )
+        refuse(f"{at('data', 'drop_last_batch')}: false is not supported for built-in data sets (they drop it)")
     if model.name == "transformer_lm":
         if model.hidden_size % model.num_heads:
-            r.errors.append(
+            refuse(
                 f"{at('model', 'num_heads')} ({model.num_heads}) must divide model.hidden_size ({model.hidden_size})"
             )
         if data.max_sequence_length > model.max_position_embeddings:
-            r.errors.append(
+            refuse(
                 f"{at('data', 'max_sequence_length')} ({data.max_sequence_length}) exceeds "
                 f"model.max_position_embeddings ({model.max_position_embeddings})"
             )
     if not prec.mixed_precision and ("precision", "fp16_type") in r.written and prec.fp16_type != "float32":
-        r.notes.append(f"{at('precision', 'fp16_type')} ({prec.fp16_type!r}) has no effect: mixed_precision is off")
+        note(f"{at('precision', 'fp16_type')} ({prec.fp16_type!r}) has no effect: mixed_precision is off")
     if prec.half_params and prec.compute_dtype == "float32":
-        r.errors.append(
+        refuse(
             f"{at('precision', 'half_params')} needs a half-precision run (precision.mixed_precision: true and a half "
             "fp16_type): float32 parameters are what it keeps without half_params"
         )
     if prec.half_params and prec.fp16_type == "cbfloat16" and not prec.master_weights:
-        r.errors.append(f"{at('precision', 'master_weights')}: false does not work with cbfloat16 half_params")
+        refuse(f"{at('precision', 'master_weights')}: false does not work with cbfloat16 half_params")
     if prec.fp8 is not None and prec.emulated:
-        r.errors.append(
+        refuse(
             f"{at('precision', 'fp8')} cannot be combined with dls.emulate's rounding (cbfloat16 or precision.emulate)"
         )
     if opt.max_gradient_norm is not None and opt.max_gradient_value is not None:
-        r.errors.append(
-            f"give {at('optimizer', 'max_gradient_norm')} or {at('optimizer', 'max_gradient_value')}, not both"
-        )
+        refuse(f"give {at('optimizer', 'max_gradient_norm')} or {at('optimizer', 'max_gradient_value')}, not both")
     if "master_weights" in prec.model_fields_set and not prec.half_params:
-        r.notes.append(f"{at('precision', 'master_weights')} has no effect without precision.half_params: true")
+        note(f"{at('precision', 'master_weights')} has no effect without precision.half_params: true")
     if prec.half_params and prec.emulate and prec.fp16_type != "cbfloat16":
-        r.notes.append(f"{at('precision', 'emulate')} has no effect: with half_params the model computes natively")
+        note(f"{at('precision', 'emulate')} has no effect: with half_params the model computes natively")
         b["precision"] = prec = prec.model_copy(update={"emulate": False})
     if prec.fallback and prec.compute_dtype not in ("float16", "cbfloat16"):
-        r.notes.append(f"{at('precision', 'fallback')} has no effect: the run computes in {prec.compute_dtype}")
+        note(f"{at('precision', 'fallback')} has no effect: the run computes in {prec.compute_dtype}")
     if run.eval_steps is not None and b.get("eval_data") is None and "eval_data" not in b:
-        r.notes.append(
-            f"{at('runconfig', 'eval_steps')}: no eval_input / val_dataloader: evaluation reads the training data"
-        )
+        note(f"{at('runconfig', 'eval_steps')}: no eval_input / val_dataloader: evaluation reads the training data")
 
 
 def _check_zoo(b: dict[str, Any], r: _Reader) -> None:
