@@ -63,6 +63,12 @@ def _config_args(parser: argparse.ArgumentParser, **config: Any) -> None:
     )  # fmt: skip
 
 
+def _data(args: argparse.Namespace, run: Any) -> int:
+    from dls.train.modelzoo import main as write_data  # parses its own arguments
+
+    return write_data(args.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dls", description=DESCRIPTION, formatter_class=RAW)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -86,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--fp8-recipes", nargs="*", metavar="RECIPE", help="compare FP8 recipes (none given: all)")
     _config_args(sub.add_parser("validate", help="check a config; print it with every default and the scaler's"))
     sub.add_parser("keys", help="list every config key with its default and meaning")
+    # dls.train.modelzoo.main parses its own arguments (--help included: no option of this parser's own)
+    data = sub.add_parser("data", help="write a tiny data set in a Model Zoo format", add_help=False, prefix_chars="\0")
+    data.add_argument("args", nargs=argparse.REMAINDER)
     init_command.add_parser(sub)
     return parser
 
@@ -116,7 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(describe_keys())
                 return 0
             commands = {"validate": _validate, "train": _train, "demo": _demo, "audit": _audit}
-            return {**commands, "init": init_command.command}[args.command](args, run)
+            commands |= {"init": init_command.command, "data": _data}
+            return commands[args.command](args, run)
     except (Exception, KeyboardInterrupt) as exc:
         return _report(exc, run)
 

@@ -49,7 +49,7 @@ def describe_scaling(cfg: TrainConfig) -> str:
     if mode == "static":
         return f"static loss scale {pow2(s.init_scale)}"
     return (
-        f"dynamic loss scaling (start {pow2(s.init_scale)}, x{s.growth_factor:g} after {s.steps_per_increase} "
+        f"dynamic loss scaling (start {pow2(s.init_scale)}, x{s.growth_factor:g} after {s.growth_interval} "
         f"clean steps, range {pow2(s.min_loss_scale)}..{pow2(s.max_loss_scale)})"
     )
 

@@ -271,11 +271,12 @@ def scaler_state_to_load(
     now_mode, now = loss_scaling_mode(cfg), scaler_settings(cfg)
     try:  # the scaler's own parser: keys, torch's aliases, format versions, checks and the clamp into the bounds
         loaded = parse_state_dict(
-            saved, now, apply_settings=False, own_names_first=True, label=lambda key: f"grad_scaler.{key} in {path}"
-        )
+            saved, now, apply_settings=False, own_names_first=True, label=lambda key: f"grad_scaler.{key} in {path}",
+            extra=("kept_in_float32",),  # the float32 fallback's modules: checked by the scaler when it loads them
+        )  # fmt: skip
     except (ValueError, RuntimeError) as exc:
         raise CheckpointError(str(exc)) from None
-    values: dict[str, Any] = dict(loaded.values)
+    values: dict[str, Any] = {**loaded.values, **loaded.extra}
     scale = loaded.clamped if loaded.clamped is not None else values.get("loss_scale")
     shown = "none" if scale is None else pow2(scale)
     then_mode = loss_scaling_mode(saved_cfg) if saved_cfg is not None else None
