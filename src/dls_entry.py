@@ -1,17 +1,8 @@
-"""The ``dls`` console command's entry point (``[project.scripts] dls = "dls_entry:main"``) and the process's one
-SIGINT/SIGTERM handler.
+"""The ``dls`` console command's entry point and the process's one SIGINT/SIGTERM handler.
 
-A top-level module of the standard library alone (``import dls`` imports torch, which takes seconds), so that
-:func:`main` installs the handler on its first line: Ctrl-C (SIGINT) or SIGTERM at any moment from there on ends
-the command with one line on stderr and exit status 130 or 143.
-
-* While the command starts (imports, the command line) nothing has been written: the process ends at once.
-* Once the command runs (:func:`signals` active, entered by ``dls.train.cli.main``), the signal raises
-  ``KeyboardInterrupt`` (:class:`Terminated` for SIGTERM) where the program is, and the command reports it.
-* While a training loop runs it adds its stop request (``signals(request)``): the first signal asks the loop to
-  stop after the current step (it checkpoints first), a second one raises at once.
-
-Handlers can only be set in the main thread; elsewhere :func:`signals` changes nothing.
+Standard library only, so that :func:`main` installs the handler before the heavy imports: a signal during
+start-up ends the command at once (one line, exit 130 or 143); once a command runs (:func:`signals`) it raises
+``KeyboardInterrupt`` / :class:`Terminated`, and a training loop's stop request is asked first.
 """
 
 from __future__ import annotations
@@ -32,7 +23,7 @@ _request: Callable[[int], bool] | None = None  # the training loop's stop reques
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived; the run checkpointed the last finished step (when it had started one). Exit status 143."""
+    """SIGTERM (exit status 143)."""
 
 
 def _handle(signum: int, frame: Any) -> None:
@@ -47,8 +38,7 @@ def _handle(signum: int, frame: Any) -> None:
 
 @contextlib.contextmanager
 def signals(request: Callable[[int], bool] | None = None) -> Iterator[None]:
-    """While active, SIGINT and SIGTERM go to the one handler (the handlers before are put back after);
-    ``request(signum)`` is asked first and takes the signal when it returns ``True``."""
+    """SIGINT/SIGTERM go to the one handler while active (main thread only); ``request(signum)`` may take them."""
     global _starting, _request
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -65,7 +55,7 @@ def signals(request: Callable[[int], bool] | None = None) -> Iterator[None]:
 
 
 def main() -> None:
-    """The ``dls`` command: the handler first, then the command (``dls.train.cli``)."""
+    """The ``dls`` command: the handler first, then ``dls.train.cli``."""
     global _starting
     _starting = True
     for s in _LINES:

@@ -32,9 +32,12 @@ def test_help_for_newcomers(capsys: pytest.CaptureFixture[str]) -> None:
         assert text in out
 
 
-def test_the_dls_command_is_this_main() -> None:
+def test_the_dls_command_is_the_entry_module() -> None:
+    """The console script is ``dls_entry.main`` (it installs the signal handler before the heavy imports)."""
+    import dls_entry
+
     (script,) = [e for e in entry_points(group="console_scripts") if e.name == "dls"]
-    assert script.load() is main
+    assert script.load() is dls_entry.main
 
 
 def test_train_help(capsys: pytest.CaptureFixture[str]) -> None:

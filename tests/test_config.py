@@ -685,7 +685,8 @@ def test_a_legacy_config_without_a_model_name_says_how_to_name_it() -> None:
     raw = {"train_input": {"data_processor": "GptHDF5DataProcessor", "data_dir": "d"}, "model": {"hidden_size": 8}}
     (msg,) = errors_of(raw)
     assert "model.name is required" in msg and "-o model.name=gpt2" in msg
-    assert parse_config(C.apply_overrides(raw, ["model.name=gpt2"])).model.params == {"hidden_size": 8}
+    named = C.apply_overrides(raw, ["model.name=gpt2", "model.num_heads=2", "model.vocab_size=16"])
+    assert parse_config(named).model.params == {"hidden_size": 8, "num_heads": 2, "vocab_size": 16}
 
 
 @pytest.mark.parametrize(
@@ -715,6 +716,7 @@ def test_overrides_address_keys_as_written_and_aliases_are_copies(tmp_path: Path
     path = MODELZOO / "gpt3_cerebras_gpt_111m.yaml"
     overrides = [
         "trainer.init.model.hidden_size=64",
+        "trainer.init.model.num_heads=4",
         f"trainer.fit.train_dataloader.data_dir={tmp_path}",
         "trainer.fit.val_dataloader.batch_size=2",
         "trainer.init.schedulers=[{ConstantLR: {learning_rate: 0.001}}]",

@@ -63,6 +63,7 @@ def test_a_forward_overflow_is_said_in_the_row_and_in_the_stop(tmp_path: Path) -
         optimizer={"initial_loss_scale": 1.0, "min_loss_scale": 0.5},
         runconfig={"max_steps": 20, "max_overflows_at_min_loss_scale": 2},
     )
+    raw["precision"]["fallback"] = False  # the diagnosis alone (the fallback would keep net.4 in float32)
     trainer = make_trainer(raw)[0]
     overflow_forward(trainer, "net.4")  # the output layer: float16 inf reaches the loss
     with pytest.raises(TrainingStopped) as info:

@@ -252,29 +252,39 @@ class _ZooModel(torch.nn.Module):
 
 
 def test_model_zoo_names_dispatch_to_dls_train_modelzoo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The agreed interface: build_model(name, params) and build_loader(processor, params, split=, seed=)."""
-    import sys
-    import types
+    """The interface: build_model(name, params) and build_loader(processor, params, split=, seed=, rank=,
+    world_size=) returning resumable batches."""
+    import dls.train.modelzoo
+    from dls.train.data import BatchIterator, DataInfo, Dataset
 
     calls: list[tuple[str, dict[str, Any], str]] = []
 
-    def build_loader(processor: str, params: dict[str, Any], *, split: str, seed: int) -> list[dict[str, Any]]:
-        calls.append((processor, params, split))
-        gen = torch.Generator().manual_seed(seed)
-        x = torch.randn(8, params["batch_size"], 4, generator=gen)
-        return [{"x": xb, "y": xb.sum(-1, keepdim=True)} for xb in x]
+    class Pairs(Dataset):
+        def __init__(self, seed: int) -> None:
+            self.x = torch.randn(32, 4, generator=torch.Generator().manual_seed(seed))
+            self.info = DataInfo(task="regression")
 
-    fake = types.ModuleType("dls.train.modelzoo")
-    fake.build_model = lambda name, params: _ZooModel(params)  # type: ignore[attr-defined]
-    fake.build_loader = build_loader  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "dls.train.modelzoo", fake)
+        def __len__(self) -> int:
+            return len(self.x)
+
+        def batch(self, indices: torch.Tensor, epoch: int) -> dict[str, torch.Tensor]:
+            return {"x": self.x[indices], "y": self.x[indices].sum(-1, keepdim=True)}
+
+    def build_loader(processor: str, params: dict[str, Any], *, split: str, seed: int, **ranks: int) -> Any:
+        calls.append((processor, params, split))
+        return BatchIterator(Pairs(seed), params["batch_size"], False, seed, **ranks)
+
+    monkeypatch.setattr(dls.train.modelzoo, "build_model", lambda name, params: _ZooModel(params))
+    monkeypatch.setattr(dls.train.modelzoo, "build_loader", build_loader)
+    monkeypatch.setattr("dls.train.config.missing_paths", lambda cfg: [])  # no files: the loaders are fakes
     raw = {
         "train_input": {"data_processor": "GptHDF5DataProcessor", "data_dir": str(tmp_path), "batch_size": 4},
         "eval_input": {"data_dir": str(tmp_path), "batch_size": 2, "shuffle": False, "num_workers": 2},
-        "model": {"name": "gpt2", "hidden_size": 8, "mixed_precision": True, "fp16_type": "float16"},
+        "model": {"name": "gpt2", "hidden_size": 8, "num_heads": 2, "vocab_size": 16, "mixed_precision": True,
+                  "fp16_type": "float16"},
         "optimizer": {"optimizer_type": "SGD", "learning_rate": 0.05, "loss_scaling_factor": "dynamic"},
         "runconfig": {"max_steps": 12, "eval_frequency": 6, "eval_steps": 2, "model_dir": str(tmp_path / "run")},
-    }
+    }  # fmt: skip
     trainer, out = make_trainer(raw)
     result = trainer.train()
     assert [c[0] for c in calls] == ["GptHDF5DataProcessor", "GptHDF5DataProcessor"]
@@ -367,3 +377,50 @@ def test_num_steps_is_the_steps_of_this_run(tmp_path: Path) -> None:
     again, _ = make_trainer(raw)
     result = again.train(resume=tmp_path / "run")
     assert (result.global_step, result.steps_run) == (5, 2)  # three more, but never beyond max_steps
+
+
+# ---------------------------------------------------------------------- dls-only precision keys (issues 19, 21)
+def test_consecutive_hysteresis_reaches_the_scaler(tmp_path: Path) -> None:
+    raw = tiny(tmp_path / "run")
+    raw["optimizer"].update(hysteresis=2, consecutive_hysteresis=True)
+    trainer, _ = make_trainer(raw)
+    assert not [n for n in trainer.cfg.notes if "not supported" in n]
+    assert trainer.scaler.settings.consecutive_hysteresis and trainer.scaler.settings.hysteresis == 2
+
+
+def test_keep_in_float32_and_fallback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    raw = tiny(tmp_path / "run", runconfig={"max_steps": 3})
+    raw["precision"]["keep_in_float32"] = ["net.0"]
+    trainer, _ = make_trainer(raw)
+    assert (
+        list(trainer.watch.kept_in_float32) == ["net.0"] and trainer.watch.fallback is not None
+    )  # float16: default on
+    trainer.train()
+    assert trainer.global_step == 3 and "kept_in_float32" in trainer.scaler.state_dict()
+    for fp16, on in (("bfloat16", False), ("cbfloat16", True)):
+        raw = tiny(tmp_path / fp16, precision={"mixed_precision": True, "fp16_type": fp16})
+        assert (make_trainer(raw)[0].watch.fallback is not None) is on
+    raw = tiny(tmp_path / "off", precision={"mixed_precision": True, "fp16_type": "float16", "fallback": False})
+    assert make_trainer(raw)[0].watch.fallback is None
+    raw = tiny(tmp_path / "bad")
+    raw["precision"]["keep_in_float32"] = ["net.9"]
+    config = tmp_path / "bad.yaml"
+    config.write_text(__import__("yaml").safe_dump(raw))
+    assert main(["train", str(config), "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    assert "precision.keep_in_float32" in err and "net.9" in err
+
+
+def test_the_floor_stop_says_what_the_fallback_tried(tmp_path: Path) -> None:
+    from dls.train.errors import TrainingStopped
+
+    raw = tiny(
+        tmp_path / "run",
+        data={"noise_std": 1e30},  # the float32 loss is inf: every step overflows at any scale, in no module
+        optimizer={"initial_loss_scale": 1.0, "min_loss_scale": 0.25},
+        runconfig={"max_steps": 50, "max_overflows_at_min_loss_scale": 3},
+    )
+    raw["precision"]["keep_in_float32"] = ["net.2"]
+    with pytest.raises(TrainingStopped) as info, pytest.warns(UserWarning, match="found no module to keep"):
+        make_trainer(raw)[0].train()
+    assert "the float32 fallback kept 'net.2' in float32 (disarmed after finding nothing)" in str(info.value)

@@ -1,12 +1,6 @@
-"""``dls train`` / ``dls demo``: a Model-Zoo-style YAML trainer for small built-in models, with checkpoints,
-metrics and plots (needs the ``train`` extra: PyYAML, rich, matplotlib, numpy).
-
-``Trainer(cfg).train()`` runs a validated :class:`dls.train.schema.TrainConfig`; :func:`dls.train.demo.run_demo` is
-what ``dls demo`` runs. The command line is :mod:`dls.train.cli`.
-
-The names below are imported on first use, so that ``dls.train.cli`` (the ``dls`` command) starts without the
-``train`` extra and can say that it is missing.
-"""
+"""``dls train``: a Model-Zoo-style YAML trainer (the ``train`` extra). ``Trainer(cfg).train()`` runs a validated
+:class:`dls.train.schema.TrainConfig`; the names below are imported on first use, so that the ``dls`` command starts
+without the extra and can say that it is missing."""
 
 from __future__ import annotations
 

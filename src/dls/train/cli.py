@@ -1,11 +1,5 @@
-"""The ``dls`` command: ``dls train``, ``dls demo``, ``dls audit``, ``dls validate``, ``dls keys``.
-
-Its entry point is ``dls_entry.main`` (the SIGINT/SIGTERM handler first); exit statuses: :mod:`dls.train.errors`.
-Every message is one ``dls: ...`` line on stderr (a config's problems are listed below it), without a traceback.
-Data-parallel: ``torchrun --nproc_per_node=2 -m dls.train.cli train CONFIG.yaml`` (or ``torchrun ... $(which dls)
-train ...``); only rank 0 prints. This module imports the standard library, ``dls.train.errors`` and
-``dls.train.launch`` only; what needs the ``train`` extra is imported inside the commands, after checking it.
-"""
+"""The ``dls`` command (entry ``dls_entry.main``): one ``dls: ...`` line per failure, exit status by
+``errors.exit_status``; rank 0 alone prints. What needs the ``train`` extra is imported inside the commands."""
 
 from __future__ import annotations
 
@@ -36,181 +30,86 @@ TRAIN_EXTRA = {"yaml": "PyYAML", "numpy": "numpy", "rich": "rich", "matplotlib":
 INSTALL_HINT = "pip install 'dls[train]'"
 
 DESCRIPTION = """\
-dls: train small PyTorch models in mixed precision with dynamic loss scaling (DLS), configured by
-Cerebras-Model-Zoo-style YAML files (e.g. optimizer.loss_scaling_factor: "dynamic").
-
-Start here:
-  dls demo                                       float32 vs float16 with and without loss scaling, master
-                                                 weights, FP8 recipes (< 1 min)
-  dls train configs/mlp_fp16_dls.yaml            train from a YAML config
-  dls audit configs/mlp_fp16_dls.yaml            which formats can hold the model, from which loss scale
-  dls keys                                       every config key, its default and what it does
-"""
-
-AUDIT_EPILOG = """\
-examples:
-  dls audit configs/mlp_fp16_dls.yaml
-  dls audit configs/transformer_lm_fp16_dls.yaml --formats float16 bfloat16 --steps 2 --out runs/audit
-  dls audit configs/mlp_fp16_dls.yaml --fp8-recipes current delayed mxfp8
-  dls audit configs/mlp_fp16_dls.yaml --fp8-recipes            every recipe: current delayed mxfp8 static
-
-Nothing is trained and, without --out, nothing is written. The model and batches are those dls train starts
-with (float32; the loss times model.loss_weight). Per format: whether the forward pass overflows (no loss scale
-fixes that), how the gradients fit, and the initial loss scale to start at (optimizer.initial_loss_scale).
---fp8-recipes: per recipe, the shares of grad_output values the FP8 casts saturate and flush to zero, and the
-loss against float32 on the same batches; a recipe given in the config's precision.fp8 keeps its fields there.
---out DIR: writes DIR/audit.png (created if missing; written atomically, never through a link).
-exit status: 0 done (whatever the verdicts); 2 bad config or arguments.
-"""
+dls: train PyTorch models in mixed precision with dynamic loss scaling, from Cerebras-Model-Zoo-style YAML
+configs (optimizer.loss_scaling_factor: "dynamic"). Start with: dls demo; dls train configs/mlp_fp16_dls.yaml;
+dls audit configs/mlp_fp16_dls.yaml; dls keys (every config key)."""
 
 TRAIN_EPILOG = """\
 examples:
-  dls train configs/mlp_fp16_dls.yaml
-  dls train configs/mlp_fp16_dls.yaml --override runconfig.max_steps=20 optimizer.loss_scaling_factor=dynamic
-  dls train --resume runs/mlp_fp16_dls --override runconfig.max_steps=800      continue the run in place
+  dls train configs/mlp_fp16_dls.yaml -o runconfig.max_steps=20 optimizer.loss_scaling_factor=dynamic
+  dls train --resume runs/mlp_fp16_dls -o runconfig.max_steps=800        continue the run in place
   dls train --resume runs/mlp_fp16_dls --load_checkpoint_states model,optimizer -o runconfig.model_dir=runs/ft
-      a new run in the new (or empty) runs/ft from the weights and optimizer of runs/mlp_fp16_dls
-  dls train --resume runs/mlp_fp16_dls -o optimizer.loss_scaling_factor=dynamic \
-      --load_checkpoint_states model,optimizer,dataloader,lr_scheduler,global_step,rng
-      continue in place with the config's loss scaling (Model Zoo: switch DLS on mid-run)
+  torchrun --nproc_per_node=2 -m dls_entry train configs/mlp_fp16_dls.yaml        data-parallel
+--resume DIR continues DIR's run in DIR; another (new or empty) model_dir starts a new run from the checkpoint.
+outputs in runconfig.model_dir: checkpoint_<step>.mdl, metrics.jsonl, plots.png, config.yaml, tensorboard/.
+exit status: 0 done; 1 stopped (loss scaling cannot help, or inf/NaN weights); 2 bad input or model_dir
+refused; 3 I/O, disk or memory; 4 internal error (traceback in a file); 130 Ctrl-C; 143 SIGTERM."""
 
---resume DIR writes into DIR only: it continues DIR's run from its newest readable checkpoint (loading at least
-global_step). Another model_dir (in CONFIG or -o runconfig.model_dir=...) starts a new run from the checkpoint
-there, which must be new or empty; DIR is only read. One run at a time per model_dir (a lock; a second run is
-refused naming the first). The config defines the loss scaling; a checkpoint contributes its scale and counters.
-
-outputs in runconfig.model_dir: checkpoint_<step>.mdl (the last keep_checkpoint_max), metrics.jsonl
-(step, loss, loss_scale = the scale the step used, skipped, grad_norm, lr, time; every log_steps steps
-and every skipped step, which also names overflow_module = the first module whose gradients overflowed,
-in backward order, and forward_overflow = whether the loss was already inf/NaN), plots.png, config.yaml
-(the resolved config; never over the input CONFIG), tensorboard/ (with runconfig.tensorboard: true; view
-with tensorboard --logdir DIR).
-exit status: 0 done; 1 stopped because loss scaling cannot help (checkpointed first) or the weights became
-inf/NaN (the newest checkpoint is the last finite one); 2 bad config, usage, checkpoint, model_dir refused or
-locked, 'train' extra missing; 3 I/O or environment (unwritable model_dir, disk full, out of memory); 4
-internal error (traceback in a file named in the message); 130 Ctrl-C, 143 SIGTERM (both checkpoint first).
-Under torchrun only rank 0 prints, and torchrun exits 1 if any rank fails.
-
-data-parallel (DDP, the same YAML; gloo on CPU, NCCL with one GPU per rank):
-  torchrun --nproc_per_node=2 -m dls.train.cli train configs/mlp_fp16_dls.yaml
-  (or: torchrun --nproc_per_node=2 $(which dls) train configs/mlp_fp16_dls.yaml)
-data.batch_size is per rank (global batch = ranks x batch_size); every rank skips and stops at the same steps;
-rank 0 alone writes the outputs and prints; --resume works under torchrun, from single-process checkpoints too.
-"""
+AUDIT_EPILOG = """\
+examples:
+  dls audit configs/transformer_lm_fp16_dls.yaml --formats float16 bfloat16 --steps 2 --out runs/audit
+  dls audit configs/mlp_fp16_dls.yaml --fp8-recipes          every recipe: current delayed mxfp8 static
+Per format: whether the forward pass overflows, how the gradients fit, the initial loss scale to start at
+(optimizer.initial_loss_scale). Nothing is trained; only --out writes (DIR/audit.png, locked like a model_dir).
+exit status: 0 done (whatever the verdicts); 2 bad config or arguments."""
+RAW = argparse.RawDescriptionHelpFormatter  # keeps the line breaks of the texts above
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but usage errors exit with status 2 and a one-line hint (argparse's own behaviour) and the
-    help text keeps our line breaks."""
+def _config_args(parser: argparse.ArgumentParser, **config: Any) -> None:
+    parser.add_argument("config", help="YAML config file", **config)
+    parser.add_argument(
+        "--override", "-o", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE",
+        help="change config values; VALUE is read as YAML (20, 1e-3, dynamic, null, [0.9, 0.99])",
+    )  # fmt: skip
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
-        super().__init__(*args, **kwargs)
+
+def _data(args: argparse.Namespace, run: Any) -> int:
+    from dls.train.modelzoo import main as write_data  # parses its own arguments
+
+    return write_data(args.args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="dls", description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-
-    train = sub.add_parser(
-        "train",
-        help="train a model from a YAML config",
-        description="Train a model described by a YAML config (sections: model, data, precision, optimizer, "
-        "runconfig). The whole config is checked before training starts.",
-        epilog=TRAIN_EPILOG,
-    )
-    train.add_argument("config", nargs="?", help="YAML config file (optional with --resume: the checkpoint's config)")
+    parser = argparse.ArgumentParser(prog="dls", description=DESCRIPTION, formatter_class=RAW)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    train = sub.add_parser("train", help="train a model from a YAML config", epilog=TRAIN_EPILOG, formatter_class=RAW)
+    _config_args(train, nargs="?")
+    train.add_argument("--resume", metavar="DIR_OR_FILE", help="continue from DIR's latest checkpoint (or FILE)")
     train.add_argument(
-        "--override",
-        "-o",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="change config values; VALUE is read as YAML (20, 1e-3, dynamic, null, [0.9, 0.99])",
-    )
-    train.add_argument(
-        "--resume",
-        metavar="DIR_OR_FILE",
-        help="continue from the latest checkpoint in DIR (or from that checkpoint file)",
-    )
-    train.add_argument(
-        "--load_checkpoint_states",
-        metavar="STATES",
-        help="with --resume: comma list of states to load (model, optimizer, dataloader, grad_scaler, "
-        "lr_scheduler, global_step, rng; default: all); the others start fresh from the config",
-    )
-    train.add_argument("--no_progress", action="store_true", help="no progress bar or progress lines")
-
-    demo = sub.add_parser(
-        "demo",
-        help="compare float32 / float16 / loss scaling / master weights / FP8 on a small model (< 1 min)",
-        description="Train the same small MLP several ways: float32, float16 without loss scaling, float16 with "
-        "a static loss scale, float16 with dynamic loss scaling, cbfloat16 (emulated) with dynamic loss scaling, "
-        "float16 parameters without and with float32 master weights, and FP8 Linear layers at scale 1, with "
-        "delayed scaling and with current scaling. Prints a table (final loss, skipped steps, final loss scale, "
-        "gradient underflow, wall time) and writes demo.png.",
-    )
+        "--load_checkpoint_states", metavar="STATES",
+        help="states to load (model, optimizer, dataloader, grad_scaler, lr_scheduler, global_step, rng; default all)",
+    )  # fmt: skip
+    demo = sub.add_parser("demo", help="float32 / float16 / loss scaling / master weights / FP8 on a small model")
     demo.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
     demo.add_argument("--steps", type=int, default=None, help="training steps per run (default: 600)")
-    demo.add_argument("--no_progress", action="store_true", help="no progress bars")
-
-    audit = sub.add_parser(
-        "audit",
-        help="check which formats can hold a config's model, from which loss scale (no training)",
-        description="Run a few forward/backward passes of a config's model on its first batches under exact "
-        "emulation of each format (dls.audit): verdicts, recommended initial loss scales, per-module tables; "
-        "optionally compare FP8 recipes (dls.fp8.emulate).",
-        epilog=AUDIT_EPILOG,
-    )
-    audit.add_argument("config", help="YAML config file")
-    audit.add_argument("--override", "-o", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE")
-    audit.add_argument(
-        "--formats",
-        nargs="+",
-        default=None,
-        metavar="FORMAT",
-        help="formats to audit (default: float16 bfloat16 cbfloat16; any name of dls.formats)",
-    )
-    audit.add_argument("--steps", type=int, default=4, help="forward/backward passes (batches) per format (default 4)")
-    audit.add_argument("--out", default=None, metavar="DIR", help="write DIR/audit.png (default: nothing is written)")
-    audit.add_argument(
-        "--fp8-recipes",
-        nargs="*",
-        default=None,
-        metavar="RECIPE",
-        help="also compare these FP8 recipes (current, delayed, mxfp8, static; none given: all of them)",
-    )
-
-    validate = sub.add_parser(
-        "validate",
-        help="check a YAML config and print it with every default filled in",
-        description="Check a YAML config (with overrides) without training; print the resolved config and the loss "
-        "scaler's settings (null loss-scaling keys take the scaler's defaults, shown there).",
-    )
-    validate.add_argument("config")
-    validate.add_argument("--override", "-o", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE")
-
+    for command in (train, demo):
+        command.add_argument("--no_progress", action="store_true", help="no progress bars")
+    audit = sub.add_parser("audit", help="which formats fit a config's model", epilog=AUDIT_EPILOG, formatter_class=RAW)
+    _config_args(audit)
+    audit.add_argument("--formats", nargs="+", metavar="FORMAT", help="default: float16 bfloat16 cbfloat16")
+    audit.add_argument("--steps", type=int, default=4, help="forward/backward passes per format (default 4)")
+    audit.add_argument("--out", metavar="DIR", help="write DIR/audit.png")
+    audit.add_argument("--fp8-recipes", nargs="*", metavar="RECIPE", help="compare FP8 recipes (none given: all)")
+    _config_args(sub.add_parser("validate", help="check a config; print it with every default and the scaler's"))
     sub.add_parser("keys", help="list every config key with its default and meaning")
+    # dls.train.modelzoo.main parses its own arguments (--help included: no option of this parser's own)
+    data = sub.add_parser("data", help="write a tiny data set in a Model Zoo format", add_help=False, prefix_chars="\0")
+    data.add_argument("args", nargs=argparse.REMAINDER)
     init_command.add_parser(sub)
     return parser
 
 
 def _quiet_rank() -> bool:
-    """Under torchrun, ranks other than 0 print nothing (every rank meets the same errors)."""
-    env = torchrun_env()
-    return env.launched and env.rank != 0
+    env = torchrun_env()  # ranks other than 0 print nothing: every rank meets the same errors
+    return env.world_size > 1 and env.rank != 0
 
 
 class _Run:
-    """What a failed command's report needs: the model_dir a crash report may go to."""
-
-    crash_dir: Path | None = None
+    crash_dir: Path | None = None  # where a crash report may go
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``dls`` command with ``argv`` (default ``sys.argv[1:]``); its exit status (see the module
-    docstring). Usage errors of the command line itself exit 2 through argparse."""
+    """The ``dls`` command's exit status (argparse's own usage errors exit 2 through ``SystemExit``)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -225,27 +124,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 print(describe_keys())
                 return 0
-            command = {
-                "validate": _validate,
-                "train": _train,
-                "demo": _demo,
-                "audit": _audit,
-                "init": init_command.command,
-            }[args.command]
-            return command(args, run)
+            commands = {"validate": _validate, "train": _train, "demo": _demo, "audit": _audit}
+            commands |= {"init": init_command.command, "data": _data}
+            return commands[args.command](args, run)
     except (Exception, KeyboardInterrupt) as exc:
         return _report(exc, run)
 
 
 def _require_train_extra() -> None:
-    missing = []
-    for module, package in TRAIN_EXTRA.items():
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            missing.append(package)
+    missing = [package for module, package in TRAIN_EXTRA.items() if not _importable(module)]
     if missing:
         raise MissingExtras(
             f"the dls command needs the 'train' extra ({', '.join(TRAIN_EXTRA.values())}); missing: "
@@ -253,8 +140,15 @@ def _require_train_extra() -> None:
         )
 
 
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _report(exc: BaseException, run: _Run) -> int:
-    """Print one line for ``exc`` (unless this is a quiet rank) and return its exit status."""
+    """Print one line for ``exc`` (unless this is a quiet rank); its exit status."""
     if isinstance(exc, ImportError) and not isinstance(exc, MissingExtras):
         root = (exc.name or "").split(".")[0]
         if root in TRAIN_EXTRA:  # installed but broken
@@ -266,22 +160,16 @@ def _report(exc: BaseException, run: _Run) -> int:
         message = f"dls: internal error: {type(exc).__name__}: {exc} ({where}; please report it)"
         if report is None:
             traceback.print_exception(type(exc), exc, exc.__traceback__)
-    elif status == ExitStatus.STOPPED:
-        message = f"dls: training stopped: {exc}"
-    elif status == ExitStatus.INTERRUPTED:
-        message = "dls: interrupted"
-    elif status == ExitStatus.TERMINATED:
-        message = "dls: terminated (SIGTERM)"
     else:
-        message = f"dls: error: {describe(exc)}"
+        ended = {ExitStatus.INTERRUPTED: "interrupted", ExitStatus.TERMINATED: "terminated (SIGTERM)"}
+        message = "dls: " + ended.get(status, f"training stopped: {exc}" if status == 1 else f"error: {describe(exc)}")
     if not _quiet_rank():
         print(message, file=sys.stderr)
     return int(status)
 
 
 def _build(cfg: Any, source: str, **kwargs: Any) -> Any:
-    """The :class:`~dls.train.trainer.Trainer` of ``cfg``; what it rejects while building the run (the device, a
-    batch larger than the data set) is a config error (exit 2), for ``dls validate`` as for ``dls train``."""
+    """The ``Trainer`` of ``cfg``; what it rejects (the device, a batch larger than the data) is a config error."""
     from dls.train.trainer import Trainer
 
     try:
@@ -377,23 +265,17 @@ def _audit(args: argparse.Namespace, run: _Run) -> int:
     from dls.train import audit
     from dls.train.config import load_config, loss_scaling_mode, scaler_settings
 
-    if args.steps < 1:
-        raise UsageError(f"--steps must be >= 1; got {args.steps}")
+    _check_steps(args.steps)
     names = args.formats if args.formats is not None else list(audit.DEFAULT_FORMATS)
     for name in names:
         try:
             formats.get(name)
         except ValueError:
             raise UsageError(f"--formats: unknown format {name!r}; allowed: {', '.join(formats.names())}") from None
-    recipe_names = None
-    if args.fp8_recipes is not None:
-        recipe_names = list(dict.fromkeys(args.fp8_recipes or dls.fp8.RECIPE_NAMES))
-        unknown = [r for r in recipe_names if r not in dls.fp8.RECIPE_NAMES]
-        if unknown:
-            raise UsageError(
-                f"--fp8-recipes: unknown recipe(s) {', '.join(map(repr, unknown))}; allowed: "
-                f"{', '.join(dls.fp8.RECIPE_NAMES)}"
-            )
+    recipe_names = None if args.fp8_recipes is None else list(dict.fromkeys(args.fp8_recipes or dls.fp8.RECIPE_NAMES))
+    if unknown := [r for r in recipe_names or () if r not in dls.fp8.RECIPE_NAMES]:
+        allowed = ", ".join(dls.fp8.RECIPE_NAMES)
+        raise UsageError(f"--fp8-recipes: unknown recipe(s) {', '.join(map(repr, unknown))}; allowed: {allowed}")
     cfg = load_config(args.config, args.override)
     threads = torch.get_num_threads()
     if cfg.runconfig.num_threads is not None:
@@ -410,21 +292,15 @@ def _audit(args: argparse.Namespace, run: _Run) -> int:
             "(model.loss_weight)"
         )
         result = audit.audit_formats(model, batches, names, weight)
-        print(result.to_text())
-        print()
-        print("\n".join(audit.recommendation_lines(cfg, result)))
+        print(result.to_text() + "\n\n" + "\n".join(audit.recommendation_lines(cfg, result)))
         if recipe_names is not None:
-            configured = cfg.precision.fp8
+            own = cfg.precision.fp8 or {"recipe": None}  # a recipe the config names keeps its fields
             recipes = [
-                dls.fp8.recipe_from_dict(
-                    dict(configured) if configured is not None and configured["recipe"] == name else {"recipe": name}
-                )
-                for name in recipe_names
+                dls.fp8.recipe_from_dict(dict(own) if own["recipe"] == n else {"recipe": n}) for n in recipe_names
             ]
             scale = scaler_settings(cfg).init_scale if loss_scaling_mode(cfg) != "off" else 1.0
             rows = audit.compare_fp8(model, batches, recipes, weight, scale, seed=cfg.runconfig.seed)
-            print()
-            print(audit.fp8_table(rows, scale, args.steps))
+            print("\n" + audit.fp8_table(rows, scale, args.steps))
         if args.out is not None:
             print(f"\nPlot: {audit.write_plot(result, Path(args.out))}")
     finally:
@@ -435,11 +311,15 @@ def _audit(args: argparse.Namespace, run: _Run) -> int:
 def _demo(args: argparse.Namespace, run: _Run) -> int:
     from dls.train.demo import DEFAULT_STEPS, run_demo
 
-    steps = args.steps if args.steps is not None else DEFAULT_STEPS
-    if steps < 1:
-        raise UsageError(f"--steps must be >= 1; got {steps}")
+    steps = _check_steps(args.steps if args.steps is not None else DEFAULT_STEPS)
     run_demo(Path(args.out), steps=steps, progress=not args.no_progress)
     return 0
+
+
+def _check_steps(steps: int) -> int:
+    if steps < 1:
+        raise UsageError(f"--steps must be >= 1; got {steps}")
+    return steps
 
 
 if __name__ == "__main__":

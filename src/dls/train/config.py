@@ -1,13 +1,6 @@
-"""Training configs: YAML in either Cerebras Model Zoo layout (or dls's own) → a validated
-:class:`~dls.train.schema.TrainConfig`.
-
-Legacy Model Zoo (<= 2.2) and dls's configs have top-level sections (``train_input``/``data``, ``eval_input``,
-``model``, ``optimizer``, ``runconfig``, dls: ``precision``); the current layout (2.3+) ``trainer: {init, fit, ...}``
-is mapped key by key onto the same sections (:data:`_INIT`), and every error names the key as written. Files are
-read safely (regular files only, 1 MiB, UTF-8, SafeLoader with YAML 1.2 floats, duplicate keys refused, aliases
-expanded into bounded copies). Cerebras-only keys and Model Zoo's defaults are listed once (``TrainConfig.notes``).
-The loss-scaling keys are judged by ``ScalerSettings.cerebras``, so the config accepts what ``GradScaler`` accepts.
-"""
+"""Training configs: YAML in either Cerebras Model Zoo layout (or dls's own), read safely, mapped key by key onto
+:class:`~dls.train.schema.TrainConfig` with every error naming the key as written; the loss-scaling keys are judged
+by ``ScalerSettings.cerebras``, so the config accepts what ``GradScaler`` accepts."""
 
 from __future__ import annotations
 
@@ -79,6 +72,7 @@ _CHECKPOINT.update({k: ("runconfig", k) for k in ("save_initial_checkpoint", "di
 _CHECKPOINT.update({k: ("runconfig", k) for k in ("autoload_last_checkpoint", "keep_checkpoint_max")})
 _INIT = {"precision": _PRECISION, "loop": _LOOP, "checkpoint": _CHECKPOINT}
 _INIT["logging"] = {"log_steps": ("runconfig", "log_steps"), "log_summaries": ("optimizer", "log_summaries")}
+_DLS_FIELDS = ("name", "data_processor", "batch_size", "shuffle", "shuffle_seed", "drop_last_batch")
 _RUN_KEYS = ("model_dir", "seed", "device", "num_threads", "tensorboard", "max_overflows_at_min_loss_scale")
 _SCHEDULERS = {"ConstantLR": "Constant", "LinearLR": "Linear", "CosineDecayLR": "CosineDecay"}
 # Model Zoo's defaults where they differ from dls's: (section, key) -> {layout: (where it is written, value)}.
@@ -288,14 +282,7 @@ class _Reader:
                 self.put(*moved[key], value, where)
             elif key in CEREBRAS_ONLY:
                 self.ignored.append(where)
-            elif zoo and key not in (
-                "name",
-                "data_processor",
-                "batch_size",
-                "shuffle",
-                "shuffle_seed",
-                "drop_last_batch",
-            ):
+            elif zoo and key not in _DLS_FIELDS:  # the model's or reader's own key
                 params[key] = value
             elif key in fields and key != "params":
                 self.put(section, key, value, where)
@@ -485,11 +472,8 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
     if name in MODEL_DATASETS and "data_processor" not in s["data"]:
         s["data"].setdefault("dataset", MODEL_DATASETS[name])
     for section, default in _ZOO_PROCESSOR.items():
-        if (
-            name in ZOO_MODELS
-            and not {"dataset", "data_processor"} & s[section].keys()
-            and (s[section] or section == "data")
-        ):
+        given = {"dataset", "data_processor"} & s[section].keys()
+        if name in ZOO_MODELS and not given and (s[section] or section == "data"):
             s[section]["data_processor"] = default[name]
     kind = s["optimizer"].get("optimizer_type", "Adam")
     kind = {k.lower(): k for k in OPTIMIZERS}.get(kind.lower(), kind) if isinstance(kind, str) else kind
@@ -527,6 +511,7 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
     _check_numbers(s, r)
     if not r.errors:
         _check_combinations(built, r)
+        _check_zoo(built, r)
     if not r.errors and built["precision"].fp8 is not None:
         built["precision"] = built["precision"].model_copy(update={"fp8": _fp8(built["precision"].fp8, r)})
     if r.errors:
@@ -605,62 +590,78 @@ def _fp8(recipe: Mapping[str, Any], r: _Reader) -> Any:
 def _check_combinations(b: dict[str, Any], r: _Reader) -> None:
     model, data, prec, opt, run = b["model"], b["data"], b["precision"], b["optimizer"], b["runconfig"]
     at = lambda section, key: r.written.get((section, key), f"{section}.{key}")  # noqa: E731
+    refuse, note = r.errors.append, r.notes.append
     if model.name in MODEL_DATASETS and data.dataset != MODEL_DATASETS[model.name]:
-        r.errors.append(
+        refuse(
             f"{at('data', 'dataset')} {data.dataset!r} does not fit model.name {model.name!r}; "
             f"allowed: {MODEL_DATASETS[model.name]}"
         )
     if model.name in ZOO_MODELS and data.data_processor is None and data.dataset is None:
-        r.errors.append(
-            f"{model.name} reads Model Zoo data: set train_input.data_processor ({', '.join(ZOO_PROCESSORS)})"
-        )
+        refuse(f"{model.name} reads Model Zoo data: set train_input.data_processor ({', '.join(ZOO_PROCESSORS)})")
     if model.name in MODEL_NAMES and data.data_processor is not None:
-        r.errors.append(
+        refuse(
             f"{at('data', 'data_processor')}: model.name {model.name!r} trains on dls's built-in data "
             f"({MODEL_DATASETS[model.name]})"
         )
     if data.dataset is not None and not data.drop_last_batch:
-        r.errors.append(
-            f"{at('data', 'drop_last_batch')}: false is not supported for built-in data sets (they drop it)"
-        )
+        refuse(f"{at('data', 'drop_last_batch')}: false is not supported for built-in data sets (they drop it)")
     if model.name == "transformer_lm":
         if model.hidden_size % model.num_heads:
-            r.errors.append(
+            refuse(
                 f"{at('model', 'num_heads')} ({model.num_heads}) must divide model.hidden_size ({model.hidden_size})"
             )
         if data.max_sequence_length > model.max_position_embeddings:
-            r.errors.append(
+            refuse(
                 f"{at('data', 'max_sequence_length')} ({data.max_sequence_length}) exceeds "
                 f"model.max_position_embeddings ({model.max_position_embeddings})"
             )
     if not prec.mixed_precision and ("precision", "fp16_type") in r.written and prec.fp16_type != "float32":
-        r.notes.append(f"{at('precision', 'fp16_type')} ({prec.fp16_type!r}) has no effect: mixed_precision is off")
+        note(f"{at('precision', 'fp16_type')} ({prec.fp16_type!r}) has no effect: mixed_precision is off")
     if prec.half_params and prec.compute_dtype == "float32":
-        r.errors.append(
+        refuse(
             f"{at('precision', 'half_params')} needs a half-precision run (precision.mixed_precision: true and a half "
             "fp16_type): float32 parameters are what it keeps without half_params"
         )
     if prec.half_params and prec.fp16_type == "cbfloat16" and not prec.master_weights:
-        r.errors.append(f"{at('precision', 'master_weights')}: false does not work with cbfloat16 half_params")
+        refuse(f"{at('precision', 'master_weights')}: false does not work with cbfloat16 half_params")
     if prec.fp8 is not None and prec.emulated:
-        r.errors.append(
+        refuse(
             f"{at('precision', 'fp8')} cannot be combined with dls.emulate's rounding (cbfloat16 or precision.emulate)"
         )
     if opt.max_gradient_norm is not None and opt.max_gradient_value is not None:
-        r.errors.append(
-            f"give {at('optimizer', 'max_gradient_norm')} or {at('optimizer', 'max_gradient_value')}, not both"
-        )
+        refuse(f"give {at('optimizer', 'max_gradient_norm')} or {at('optimizer', 'max_gradient_value')}, not both")
     if "master_weights" in prec.model_fields_set and not prec.half_params:
-        r.notes.append(f"{at('precision', 'master_weights')} has no effect without precision.half_params: true")
+        note(f"{at('precision', 'master_weights')} has no effect without precision.half_params: true")
     if prec.half_params and prec.emulate and prec.fp16_type != "cbfloat16":
-        r.notes.append(f"{at('precision', 'emulate')} has no effect: with half_params the model computes natively")
+        note(f"{at('precision', 'emulate')} has no effect: with half_params the model computes natively")
         b["precision"] = prec = prec.model_copy(update={"emulate": False})
-    if prec.keep_in_float32:
-        r.errors.append(f"{at('precision', 'keep_in_float32')} is not supported by this dls yet")
+    if prec.fallback and prec.compute_dtype not in ("float16", "cbfloat16"):
+        note(f"{at('precision', 'fallback')} has no effect: the run computes in {prec.compute_dtype}")
     if run.eval_steps is not None and b.get("eval_data") is None and "eval_data" not in b:
-        r.notes.append(
-            f"{at('runconfig', 'eval_steps')}: no eval_input / val_dataloader: evaluation reads the training data"
+        note(f"{at('runconfig', 'eval_steps')}: no eval_input / val_dataloader: evaluation reads the training data")
+
+
+def _check_zoo(b: dict[str, Any], r: _Reader) -> None:
+    """A Model Zoo model's and readers' own keys, judged by ``dls.train.modelzoo.keys`` (no torch, no files)."""
+    from dls.train.modelzoo.keys import parse_loader, parse_model
+
+    checks: list[tuple[Any, str, dict[str, Any], str]] = []
+    if b["model"].name in ZOO_MODELS:
+        checks.append(
+            (parse_model, b["model"].name, dict(b["model"].params), r.written.get(("model", "params"), "model"))
         )
+    for section, default in (("data", "train_input"), ("eval_data", "eval_input")):
+        data = b.get(section)
+        if data is not None and data.data_processor is not None:
+            params = {**data.params, "batch_size": data.batch_size, "shuffle": data.shuffle}
+            params.update(drop_last_batch=data.drop_last_batch, shuffle_seed=data.shuffle_seed)
+            where = r.written.get((section, "data_processor"), f"{default}.").rsplit(".", 1)[0]
+            checks.append((parse_loader, data.data_processor, params, where))
+    for parse, name, params, where in checks:
+        try:
+            r.ignored.extend(parse(name, params, where)[1])
+        except ConfigError as exc:
+            r.errors.extend(exc.errors)
 
 
 def _scaler_arguments(opt: Any) -> dict[str, Any]:
@@ -744,18 +745,25 @@ def to_dict(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def missing_paths(cfg: TrainConfig) -> list[str]:
-    """The data directories of the loaders ``dls train`` uses that do not exist here (a note for ``validate``,
-    an error for ``train``), one line per loader naming the key as written."""
+    """What is missing or malformed here in the data of the loaders ``dls train`` uses (a note for ``validate``, an
+    error for ``train``), naming the key as written and the layout expected."""
+    from dls.train.modelzoo import check_data
+
     lines = []
     for section, data in (("data", cfg.data), ("eval_data", cfg.eval_data)):
-        dirs = data.params.get("data_dir") if data is not None else None
+        if data is None or data.data_processor is None:
+            continue
+        dirs = data.params.get("data_dir")
         missing = [d for d in ([dirs] if isinstance(dirs, str) else dirs or []) if not Path(str(d)).exists()]
+        key = cfg.sources.get(f"{section}.params", "train_input" if section == "data" else "eval_input")
         if missing:
-            key = cfg.sources.get(f"{section}.params", "train_input" if section == "data" else "eval_input")
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             lines.append(
                 f"{key}.data_dir {missing[0]}{more} does not exist here (relative paths resolve against {Path.cwd()})"
             )
+        else:
+            params = {**data.params, "batch_size": data.batch_size, "shuffle": data.shuffle}
+            lines += check_data(data.data_processor, params, split="train" if section == "data" else "val", prefix=key)
     return lines
 
 

@@ -1,7 +1,5 @@
-"""Batches: dls's embedded data sets (``teacher_regression`` generated from a seed, ``char_corpus`` shipped in
-``dls/train/data/corpus.txt``) and Model Zoo readers (``dls.train.modelzoo.build_loader``). Both are resumable
-from ``(epoch, position)``; data-parallel ranks take strided batches of one epoch order.
-"""
+"""Resumable batches (from ``(epoch, position)``; data-parallel ranks take strided batches of one epoch order) of
+dls's built-in data sets (``teacher_regression``, ``char_corpus``) and Model Zoo's readers."""
 
 from __future__ import annotations
 
@@ -102,17 +100,19 @@ def build_dataset(cfg: DataConfig) -> Dataset:
     return TeacherRegression(cfg) if cfg.dataset == "teacher_regression" else CharCorpus(cfg)
 
 
-def build_batches(cfg: DataConfig, seed: int, split: str, rank: int = 0, world_size: int = 1) -> Any:
-    """The batch source of a data section: a :class:`BatchIterator` over a built-in data set, or a
-    :class:`LoaderIterator` over a Model Zoo reader (``dls.train.modelzoo.build_loader``)."""
+def build_batches(cfg: DataConfig, seed: int, split: str, rank: int = 0, world_size: int = 1) -> BatchIterator:
+    """The resumable batches of a data section: a built-in data set, or a Model Zoo reader
+    (``dls.train.modelzoo.build_loader``, itself a :class:`BatchIterator`)."""
     shuffle_seed = cfg.shuffle_seed if cfg.shuffle_seed is not None else seed
     if cfg.data_processor is None:
         return BatchIterator(build_dataset(cfg), cfg.batch_size, cfg.shuffle, shuffle_seed, rank, world_size)
     params = {**cfg.params, "batch_size": cfg.batch_size, "shuffle": cfg.shuffle, "shuffle_seed": shuffle_seed}
     params["drop_last_batch"] = cfg.drop_last_batch
     split = params.pop("split", split)
-    loader = modelzoo().build_loader(cfg.data_processor, params, split=split, seed=shuffle_seed)
-    return LoaderIterator(loader, rank, world_size)
+    batches: BatchIterator = modelzoo().build_loader(
+        cfg.data_processor, params, split=split, seed=shuffle_seed, rank=rank, world_size=world_size
+    )
+    return batches
 
 
 def modelzoo() -> Any:
@@ -125,58 +125,21 @@ def modelzoo() -> Any:
         ) from None
 
 
-class LoaderIterator:
-    """Batches of an iterable loader, epoch after epoch (``set_epoch(epoch)`` is called when the loader has it); rank
-    ``r`` of ``world_size`` takes every ``world_size``-th batch."""
-
-    def __init__(self, loader: Any, rank: int = 0, world_size: int = 1) -> None:
-        self.loader, self.rank, self.world_size = loader, rank, world_size
-        self.epoch = 0
-        self.position = 0
-        self._it: Any = None
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return len(self.loader) // self.world_size
-
-    def _start(self) -> None:
-        if hasattr(self.loader, "set_epoch"):
-            self.loader.set_epoch(self.epoch)
-        self._it = iter(self.loader)
-        for _ in range(self.position * self.world_size):
-            next(self._it)
-
-    def next(self) -> Batch:
-        if self._it is None:
-            self._start()
-        taken = []
-        for _ in range(self.world_size):
-            try:
-                taken.append(next(self._it))
-            except StopIteration:
-                if not taken and self.position == 0:
-                    raise ValueError("the data loader yields no batch (too few samples for one batch?)") from None
-                self.epoch, self.position, self._it = self.epoch + 1, 0, None
-                return self.next()
-        self.position += 1
-        return taken[self.rank]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position * self.world_size}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("epoch", "position"):
-            value = state.get(key) if isinstance(state, dict) else None
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-                raise ValueError(f"{key} must be an integer >= 0; got {value!r}")
-        self.epoch, self.position, self._it = state["epoch"], -(-state["position"] // self.world_size), None
-
-
 class BatchIterator:
-    """Full batches of ``batch_size`` samples, epoch after epoch (an incomplete last batch is dropped)."""
+    """Batches of ``batch_size`` samples, epoch after epoch; an epoch's incomplete last batch is dropped unless
+    ``drop_last`` is false (Model Zoo's readers)."""
+
+    ignored_keys: list[str]  # a Model Zoo reader's keys that matter only on Cerebras hardware
 
     def __init__(
-        self, dataset: Dataset, batch_size: int, shuffle: bool, seed: int, rank: int = 0, world_size: int = 1
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        shuffle: bool,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = True,
     ) -> None:
         if batch_size > len(dataset):
             raise ValueError(
@@ -190,20 +153,17 @@ class BatchIterator:
                 f"the data set ({len(dataset)} samples) has fewer than one batch of data.batch_size ({batch_size}) "
                 f"per rank for {world_size} ranks; lower batch_size (or raise num_samples)"
             )
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
-        self.epoch = 0
-        self.position = 0
+        self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
+        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
+        self.epoch = self.position = 0
         self._order: torch.Tensor | None = None
 
     @property
     def batches_per_epoch(self) -> int:
         """Batches this rank takes per epoch."""
-        return len(self.dataset) // self.batch_size // self.world_size
+        return (
+            (len(self.dataset) + (0 if self.drop_last else self.batch_size - 1)) // self.batch_size // self.world_size
+        )
 
     def _epoch_order(self) -> torch.Tensor:
         if self._order is None:
@@ -216,24 +176,17 @@ class BatchIterator:
 
     def next(self) -> Batch:
         if self.position >= self.batches_per_epoch:
-            self.epoch += 1
-            self.position = 0
-            self._order = None
+            self.epoch, self.position, self._order = self.epoch + 1, 0, None
         start = (self.position * self.world_size + self.rank) * self.batch_size
         indices = self._epoch_order()[start : start + self.batch_size]
         self.position += 1
         return self.dataset.batch(indices, self.epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {
-            "epoch": self.epoch,
-            "position": self.position * self.world_size,  # batches of this epoch taken by all ranks
-            "seed": self.seed,
-            "batch_size": self.batch_size,
-        }
-        if self.world_size > 1:
-            state["world_size"] = self.world_size
-        return state
+        # position: the batches of this epoch taken by all ranks
+        state = {"epoch": self.epoch, "position": self.position * self.world_size}
+        state.update(seed=self.seed, batch_size=self.batch_size)
+        return state | ({"world_size": self.world_size} if self.world_size > 1 else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (:meth:`state_dict`); ``ValueError`` naming the field when it is not one."""
@@ -244,6 +197,5 @@ class BatchIterator:
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
                 raise ValueError(f"{key} must be an integer >= 0; got {value!r}")
         self.epoch = state["epoch"]
-        taken = state["position"]
-        self.position = -(-taken // self.world_size)  # rounded up: no batch slot is taken twice
+        self.position = -(-state["position"] // self.world_size)  # rounded up: no batch slot is taken twice
         self._order = None

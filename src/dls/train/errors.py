@@ -1,29 +1,5 @@
-"""What can go wrong in ``dls train`` / ``dls demo`` / ``dls validate``, and the one exit-status map of the ``dls``
-command (:func:`exit_status`).
-
-====  ==========================================================================================================
-code  meaning
-====  ==========================================================================================================
-0     done
-1     stopped because loss scaling cannot help (:class:`TrainingStopped`; the state was checkpointed first), or
-      because the weights became inf/NaN (no checkpoint of them: the newest is the last finite one)
-2     the input is wrong: config, command line, checkpoint, model_dir refused or locked by another run, missing
-      ``train`` extra (message names the key, path or holder; nothing was written)
-3     the environment failed: a file or directory cannot be read or written (model_dir is a file, no permission,
-      disk full, file too large), out of memory (CPU or GPU; the message names the allocation). A process the
-      kernel's out-of-memory killer ends gets no message: the shell shows "Killed" and status 137 (SIGKILL),
-      which no program can catch
-4     internal error (a bug in dls): the traceback is written to a file, whose name is printed
-130   interrupted by Ctrl-C (SIGINT) after checkpointing the last finished step
-143   terminated by SIGTERM (e.g. a cluster's pre-emption) after checkpointing the last finished step
-====  ==========================================================================================================
-
-Under ``torchrun``, rank 0 alone prints; each rank's process exits with its own status, and torchrun itself exits
-1 whenever a rank exits non-zero, so read the code from rank 0's message (``dls: error: ...``).
-
-This module imports the standard library (and the standard-library-only ``dls_entry``) only: the ``dls`` command
-reports a missing ``train`` extra with it.
-"""
+"""What can go wrong in a ``dls`` command, and its one exit-status map (:func:`exit_status`): 0 done, 1 stopped,
+2 bad input, 3 environment (I/O, memory), 4 internal error, 130 SIGINT, 143 SIGTERM. Standard library only."""
 
 from __future__ import annotations
 
@@ -41,21 +17,6 @@ from typing import Any
 
 from dls_entry import Terminated
 
-__all__ = [
-    "CheckpointError",
-    "ConfigError",
-    "ExitStatus",
-    "MissingExtras",
-    "ModelDirError",
-    "RankError",
-    "Terminated",
-    "TrainingStopped",
-    "UsageError",
-    "describe",
-    "exit_status",
-    "write_crash_report",
-]
-
 
 class ExitStatus(enum.IntEnum):
     OK = 0
@@ -68,8 +29,7 @@ class ExitStatus(enum.IntEnum):
 
 
 class TrainingStopped(RuntimeError):
-    """Training cannot usefully continue; the state was checkpointed first (``checkpoint``). Exit status 1.
-    ``result``: what the session did up to the stop (a ``dls.train.TrainResult``, set by the trainer)."""
+    """Training cannot usefully continue (exit 1); ``result``: the session's ``TrainResult``, set by the trainer."""
 
     def __init__(self, message: str, checkpoint: Path | None = None) -> None:
         super().__init__(message)
@@ -78,8 +38,7 @@ class TrainingStopped(RuntimeError):
 
 
 class ConfigError(ValueError):
-    """An invalid config. ``errors`` lists every problem found, each naming its key (``section.key``); ``source``
-    names where the config came from (a file, an override, a checkpoint). Exit status 2."""
+    """An invalid config (exit 2): ``errors``, each naming its key; ``source``: where the config came from."""
 
     def __init__(self, errors: Sequence[str], source: str | None = None) -> None:
         self.errors = list(errors)
@@ -94,25 +53,23 @@ class ConfigError(ValueError):
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that is missing, unreadable or does not fit the run. Exit status 2."""
+    """A checkpoint that is missing, unreadable or does not fit the run (exit 2)."""
 
 
 class ModelDirError(ValueError):
-    """The run refuses its model_dir (another run holds it, a fork into a used directory, a rewind in place, a
-    symbolic link where dls writes). Nothing was written. Exit status 2."""
+    """The run refuses its model_dir (locked, not empty for a fork, a rewind in place, a link); exit 2."""
 
 
 class UsageError(ValueError):
-    """A command line that cannot work (e.g. ``--load_checkpoint_states`` without ``--resume``). Exit status 2."""
+    """A command line that cannot work (exit 2)."""
 
 
 class MissingExtras(ImportError):
-    """A dependency of the ``train`` extra cannot be imported. Exit status 2."""
+    """An extra's dependency cannot be imported (exit 2)."""
 
 
 class RankError(RuntimeError):
-    """Data-parallel: rank 0 failed in a step only it performs (the model_dir, its outputs); the other ranks raise
-    this with rank 0's message and exit status, so every rank exits alike."""
+    """Rank 0 failed in a step only it performs; the other ranks raise this with its message and exit status."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
@@ -120,7 +77,6 @@ class RankError(RuntimeError):
 
 
 def exit_status(exc: BaseException) -> ExitStatus:
-    """The ``dls`` command's exit status for an exception that ended a command (see the module docstring)."""
     if isinstance(exc, RankError):
         return ExitStatus(exc.status)
     if isinstance(exc, Terminated):
@@ -137,29 +93,23 @@ def exit_status(exc: BaseException) -> ExitStatus:
 
 
 def describe(exc: BaseException) -> str:
-    """One line (or the config's problem list) for ``dls: error: ...``: an ``OSError`` names the operation's path
-    and the system's reason."""
+    """The text after ``dls: error:``; an ``OSError`` names its path(s) and the system's reason."""
     if isinstance(exc, OSError) and not isinstance(exc, (CheckpointError, ModelDirError)):
         reason = exc.strerror or str(exc) or type(exc).__name__
         if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             reason += " (free some space or choose another runconfig.model_dir, then --resume)"
-        where = f"{exc.filename}: " if exc.filename is not None else ""
-        if exc.filename2 is not None:
-            where = f"{exc.filename} -> {exc.filename2}: "
+        where = "" if exc.filename is None else f"{exc.filename}: "
+        where = f"{exc.filename} -> {exc.filename2}: " if exc.filename2 is not None else where
         return f"{where}{reason}"
     if _out_of_memory(exc):
-        first = str(exc).strip().splitlines()
-        return (
-            "out of memory"
-            + (f": {first[0]}" if first else "")
-            + ("; lower data.num_samples, data.batch_size or the model's size (or free memory), then --resume")
-        )
+        first = (str(exc).strip().splitlines() or [""])[0]
+        advice = "lower data.num_samples, data.batch_size or the model's size (or free memory), then --resume"
+        return f"out of memory{': ' if first else ''}{first}; {advice}"
     return str(exc) or type(exc).__name__
 
 
 def _out_of_memory(exc: BaseException) -> bool:
-    """Python's ``MemoryError``, torch's CUDA ``OutOfMemoryError``, and torch's CPU allocator failing (a plain
-    ``RuntimeError``: "DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes")."""
+    # torch's CPU allocator raises a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory: ...")
     return (
         isinstance(exc, MemoryError)
         or type(exc).__name__ == "OutOfMemoryError"
@@ -168,20 +118,15 @@ def _out_of_memory(exc: BaseException) -> bool:
 
 
 def write_crash_report(exc: BaseException, directory: Path | None) -> Path | None:
-    """Write ``exc``'s traceback to a new file ``dls-crash-<time>-<pid>.txt`` in ``directory`` (when it is an
-    existing directory), else in the system's temporary directory. The file is created exclusively and never
-    through a symbolic link. Returns its path, or ``None`` when no file could be written."""
+    """``exc``'s traceback in a new file (exclusive, no link followed) in ``directory``, else the temporary
+    directory; its path, or ``None``."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     name = f"dls-crash-{stamp}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}.txt"
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    candidates = [d for d in (directory, Path(tempfile.gettempdir())) if d is not None]
-    for folder in candidates:
+    for folder in [d for d in (directory, Path(tempfile.gettempdir())) if d is not None]:
         path = folder / name
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except OSError:
-            continue
-        try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
         except OSError:  # e.g. the disk is full: try the next place

@@ -1,9 +1,5 @@
-"""``dls init``: list the configs shipped with dls, or copy one into a directory with the data it needs.
-
-The configs travel in the wheel (``dls/train/configs``), so a pip-installed dls reaches a first ``dls train`` run
-without a clone. Model Zoo configs read their data from ``data_dir``: ``dls init`` writes a tiny data set in the
-config's format next to the copy and points ``data_dir`` there.
-"""
+"""``dls init``: list the configs shipped in the wheel, or copy one into a directory (for a Model Zoo config, with
+a tiny data set in its format, its ``data_dir`` pointed there)."""
 
 from __future__ import annotations
 
@@ -20,20 +16,13 @@ _DATA_DIR = re.compile(r"^(?P<key>[ \t]*data_dir:)[^\n]*\n(?:[ \t]*-[^\n]*\n)*",
 
 
 def add_parser(sub: Any) -> None:
-    """Register ``dls init`` on the ``dls`` command's subparsers."""
-    init = sub.add_parser(
-        "init",
-        help="list the shipped configs, or copy one (and the tiny data it needs) into a directory",
-        description="Without NAME: list the configs shipped with dls and the extra each needs. With NAME and DIR: "
-        "copy the config into DIR (created if missing); for a Model Zoo config, also write a tiny data set in its "
-        "format into DIR/data and point the copy's data_dir there. Then: dls train DIR/NAME.yaml",
-    )
+    init = sub.add_parser("init", help="list the shipped configs, or copy one (and the data it needs) into DIR")
     init.add_argument("name", nargs="?", metavar="NAME", help="a shipped config, as listed by dls init")
     init.add_argument("directory", nargs="?", metavar="DIR", help="where to write the config (and its data)")
 
 
 def shipped_configs() -> dict[str, Any]:
-    """The shipped configs by name (their path below ``configs/`` without ``.yaml``), sorted."""
+    """The shipped configs by name (their path below ``configs/`` without ``.yaml``)."""
     root = importlib.resources.files("dls.train") / "configs"
     found = {}
     for entry in root.iterdir():
@@ -46,7 +35,6 @@ def shipped_configs() -> dict[str, Any]:
 
 
 def extras(name: str, text: str) -> list[str]:
-    """The extras ``pip install 'dls[...]'`` needs for the config ``name`` with the content ``text``."""
     needed = ["train"]
     if name.startswith("modelzoo/"):
         needed.append("modelzoo")
@@ -56,7 +44,6 @@ def extras(name: str, text: str) -> list[str]:
 
 
 def command(args: argparse.Namespace, run: Any) -> int:
-    """``dls init [NAME DIR]``; exit status 0, or a :class:`~dls.train.errors.UsageError` (2)."""
     configs = shipped_configs()
     if args.name is None:
         print("Configs shipped with dls (dls init NAME DIR copies one into DIR, with the data it needs):")

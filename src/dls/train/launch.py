@@ -1,11 +1,5 @@
-"""How a run is launched and works across ranks: the device, ``torchrun``'s environment and process group
-(:func:`init_distributed`: gloo on CPU, NCCL with one GPU per rank), ``DistributedDataParallel``
-(:func:`wrap_data_parallel`), sums over ranks, what rank 0 alone does (:func:`run_on_rank0`), and the stop
-request of Ctrl-C / SIGTERM (:class:`StopRequest`, through ``dls_entry``'s one handler).
-
-Imports torch, ``dls_entry``, ``dls.train.errors`` and the standard library only (the ``dls`` command uses
-:func:`torchrun_env` before it knows whether the ``train`` extra is installed).
-"""
+"""Launching across ranks: the device, torchrun's process group (gloo on CPU, NCCL with a GPU per rank), DDP,
+what rank 0 alone does, and the loop's Ctrl-C / SIGTERM stop request. Imports torch and the standard library only."""
 
 from __future__ import annotations
 
@@ -27,34 +21,17 @@ if TYPE_CHECKING:
     from dls.train.data import Batch
     from dls.train.models import TrainModel
 
-__all__ = [
-    "StopRequest",
-    "TorchrunEnv",
-    "init_distributed",
-    "resolve_device",
-    "run_on_rank0",
-    "shutdown_distributed",
-    "sum_over_ranks",
-    "torchrun_env",
-    "wrap_data_parallel",
-]
-
 
 class TorchrunEnv(NamedTuple):
-    """What ``torchrun`` tells each process (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``; 0, 0, 1 outside it)."""
+    """``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` (0, 0, 1 outside torchrun)."""
 
     rank: int
     local_rank: int
     world_size: int
 
-    @property
-    def launched(self) -> bool:
-        """Whether this process is one of several ranks (``WORLD_SIZE`` > 1)."""
-        return self.world_size > 1
-
 
 def torchrun_env() -> TorchrunEnv:
-    """The one reader of ``torchrun``'s environment variables; a value that is not an integer reads as unset."""
+    """The one reader of torchrun's variables; a value that is not an integer reads as unset."""
 
     def read(name: str, default: int) -> int:
         try:
@@ -66,7 +43,7 @@ def torchrun_env() -> TorchrunEnv:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``runconfig.device``: ``auto`` is CUDA when available; ``cuda`` without CUDA is a ``ValueError``."""
+    """``runconfig.device``: ``auto`` is CUDA when available."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
@@ -75,12 +52,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def init_distributed(device: str) -> bool:
-    """Under ``torchrun`` (``WORLD_SIZE`` > 1), initialise the default process group from the environment: NCCL
-    when ``device`` (``runconfig.device``) resolves to CUDA, this rank then using GPU ``LOCAL_RANK``; gloo
-    otherwise. Returns whether it initialised the group (then :func:`shutdown_distributed` ends it); ``False``
-    outside ``torchrun`` or when the group already exists."""
+    """Under torchrun, initialise the default process group (NCCL on GPU ``LOCAL_RANK``, else gloo); whether it
+    did (then :func:`shutdown_distributed` ends it)."""
     env = torchrun_env()
-    if not env.launched or not dist.is_available() or dist.is_initialized():
+    if env.world_size < 2 or not dist.is_available() or dist.is_initialized():
         return False
     if resolve_device(device).type == "cuda":
         torch.cuda.set_device(env.local_rank)
@@ -91,16 +66,14 @@ def init_distributed(device: str) -> bool:
 
 
 def shutdown_distributed() -> None:
-    """Destroy the default process group, after collecting the objects (DDP's reducer) that still hold it:
-    with gloo, a group referenced at interpreter exit can abort the process as it shuts down."""
+    # Collect DDP's reducer first: with gloo, a group still referenced at interpreter exit can abort the process.
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
 class _LossOf(torch.nn.Module):
-    """What ``DistributedDataParallel`` wraps: ``forward(batch)`` is the model's ``loss(batch)``, so the loss is
-    computed through DDP's forward (which prepares its gradient all-reduce)."""
+    """``forward(batch)`` is ``model.loss(batch)``, so the loss goes through DDP's forward (its all-reduce)."""
 
     def __init__(self, model: TrainModel) -> None:
         super().__init__()
@@ -111,23 +84,20 @@ class _LossOf(torch.nn.Module):
 
 
 def wrap_data_parallel(model: TrainModel, device: torch.device) -> DistributedDataParallel:
-    """``model`` in ``DistributedDataParallel`` (on ``device``: a GPU of its own per rank, or the CPU), called
-    with a batch, returning ``model.loss(batch)``. The model itself stays unwrapped (checkpoints hold it)."""
+    """``model``'s loss in DDP (the model itself stays unwrapped: checkpoints hold it)."""
     ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(_LossOf(model), device_ids=ids)
 
 
 def sum_over_ranks(values: Sequence[float], device: torch.device) -> list[float]:
-    """``values`` summed over the ranks of the default process group: one all-reduce (float64, on ``device``)."""
+    """``values`` summed over the ranks: one float64 all-reduce."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return [float(v) for v in tensor.tolist()]
 
 
 def run_on_rank0(action: Callable[[], None], rank: int, world_size: int) -> None:
-    """Run ``action`` on rank 0 alone. Data-parallel (``world_size`` > 1), its outcome is broadcast: when it
-    failed, every other rank raises :class:`RankError` with rank 0's message and exit status, so all ranks end
-    alike."""
+    """Run ``action`` on rank 0 alone; when it fails, every other rank raises :class:`RankError` alike."""
     error: Exception | None = None
     if rank == 0:
         try:
@@ -144,10 +114,8 @@ def run_on_rank0(action: Callable[[], None], rank: int, world_size: int) -> None
 
 
 class StopRequest:
-    """While active (main thread only), the first Ctrl-C (SIGINT) or SIGTERM asks the loop to stop after the current
-    step (which then checkpoints a consistent state and raises :meth:`interrupt`: ``KeyboardInterrupt``, or
-    :class:`Terminated` for SIGTERM); a second one interrupts at once. Data-parallel: the request is shared in the
-    all-reduce of the next logged step, after which every rank stops at the same step."""
+    """The first Ctrl-C or SIGTERM asks the loop to stop after the current step (it checkpoints, then raises
+    :meth:`interrupt`); a second one interrupts at once. Data-parallel: shared at the next logged step."""
 
     def __init__(self, log: Callable[[str], None], distributed: bool = False) -> None:
         self.log = log
@@ -158,16 +126,14 @@ class StopRequest:
         self._signals = contextlib.ExitStack()
 
     def _request(self, signum: int) -> bool:
-        """The first signal is a request (taken: ``True``); a second one raises at once (``dls_entry``)."""
         if self.requested:
             self.forced = True
             return False
         self.requested, self.signum = True, signum
         when = "at the next logged step (all ranks together)" if self.distributed else "after this step"
-        if signum == signal.SIGTERM:
-            self.log(f"SIGTERM: stopping {when} and saving a checkpoint")
-        else:
-            self.log(f"Ctrl-C: stopping {when} and saving a checkpoint (press Ctrl-C again to quit at once)")
+        term = signum == signal.SIGTERM
+        again = "" if term else " (press Ctrl-C again to quit at once)"
+        self.log(f"{'SIGTERM' if term else 'Ctrl-C'}: stopping {when} and saving a checkpoint{again}")
         return True
 
     def interrupt(self) -> KeyboardInterrupt:

@@ -1,5 +1,4 @@
-"""Reading ``metrics.jsonl``, and PNG plots of it (matplotlib's Agg canvas: no display, no global backend change;
-matplotlib is imported by the plotting functions only, so a run starts without paying for it)."""
+"""Reading ``metrics.jsonl``, and PNG plots of it (matplotlib's Agg canvas, imported only when plotting)."""
 
 from __future__ import annotations
 
@@ -13,39 +12,31 @@ from dls.diagnostics.scales import pow2
 from dls.train.errors import ModelDirError
 
 
+def _row(line: bytes) -> dict[str, Any] | str:
+    """A metrics row (a mapping with a step >= 0), or what is wrong with ``line``."""
+    try:
+        row = json.loads(line)
+    except ValueError as exc:  # not JSON or not UTF-8
+        return str(exc).splitlines()[0]
+    step = row.get("step") if isinstance(row, dict) else None
+    return row if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else str(row)
+
+
 def read_metrics(data: bytes) -> list[dict[str, Any]]:
-    """The rows of ``metrics.jsonl`` content, for plotting: lines that are not metrics rows are left out."""
-    rows: list[dict[str, Any]] = []
-    for line in data.splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:  # also UnicodeDecodeError
-            continue
-        if isinstance(row, dict) and _is_step(row.get("step")):
-            rows.append(row)
-    return rows
+    return [row for line in data.splitlines() if isinstance(row := _row(line), dict)]
 
 
 def metrics_to_keep(data: bytes | None, path: Path, step: int) -> bytes:
-    """The lines of ``metrics.jsonl`` content ``data`` (of the file ``path``) whose step is at most ``step``: what a
-    run resumed at ``step`` keeps (a crash may have left rows the checkpoint does not cover). A last line without
-    its newline (a run killed while writing it) is dropped. Any other line that is not a metrics row raises
-    :class:`~dls.train.errors.ModelDirError` naming it: the file is left as it is rather than losing it."""
-    if not data:
-        return b""
-    lines = data.split(b"\n")
+    """The rows of ``data`` (the file ``path``) a run resumed at ``step`` keeps; an unfinished last line is
+    dropped, any other line that is not a metrics row refused (:class:`ModelDirError`: the file is kept)."""
     kept = []
-    for number, line in enumerate(lines[:-1], start=1):  # lines[-1] is b"" or an unfinished last line
+    for number, line in enumerate((data or b"").split(b"\n")[:-1], start=1):  # [-1]: b"" or an unfinished line
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-            ok = isinstance(row, dict) and _is_step(row.get("step"))
-        except ValueError as exc:  # not JSON or not UTF-8
-            ok, row = False, str(exc).splitlines()[0]
-        if not ok:
+        row = _row(line)
+        if isinstance(row, str):
             raise ModelDirError(
-                f"{path} line {number} is not a metrics row ({str(row)[:80]}); a resumed run rewrites that file "
+                f"{path} line {number} is not a metrics row ({row[:80]}); a resumed run rewrites that file "
                 "and would lose it: move the file away (resuming does not need it) and run again"
             )
         if row["step"] <= step:
@@ -53,16 +44,12 @@ def metrics_to_keep(data: bytes | None, path: Path, step: int) -> bytes:
     return b"".join(kept)
 
 
-def _is_step(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _scale_tick(value: float, _pos: Any = None) -> str:
-    """A loss-scale axis label: ``dls.diagnostics.scales.pow2``'s ``2^k`` as a mathtext exponent."""
+    """A loss-scale axis label: ``pow2``'s ``2^k`` as a mathtext exponent."""
     if value <= 0:
         return ""
     text = pow2(value)
@@ -70,65 +57,17 @@ def _scale_tick(value: float, _pos: Any = None) -> str:
 
 
 def plot_run(rows: Sequence[dict[str, Any]], out: IO[bytes], title: str = "") -> None:
-    """Loss (top) and loss scale (bottom) over steps, as PNG into ``out``; skipped steps are red crosses on both."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter
-
-    fig = Figure(figsize=(9, 6.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax_loss, ax_scale = fig.subplots(2, 1, sharex=True)
-    steps = [r["step"] for r in rows if _finite(r.get("loss"))]
-    losses = [r["loss"] for r in rows if _finite(r.get("loss"))]
-    ax_loss.plot(steps, losses, color="tab:blue", lw=1.2, label="training loss")
-    skipped = [r for r in rows if r.get("skipped")]
-    positive = [v for v in losses if v > 0]
-    if positive and max(positive) / min(positive) > 20:  # a log axis only where the loss spans decades
-        ax_loss.set_yscale("log")
-    if skipped:
-        low = min(positive) if positive else 0.0
-        ys = [r["loss"] if _finite(r.get("loss")) and r["loss"] > 0 else low for r in skipped]
-        ax_loss.scatter([r["step"] for r in skipped], ys, marker="x", color="tab:red", zorder=3, label="skipped step")
-    ax_loss.set_ylabel("loss")
-    ax_loss.grid(True, which="both", alpha=0.3)
-    ax_loss.legend(loc="upper right")
-
-    scaled = [r for r in rows if _finite(r.get("loss_scale"))]
-    if scaled:
-        ax_scale.step([r["step"] for r in scaled], [r["loss_scale"] for r in scaled], where="post", color="tab:green")
-        ax_scale.set_yscale("log", base=2)
-        ax_scale.yaxis.set_major_formatter(FuncFormatter(_scale_tick))
-        marks = [(r["step"], r["loss_scale"]) for r in skipped if _finite(r.get("loss_scale"))]
-        if marks:
-            ax_scale.scatter(
-                [m[0] for m in marks],
-                [m[1] for m in marks],
-                marker="x",
-                color="tab:red",
-                zorder=3,
-                label=f"skipped step ({len(marks)})",
-            )
-            ax_scale.legend(loc="lower right")
-    else:
-        ax_scale.text(0.5, 0.5, "no loss scaling in this run", ha="center", va="center", transform=ax_scale.transAxes)
-        ax_scale.set_yticks([])
-    ax_scale.set_ylabel("loss scale")
-    ax_scale.set_xlabel("step")
-    ax_scale.grid(True, which="both", alpha=0.3)
-    if title:
-        fig.suptitle(title, fontsize=11, wrap=True)
-    fig.savefig(out, format="png", dpi=110)
+    """plots.png: the run's loss over steps and its loss scale below, skipped steps as red crosses."""
+    plot_comparison([("training loss", rows)], out, title)
 
 
 def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: IO[bytes], title: str = "") -> None:
-    """Several runs as small multiples (:func:`comparison_figure`), PNG into ``out``."""
     comparison_figure(runs, title).savefig(out, format="png", dpi=110)
 
 
 def comparison_figure(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], title: str = "") -> Any:
-    """A matplotlib Figure of several runs: per run, its loss over the first run's (the reference, dashed grey)
-    and below it the run's loss scale, skipped steps as red crosses. Loss panels share one axis and scale panels
-    another, so runs compare by position; no curve can hide another."""
+    """Small multiples: per run its loss over the first run's (dashed grey) and its loss scale below, skipped steps
+    as red crosses; shared axes, so runs compare by position and no curve hides another."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -136,7 +75,8 @@ def comparison_figure(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], titl
 
     columns = min(len(runs), 5)
     groups = -(-len(runs) // columns)
-    fig = Figure(figsize=(3.1 * columns + 0.6, 3.5 * groups + 0.9), layout="constrained")
+    width = 8.4 if columns == 1 else 3.1
+    fig = Figure(figsize=(width * columns + 0.6, 3.5 * groups + 0.9), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(2 * groups, columns, sharex=True, squeeze=False, height_ratios=[3, 1.3] * groups)
     loss_axes, scale_axes = axes[0::2].ravel(), axes[1::2].ravel()
@@ -156,7 +96,7 @@ def comparison_figure(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], titl
             ax_loss.plot(*zip(*reference), "--", color="0.55", lw=1.2)
         pts = losses(rows)
         if pts:
-            ax_loss.plot(*zip(*pts), color="black" if i == 0 else "tab:blue", lw=1.4)
+            ax_loss.plot(*zip(*pts), color="black" if i == 0 and len(runs) > 1 else "tab:blue", lw=1.4)
         skipped = [r for r in rows if r.get("skipped")]
         marks = [(r["step"], r["loss"]) for r in skipped if _finite(r.get("loss")) and r["loss"] > 0]
         if marks:
@@ -197,6 +137,8 @@ def comparison_figure(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], titl
         Line2D([], [], color="tab:green", lw=1.4, label="loss scale"),
         Line2D([], [], color="tab:red", marker="x", ls="", label="skipped step"),
     ]
+    if len(runs) == 1:
+        del handles[1]  # one run: no reference
     fig.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=9, frameon=False)
     if title:
         fig.suptitle(title)

@@ -1,6 +1,5 @@
-"""How a run computes (``precision:``): parameter dtype, FP8 Linear layers, master weights, the forward pass's
-autocast or ``dls.emulate`` hooks, and the underflow each logged row measures (``optimizer.log_summaries``).
-"""
+"""How a run computes (``precision:``): parameter dtype, FP8 layers, master weights, autocast or ``dls.emulate``,
+and the underflow each logged row measures (``optimizer.log_summaries``)."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ class RunPrecision:
         self._fp8_fractions: list[tuple[float, float]] = []  # (flushed, saturated) of grad_output, per logged row
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """``optimizer`` stepping float32 masters (``dls.master_weights``) with half parameters and master weights,
-        else ``optimizer`` itself."""
+        """``optimizer`` stepping float32 masters (``dls.master_weights``) where the config asks for them."""
         if not self.master_weights:
             return optimizer
         return dls.master_weights(optimizer, fmt="cbfloat16" if self.fp16_type == "cbfloat16" else None)
@@ -60,8 +58,7 @@ class RunPrecision:
             self.emulation = dls.emulate(self.model, self.compute_dtype, track_stats=self.log_summaries)
 
     def remove_hooks(self) -> None:
-        """Take out the emulation hooks of this session and FP8's (the evaluation after training is float32); the FP8
-        state stays readable for the final checkpoint."""
+        """Take out this session's emulation and FP8 hooks (the FP8 state stays for the final checkpoint)."""
         if self.emulation is not None:
             self.emulation.remove()
             self.emulation = None
@@ -69,16 +66,14 @@ class RunPrecision:
             self.fp8.remove()
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """The forward pass's context: ``torch.autocast`` for float16/bfloat16 without emulation or half parameters,
-        else nothing."""
+        """``torch.autocast`` for float16/bfloat16 without emulation or half parameters, else nothing."""
         if self.compute_dtype in HALF_DTYPES and self.emulation is None and not self.half_params:
             dtype = torch.float16 if self.compute_dtype == "float16" else torch.bfloat16
             return torch.autocast(self.device.type, dtype=dtype)
         return contextlib.nullcontext()
 
     def to_device(self, batch: Batch, dtype: torch.dtype | None = None) -> Batch:
-        """``batch`` (tensors in tuples, lists, dicts) on the run's device; with half parameters, floating-point
-        inputs in their dtype (no autocast; the built-in models' targets stay as they are)."""
+        """``batch`` (tensors in tuples, lists, dicts) on the device; floating-point inputs in ``dtype``."""
         dtype = dtype or self.param_dtype
         if isinstance(batch, torch.Tensor):
             cast = dtype if batch.is_floating_point() else None
@@ -93,13 +88,11 @@ class RunPrecision:
 
     @property
     def probes_underflow(self) -> bool:
-        """Whether logged steps measure underflow with :meth:`probe_underflow`: with ``log_summaries`` in a half-
-        precision run, but not under ``dls.emulate`` (its own statistics count the same thing) nor FP8."""
+        """Whether logged steps run :meth:`probe_underflow` (``log_summaries``, half precision, no emulation/FP8)."""
         return self.log_summaries and self.compute_dtype != "float32" and self.emulation is None and self.fp8 is None
 
     def probe_underflow(self, batch: Batch, scale: float) -> float:
-        """The fraction of nonzero activation gradients that the half format flushes to zero at loss scale ``scale``,
-        from one emulated backward pass on ``batch`` (parameters' ``.grad`` and every RNG untouched)."""
+        """The fraction of nonzero activation gradients flushed to zero at ``scale`` (one emulated backward pass)."""
         model: TrainModel = self.model
         if self.param_dtype != torch.float32:  # half parameters: a float32 copy holds the same values
             model = copy.deepcopy(model).float()
@@ -113,8 +106,7 @@ class RunPrecision:
         return float(handle.stats.underflow_fraction)
 
     def emulated_underflow(self) -> float | None:
-        """Under ``dls.emulate`` with ``log_summaries``: the underflow its statistics counted since the last call
-        (which resets them); else ``None``."""
+        """Under ``dls.emulate`` with ``log_summaries``: the underflow counted since the last call; else ``None``."""
         if self.emulation is None or not self.log_summaries:
             return None
         stats = self.emulation.stats
@@ -124,8 +116,7 @@ class RunPrecision:
         return underflow
 
     def fp8_fractions(self) -> list[float]:
-        """With FP8: ``[flushed, saturated]``, the fractions of nonzero grad_output values its casts flushed to zero
-        and saturated since the last call (which resets the statistics, one read); else ``[]``."""
+        """With FP8: ``[flushed, saturated]`` fractions of grad_output casts since the last call; else ``[]``."""
         if self.fp8 is None:
             return []
         totals = self.fp8.stats.totals()["grad_output"]
@@ -133,16 +124,14 @@ class RunPrecision:
         return [float(totals["flushed_fraction"]), float(totals["saturated_fraction"])]
 
     def record(self, underflow: float | None, fp8: Sequence[float]) -> None:
-        """Keep a logged row's ``grad_underflow`` (``None``: not measured) and FP8 fractions (as
-        :meth:`fp8_fractions` gives them, after averaging over the ranks) for :meth:`means`."""
+        """Keep a logged row's ``grad_underflow`` and FP8 fractions for :meth:`means`."""
         if underflow is not None:
             self._underflows.append(underflow)
         if fp8:
             self._fp8_fractions.append((fp8[0], fp8[1]))
 
     def means(self) -> tuple[float | None, float | None, float | None]:
-        """The means of the recorded underflow, FP8 flushed and FP8 saturated fractions (``None`` where none was
-        recorded), over every row recorded since this object was built."""
+        """The means of the recorded underflow, FP8 flushed and saturated fractions (``None``: none recorded)."""
         return (
             _mean(self._underflows),
             _mean([f for f, _ in self._fp8_fractions]),

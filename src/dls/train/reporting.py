@@ -1,6 +1,4 @@
-"""What a run shows: the progress display, one-line descriptions of its precision and loss scaling, the summary
-table. Built from values the loop has already read.
-"""
+"""What a run shows (progress, one-line descriptions, the summary), from values the loop has already read."""
 
 from __future__ import annotations
 
@@ -16,16 +14,6 @@ from rich.table import Table
 
 from dls.diagnostics.scales import pow2
 from dls.train.config import TrainConfig, loss_scaling_mode, scaler_settings
-
-__all__ = [
-    "ProgressDisplay",
-    "TrainResult",
-    "describe_precision",
-    "describe_run",
-    "describe_scaling",
-    "json_number",
-    "print_summary",
-]
 
 
 @dataclass
@@ -50,12 +38,10 @@ class TrainResult:
 
 
 def json_number(value: float | None) -> float | None:
-    """``value``, or ``None`` for inf/NaN (JSON has neither)."""
     return value if value is not None and math.isfinite(value) else None
 
 
 def describe_scaling(cfg: TrainConfig) -> str:
-    """The run's loss scaling in one line, from the scaler's settings."""
     mode = loss_scaling_mode(cfg)
     if mode == "off":
         return "no loss scaling"
@@ -63,13 +49,12 @@ def describe_scaling(cfg: TrainConfig) -> str:
     if mode == "static":
         return f"static loss scale {pow2(s.init_scale)}"
     return (
-        f"dynamic loss scaling (start {pow2(s.init_scale)}, x{s.growth_factor:g} after {s.steps_per_increase} "
+        f"dynamic loss scaling (start {pow2(s.init_scale)}, x{s.growth_factor:g} after {s.growth_interval} "
         f"clean steps, range {pow2(s.min_loss_scale)}..{pow2(s.max_loss_scale)})"
     )
 
 
 def describe_precision(cfg: TrainConfig) -> str:
-    """The run's precision in a few words: compute format and how it is had, parameters, FP8 recipe."""
     prec = cfg.precision
     dtype = prec.compute_dtype
     if dtype == "float32":
@@ -86,7 +71,7 @@ def describe_precision(cfg: TrainConfig) -> str:
 
 
 def describe_fp8(recipe: Mapping[str, Any]) -> str:
-    """``delayed scaling, margin 2`` : the recipe's name and the fields that differ from its defaults."""
+    """``delayed scaling, margin 2``: the recipe's name and the fields that differ from its defaults."""
     from dls.fp8 import RECIPE_NAMES
 
     name = recipe["recipe"]
@@ -98,16 +83,13 @@ def describe_fp8(recipe: Mapping[str, Any]) -> str:
 def describe_run(
     cfg: TrainConfig, start_step: int, model_dir: Path, world_size: int, device_type: str, max_steps: int
 ) -> str:
-    """The line a session starts with: model, data, precision, loss scaling, the steps from ``start_step``, where the
-    outputs go, and, data-parallel, the ranks and the global batch."""
     text = (
         f"{cfg.model.name} on {cfg.data.dataset or cfg.data.data_processor}, {describe_precision(cfg)}, "
         f"{describe_scaling(cfg)}; steps {start_step}->{max_steps}; output in {model_dir}"
     )
     if world_size > 1:
-        text += (
-            f"; data-parallel on {world_size} ranks ({device_type}), global batch {world_size} x {cfg.data.batch_size}"
-        )
+        text += f"; data-parallel on {world_size} ranks ({device_type}), global batch {world_size} x "
+        text += str(cfg.data.batch_size)
     return text
 
 
@@ -121,20 +103,13 @@ class ProgressDisplay:
         self.progress: Progress | None = None
         self.enabled = enabled
         if enabled and console.is_terminal:
-            self.progress = Progress(
-                TextColumn("[bold]{task.fields[label]}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.description}"),
-                TimeElapsedColumn(),
-                TimeRemainingColumn(),
-                console=console,
-            )
+            bar = (TextColumn("[bold]{task.fields[label]}"), BarColumn(), MofNCompleteColumn())
+            times = (TextColumn("{task.description}"), TimeElapsedColumn(), TimeRemainingColumn())
+            self.progress = Progress(*bar, *times, console=console)
             self.task = self.progress.add_task("", total=total, completed=start, label=label)
             self.progress.start()
 
     def update(self, row: dict[str, Any], skipped_total: int | None) -> None:
-        """Show the logged ``row`` (and the run's count of skipped steps, read with it)."""
         if not self.enabled:
             return
         step = row["step"]
@@ -172,10 +147,9 @@ def print_summary(console: Console, cfg: TrainConfig, result: TrainResult) -> No
     if result.grad_underflow is not None:
         table.add_row("gradient underflow", f"{100 * result.grad_underflow:.2f}% of nonzero activation gradients")
     if result.fp8_flushed is not None and result.fp8_saturated is not None:
+        flushed, saturated = 100 * result.fp8_flushed, 100 * result.fp8_saturated
         table.add_row(
-            "FP8 grad_output",
-            f"{100 * result.fp8_flushed:.2f}% of nonzero values flushed to zero, {100 * result.fp8_saturated:.2f}% "
-            "saturated",
+            "FP8 grad_output", f"{flushed:.2f}% of nonzero values flushed to zero, {saturated:.2f}% saturated"
         )
     table.add_row("wall time", f"{result.wall_time:.1f} s")
     table.add_row("checkpoint", str(result.checkpoint))

@@ -1,56 +1,34 @@
-"""Resuming: loading a checkpoint into a trainer (:func:`restore`), every field checked before use (where a
-resumed run may write: :func:`dls.train.outputs.check_model_dir`).
-
-FP8 state (``fp8``) is loaded with ``model`` when the checkpoint's recipe is the config's (else FP8 scaling starts
-fresh, said in the log). With ``precision.half_params`` the ``optimizer`` state holds the float32 master weights,
-restored bit for bit; a state without masters takes them from the loaded model.
-
-Loss scaling: the config (YAML and overrides) defines the scaler's mode and settings; the checkpoint contributes
-only its dynamic state (read by :func:`dls.scaler_state.parse_state_dict`), each difference logged in one
-line. Static to dynamic starts
-from the config's initial scale, dynamic to static uses the config's scale; skipped steps always carry over.
-"""
+"""Loading a checkpoint into a trainer (:func:`restore`), every field checked before use. The config defines the
+loss scaler's mode and settings; the checkpoint contributes only its dynamic state, each difference logged."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from dls.diagnostics.scales import pow2
 from dls.scaler_state import parse_state_dict
-from dls.settings import ScalerSettings
 from dls.train import checkpoint as ckpt
-from dls.train.config import (
-    CHECKPOINT_STATES,
-    ConfigError,
-    TrainConfig,
-    loss_scaling_mode,
-    parse_config,
-    scaler_settings,
-)
-from dls.train.errors import CheckpointError
+from dls.train.config import CHECKPOINT_STATES, TrainConfig, loss_scaling_mode, parse_config, scaler_settings
+from dls.train.errors import CheckpointError, ConfigError
 from dls.train.schema import SCALER_KEYS
-
-if TYPE_CHECKING:
-    from dls.train.trainer import Trainer
 
 # The settings of the dynamic rule (ScalerSettings attribute -> config key), compared on resume.
 _SETTING_KEYS = {arg: key for key, arg in SCALER_KEYS.items() if arg not in ("loss_scale", "max_gradient_norm")}
 # Per-parameter state every optimizer family needs once it has stepped.
 _REQUIRED_STATE = {"SGD": ("momentum_buffer",), "Adam": ("step", "exp_avg", "exp_avg_sq")}
 _INT64_MAX = 2**63 - 1
+_LOAD_ERRORS = (ValueError, KeyError, RuntimeError, TypeError, AttributeError, IndexError, OverflowError)
 
 
-# ---------------------------------------------------------------------- loading
-def restore(trainer: Trainer, path: Path, state: dict[str, Any], states: Sequence[str]) -> None:
-    """Load ``states`` of the checkpoint ``state`` (read from ``path``) into ``trainer``. Every field is checked:
-    a field that does not fit raises :class:`CheckpointError` naming it and the file."""
-    saved_step = state.get("global_step", "?")
-    trainer.log(f"Loading {path} (step {saved_step}): {', '.join(states)}")
+def restore(trainer: Any, path: Path, state: dict[str, Any], states: Sequence[str]) -> None:
+    """Load ``states`` of the checkpoint ``state`` (read from ``path``) into ``trainer`` (a ``Trainer``); a field
+    that does not fit raises :class:`CheckpointError` naming it and the file."""
+    trainer.log(f"Loading {path} (step {state.get('global_step', '?')}): {', '.join(states)}")
     fresh = [s for s in CHECKPOINT_STATES if s not in states]
     if fresh:
         trainer.log(f"Not loaded (fresh from the config): {', '.join(fresh)}")
@@ -75,38 +53,35 @@ def restore(trainer: Trainer, path: Path, state: dict[str, Any], states: Sequenc
         try:
             strict = not trainer.cfg.runconfig.disable_strict_checkpoint_loading
             trainer.model.load_state_dict(state["model"], strict=strict)
-        except (RuntimeError, TypeError, ValueError, KeyError, AttributeError) as exc:
-            first = str(exc).strip().splitlines()
+        except _LOAD_ERRORS as exc:
+            first = (str(exc).strip().splitlines() or [str(exc)])[0]
             raise CheckpointError(
-                f"the model in {path} does not fit model: in this config ({first[0] if first else exc}); "
-                "resume with the config the checkpoint was trained with"
+                f"the model in {path} does not fit model: in this config ({first}); resume with the config the "
+                "checkpoint was trained with"
             ) from None
         _restore_fp8(trainer, path, state.get("fp8"))
     saved_cfg = _saved_config(state)
-    if "optimizer" in states and "optimizer" in state:
-        _load_optimizer(trainer, path, state["optimizer"], saved_cfg)
-    for key, target, check in (
-        ("lr_scheduler", trainer.scheduler, _check_scheduler),
-        ("dataloader", trainer.batches, None),
-    ):
+    targets = {"optimizer": None, "lr_scheduler": trainer.scheduler, "dataloader": trainer.batches}
+    for key, target in targets.items():
         if key not in states:
             continue
         if key not in state:
             trainer.log(f"{path} has no {key} state; {key} starts fresh")
-            continue
-        try:
-            if check is not None:
-                check(state[key], len(trainer.optimizer.param_groups))
-            target.load_state_dict(state[key])
-        except (ValueError, KeyError, RuntimeError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"cannot load the {key} state of {path}: {exc}") from None
-        if key == "lr_scheduler" and ckpt.format_version(state) == 1:
-            trainer.log(
-                f"{path} has checkpoint format 1, whose LR schedule advanced on skipped steps too: it goes on from "
-                f"its position ({state[key]['last_epoch']} steps) and from now on advances on applied steps only"
-            )
-    if "optimizer" in states and "optimizer" not in state:
-        trainer.log(f"{path} has no optimizer state; optimizer starts fresh")
+        elif key == "optimizer":
+            _load_optimizer(trainer, path, state[key], saved_cfg)
+        else:
+            try:
+                if key == "lr_scheduler":
+                    _check_scheduler(state[key], len(trainer.optimizer.param_groups))
+                target.load_state_dict(state[key])
+            except _LOAD_ERRORS as exc:
+                raise CheckpointError(f"cannot load the {key} state of {path}: {exc}") from None
+            if key == "lr_scheduler" and ckpt.format_version(state) == 1:
+                trainer.log(
+                    f"{path} has checkpoint format 1, whose LR schedule advanced on skipped steps too: it goes on "
+                    f"from its position ({state[key]['last_epoch']} steps) and from now on advances on applied steps "
+                    "only"
+                )
     if "grad_scaler" in states:
         _restore_scaler(trainer, path, state.get("grad_scaler"), saved_cfg)
     if "global_step" in states:
@@ -115,14 +90,14 @@ def restore(trainer: Trainer, path: Path, state: dict[str, Any], states: Sequenc
         _restore_rng(trainer, path, state)  # last: building the run above must not consume the restored RNG
 
 
-def _restore_fp8(trainer: Trainer, path: Path, saved: Any) -> None:
+def _restore_fp8(trainer: Any, path: Path, saved: Any) -> None:
+    """FP8 state loads with the model when the checkpoint's recipe is the config's; else FP8 scaling starts fresh."""
     handle = trainer.fp8
-    if handle is None:
-        if saved is not None:
+    if handle is None or saved is None:
+        if handle is None and saved is not None:
             trainer.log(f"the fp8 state in {path} is not used: this config has no precision.fp8")
-        return
-    if saved is None:
-        trainer.log(f"{path} has no fp8 state (a run without precision.fp8 wrote it); FP8 scaling starts fresh")
+        elif handle is not None:
+            trainer.log(f"{path} has no fp8 state (a run without precision.fp8 wrote it); FP8 scaling starts fresh")
         return
     from dls.fp8 import recipe_from_dict
 
@@ -147,10 +122,8 @@ def _count(value: Any, what: str, path: Path) -> int:
 
 def _saved_config(state: dict[str, Any]) -> TrainConfig | None:
     saved = state.get("config")
-    if not isinstance(saved, dict):
-        return None
     try:
-        return parse_config(saved)
+        return parse_config(saved) if isinstance(saved, dict) else None
     except ConfigError:
         return None
 
@@ -159,14 +132,9 @@ def _family(optimizer_type: str) -> str:
     return "SGD" if optimizer_type == "SGD" else "Adam"
 
 
-def _load_optimizer(trainer: Trainer, path: Path, saved: Any, saved_cfg: TrainConfig | None) -> None:
-    optimizer = trainer.optimizer
-    groups = saved.get("param_groups") if isinstance(saved, dict) else None
-    if (
-        not isinstance(groups, list)
-        or not isinstance(saved.get("state"), dict)
-        or not all(isinstance(g, dict) for g in groups)
-    ):
+def _load_optimizer(trainer: Any, path: Path, saved: Any, saved_cfg: TrainConfig | None) -> None:
+    groups, state = (saved.get("param_groups"), saved.get("state")) if isinstance(saved, dict) else (None, None)
+    if not isinstance(groups, list) or not isinstance(state, dict) or not all(isinstance(g, dict) for g in groups):
         raise CheckpointError(f"the optimizer state in {path} is not an optimizer state dict (state, param_groups)")
     now = trainer.cfg.optimizer.optimizer_type
     # SGD groups have 'momentum', Adam/AdamW groups 'betas': a state of the other family breaks the first step.
@@ -178,17 +146,16 @@ def _load_optimizer(trainer: Trainer, path: Path, saved: Any, saved_cfg: TrainCo
             "resume without it (--load_checkpoint_states with every state but optimizer; in the run's own "
             "directory keep global_step) or with the checkpoint's optimizer_type"
         )
-    _check_optimizer_state(saved, optimizer, _REQUIRED_STATE[_family(now)], path)
+    _check_optimizer_state(saved, trainer.optimizer, _REQUIRED_STATE[_family(now)], path)
     try:
-        optimizer.load_state_dict(saved)
-    except (ValueError, KeyError, RuntimeError, TypeError, AttributeError, IndexError) as exc:
+        trainer.optimizer.load_state_dict(saved)
+    except _LOAD_ERRORS as exc:
         raise CheckpointError(f"cannot load the optimizer state of {path}: {exc}") from None
 
 
 def _check_optimizer_state(saved: dict[str, Any], optimizer: Any, required: Sequence[str], path: Path) -> None:
-    """Check a saved optimizer state against ``optimizer`` before it is loaded (torch's ``load_state_dict`` checks
-    only the group sizes): every hyperparameter and value finite, each parameter's state of its shape and a
-    floating dtype, ``step`` a count >= 0, the state every parameter of the family needs once it has stepped."""
+    """What torch's ``load_state_dict`` does not check: finite values and hyperparameters, each parameter's state
+    of its shape and a floating dtype, ``step`` a count >= 0, the state the family needs once it has stepped."""
     groups, now_groups = saved["param_groups"], optimizer.param_groups
     if len(groups) != len(now_groups):
         raise CheckpointError(
@@ -233,10 +200,8 @@ def _finite(value: Any) -> bool:
         return not value.is_floating_point() or bool(torch.isfinite(value).all())
     if isinstance(value, float):
         return math.isfinite(value)
-    if isinstance(value, (list, tuple)):
-        return all(_finite(v) for v in value)
-    if isinstance(value, dict):
-        return all(_finite(v) for v in value.values())
+    if isinstance(value, (list, tuple, dict)):
+        return all(_finite(v) for v in (value.values() if isinstance(value, dict) else value))
     return True
 
 
@@ -257,7 +222,7 @@ def _check_scheduler(saved: Any, num_groups: int) -> None:
             raise ValueError(f"{key} must be a list of {num_groups} finite numbers; got {values!r}")
 
 
-def _restore_rng(trainer: Trainer, path: Path, state: dict[str, Any]) -> None:
+def _restore_rng(trainer: Any, path: Path, state: dict[str, Any]) -> None:
     rng_ranks = state.get("rng_ranks")
     try:
         if trainer.world_size > 1 and isinstance(rng_ranks, list) and len(rng_ranks) == trainer.world_size:
@@ -268,15 +233,16 @@ def _restore_rng(trainer: Trainer, path: Path, state: dict[str, Any]) -> None:
                 ckpt.seed_everything(trainer.cfg.runconfig.seed + trainer.rank + 1_000_003 * trainer.global_step)
         else:
             trainer.log(f"{path} has no rng state; random-number generators start from runconfig.seed")
-    except (TypeError, ValueError, RuntimeError, KeyError, IndexError, OverflowError) as exc:
+    except _LOAD_ERRORS as exc:
         raise CheckpointError(f"cannot restore the random-number generators (rng) of {path}: {exc}") from None
 
 
-# ---------------------------------------------------------------------- the loss scaler
-def _restore_scaler(trainer: Trainer, path: Path, saved: Any, saved_cfg: TrainConfig | None) -> None:
+def _restore_scaler(trainer: Any, path: Path, saved: Any, saved_cfg: TrainConfig | None) -> None:
     scaler = trainer.scaler
-    if not saved:
-        if scaler.is_enabled():
+    if not saved or not scaler.is_enabled():
+        if saved and not scaler.is_enabled():
+            trainer.log(f"the grad_scaler state in {path} is not used: this config has no loss scaling")
+        elif scaler.is_enabled():
             from dls.train.reporting import describe_scaling
 
             trainer.log(
@@ -284,77 +250,65 @@ def _restore_scaler(trainer: Trainer, path: Path, saved: Any, saved_cfg: TrainCo
                 f"using the loss scaler built from the config: {describe_scaling(trainer.cfg)}"
             )
         return
-    if not scaler.is_enabled():
-        trainer.log(f"the grad_scaler state in {path} is not used: this config has no loss scaling")
-        return
     values, lines = scaler_state_to_load(saved, saved_cfg, trainer.cfg, path)
     for line in lines:
         trainer.log(line)
-    if not values:
-        return
-    try:
-        scaler.load_state_dict(values)
-    except (ValueError, RuntimeError, TypeError, OverflowError) as exc:
-        raise CheckpointError(f"cannot load the grad_scaler state of {path}: {exc}") from None
+    if values:
+        try:
+            scaler.load_state_dict(values)
+        except (ValueError, RuntimeError, TypeError, OverflowError) as exc:
+            raise CheckpointError(f"cannot load the grad_scaler state of {path}: {exc}") from None
 
 
 def scaler_state_to_load(
     saved: Any, saved_cfg: TrainConfig | None, cfg: TrainConfig, path: Path
 ) -> tuple[dict[str, Any], list[str]]:
-    """The part of a checkpoint's ``grad_scaler`` state that a run of ``cfg`` loads (dynamic state only, see the
-    module docstring), and one log line per difference between the checkpoint's scaling (``saved_cfg``, the
-    config stored with it; ``None`` when unreadable) and ``cfg``'s."""
+    """The part of a checkpoint's ``grad_scaler`` state that a run of ``cfg`` loads, and one log line per
+    difference between the checkpoint's scaling (``saved_cfg``; ``None`` when unreadable) and ``cfg``'s. Static to
+    dynamic starts from the config's initial scale, dynamic to static uses the config's; skipped steps carry over."""
     if not isinstance(saved, dict):
         raise CheckpointError(f"the grad_scaler state in {path} must be a mapping; got {type(saved).__name__}")
     now_mode, now = loss_scaling_mode(cfg), scaler_settings(cfg)
     try:  # the scaler's own parser: keys, torch's aliases, format versions, checks and the clamp into the bounds
         loaded = parse_state_dict(
-            saved, now, apply_settings=False, own_names_first=True, label=lambda key: f"grad_scaler.{key} in {path}"
-        )
+            saved, now, apply_settings=False, own_names_first=True, label=lambda key: f"grad_scaler.{key} in {path}",
+            extra=("kept_in_float32",),  # the float32 fallback's modules: checked by the scaler when it loads them
+        )  # fmt: skip
     except (ValueError, RuntimeError) as exc:
         raise CheckpointError(str(exc)) from None
-    values: dict[str, Any] = dict(loaded.values)
+    values: dict[str, Any] = {**loaded.values, **loaded.extra}
     scale = loaded.clamped if loaded.clamped is not None else values.get("loss_scale")
+    shown = "none" if scale is None else pow2(scale)
     then_mode = loss_scaling_mode(saved_cfg) if saved_cfg is not None else None
-    then: ScalerSettings | None = scaler_settings(saved_cfg) if saved_cfg is not None else None
-    lines = []
-    if then is None or then_mode not in ("static", "dynamic"):
-        then = None
-        lines.append(f"the config saved in {path} is unreadable: its loss-scaling settings are not compared")
-    skipped = values.get("num_skipped_steps", 0)
+    then = scaler_settings(saved_cfg) if saved_cfg is not None and then_mode in ("static", "dynamic") else None
+    unreadable = f"the config saved in {path} is unreadable: its loss-scaling settings are not compared"
+    lines = [] if then is not None else [unreadable]
     if then is not None and then_mode != now_mode:
-        if now_mode == "dynamic":
-            lines.append(
-                f"loss scaling: static {pow2(then.init_scale)} in the checkpoint, dynamic now: the scale starts from "
-                f"the config's initial scale {pow2(now.init_scale)}; {skipped} skipped steps carried over"
-            )
-        else:
-            lines.append(
-                f"loss scaling: dynamic in the checkpoint (scale {_shown(scale)}), static {pow2(now.init_scale)} now: "
-                f"the config's static scale is used; {skipped} skipped steps carried over"
-            )
+        skipped = f"{values.get('num_skipped_steps', 0)} skipped steps carried over"
+        lines.append(
+            f"loss scaling: static {pow2(then.init_scale)} in the checkpoint, dynamic now: the scale starts from "
+            f"the config's initial scale {pow2(now.init_scale)}; {skipped}"
+            if now_mode == "dynamic"
+            else f"loss scaling: dynamic in the checkpoint (scale {shown}), static {pow2(now.init_scale)} now: "
+            f"the config's static scale is used; {skipped}"
+        )
         return {k: values[k] for k in ("num_skipped_steps",) if k in values}, lines
     if now_mode == "static":
         values.pop("loss_scale", None)  # a static scale is the config's
         if then is not None and then.init_scale != now.init_scale:
-            lines.append(
-                f"static loss scale: {pow2(then.init_scale)} in the checkpoint, {pow2(now.init_scale)} now: "
-                f"{pow2(now.init_scale)} is used"
-            )
+            old, new = pow2(then.init_scale), pow2(now.init_scale)
+            lines.append(f"static loss scale: {old} in the checkpoint, {new} now: {new} is used")
         return values, lines
     for attribute, config_key in _SETTING_KEYS.items():
         before, after = (getattr(then, attribute, None), getattr(now, attribute, None)) if then else (0, 0)
         if before == after:
             continue
-        if attribute == "init_scale":
-            lines.append(
-                f"optimizer.initial_loss_scale: {before} in the checkpoint's config, {after} now: not used, "
-                f"the scale continues from the checkpoint's ({_shown(scale)})"
-            )
-        else:
-            lines.append(
-                f"optimizer.{config_key}: {before:g} in the checkpoint's config, {after:g} now: {after:g} is used"
-            )
+        lines.append(
+            f"optimizer.initial_loss_scale: {before} in the checkpoint's config, {after} now: not used, the scale "
+            f"continues from the checkpoint's ({shown})"
+            if attribute == "init_scale"
+            else f"optimizer.{config_key}: {before:g} in the checkpoint's config, {after:g} now: {after:g} is used"
+        )
     if loaded.clamped is not None:
         low, high, clamped = now.min_loss_scale, now.max_loss_scale, values["loss_scale"]
         bound = "optimizer.max_loss_scale" if clamped == high else "optimizer.min_loss_scale"
@@ -363,7 +317,3 @@ def scaler_state_to_load(
             f"at {bound} ({pow2(clamped)})"
         )
     return values, lines
-
-
-def _shown(scale: float | None) -> str:
-    return "none" if scale is None else pow2(scale)

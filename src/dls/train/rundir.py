@@ -1,21 +1,5 @@
-"""The run directory (``runconfig.model_dir``): resolved once, locked for one run at a time, written without ever
-following a symbolic link.
-
-* :func:`resolve_model_dir` resolves the path once (a symlinked ``runs/`` is fine); everything after works relative
-  to a descriptor of that directory (opened with ``O_NOFOLLOW``), so the run cannot be redirected later.
-* :class:`RunDir` holds an exclusive lock on ``MODEL_DIR/.dls.lock`` (``fcntl.flock``, which the kernel releases
-  when the holding process dies, however it dies). The file records the holder's pid, host and start time, so a
-  second run is refused naming the holder, and a lock file left by a killed run is recognised as stale (its
-  holder is gone: the lock is free) and taken over. The lock file is removed when the run releases it.
-* Every file is written to a new temporary name created exclusively (``O_CREAT | O_EXCL | O_NOFOLLOW``), flushed,
-  fsync-ed and renamed over the final name (``os.replace``, which replaces a symbolic link itself, never its
-  target). Readers see the old file or the new one, never a part.
-* ``metrics.jsonl`` is rewritten that way once, then kept open as one append handle (:meth:`RunDir.open_log`).
-* A subdirectory (TensorBoard's) is created or opened without following a link (:meth:`RunDir.subdirectory`).
-
-POSIX only (Linux, macOS): it relies on ``flock``, ``O_NOFOLLOW`` and ``dir_fd``. On NFS, Linux emulates
-``flock`` with byte-range locks, which work across hosts.
-"""
+"""The run directory: resolved once, locked for one run at a time (``flock``; a lock left by a killed run is
+taken over), written only through its descriptor, never through a link, each file atomically. POSIX only."""
 
 from __future__ import annotations
 
@@ -28,31 +12,25 @@ import os
 import secrets
 import socket
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from dls.train.errors import ModelDirError
 
 LOCK_FILE = ".dls.lock"
-_NOFOLLOW, _CLOEXEC, _DIRECTORY = os.O_NOFOLLOW, os.O_CLOEXEC, os.O_DIRECTORY
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW
 
 
 def resolve_model_dir(path: str | Path, what: str = "runconfig.model_dir") -> Path:
-    """``path`` made absolute with every symbolic link resolved (done once per run); ``what``: the key or option
-    that named it, for the error."""
+    """``path`` absolute with every link resolved (once per run); ``what`` names it in errors."""
     if "\0" in str(path):
         raise ModelDirError(f"{what} {str(path)!r} contains a NUL character, which no path can hold")
     return Path(os.path.realpath(Path(path).expanduser()))
 
 
-def _holder_record() -> dict[str, Any]:
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return {"pid": os.getpid(), "host": socket.gethostname(), "since": now}
-
-
 def describe_holder(record: dict[str, Any] | None, held: bool = True) -> str:
-    """Who ``record`` names; ``held``: the lock is still held now (then a holder that ended left a child with it)."""
+    """Who holds a lock (``held``: still now; then a holder that ended left a child with it)."""
     if not record:
         return "another process (no holder recorded)"
     pid, host = record.get("pid", "?"), record.get("host", "?")
@@ -68,7 +46,7 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except OSError:  # e.g. EPERM: it exists
-        return True
+        pass
     return True
 
 
@@ -87,9 +65,9 @@ def _fsync_dir(dir_fd: int) -> None:
 
 
 def open_directory(path: Path) -> int:
-    """A descriptor of the directory ``path`` (its last component must not be a symbolic link)."""
+    """A descriptor of the directory ``path`` (whose last component must not be a link)."""
     try:
-        return os.open(path, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
+        return os.open(path, _DIRECTORY)
     except OSError as exc:
         if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and path.is_symlink()):
             raise ModelDirError(f"{path} is a symbolic link; give the directory it points to") from None
@@ -99,55 +77,32 @@ def open_directory(path: Path) -> int:
 def replace_file(
     dir_fd: int, name: str, data: bytes | memoryview, *, keep_open: bool = False, shown: Path | None = None
 ) -> IO[bytes] | None:
-    """Write ``data`` to ``name`` in the directory ``dir_fd`` atomically: a new temporary file (created
-    exclusively, never through a link) receives it, is fsync-ed and renamed over ``name``. With ``keep_open``
-    the file is returned open for appending (its name is ``name`` by then). ``shown``: the path an ``OSError``
-    names (default: the name inside the directory).
-
-    Callers serialise in memory first (``torch.save``, matplotlib and PyYAML into a buffer): then a failing write
-    (disk full, file too large) is the ``OSError`` it is, where ``torch.save`` into a file turns it into a
-    ``RuntimeError``."""
-    try:
-        return _replace_file(dir_fd, name, data, keep_open)
-    except OSError as exc:
-        if shown is not None and exc.errno is not None:
-            exc.filename, exc.filename2 = str(shown), None
-        raise
-
-
-def remove_temporaries(dir_fd: int, prefixes: tuple[str, ...]) -> None:
-    """Delete the files ``<prefix>...tmp`` in ``dir_fd``: temporary files left by a process killed while writing
-    (call it only while no other process writes the directory: under its lock). A link is removed, never
-    followed."""
-    for name in os.listdir(dir_fd):
-        if name.endswith(".tmp") and name.startswith(prefixes):
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=dir_fd)
-
-
-def _replace_file(dir_fd: int, name: str, data: bytes | memoryview, keep_open: bool) -> IO[bytes] | None:
+    """Write ``name`` in ``dir_fd`` atomically (see the module docstring); with ``keep_open``, return it open for
+    appending. ``shown``: the path an ``OSError`` names. Callers serialise into memory first, so that a failing
+    write is the ``OSError`` it is (``torch.save`` into a file makes it a ``RuntimeError``)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | (os.O_APPEND if keep_open else 0)
     while True:
         tmp = f".{name}.{secrets.token_hex(6)}.tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC | (os.O_APPEND if keep_open else 0)
         try:
             fd = os.open(tmp, flags, 0o644, dir_fd=dir_fd)
             break
         except FileExistsError:  # someone planted this name: take another
             continue
+        except OSError as exc:
+            raise _named(exc, shown) from None
     f = os.fdopen(fd, "ab" if keep_open else "wb")
     try:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
         os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
-        try:  # close() flushes again, and raises again on a full disk: the temporary file goes all the same
+    except BaseException as exc:
+        with contextlib.suppress(OSError):  # close() flushes again, and raises again on a full disk
             f.close()
-        except OSError:
-            pass
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dir_fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        if isinstance(exc, OSError):
+            raise _named(exc, shown) from None
         raise
     _fsync_dir(dir_fd)
     if keep_open:
@@ -156,48 +111,32 @@ def _replace_file(dir_fd: int, name: str, data: bytes | memoryview, keep_open: b
     return None
 
 
-def read_file(dir_fd: int, name: str) -> bytes | None:
-    """The bytes of the regular file ``name`` in ``dir_fd``; ``None`` when there is none (a symbolic link or
-    anything else that is not a regular file counts as none: it is not followed)."""
-    try:
-        fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | getattr(os, "O_NONBLOCK", 0), dir_fd=dir_fd)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which names a directory by its descriptor number
-        os.close(fd)
-        return None
-    with os.fdopen(fd, "rb") as f:
-        return f.read()
+def _named(exc: OSError, shown: Path | None) -> OSError:
+    if shown is not None and exc.errno is not None:
+        exc.filename, exc.filename2 = str(shown), None
+    return exc
 
 
-def is_same_file(dir_fd: int, name: str, other: Path) -> bool:
-    """Whether ``name`` in ``dir_fd`` is the file ``other`` (same device and inode; links not followed)."""
+def remove_temporaries(dir_fd: int, prefixes: tuple[str, ...]) -> None:
+    """Delete the ``<prefix>...tmp`` files a killed writer left in ``dir_fd`` (under its lock; links not followed)."""
+    for name in os.listdir(dir_fd):
+        if name.endswith(".tmp") and name.startswith(prefixes):
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dir_fd)
+
+
+def is_same_file(dir_fd: int, name: str, other: Path | int) -> bool:
+    """Whether ``name`` in ``dir_fd`` (not followed) is the file ``other`` (a path or an open descriptor)."""
     try:
-        a = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        b = os.stat(other)
+        a, b = os.stat(name, dir_fd=dir_fd, follow_symlinks=False), os.stat(other)
     except OSError:
         return False
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def _in_use(path: Path, record: dict[str, Any] | None, what: str) -> ModelDirError:
-    return ModelDirError(
-        f"{what} {path} is in use by another dls run: {describe_holder(record)}. Wait for it to "
-        "finish (or stop it), or choose another model_dir"
-    )
-
-
 class RunDir:
-    """``path`` (already resolved), created if missing, opened and locked. Raises :class:`ModelDirError` (held by
-    another run, a symbolic link) or ``OSError`` (not a directory, not writable); ``what``: the key or option that
-    named the directory, for the messages.
-
-    ``stale``: the holder record of a lock file left by a run that ended without releasing it (killed), or
-    ``None``. Release with :meth:`close` (also a context manager)."""
+    """``path`` (resolved), created if missing, opened and locked; ``what`` names it in messages. ``stale``: the
+    holder record of a lock left by a run that ended without releasing it. Release with :meth:`close`."""
 
     def __init__(self, path: Path, what: str = "runconfig.model_dir") -> None:
         self.path, self.what = path, what
@@ -218,38 +157,34 @@ class RunDir:
             raise
 
     def _lock(self) -> None:
+        lock = self.path / LOCK_FILE
         while True:
             try:
-                fd = os.open(
-                    LOCK_FILE, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK, 0o644, dir_fd=self.fd
-                )
+                fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | _NOFOLLOW | os.O_NONBLOCK, 0o644, dir_fd=self.fd)
             except OSError as exc:
                 if exc.errno == errno.ELOOP:
-                    raise ModelDirError(
-                        f"{self.path / LOCK_FILE} is a symbolic link; dls does not follow links in model_dir: remove it"
-                    ) from None
-                exc.filename = str(self.path / LOCK_FILE)
+                    raise ModelDirError(f"{lock} is a symbolic link, which dls does not follow: remove it") from None
+                exc.filename = str(lock)
                 raise
             try:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise ModelDirError(f"{self.path / LOCK_FILE} is not a regular file: remove it")
+                    raise ModelDirError(f"{lock} is not a regular file: remove it")
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    raise _in_use(self.path, _read_record(fd), self.what) from None
+                    raise ModelDirError(
+                        f"{self.what} {self.path} is in use by another dls run: {describe_holder(_read_record(fd))}. "
+                        "Wait for it to finish (or stop it), or choose another model_dir"
+                    ) from None
                 # A holder that released between our open and our lock has unlinked the file we locked: retry.
-                try:
-                    current = os.stat(LOCK_FILE, dir_fd=self.fd, follow_symlinks=False)
-                except FileNotFoundError:
-                    current = None
-                mine = os.fstat(fd)
-                if current is None or (current.st_dev, current.st_ino) != (mine.st_dev, mine.st_ino):
+                if not is_same_file(self.fd, LOCK_FILE, fd):
                     os.close(fd)
                     continue
                 self.stale = _read_record(fd)
-                record = json.dumps(_holder_record()).encode()
+                now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+                record = {"pid": os.getpid(), "host": socket.gethostname(), "since": now}
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, record + b"\n", 0)
+                os.pwrite(fd, json.dumps(record).encode() + b"\n", 0)
                 os.fsync(fd)
             except BaseException:
                 os.close(fd)
@@ -258,26 +193,34 @@ class RunDir:
             return
 
     def replace(self, name: str, data: bytes | memoryview) -> Path:
-        """Write ``name`` atomically (see :func:`replace_file`); its path."""
         replace_file(self.fd, name, data, shown=self.path / name)
         return self.path / name
 
     def open_log(self, name: str, content: bytes) -> IO[bytes]:
-        """Replace ``name`` by ``content`` atomically and return it open for appending (one handle per run)."""
         f = replace_file(self.fd, name, content, keep_open=True, shown=self.path / name)
         assert f is not None
         return f
 
     def read(self, name: str) -> bytes | None:
-        return read_file(self.fd, name)
+        """The bytes of the regular file ``name``; ``None`` when there is none (a link or other kind counts as none)."""
+        try:
+            fd = os.open(name, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK, dir_fd=self.fd)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ELOOP):
+                return None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which names a directory by its descriptor number
+            os.close(fd)
+            return None
+        with os.fdopen(fd, "rb") as f:
+            return f.read()
 
     def subdirectory(self, name: str) -> int:
-        """A descriptor of the subdirectory ``name``, created if missing (close it with ``os.close``). A symbolic
-        link or anything else that is not a directory under that name raises :class:`ModelDirError`."""
+        """A descriptor of the subdirectory ``name``, created if missing; anything else there is refused."""
         with contextlib.suppress(FileExistsError):
             os.mkdir(name, 0o755, dir_fd=self.fd)
         try:
-            return os.open(name, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=self.fd)
+            return os.open(name, _DIRECTORY, dir_fd=self.fd)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise ModelDirError(
@@ -286,9 +229,6 @@ class RunDir:
                 ) from None
             exc.filename = str(self.path / name)
             raise
-
-    def names(self) -> list[str]:
-        return os.listdir(self.fd)
 
     def set_aside(self, name: str, suffix: str) -> str:
         """Rename ``name`` to the first free ``name + suffix`` (then ``-2``, ``-3``, ...); the new name."""
@@ -303,8 +243,7 @@ class RunDir:
         raise FileExistsError(errno.EEXIST, "no free name to set the file aside", str(self.path / name))
 
     def close(self) -> None:
-        """Release the lock (removing the lock file first, so a waiting run cannot lock a file that is gone); a
-        directory this created and nothing was written into (a run refused after locking) is removed."""
+        """Release the lock (its file removed first); a directory this created and left empty is removed."""
         if self._lock_fd is not None:
             with contextlib.suppress(OSError):
                 os.unlink(LOCK_FILE, dir_fd=self.fd)
@@ -322,12 +261,3 @@ class RunDir:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def entries(path: Path) -> Iterator[str]:
-    """Names in the directory ``path`` other than a lock file (none when it does not exist)."""
-    try:
-        names = os.listdir(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return iter(())
-    return iter(n for n in names if n != LOCK_FILE)

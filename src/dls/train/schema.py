@@ -18,10 +18,8 @@ MAX_SEED = 2**32 - 1  # NumPy's seeds are 32-bit
 MAX_THREADS = 1024  # more threads than any machine has cores only oversubscribes them
 MODEL_NAMES = ("mlp", "transformer_lm")
 ZOO_MODELS = ("fc_mnist", "gpt2", "gpt3", "llama")
-DATASETS = ("teacher_regression", "char_corpus")
 ZOO_PROCESSORS = ("MNISTDataProcessor", "GptHDF5DataProcessor", "GptHDF5MapDataProcessor")
 MODEL_DATASETS = {"mlp": "teacher_regression", "transformer_lm": "char_corpus"}
-FP16_TYPES = ("float16", "bfloat16", "cbfloat16", "float32")
 OPTIMIZERS = ("SGD", "Adam", "AdamW")
 # Model Zoo's --load_checkpoint_states values, plus "rng" (the random-number generators, needed for bit-identity).
 CHECKPOINT_STATES = ("model", "optimizer", "dataloader", "grad_scaler", "lr_scheduler", "global_step", "rng")
@@ -67,6 +65,11 @@ INTEGRAL = BeforeValidator(_integral)
 LISTED = BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)  # a YAML list as a tuple
 CASELESS = BeforeValidator(lambda v: _CANONICAL.get(v.lower(), v) if isinstance(v, str) else v)  # Model Zoo: adamw
 Unit = Annotated[float, Finite(ge=0, lt=1)]
+Steps = Annotated[int, INTEGRAL, Bounds(1)]
+Seed = Annotated[int, INTEGRAL, Bounds(0, MAX_SEED)]
+Size = Annotated[int, INTEGRAL, Bounds(1, 1 << 20)]
+Length = Annotated[int, INTEGRAL, Bounds(1, 1 << 22)]
+Layers = Annotated[int, INTEGRAL, Bounds(1, 4096)]
 State = Literal["model", "optimizer", "dataloader", "grad_scaler", "lr_scheduler", "global_step", "rng"]
 
 
@@ -84,19 +87,15 @@ class ModelConfig(Section):
 
     name: str = help_("mlp", "mlp | transformer_lm (built in), or a Model Zoo model: fc_mnist | gpt2 | gpt3 | llama")
     loss_weight: Annotated[float, Finite(gt=0)] = help_(1.0, "multiplies the training loss (logged unweighted)")
-    hidden_size: Annotated[int, INTEGRAL, Bounds(1, 1 << 20)] = help_(
-        128, "width of the hidden layers / the model dimension"
-    )
-    depth: Annotated[int, INTEGRAL, Bounds(1, 4096)] = help_(3, "number of hidden layers")
+    hidden_size: Size = help_(128, "width of the hidden layers / the model dimension")
+    depth: Layers = help_(3, "number of hidden layers")
     activation_fn: Literal["tanh", "relu", "gelu"] = help_("tanh", "activation of the hidden layers")
     dropout: Annotated[float, Finite(ge=0, lt=1)] = help_(0.0, "dropout probability after each activation")
-    num_hidden_layers: Annotated[int, INTEGRAL, Bounds(1, 4096)] = help_(2, "number of transformer blocks")
-    num_heads: Annotated[int, INTEGRAL, Bounds(1, 4096)] = help_(4, "attention heads (must divide hidden_size)")
-    filter_size: Annotated[int, INTEGRAL, Bounds(1, 1 << 22)] = help_(256, "width of each block's feed-forward layer")
+    num_hidden_layers: Layers = help_(2, "number of transformer blocks")
+    num_heads: Layers = help_(4, "attention heads (must divide hidden_size)")
+    filter_size: Length = help_(256, "width of each block's feed-forward layer")
     dropout_rate: Annotated[float, Finite(ge=0, lt=1)] = help_(0.0, "dropout probability")
-    max_position_embeddings: Annotated[int, INTEGRAL, Bounds(1, 1 << 22)] = help_(
-        256, "longest sequence the model accepts"
-    )
+    max_position_embeddings: Length = help_(256, "longest sequence the model accepts")
     params: dict[str, Any] = help_({}, "a Model Zoo model's own keys, as written in model:")
 
 
@@ -110,18 +109,14 @@ class DataConfig(Section):
     data_processor: str | None = help_(None, "a Model Zoo reader: " + " | ".join(ZOO_PROCESSORS))
     batch_size: Annotated[int, INTEGRAL, Bounds(1, 1 << 24)] = help_(64, "samples (sequences) per step and rank")
     shuffle: bool = help_(True, "reshuffle the samples every epoch")
-    shuffle_seed: Annotated[int, INTEGRAL, Bounds(0, MAX_SEED)] | None = help_(
-        None, "seed of the sample order (null: the seed)"
-    )
+    shuffle_seed: Seed | None = help_(None, "seed of the sample order (null: the seed)")
     drop_last_batch: bool = help_(True, "drop an incomplete last batch (dls's built-in data sets always do)")
     num_samples: Annotated[int, INTEGRAL, Bounds(1, 1 << 40)] = help_(4096, "samples in the generated data set")
-    input_dim: Annotated[int, INTEGRAL, Bounds(1, 1 << 20)] = help_(32, "features per sample")
-    output_dim: Annotated[int, INTEGRAL, Bounds(1, 1 << 20)] = help_(64, "regression targets per sample")
+    input_dim: Size = help_(32, "features per sample")
+    output_dim: Size = help_(64, "regression targets per sample")
     noise_std: Annotated[float, Finite(ge=0)] = help_(0.0, "standard deviation of noise added to the targets")
-    dataset_seed: Annotated[int, INTEGRAL, Bounds(0, MAX_SEED)] = help_(
-        1234, "seed that generates the data set (the teacher)"
-    )
-    max_sequence_length: Annotated[int, INTEGRAL, Bounds(1, 1 << 22)] = help_(64, "characters per training sequence")
+    dataset_seed: Seed = help_(1234, "seed that generates the data set (the teacher)")
+    max_sequence_length: Length = help_(64, "characters per training sequence")
     params: dict[str, Any] = help_({}, "a Model Zoo data processor's own keys, as written")
 
 
@@ -134,10 +129,14 @@ class PrecisionConfig(Section):
     half_params: bool = help_(False, "parameters in fp16_type, stepped through float32 master weights")
     master_weights: bool = help_(True, "with half_params: step float32 masters (false: the half parameters)")
     fp8: dict[str, Any] | None = help_(None, "FP8 Linear layers: {recipe: current|delayed|mxfp8|static, <fields>}")
-    keep_in_float32: Annotated[tuple[str, ...], LISTED] = help_(
-        (), "module names (patterns) kept in float32 [not wired yet]"
+    keep_in_float32: Annotated[tuple[str, ...], LISTED] = help_((), "names of modules that compute in float32")
+    fallback: bool | None = help_(
+        None, "keep the module where a forward overflow starts in float32 (null: on for float16 and cbfloat16)"
     )
-    fallback: bool | None = help_(None, "let the overflow watch keep failing modules in float32 (null: float16/cbf16)")
+
+    @property
+    def fallback_on(self) -> bool:
+        return self.compute_dtype in ("float16", "cbfloat16") if self.fallback is None else self.fallback
 
     @property
     def compute_dtype(self) -> str:
@@ -158,7 +157,7 @@ class SchedulePiece(Section):
     learning_rate: Annotated[float, Finite(ge=0)] | None = None
     initial_learning_rate: Annotated[float, Finite(ge=0)] | None = None
     end_learning_rate: Annotated[float, Finite(ge=0)] | None = None
-    total_iters: Annotated[int, INTEGRAL, Bounds(1)] | None = None
+    total_iters: Steps | None = None
 
     @model_validator(mode="after")
     def _required(self) -> SchedulePiece:
@@ -183,7 +182,9 @@ class OptimizerConfig(Section):
     correct_bias: Literal[True] = help_(True, "AdamW bias correction (torch's AdamW always corrects)")
     loss_scaling_factor: Any = help_(None, "'dynamic', a static scale, or null: dynamic for float16/cbfloat16")
     initial_loss_scale: Any = help_(None, "first dynamic scale (null: the max)")
-    steps_per_increase: Annotated[Any, BeforeValidator(_integral)] = help_(None, "clean steps before the scale grows")
+    steps_per_increase: Annotated[Any, BeforeValidator(_integral)] = help_(
+        None, "the scale grows on the next clean step after this many"
+    )
     min_loss_scale: Any = help_(None, "floor of the dynamic scale")
     max_loss_scale: Any = help_(None, "ceiling of the dynamic scale")
     overflow_tolerance: Any = help_(None, "fraction of overflowing steps tolerated before backing off")
@@ -201,33 +202,23 @@ class OptimizerConfig(Section):
 class RunConfig(Section):
     """``runconfig:`` (the current layout's ``loop``, ``checkpoint``, ``logging``, ``model_dir``, ``seed``)."""
 
-    max_steps: Annotated[int, INTEGRAL, Bounds(1)] = help_(
-        100, "train until this global step (num_epochs instead, when this is not given)"
-    )
-    num_steps: Annotated[int, INTEGRAL, Bounds(1)] | None = help_(None, "train this many steps in this run (then stop)")
-    num_epochs: Annotated[int, INTEGRAL, Bounds(1, 1 << 20)] | None = help_(
-        None, "train this many epochs (when max_steps is not given)"
-    )
-    steps_per_epoch: Annotated[int, INTEGRAL, Bounds(1)] | None = help_(
-        None, "steps per epoch (default: the training data's batches)"
-    )
+    max_steps: Steps = help_(100, "train until this global step (num_epochs instead, when this is not given)")
+    num_steps: Steps | None = help_(None, "train this many steps in this run (then stop)")
+    num_epochs: Size | None = help_(None, "train this many epochs (when max_steps is not given)")
+    steps_per_epoch: Steps | None = help_(None, "steps per epoch (default: the training data's batches)")
     grad_accum_steps: Annotated[int, INTEGRAL, Bounds(1, 65536)] = help_(
         1, "micro-batches whose gradients make one optimizer step"
     )
-    eval_frequency: Annotated[int, INTEGRAL, Bounds(1)] | Annotated[float, Finite(gt=0, le=1)] | None = help_(
+    eval_frequency: Steps | Annotated[float, Finite(gt=0, le=1)] | None = help_(
         None, "evaluate every N steps (an integer) or every fraction of the run (a float in (0, 1])"
     )
-    eval_steps: Annotated[int, INTEGRAL, Bounds(1)] | None = help_(
-        None, "batches per evaluation (null: the whole eval data)"
-    )
+    eval_steps: Steps | None = help_(None, "batches per evaluation (null: the whole eval data)")
     checkpoint_steps: Annotated[int, INTEGRAL, Bounds(0)] = help_(0, "checkpoint every N steps (0: only at the end)")
     save_initial_checkpoint: bool = help_(False, "also checkpoint step 0")
-    keep_checkpoint_max: Annotated[int, INTEGRAL, Bounds(1, 1 << 20)] = help_(5, "keep only the last N checkpoints")
-    log_steps: Annotated[int, INTEGRAL, Bounds(1)] = help_(
-        10, "write metrics every N steps (skipped steps are always written)"
-    )
+    keep_checkpoint_max: Size = help_(5, "keep only the last N checkpoints")
+    log_steps: Steps = help_(10, "write metrics every N steps (skipped steps are always written)")
     model_dir: Annotated[str, Field(min_length=1)] = help_("model_dir", "directory for checkpoints and metrics")
-    seed: Annotated[int, INTEGRAL, Bounds(0, MAX_SEED)] = help_(0, "seed of initialisation, data order and dropout")
+    seed: Seed = help_(0, "seed of initialisation, data order and dropout")
     device: Literal["auto", "cpu", "cuda"] = help_("cpu", "'cpu', 'cuda', or 'auto' (cuda when available)")
     num_threads: Annotated[int, INTEGRAL, Bounds(1, MAX_THREADS)] | None = help_(
         None,

@@ -1,17 +1,5 @@
-"""When a run stops because loss scaling cannot help, and what it tells the user (:class:`TrainingStopped`, exit
-status 1, always after a checkpoint of finite weights).
-
-* Dynamic scaling: the scale is pinned at its floor (``scaler.get_non_clamped_scale() < scaler.get_scale()``, Model
-  Zoo's test) and the gradients overflowed on ``max_overflows_at_min_loss_scale`` such steps without a clean step
-  between (skipped steps that did not back off neither count nor reset the count).
-* Static scaling: that many consecutive overflowing steps. No loss scaling: one step with inf/NaN gradients,
-  refused by :func:`refuse_nonfinite_gradients` before the optimizer applies it.
-* Weights that became inf/NaN (an applied step broke them): never checkpointed (:func:`nonfinite_weights`).
-
-Each message says where the overflow started (the trainer's ``scaler.watch(model)`` reports: the first module in
-backward order with inf/NaN gradients, the others, and whether the loss was already inf/NaN: then the forward pass
-overflowed, and the advice is a format with more range and ``dls audit``).
-"""
+"""When a run stops because loss scaling cannot help (exit 1, after a finite checkpoint), and what it tells the
+user: where the overflow started and what to try."""
 
 from __future__ import annotations
 
@@ -26,28 +14,16 @@ from dls.diagnostics import OverflowReport
 from dls.diagnostics.scales import module_label, pow2
 from dls.scaler import GradScaler
 
-__all__ = [
-    "FloorWatch",
-    "NonFiniteGradients",
-    "nonfinite_message",
-    "nonfinite_parameters",
-    "nonfinite_weights",
-    "refuse_nonfinite_gradients",
-]
-
 
 class NonFiniteGradients(Exception):
-    """Raised by :func:`refuse_nonfinite_gradients` before the optimizer applies inf/NaN gradients."""
+    """Raised before the optimizer applies inf/NaN gradients."""
 
 
 def refuse_nonfinite_gradients(
     device: torch.device, params: Sequence[torch.Tensor]
 ) -> Callable[[torch.optim.Optimizer, Any, Any], None]:
-    """An optimizer step pre-hook (``optimizer.register_step_pre_hook``) for runs without loss scaling: it raises
-    :class:`NonFiniteGradients` when a gradient of ``params`` (the model's parameters: with master weights the
-    optimizer's own tensors take their gradients only inside its step) holds inf/NaN, so that the step is not
-    applied. One read pass over the gradients (``dls.kernels.check_nonfinite``) and one read of the flag per step;
-    data-parallel, every rank holds the same (all-reduced) gradients and decides alike."""
+    """An optimizer step pre-hook for runs without loss scaling: :class:`NonFiniteGradients` when a gradient of
+    ``params`` (the model's: master weights get theirs inside the step) holds inf/NaN; one read per step."""
     params = list(params)
 
     def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -65,8 +41,7 @@ def refuse_nonfinite_gradients(
 def nonfinite_message(
     step: int, loss: float, compute_dtype: str, saved_step: int, path: object, report: OverflowReport | None = None
 ) -> str:
-    """The stop message of a run without loss scaling whose step ``step`` had inf/NaN gradients; ``report`` (built
-    from the trainer's watch) says where they started."""
+    """The stop message of a run without loss scaling whose gradients became inf/NaN (``report``: where)."""
     scaling = ", or optimizer.loss_scaling_factor: dynamic." if compute_dtype != "float32" else "."
     where = ""
     if report is not None and report.first_module is not None:
@@ -82,8 +57,7 @@ def nonfinite_message(
 
 
 def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
-    """Names of ``model``'s floating-point parameters holding inf/NaN (one read of the device; buffers, such as a
-    mask of -inf, may hold them by design)."""
+    """``model``'s parameters holding inf/NaN (one device read; buffers may hold them by design)."""
     named = [(n, t) for n, t in model.named_parameters() if t.is_floating_point()]
     if not named:
         return []
@@ -92,8 +66,7 @@ def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
 
 
 def nonfinite_weights(step: int, broken: Sequence[str], last: object, model_dir: object, repair: str = "") -> str:
-    """The stop message of a run whose weights hold inf/NaN at ``step`` (``broken``: their names): no checkpoint
-    of them is written, so ``last`` (or none) stays the newest, and what can work from there."""
+    """The stop message of a run whose weights ``broken`` hold inf/NaN: ``last`` stays the newest checkpoint."""
     then = f"then --resume {model_dir} (its metrics rows after that step are dropped)" if last else "start again"
     return (
         f"Step {step}: the model's weights hold inf/NaN ({_listed(broken, 4)}): an applied step broke them, so every "
@@ -116,15 +89,9 @@ _WIDER = {
 
 
 class FloorWatch:
-    """Counts the overflowing steps at the scale's floor (see the module docstring). ``count`` is checkpointed
-    (``trainer.overflows_at_floor``); the overflow reports of the counted steps are kept for the message (those of
-    this session: a resumed run's count may include steps before it).
-
-    Args:
-        limit: ``runconfig.max_overflows_at_min_loss_scale``.
-        half_dtype: the format the run computes in (``precision.fp16_type``), for the advice.
-        repair: the config change that keeps the weights finite, for the advice of :func:`nonfinite_weights`.
-    """
+    """Counts overflowing steps at the scale's floor (Model Zoo's test: ``get_non_clamped_scale() < get_scale()``;
+    static scaling: every overflowing step) up to ``limit`` without a clean step between. ``count`` is
+    checkpointed; the counted steps' overflow reports of this session name where the overflow started."""
 
     def __init__(self, limit: int, half_dtype: str = "float16", repair: str = "") -> None:
         self.limit = limit
@@ -134,9 +101,7 @@ class FloorWatch:
         self.reports: list[OverflowReport | None] = []
 
     def after_step(self, scaler: GradScaler, skipped: bool, report: OverflowReport | None = None) -> str | None:
-        """Update the count after a step (``report``: the scaler's overflow report of a skipped step); when it
-        reaches the limit, what happened, where, and what to try (else ``None``). Reads the scaler only after a
-        skipped step."""
+        """Count a step (reading the scaler only when skipped); at the limit, the stop message, else ``None``."""
         if not scaler.is_enabled():
             return None
         if not skipped:
@@ -183,8 +148,7 @@ class FloorWatch:
         return f"{what}.{where} Skipping more steps cannot help. To try: {advice}"
 
     def _provenance(self) -> tuple[str, bool]:
-        """Where the counted overflows started (a sentence or two beginning with a space), and whether the forward
-        pass overflowed in most of them."""
+        """Where the counted overflows started, and whether the forward pass overflowed in most of them."""
         reports = [r for r in self.reports if r is not None]
         if not reports:
             return "", False

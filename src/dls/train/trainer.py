@@ -1,15 +1,6 @@
-"""The training loop behind ``dls train``: one config in; a trained model, checkpoints, metrics and plots out.
-
-The trainer uses the library as its users do. Per step: ``grad_accum_steps - 1`` micro-batches whose scaled losses
-are only backpropagated, then the forward pass (``torch.autocast``, or ``dls.emulate`` hooks for cbfloat16) and
-``dls.optimizer_step`` (scale, backward, unscale, clip, the step skipped on overflow, update, zero_grad). The LR
-schedule is wrapped with ``dls.skip_aware``; ``scaler.watch(model)`` names the module where an overflow starts.
-Device reads: on a step that is not logged, only the scaler's own; logged steps (every ``log_steps``, the first,
-the last and every skipped one) read the loss, scale, gradient norm and skipped count. Evaluation (``eval_frequency``:
-every N steps, or a fraction of the run) writes ``eval_loss`` rows. The stops of :mod:`dls.train.stops` raise
-:class:`TrainingStopped` after a checkpoint. Data-parallel under ``torchrun``: DDP, strided batches per rank, rank 0
-alone writes.
-"""
+"""The training loop behind ``dls train``: a config in; a trained model, checkpoints, metrics and plots out. Each step
+uses the library as its users do (``dls.optimizer_step``, ``dls.skip_aware``, ``scaler.watch``); device reads only
+on logged steps (every ``log_steps``, the first, the last and skipped ones)."""
 
 from __future__ import annotations
 
@@ -30,6 +21,7 @@ import dls
 import dls.fp8
 from dls import distributed
 from dls.diagnostics import OverflowReport
+from dls.diagnostics.fallback import apply_precision_fallback, fallback_note
 from dls.train import checkpoint as ckpt
 from dls.train import restore
 from dls.train.config import CHECKPOINT_STATES, TrainConfig, loss_scaling_mode, scaler_settings, to_dict
@@ -75,12 +67,9 @@ class Trainer:
         plot: bool = True,
         config_file: str | Path | None = None,
     ) -> None:
-        self.cfg = cfg
-        self.config_file = Path(config_file) if config_file is not None else None
+        self.cfg, self.config_file = cfg, Path(config_file) if config_file is not None else None
         self.console = console if console is not None else Console()
-        self.show_progress = progress
-        self.show_summary = summary
-        self.write_plot = plot
+        self.show_progress, self.show_summary, self.write_plot = progress, summary, plot
         rc = cfg.runconfig
         self.device = resolve_device(rc.device)
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if distributed.is_active() else (0, 1)
@@ -100,7 +89,7 @@ class Trainer:
             if missing := missing_paths(cfg):
                 raise ValueError("; ".join(missing))
         self.batches = build_batches(cfg.data, rc.seed, "train", self.rank, self.world_size)
-        self.dataset = getattr(self.batches, "dataset", None)  # a built-in data set
+        self.dataset = self.batches.dataset if cfg.data.data_processor is None else None  # a built-in data set
         self.eval_batches = build_batches(cfg.eval_data, rc.seed, "val") if cfg.eval_data is not None else None
         prec = cfg.precision
         self.model = build_model(cfg.model, getattr(self.dataset, "info", None)).to(self.device)
@@ -128,8 +117,10 @@ class Trainer:
             scaler_settings(cfg), enabled=self.compute_dtype != "float32", device=self.device
         )
         self.scheduler = dls.skip_aware(build_scheduler(cfg.optimizer, self.optimizer), self.scaler)
-        # Where an overflow starts: hooks of Python only; a report is built on overflowing steps alone.
-        self.watch = self.scaler.watch(self.model)
+        # Where an overflow starts (hooks of Python only; a report on overflowing steps alone); the modules kept in
+        # float32 (precision.keep_in_float32, and those the fallback finds).
+        keep, fallback = prec.keep_in_float32, prec.fallback_on and self.scaler.is_enabled()
+        self.watch = apply_precision_fallback(self.model, self.scaler, keep, fallback)
         if not self.scaler.is_enabled():
             guard = refuse_nonfinite_gradients(self.device, list(self.model.parameters()))
             self.optimizer.register_step_pre_hook(guard)
@@ -158,8 +149,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ data-parallel
     def close(self) -> None:
-        """Data-parallel: when :meth:`train` ended alike on every rank (done, stopped, Ctrl-C), wait for all ranks
-        (so rank 0 finishes its outputs first), then release the DDP wrapper (it holds the process group)."""
+        """Data-parallel: wait for all ranks when :meth:`train` ended alike on each, then release the DDP wrapper."""
         if self.ddp is None:
             return
         if self._ended_together and distributed.is_active():
@@ -173,14 +163,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ run
     def train(self, resume: str | Path | None = None, load_states: Sequence[str] | None = None) -> TrainResult:
-        """Train to ``runconfig.max_steps``; with ``resume`` (a model_dir or a checkpoint file) continue from
-        the checkpoint, loading ``load_states`` (default: ``runconfig.load_checkpoint_states``, else all).
-
-        A directory's newest checkpoint that cannot be read is skipped (said in the log; in place it is renamed
-        ``checkpoint_<step>.mdl.unreadable``); a named checkpoint file that cannot be read raises
-        :class:`~dls.train.errors.CheckpointError`. Where the run may write: :func:`dls.train.outputs.check_model_dir`
-        (a refusal raises :class:`~dls.train.errors.ModelDirError` before anything is written). With
-        ``runconfig.num_threads``, torch uses that many CPU threads until this returns."""
+        """Train to ``runconfig.max_steps``; with ``resume`` (a model_dir or a checkpoint file) continue from the
+        checkpoint, loading ``load_states`` (default: ``runconfig.load_checkpoint_states``, else all)."""
         threads = torch.get_num_threads()
         if self.cfg.runconfig.num_threads is not None:
             torch.set_num_threads(self.cfg.runconfig.num_threads)
@@ -309,27 +293,16 @@ class Trainer:
         if final_loss is not None and self.world_size > 1:
             final_loss = sum_over_ranks([final_loss], self.device)[0] / self.world_size
         self._ended_together = True
-        plot_path = self._plot()
-        enabled = self.scaler.is_enabled()
         grad_underflow, fp8_flushed, fp8_saturated = self.precision.means()
-        result = TrainResult(
-            model_dir=self.model_dir,
-            global_step=self.global_step,
-            steps_run=self.global_step - start_step,
-            final_loss=final_loss,
-            eval_loss=self._final_eval() if self.is_main else None,
+        return TrainResult(
+            model_dir=self.model_dir, global_step=self.global_step, steps_run=self.global_step - start_step,
+            final_loss=final_loss, eval_loss=self._final_eval() if self.is_main else None,
             skipped_steps=self.scaler.get_num_skipped_steps(),
-            loss_scale=self.scaler.get_scale() if enabled else None,
-            scaling=self.scaling,
-            grad_underflow=grad_underflow,
-            fp8_flushed=fp8_flushed,
-            fp8_saturated=fp8_saturated,
-            wall_time=session_time,
-            checkpoint=self._last_checkpoint,
-            metrics_path=self.metrics_path,
-            plot_path=plot_path,
-        )
-        return result
+            loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None, scaling=self.scaling,
+            grad_underflow=grad_underflow, fp8_flushed=fp8_flushed, fp8_saturated=fp8_saturated,
+            wall_time=session_time, checkpoint=self._last_checkpoint, metrics_path=self.metrics_path,
+            plot_path=self._plot(),
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self, step: int) -> None:
@@ -453,8 +426,8 @@ class Trainer:
             return
         path = self._save(session_start)
         raise TrainingStopped(
-            f"Stopped at step {self.global_step}: {problem}. Nothing is lost: the state is saved in {path}; after "
-            f"changing the config, continue with --resume {self.model_dir}",
+            f"Stopped at step {self.global_step}: {problem}{fallback_note(self.watch)}. Nothing is lost: the state is "
+            f"saved in {path}; after changing the config, continue with --resume {self.model_dir}",
             path,
         )
 
@@ -477,10 +450,7 @@ class Trainer:
         return state
 
     def _save(self, session_start: float) -> Path:
-        """Checkpoint the current state. Data-parallel: every rank calls it at the same step (it gathers each
-        rank's random-number generators into ``rng_ranks``); rank 0 alone writes. Weights holding inf/NaN are never
-        written: the run stops (:func:`dls.train.stops.nonfinite_weights`), the newest checkpoint stays the last
-        finite one."""
+        """Checkpoint the current state (every rank calls it; rank 0 writes); inf/NaN weights stop the run instead."""
         broken = nonfinite_parameters(self.model)
         if broken:
             message = nonfinite_weights(

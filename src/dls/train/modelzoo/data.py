@@ -1,15 +1,8 @@
-"""Model Zoo's data formats, read into the trainer's resumable batches (``dls.train.data.BatchIterator``).
-
-* ``GptHDF5DataProcessor`` / ``GptHDF5MapDataProcessor``: the ``*.h5`` files of each ``data_dir`` (sorted), each with
-  a dataset ``data`` of shape ``[N, 3, msl]`` (input_ids, attention_mask, labels); the map processor also reads
-  Model Zoo's flat token stream (``data`` of shape ``[num_tokens]``) cut into ``max_sequence_length + 1`` windows
-  every ``max_sequence_length`` tokens. A batch is ``(input_ids, labels)``, labels -100 where the mask is 0.
-* ``MNISTDataProcessor``: torchvision's layout ``<data_dir>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte``
-  (plain or ``.gz``), images scaled to [0, 1] then normalised with mean 0.1307 and std 0.3081 as Model Zoo does.
-
-Order: each epoch is a permutation drawn from ``(shuffle_seed, epoch)`` (``shuffle_seed`` defaults to the run's
-seed), so resuming is exact; ``drop_last: false`` keeps an epoch's incomplete last batch.
-"""
+"""Model Zoo's data formats as resumable batches (``dls.train.data.BatchIterator``): ``GptHDF5DataProcessor`` /
+``GptHDF5MapDataProcessor`` (``*.h5`` files with ``data`` of shape ``[N, 3, msl]``, or the map processor's flat token
+stream cut into ``max_sequence_length + 1`` windows; a batch is ``(input_ids, labels)``, labels -100 where the mask is
+0) and ``MNISTDataProcessor`` (torchvision's layout, normalised as Model Zoo does). Each epoch's order is drawn from
+``(shuffle_seed, epoch)``."""
 
 from __future__ import annotations
 
@@ -140,22 +133,6 @@ class GptDataset(Dataset):
         return torch.from_numpy(rows[:, 0]), torch.from_numpy(labels)
 
 
-class ModelZooBatches(BatchIterator):
-    """:class:`dls.train.data.BatchIterator` that keeps an epoch's incomplete last batch with ``drop_last: false``."""
-
-    ignored_keys: list[str]
-
-    def __init__(self, dataset: Dataset, keys: LoaderKeys, shuffle: bool, seed: int, rank: int, world: int) -> None:
-        super().__init__(dataset, keys.batch_size, shuffle, seed, rank, world)
-        self.drop_last = keys.drops_last
-
-    @property
-    def batches_per_epoch(self) -> int:
-        if self.drop_last:
-            return super().batches_per_epoch
-        return math.ceil(len(self.dataset) / self.batch_size) // self.world_size
-
-
 def _problems(processor: str, keys: LoaderKeys, split: str, first_only: bool) -> tuple[Any, list[str]]:
     if processor == "MNISTDataProcessor":
         data_dir = keys.data_dir if isinstance(keys.data_dir, str) else "./"
@@ -190,12 +167,10 @@ def build_loader(
     rank: int = 0,
     world_size: int = 1,
     prefix: str | None = None,
-) -> ModelZooBatches:
-    """Resumable batches of a Model Zoo data loader section (``params``) for ``split`` (train or val; an MNIST
-    section's own ``split`` wins). ``seed`` is the run's, used when ``shuffle_seed`` is not set. ``prefix`` names
-    the section in errors (default ``train_input`` / ``eval_input``). The result's ``ignored_keys`` lists the keys
-    that matter only on Cerebras hardware. ``ConfigError`` for invalid keys or data, ``MissingExtras`` without
-    h5py."""
+) -> BatchIterator:
+    """Resumable batches of a Model Zoo loader section for ``split`` (an MNIST section's own ``split`` wins);
+    ``seed`` when ``shuffle_seed`` is not set; ``prefix`` names the section in errors. ``ConfigError`` for invalid
+    keys or data."""
     prefix = prefix or ("train_input" if split == "train" else "eval_input")
     keys, ignored = parse_loader(processor, params, prefix)
     files, problems = _problems(processor, keys, split, first_only=False)
@@ -217,6 +192,6 @@ def build_loader(
         samples = f"the {len(dataset)} samples in {prefix}.data_dir ({keys.data_dir})"
         raise ConfigError([f"{prefix}.batch_size: {keys.batch_size} * {world_size} rank(s) is more than {samples}"])
     seed = keys.shuffle_seed if keys.shuffle_seed is not None else seed
-    batches = ModelZooBatches(dataset, keys, keys.shuffles(processor), seed, rank, world_size)
+    batches = BatchIterator(dataset, keys.batch_size, keys.shuffles(processor), seed, rank, world_size, keys.drops_last)
     batches.ignored_keys = ignored
     return batches

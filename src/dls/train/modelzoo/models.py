@@ -9,6 +9,7 @@ the batch size and multiplied by ``loss_weight`` (``batch_size``): ``loss_weight
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 from types import ModuleType
 from typing import Any
@@ -26,12 +27,24 @@ MNIST_PIXELS, MNIST_CLASSES = 784, 10
 
 def require(module: str) -> ModuleType:
     """Import ``module`` of the ``modelzoo`` extra, or ``MissingExtras`` naming the extra."""
+    # transformers' model classes import torchao, which logs warnings about its optional C extensions and pytree
+    # registrations at import: nothing about this run, so they are silenced while the classes load.
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
     try:
-        return importlib.import_module(module)
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        imported = importlib.import_module(module)
+        for name in ("GPT2LMHeadModel", "LlamaForCausalLM") if module == "transformers" else ():
+            getattr(imported, name)  # transformers loads its classes on first use
+        return imported
     except ImportError as exc:
         raise MissingExtras(
             f"{module} is not installed; Model Zoo models and data need the modelzoo extra: pip install 'dls[modelzoo]'"
         ) from exc
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 class FcMnist(nn.Module):
