@@ -93,6 +93,27 @@ def per_device(value: torch.Tensor, devices: Iterable[torch.device]) -> dict[tor
     return copies
 
 
+def zero_flags(devices: Iterable[torch.device]) -> dict[torch.device, torch.Tensor]:
+    """A clean overflow flag on each device."""
+    flags: dict[torch.device, torch.Tensor] = {}
+    for d in devices:  # a loop, not a comprehension: see per_device
+        if d not in flags:
+            flags[d] = torch.zeros((), dtype=torch.float32, device=d)
+    return flags
+
+
+def max_flag(flags: Iterable[torch.Tensor | None]) -> torch.Tensor:
+    """One flag raised where any of ``flags`` (same device; ``None`` left out) is."""
+    present = [f for f in flags if f is not None]
+    return present[0] if len(present) == 1 else torch.stack(present).amax()
+
+
+def gather_flags(found: dict[torch.device, torch.Tensor], home: torch.device) -> torch.Tensor:
+    """The per-device flags of a pass as one flag on ``home``."""
+    flags = [f.to(home, non_blocking=True) for f in found.values()]
+    return max_flag(flags) if flags else torch.zeros((), dtype=torch.float32, device=home)
+
+
 def mul_and_check_(
     groups: Groups,
     factor: dict[torch.device, torch.Tensor],

@@ -1,27 +1,22 @@
 """``GradScaler``: dynamic loss scaling with the surface of ``cstorch.amp.GradScaler`` and ``torch.amp.GradScaler``.
 
 One step, read top to bottom: ``scale`` multiplies the loss; ``unscale_`` / ``clip_gradients_and_return_isfinite``
-(``OverflowCheck``) unscale, clip and raise the overflow flag with the pure passes of ``dls.kernels``; ``step``
-(``Stepper``) takes or skips the optimizer's step — **the one place a step is skipped**; ``update`` applies the rule
-of ``dls.policy`` to the flag (``dls.loss_scale`` holds the scale on the device) — **the one place the scale
-changes**. Per iteration each optimizer moves READY → UNSCALED (or CLIPPED) → STEPPED (``Stage``); ``update()``
-brings every optimizer back to READY. The checkpoint format: ``dls.scaler_state``.
+unscale, clip and raise the overflow flag with the passes of ``dls.kernels``; ``step`` takes or skips the
+optimizer's step — ``GradScaler._step_if_finite``, **the one place a step is skipped**; ``update`` applies the rule
+of ``dls.policy`` to the flag (``dls.loss_scale`` holds the scale) — **the one place the scale changes**. Per
+iteration each optimizer moves READY → UNSCALED (or CLIPPED) → STEPPED (``Stage``); ``update()`` brings every
+optimizer back to READY. The checkpoint format: ``dls.scaler_state``.
 
-Overflow: a step is skipped when some gradient, *as the optimizer would receive it* (unscaled, and clipped when the
-scaler clips), is inf/NaN in the gradient's dtype. While the scale may be below 1 (``LossScale.may_be_below_one``)
-a finite scaled gradient can overflow once unscaled, and the passes check the unscaled values too.
+A step is skipped when some gradient *as the optimizer would receive it* (unscaled, and clipped when the scaler
+clips) is inf/NaN in its dtype. Only ``step`` reads a tensor back (the flag, once per optimizer), and not for
+optimizers that take the flag themselves (torch's fused Adam/AdamW/SGD/Adagrad) nor with ``sync_free=True`` — except
+for a parameter's first step after every reset of the optimizer's state: state that does not exist yet cannot be
+protected on the device.
 
-Host synchronisation: ``scale``, ``unscale_``, ``clip_gradients_and_return_isfinite`` and ``update`` never read
-a tensor back. ``step`` reads the overflow flag once per optimizer, except for optimizers that take the flag
-themselves (torch's fused Adam/AdamW/SGD/Adagrad) and with ``sync_free=True``; a parameter's first step (after
-every reset of the optimizer's state) is decided on the host on those paths too: state that does not exist yet
-cannot be protected on the device.
-
-Optimizers that keep their gradients somewhere other than ``param.grad`` of the parameters in ``param_groups``
-(``dls.master_weights``) take part through three optional methods, called by the scaler only:
-``dls_collect_gradients()`` (once per iteration, before the gradients are first read), ``dls_gradients_unscaled()``
-(after an explicit ``unscale_``, so user code that clips next sees unscaled values) and ``dls_state_restored()``
-(after a sync-free step put parameters and state back).
+Optimizers that keep their gradients elsewhere than ``param.grad`` (``dls.master_weights``) may define
+``dls_collect_gradients()`` (called once per iteration, before the gradients are first read),
+``dls_gradients_unscaled()`` (after an explicit unscale, so user code that clips next sees unscaled values) and
+``dls_state_restored()`` (after a sync-free step put parameters and state back).
 """
 
 from __future__ import annotations
@@ -161,22 +156,21 @@ class Tracker:
         signature = tuple(tuple(map(id, g["params"])) for g in optimizer.param_groups)
         index = self._indexes.get(optimizer)
         if index is None or index.signature != signature:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            _refuse_repeats(optimizer)
+            where = _positions(optimizer)
+            params = [p for _, p in where.values()]
             index = _Index(signature, kernels.GradIndex(params), distributed.has_dtensors(params))
-            self._link_shared(optimizer, index)
+            self._link_shared(optimizer, index, where)
             self._indexes[optimizer] = index
         return index
 
-    def _link_shared(self, optimizer: torch.optim.Optimizer, index: _Index) -> None:
+    def _link_shared(self, optimizer: torch.optim.Optimizer, index: _Index, where: dict[int, Any]) -> None:
         """Record which other optimizers of this scaler hold a parameter of ``optimizer`` (both ways): unscaling
         both in one iteration would unscale that gradient twice (``check_disjoint``)."""
-        where = _positions(optimizer)
         for other, other_index in list(self._indexes.items()):
             other_index.shared = [s for s in other_index.shared if s[0]() not in (None, optimizer)]
             if other is optimizer:
                 continue
-            theirs = _positions(other)
+            theirs = _positions(other, own=False)
             common = where.keys() & theirs.keys()
             if common:
                 pid = next(iter(common))
@@ -245,26 +239,20 @@ class Tracker:
         return last
 
 
-def _positions(optimizer: torch.optim.Optimizer) -> dict[int, tuple[str, torch.Tensor]]:
-    return {
-        id(p): (f"param_groups[{g}]['params'][{k}]", p)
-        for g, group in enumerate(optimizer.param_groups)
-        for k, p in enumerate(group["params"])
-    }
-
-
-def _refuse_repeats(optimizer: torch.optim.Optimizer) -> None:
-    """A parameter twice in one optimizer (an in-place edit of its param groups) would be unscaled twice."""
-    seen: dict[int, str] = {}
+def _positions(optimizer: torch.optim.Optimizer, own: bool = True) -> dict[int, tuple[str, torch.Tensor]]:
+    """Where each parameter is in ``optimizer.param_groups``. In the optimizer being indexed (``own``) a parameter
+    listed twice (an in-place edit of the groups) would be unscaled twice and raises."""
+    where: dict[int, tuple[str, torch.Tensor]] = {}
     for g, group in enumerate(optimizer.param_groups):
         for k, p in enumerate(group["params"]):
-            where = f"param_groups[{g}]['params'][{k}]"
-            if id(p) in seen:
+            here = f"param_groups[{g}]['params'][{k}]"
+            if own and id(p) in where:
                 raise ValueError(
-                    f"optimizer.{where} (shape {tuple(p.shape)}) is also optimizer.{seen[id(p)]}: a parameter listed "
-                    "twice would have its gradient unscaled twice"
+                    f"optimizer.{here} (shape {tuple(p.shape)}) is also optimizer.{where[id(p)][0]}: a parameter "
+                    "listed twice would have its gradient unscaled twice"
                 )
-            seen[id(p)] = where
+            where[id(p)] = (here, p)
+    return where
 
 
 def check_optimizer(optimizer: Any) -> None:
@@ -272,139 +260,7 @@ def check_optimizer(optimizer: Any) -> None:
         raise ValueError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
 
 
-# --------------------------------------------------------------------------- the overflow passes: unscale, clip, check
-class OverflowCheck:
-    """The overflow passes of one scaler (see the module docstring). With ``enabled=False`` nothing is unscaled or
-    skipped, but clipping still applies and its flag still tells the truth."""
-
-    def __init__(
-        self, tracker: Tracker, scale: LossScale, enabled: bool, process_group: Any, gradients_sharded: bool | None
-    ) -> None:
-        self.tracker = tracker
-        self.scale = scale
-        self.enabled = enabled
-        self.process_group = process_group
-        self.gradients_sharded = gradients_sharded
-
-    def check_scaled(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """The agreed flag of ``optimizer``'s still-scaled gradients, without unscaling them (one read pass)."""
-        groups = self.tracker.grads(optimizer)
-        devices = {d for d, _ in groups}
-        found = zero_flags(devices)
-        inv = kernels.per_device(self.scale.inverse(), devices)
-        kernels.check_unscaled_(groups, inv, found, self.scale.may_be_below_one)
-        flag = self._combine(found)
-        return distributed.agree_on_overflow(flag, self.process_group) if _distributed() else flag
-
-    def clip_and_check(
-        self, optimizers: list[torch.optim.Optimizer], max_norm: float | None, want_norm: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        norm: torch.Tensor | None
-        states = [self.tracker.state(opt) for opt in optimizers]
-        if any(s.stage is Stage.STEPPED for s in states):
-            raise RuntimeError("gradients cannot be clipped after step() on the same optimizer before update().")
-        if not self.enabled:
-            # Nothing to unscale or skip; clipping still applies, and the flag still tells the truth.
-            if max_norm is None and not want_norm:
-                return torch.ones((), dtype=torch.bool, device=self.scale.device), None
-            found_inf, norm = self._clip([], optimizers, max_norm, want_norm)
-            for state in states:
-                state.stage = Stage.CLIPPED if max_norm is not None else state.stage
-            return found_inf == 0, norm
-        ready = [(o, s) for o, s in zip(optimizers, states) if s.stage is Stage.READY]
-        done = [o for o, s in zip(optimizers, states) if s.stage is not Stage.READY]
-        if max_norm is None and not want_norm:
-            if ready:
-                self.unscale_and_check([o for o, _ in ready], [s for _, s in ready])
-            found_inf, norm = max_flag([s.found_inf for s in states]), None
-        else:
-            found_inf, norm = self._clip([o for o, _ in ready], done, max_norm, want_norm)
-            found_inf = max_flag([found_inf, *(s.found_inf for s in states if s.stage is not Stage.READY)])
-            if _distributed():
-                found_inf = distributed.agree_on_overflow(found_inf, self.process_group)
-        for state in states:
-            state.stage = Stage.CLIPPED if max_norm is not None else Stage.UNSCALED
-            state.found_inf = found_inf
-        return found_inf == 0, norm
-
-    def unscale_and_check(self, optimizers: list[torch.optim.Optimizer], states: list[IterationState]) -> None:
-        """Unscale each optimizer's gradients and set its agreed overflow flag (stage → UNSCALED)."""
-        inv_scale = self.scale.inverse()
-        for optimizer, state in zip(optimizers, states):
-            groups = self.tracker.grads(optimizer)
-            devices = {device for device, _ in groups}
-            found = zero_flags(devices)
-            kernels.mul_and_check_(groups, kernels.per_device(inv_scale, devices), found, self.scale.may_be_below_one)
-            # Across ranks the flag is agreed asynchronously: reading state.found_inf waits for the all-reduce.
-            flag = self._combine(found)
-            agreement = distributed.start_agreement(flag, self.process_group) if _distributed() else None
-            state.flag, state.agreement = flag, agreement
-            state.stage = Stage.UNSCALED
-
-    def _clip(
-        self,
-        scaled: list[torch.optim.Optimizer],
-        unscaled: list[torch.optim.Optimizer],
-        max_norm: float | None,
-        want_norm: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unscale ``scaled`` and clip all gradients of both lists to ``max_norm`` (``None``: unscale only), in two
-        passes: one read for the global norm (of still-scaled gradients times 1/scale), one read+write multiplying
-        by ``clip_coef / scale`` (``clip_coef`` alone for already unscaled gradients). Returns the overflow flag
-        (the norm is inf/NaN exactly when an element is) and the norm."""
-        home = self.scale.device
-        inv_scale = self.scale.inverse() if self.enabled else torch.ones((), device=home)
-        one = torch.ones((), dtype=torch.float32, device=home)
-        parts = [(self.tracker.grads_of(scaled), inv_scale), (self.tracker.grads_of(unscaled), one)]
-        if _distributed() and distributed.norm_is_sharded(
-            scaled + unscaled, self.gradients_sharded, self.process_group
-        ):
-            # Each rank holds a slice of the gradients: squared norms are summed across ranks.
-            opts = [(scaled, inv_scale), (unscaled, one)]
-            sharded = self.gradients_sharded is True
-            total_norm = distributed.global_norm(opts, home, self.process_group, plain_sharded=sharded)
-        else:
-            norms = [kernels.global_norm(g, kernels.per_device(f, {d for d, _ in g}), home) for g, f in parts]
-            total_norm = torch.linalg.vector_norm(torch.stack(norms))
-        found = (~torch.isfinite(total_norm)).float()
-        coef = one if max_norm is None else kernels.clip_coefficient(total_norm, max_norm)
-        # A finite norm bounds every clipped element by max_norm: only a max_norm near a gradient dtype's largest
-        # value (or an unscale by more than 1 without clipping) can make a product overflow.
-        for groups, factor in parts:
-            if not groups or (factor is one and max_norm is None):
-                continue
-            dtypes_max = min(torch.finfo(dtype).max for _, dtype in groups)
-            check = (max_norm is None and self.scale.may_be_below_one) or (max_norm or 0) >= dtypes_max / 2
-            devices = {d for d, _ in groups}
-            flags = {d: found.to(d) for d in devices} if check else None
-            kernels.mul_(groups, kernels.per_device(factor * coef, devices), flags)
-            if flags is not None:
-                found = max_flag([found, *(f.to(home) for f in flags.values())])
-        return found, total_norm
-
-    def _combine(self, found: dict[torch.device, torch.Tensor]) -> torch.Tensor:
-        home = self.scale.device
-        flags = [f.to(home, non_blocking=True) for f in found.values()]
-        return max_flag(flags) if flags else torch.zeros((), dtype=torch.float32, device=home)
-
-
-def zero_flags(devices: Iterable[torch.device]) -> dict[torch.device, torch.Tensor]:
-    """A clean overflow flag (float32 0-dim, as torch's AMP kernels take) on each device."""
-    flags: dict[torch.device, torch.Tensor] = {}
-    for d in devices:  # a loop, not a comprehension: see kernels.per_device
-        if d not in flags:
-            flags[d] = torch.zeros((), dtype=torch.float32, device=d)
-    return flags
-
-
-def max_flag(flags: Iterable[torch.Tensor | None]) -> torch.Tensor:
-    present = [f for f in flags if f is not None]
-    if len(present) == 1:
-        return present[0]
-    return torch.stack(present).amax()
-
-
-# ---------------------------------------------------------------------------------- how a step ends: the skip decision
+# --------------------------------------------------------------------------------------------------------- watches
 class Reports:
     """The watches of a scaler, the overflow report of the current iteration (``GradScaler.watch``) and the modules
     its fallback watches keep in float32 (``kept``: the scaler's checkpoint entry ``kept_in_float32``)."""
@@ -447,88 +303,6 @@ class Reports:
         # kernel and a larger collective, and the module found is known on the host only after an armed pass.
         reports = [w.after_skip(w.build_report(self.seen_loss, loss_scale=value)) for w in watches]
         self.report = next((r for r in reports if r.first_module is not None), reports[0] if reports else None)
-
-
-class Stepper:
-    """Takes or skips one optimizer's step once its overflow flag is known (see the module docstring)."""
-
-    def __init__(
-        self, tracker: Tracker, scale: LossScale, check: OverflowCheck, sync_free: bool, reports: Reports
-    ) -> None:
-        self.tracker = tracker
-        self.scale = scale
-        self.check = check
-        self.sync_free = sync_free
-        self.reports = reports
-
-    def unchecked(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A disabled scaler's step: never skipped (closures pass through, as in torch)."""
-        self.tracker.record_step(optimizer, None, False)
-        return optimizer.step(*args, **kwargs)
-
-    def if_finite(
-        self, optimizer: torch.optim.Optimizer, state: IterationState, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """The step, skipped where the flag says so; the one place the path is chosen: the optimizer's own kernel
-        when it takes the flag (from READY: it unscales, too), else on the device (sync-free) or on the host."""
-        if takes_scale_and_flag(optimizer):
-            return self.fused(optimizer, state, args, kwargs)
-        if state.stage is Stage.READY:
-            self.check.unscale_and_check([optimizer], [state])
-        found_inf = state.found_inf
-        assert found_inf is not None
-        state.stage = Stage.STEPPED
-        if self.sync_free and self.tracker.has_stepped(optimizer):
-            self._record(optimizer, state, found_inf, None)
-            return sync_free.masked_step(optimizer, found_inf, args, kwargs)
-        if self._record(optimizer, state, found_inf, self.scale.read_flag(found_inf)):
-            return None
-        result = optimizer.step(*args, **kwargs)
-        self.tracker.mark_stepped(optimizer)
-        return result
-
-    def fused(
-        self, optimizer: torch.optim.Optimizer, state: IterationState, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """Hand the scale and the flag to an optimizer whose kernel unscales and skips by itself (no sync)."""
-        grad_scale: torch.Tensor | None = None
-        if state.stage is Stage.READY:
-            # Only a read pass for the flag: the optimizer kernel divides by grad_scale while it updates.
-            state.found_inf = self.check.check_scaled(optimizer)
-            grad_scale = self.scale.tensor
-        found_inf = state.found_inf
-        assert found_inf is not None
-        first_step = not self.tracker.has_stepped(optimizer)
-        state.stage = Stage.STEPPED
-        if first_step and self.scale.read_flag(found_inf):
-            self._record(optimizer, state, found_inf, True)
-            return None
-        if self._record(optimizer, state, found_inf, False if first_step else None):
-            return None  # known on the host (a watch read it): nothing for the kernel to do
-        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-        try:
-            result = optimizer.step(*args, **kwargs)
-        finally:
-            del optimizer.grad_scale  # type: ignore[attr-defined]
-            del optimizer.found_inf  # type: ignore[attr-defined]
-        if first_step:
-            self.tracker.mark_stepped(optimizer)
-        return result
-
-    def _record(
-        self, optimizer: torch.optim.Optimizer, state: IterationState, found_inf: torch.Tensor, skipped: bool | None
-    ) -> bool:
-        """Remember how the step ended; while a watch is active, know it now (one read on the fused and sync-free
-        paths) and build the overflow report from the gradients, which still exist. Returns whether skipped."""
-        watches = self.reports.active()
-        if skipped is None and watches:
-            skipped = self.scale.read_flag(found_inf)
-        self.tracker.record_step(optimizer, found_inf, skipped)
-        state.skipped = skipped
-        if skipped and watches:
-            self.reports.overflowed(watches, self.scale)
-        return bool(skipped)
 
 
 def takes_scale_and_flag(optimizer: torch.optim.Optimizer) -> bool:
@@ -698,13 +472,10 @@ class GradScaler:
         self._wire()
 
     def _wire(self) -> None:
-        """The per-process parts, built anew after unpickling: bookkeeping, overflow passes, reports, steps."""
+        """The per-process parts, built anew after unpickling: the per-optimizer bookkeeping and the watches."""
         self._tracker = Tracker()
-        pg, sharded = self._process_group, self._gradients_sharded
-        self._check = OverflowCheck(self._tracker, self._scale, self._enabled, pg, sharded)
         self._reports = Reports()
         self.register_state("kept_in_float32", self._reports.kept)  # registered first: loads may precede a watch
-        self._stepper = Stepper(self._tracker, self._scale, self._check, self._sync_free, self._reports)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -851,7 +622,7 @@ class GradScaler:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if state.stage is Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        self._check.unscale_and_check([optimizer], [state])
+        self._unscale_and_check([optimizer], [state])
         _tell_unscaled(optimizer)
 
     def clip_gradients_and_return_isfinite(
@@ -874,10 +645,105 @@ class GradScaler:
             raise ValueError(problem)
         opts = optimizer_list(optimizers, "optimizers")
         self._tracker.check_disjoint(opts)
-        isfinite, norm = self._check.clip_and_check(opts, max_norm, return_norm)
+        isfinite, norm = self._clip_and_check(opts, max_norm, return_norm)
         for opt in opts:
             _tell_unscaled(opt)
         return (isfinite, norm) if return_norm else isfinite
+
+    # The passes (unscale, check, clip; pure in dls.kernels) and the skip decision.
+    def _unscale_and_check(self, optimizers: list[torch.optim.Optimizer], states: list[IterationState]) -> None:
+        """Unscale each optimizer's gradients and set its agreed overflow flag (stage → UNSCALED)."""
+        inv_scale = self._scale.inverse()
+        for optimizer, state in zip(optimizers, states):
+            groups = self._tracker.grads(optimizer)
+            devices = {device for device, _ in groups}
+            found = kernels.zero_flags(devices)
+            kernels.mul_and_check_(groups, kernels.per_device(inv_scale, devices), found, self._scale.may_be_below_one)
+            # Across ranks the flag is agreed asynchronously: reading state.found_inf waits for the all-reduce.
+            flag = kernels.gather_flags(found, self._scale.device)
+            agreement = distributed.start_agreement(flag, self._process_group) if _distributed() else None
+            state.flag, state.agreement = flag, agreement
+            state.stage = Stage.UNSCALED
+
+    def _check_scaled(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """The agreed flag of ``optimizer``'s still-scaled gradients, without unscaling them (one read pass)."""
+        groups = self._tracker.grads(optimizer)
+        devices = {d for d, _ in groups}
+        found = kernels.zero_flags(devices)
+        inv = kernels.per_device(self._scale.inverse(), devices)
+        kernels.check_unscaled_(groups, inv, found, self._scale.may_be_below_one)
+        flag = kernels.gather_flags(found, self._scale.device)
+        return distributed.agree_on_overflow(flag, self._process_group) if _distributed() else flag
+
+    def _clip_and_check(
+        self, optimizers: list[torch.optim.Optimizer], max_norm: float | None, want_norm: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        norm: torch.Tensor | None
+        states = [self._tracker.state(opt) for opt in optimizers]
+        if any(s.stage is Stage.STEPPED for s in states):
+            raise RuntimeError("gradients cannot be clipped after step() on the same optimizer before update().")
+        if not self._enabled:
+            # Nothing to unscale or skip; clipping still applies, and the flag still tells the truth.
+            if max_norm is None and not want_norm:
+                return torch.ones((), dtype=torch.bool, device=self._scale.device), None
+            found_inf, norm = self._clip([], optimizers, max_norm, want_norm)
+            for state in states:
+                state.stage = Stage.CLIPPED if max_norm is not None else state.stage
+            return found_inf == 0, norm
+        ready = [(o, s) for o, s in zip(optimizers, states) if s.stage is Stage.READY]
+        done = [o for o, s in zip(optimizers, states) if s.stage is not Stage.READY]
+        if max_norm is None and not want_norm:
+            if ready:
+                self._unscale_and_check([o for o, _ in ready], [s for _, s in ready])
+            found_inf, norm = kernels.max_flag([s.found_inf for s in states]), None
+        else:
+            found_inf, norm = self._clip([o for o, _ in ready], done, max_norm, want_norm)
+            found_inf = kernels.max_flag([found_inf, *(s.found_inf for s in states if s.stage is not Stage.READY)])
+            if _distributed():
+                found_inf = distributed.agree_on_overflow(found_inf, self._process_group)
+        for state in states:
+            state.stage = Stage.CLIPPED if max_norm is not None else Stage.UNSCALED
+            state.found_inf = found_inf
+        return found_inf == 0, norm
+
+    def _clip(
+        self,
+        scaled: list[torch.optim.Optimizer],
+        unscaled: list[torch.optim.Optimizer],
+        max_norm: float | None,
+        want_norm: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unscale ``scaled`` and clip all gradients of both lists to ``max_norm`` (``None``: unscale only), in two
+        passes: one read for the global norm (of still-scaled gradients times 1/scale), one read+write multiplying
+        by ``clip_coef / scale`` (``clip_coef`` alone for already unscaled gradients). Returns the overflow flag
+        (the norm is inf/NaN exactly when an element is) and the norm."""
+        home = self._scale.device
+        inv_scale = self._scale.inverse() if self._enabled else torch.ones((), device=home)
+        one = torch.ones((), dtype=torch.float32, device=home)
+        parts = [(self._tracker.grads_of(scaled), inv_scale), (self._tracker.grads_of(unscaled), one)]
+        sharded = self._gradients_sharded
+        if _distributed() and distributed.norm_is_sharded(scaled + unscaled, sharded, self._process_group):
+            # Each rank holds a slice of the gradients: squared norms are summed across ranks.
+            opts = [(scaled, inv_scale), (unscaled, one)]
+            total_norm = distributed.global_norm(opts, home, self._process_group, plain_sharded=sharded is True)
+        else:
+            norms = [kernels.global_norm(g, kernels.per_device(f, {d for d, _ in g}), home) for g, f in parts]
+            total_norm = torch.linalg.vector_norm(torch.stack(norms))
+        found = (~torch.isfinite(total_norm)).float()
+        coef = one if max_norm is None else kernels.clip_coefficient(total_norm, max_norm)
+        # A finite norm bounds every clipped element by max_norm: only a max_norm near a gradient dtype's largest
+        # value (or an unscale by more than 1 without clipping) can make a product overflow.
+        for groups, factor in parts:
+            if not groups or (factor is one and max_norm is None):
+                continue
+            dtypes_max = min(torch.finfo(dtype).max for _, dtype in groups)
+            check = (max_norm is None and self._scale.may_be_below_one) or (max_norm or 0) >= dtypes_max / 2
+            devices = {d for d, _ in groups}
+            flags = {d: found.to(d) for d in devices} if check else None
+            kernels.mul_(groups, kernels.per_device(factor * coef, devices), flags)
+            if flags is not None:
+                found = kernels.max_flag([found, *(f.to(home) for f in flags.values())])
+        return found, total_norm
 
     # ------------------------------------------------------------------ step
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -888,8 +754,8 @@ class GradScaler:
         if not self._enabled:
             # No scaling, no skipping; max_gradient_norm still clips (bfloat16 runs use it too).
             if max_norm is not None and self._tracker.state(optimizer).stage is not Stage.CLIPPED:
-                self._check.clip_and_check([optimizer], max_norm, want_norm=False)
-            return self._stepper.unchecked(optimizer, args, kwargs)
+                self._clip_and_check([optimizer], max_norm, want_norm=False)
+            return self._step_unchecked(optimizer, args, kwargs)
         _reject_closure(args, kwargs)
         state = self._tracker.state(optimizer)
         if state.stage is Stage.STEPPED:
@@ -903,14 +769,14 @@ class GradScaler:
                     "step(), or use dls.optimizer_step with the list.",
                     stacklevel=2,
                 )
-            self._check.clip_and_check([optimizer], max_norm)
-        return self._stepper.if_finite(optimizer, state, args, kwargs)
+            self._clip_and_check([optimizer], max_norm)
+        return self._step_if_finite(optimizer, state, args, kwargs)
 
     def step_if_finite(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step(*args, **kwargs)`` if the flag recorded by ``unscale_`` or
         ``clip_gradients_and_return_isfinite`` is clean; returns its value, or ``None`` when skipped."""
         if not self._enabled:
-            return self._stepper.unchecked(optimizer, args, kwargs)
+            return self._step_unchecked(optimizer, args, kwargs)
         _reject_closure(args, kwargs)
         state = self._tracker.state(optimizer)
         if state.stage is Stage.STEPPED:
@@ -920,7 +786,76 @@ class GradScaler:
                 "step_if_finite() needs the overflow flag: call unscale_() or "
                 "clip_gradients_and_return_isfinite() first, or use step()."
             )
-        return self._stepper.if_finite(optimizer, state, args, kwargs)
+        return self._step_if_finite(optimizer, state, args, kwargs)
+
+    def _step_if_finite(
+        self, optimizer: torch.optim.Optimizer, state: IterationState, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The step, skipped where the flag says so; the one place the path is chosen: the optimizer's own kernel
+        when it takes the flag (from READY: it unscales, too), else on the device (sync-free) or on the host."""
+        if takes_scale_and_flag(optimizer):
+            return self._step_fused(optimizer, state, args, kwargs)
+        if state.stage is Stage.READY:
+            self._unscale_and_check([optimizer], [state])
+        found_inf = state.found_inf
+        assert found_inf is not None
+        state.stage = Stage.STEPPED
+        if self._sync_free and self._tracker.has_stepped(optimizer):
+            self._record(optimizer, state, found_inf, None)
+            return sync_free.masked_step(optimizer, found_inf, args, kwargs)
+        if self._record(optimizer, state, found_inf, self._scale.read_flag(found_inf)):
+            return None
+        result = optimizer.step(*args, **kwargs)
+        self._tracker.mark_stepped(optimizer)
+        return result
+
+    def _step_fused(
+        self, optimizer: torch.optim.Optimizer, state: IterationState, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Hand the scale and the flag to an optimizer whose kernel unscales and skips by itself (no sync)."""
+        grad_scale: torch.Tensor | None = None
+        if state.stage is Stage.READY:
+            # Only a read pass for the flag: the optimizer kernel divides by grad_scale while it updates.
+            state.found_inf = self._check_scaled(optimizer)
+            grad_scale = self._scale.tensor
+        found_inf = state.found_inf
+        assert found_inf is not None
+        first_step = not self._tracker.has_stepped(optimizer)
+        state.stage = Stage.STEPPED
+        if first_step and self._scale.read_flag(found_inf):
+            self._record(optimizer, state, found_inf, True)
+            return None
+        if self._record(optimizer, state, found_inf, False if first_step else None):
+            return None  # known on the host (a watch read it): nothing for the kernel to do
+        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            result = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        if first_step:
+            self._tracker.mark_stepped(optimizer)
+        return result
+
+    def _record(
+        self, optimizer: torch.optim.Optimizer, state: IterationState, found_inf: torch.Tensor, skipped: bool | None
+    ) -> bool:
+        """Remember how the step ended; while a watch is active, know it now (one read on the fused and sync-free
+        paths) and build the overflow report from the gradients, which still exist. Returns whether skipped."""
+        watches = self._reports.active()
+        if skipped is None and watches:
+            skipped = self._scale.read_flag(found_inf)
+        self._tracker.record_step(optimizer, found_inf, skipped)
+        state.skipped = skipped
+        if skipped and watches:
+            self._reports.overflowed(watches, self._scale)
+        return bool(skipped)
+
+    def _step_unchecked(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A disabled scaler's step: never skipped (closures pass through, as in torch)."""
+        self._tracker.record_step(optimizer, None, False)
+        return optimizer.step(*args, **kwargs)
 
     # ------------------------------------------------------------------ diagnostics
     def watch(self, model: torch.nn.Module, *, fallback: bool = False) -> OverflowWatch:
@@ -957,7 +892,7 @@ class GradScaler:
             return
         if new_scale is not None:
             flags = [s.found_inf for s in self._tracker.iteration.values() if s.found_inf is not None]
-            self._scale.set(new_scale, max_flag(flags) if flags else None)
+            self._scale.set(new_scale, kernels.max_flag(flags) if flags else None)
         else:
             self._apply_rule(list(self._tracker.iteration.values()))
         self._tracker.new_iteration()
@@ -980,7 +915,7 @@ class GradScaler:
             )
         # Where step() decided on the host (the default path), the rule knows the flag's value too.
         known = None if any(s.skipped is None for s in states) else any(s.skipped for s in states)
-        self._scale.apply_rule(max_flag([s.found_inf for s in states]), known)
+        self._scale.apply_rule(kernels.max_flag([s.found_inf for s in states]), known)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -1031,7 +966,7 @@ class GradScaler:
                 "A GradScaler may only be pickled at the beginning of an iteration, or after scaler.update()."
             )
         # A disabled scaler records only clipping: nothing per iteration to carry. Watches hook this process's model.
-        parts = ("_tracker", "_check", "_reports", "_stepper", "_extra_state")  # registered owners: this process's
+        parts = ("_tracker", "_reports", "_extra_state")  # registered owners: this process's
         state = {k: v for k, v in self.__dict__.items() if k not in parts}
         state["_process_group"] = None
         return state
