@@ -40,7 +40,7 @@ from dls.scaler_state import STATE_KEYS, TORCH_KEYS, parse_state_dict, to_state_
 from dls.settings import DEFAULT_STEPS_PER_INCREASE, TORCH_INIT_SCALE, ScalerSettings
 
 if TYPE_CHECKING:
-    from dls.diagnostics.watch import OverflowReport, OverflowWatch
+    from dls.diagnostics.watch import OverflowReport, OverflowWatch, Watches
 
 __all__ = ["GradScaler", "Stage", "optimizer_list"]
 
@@ -260,62 +260,8 @@ def check_optimizer(optimizer: Any) -> None:
         raise ValueError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
 
 
-# --------------------------------------------------------------------------------------------------------- watches
-class Reports:
-    """The watches of a scaler, the overflow report of the current iteration (``GradScaler.watch``) and the modules
-    its fallback watches keep in float32 (``kept``: the scaler's checkpoint entry ``kept_in_float32``)."""
-
-    def __init__(self) -> None:
-        from dls.diagnostics.fallback import KeptState
-
-        self.watches: list[OverflowWatch] = []
-        self.seen_loss: Any = None  # what the last scale() was given, detached, while a watch is active
-        self.report: OverflowReport | None = None
-        self.stale = False  # update() ran: the next scale() starts an iteration without a report
-        self.kept = KeptState(self.active)
-
-    def watch(self, model: torch.nn.Module, fallback: bool, process_group: Any) -> OverflowWatch:
-        from dls.diagnostics.watch import OverflowWatch
-
-        self.watches = [w for w in self.watches if w.active]
-        watch = OverflowWatch(model, fallback=fallback, process_group=process_group)
-        self.kept.adopt(watch)  # a loaded kept_in_float32 applies to a fallback watch made after the load
-        self.watches.append(watch)
-        return watch
-
-    def active(self) -> list[OverflowWatch]:
-        return [w for w in self.watches if w.active]
-
-    def new_loss(self, outputs: Any) -> None:
-        """``scale()`` was called: a new iteration clears the last report; keep the loss for the next one."""
-        if self.stale:
-            self.report, self.stale = None, False
-        if self.watches:
-            self.seen_loss = _detached(outputs)
-
-    def overflowed(self, watches: list[OverflowWatch], scale: LossScale) -> None:
-        if self.report is not None:
-            return  # the iteration's first overflowing step has reported already
-        value = float(scale.tensor)  # the overflow path: one more read is fine
-        # The skip is decided (and agreed across ranks): a fallback watch keeps, arms or gives up here. Its ranks
-        # agree on the module with a MAX all-reduce of their own (Fallback.after_skip), on skipped steps only, not
-        # as an extra element of the per-step collective: that element would cost every clean step an isfinite(loss)
-        # kernel and a larger collective, and the module found is known on the host only after an armed pass.
-        reports = [w.after_skip(w.build_report(self.seen_loss, loss_scale=value)) for w in watches]
-        self.report = next((r for r in reports if r.first_module is not None), reports[0] if reports else None)
-
-
 def takes_scale_and_flag(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-
-
-def _detached(outputs: Any) -> Any:
-    """``outputs`` (a tensor or nested lists/tuples of them) detached: kept for a report, without its graph."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs.detach()
-    if isinstance(outputs, (list, tuple)):
-        return [_detached(o) for o in outputs]
-    return None
 
 
 # ---------------------------------------------------------------------------------------------------------- the scaler
@@ -412,8 +358,7 @@ class GradScaler:
     ) -> None: ...
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        settings, runtime = read_arguments(args, kwargs)
-        self._setup(settings, **runtime)
+        self._setup(*read_arguments(args, kwargs))
 
     @classmethod
     def from_settings(
@@ -430,26 +375,15 @@ class GradScaler:
         if not isinstance(settings, ScalerSettings):
             raise ValueError(f"settings must be a dls.settings.ScalerSettings; got {type(settings).__name__}")
         scaler = cls.__new__(cls)
-        scaler._setup(
-            settings,
-            enabled=enabled,
-            device=None if device is None else parse_device(device),
-            sync_free=sync_free,
-            process_group=process_group,
-            gradients_sharded=gradients_sharded,
-        )
+        device = None if device is None else parse_device(device)
+        runtime = {"enabled": enabled, "device": device, "sync_free": sync_free, "process_group": process_group}
+        scaler._setup(settings, runtime | {"gradients_sharded": gradients_sharded})
         return scaler
 
-    def _setup(
-        self,
-        settings: ScalerSettings,
-        *,
-        enabled: bool,
-        device: torch.device | None,
-        sync_free: bool,
-        process_group: Any,
-        gradients_sharded: bool | None,
-    ) -> None:
+    def _setup(self, settings: ScalerSettings, runtime: dict[str, Any]) -> None:
+        enabled, device, sync_free, gradients_sharded = (
+            runtime[k] for k in ("enabled", "device", "sync_free", "gradients_sharded")
+        )
         for name, value in (("enabled", enabled), ("sync_free", sync_free)):
             if problem := flag_problem(name, value):
                 raise ValueError(problem)
@@ -464,17 +398,18 @@ class GradScaler:
                 )
                 self._enabled = False
             device = None
-        self._sync_free = sync_free
-        self._process_group = process_group
-        self._gradients_sharded = gradients_sharded
+        self._sync_free, self._gradients_sharded = sync_free, gradients_sharded
+        self._process_group = runtime["process_group"]
         self._scale = LossScale(settings, device)
         self._extra_state: dict[str, Any] = {}  # register_state
         self._wire()
 
     def _wire(self) -> None:
         """The per-process parts, built anew after unpickling: the per-optimizer bookkeeping and the watches."""
+        from dls.diagnostics.watch import Watches  # the diagnostics are imported with a scaler, not with dls
+
         self._tracker = Tracker()
-        self._reports = Reports()
+        self._reports: Watches = Watches()
         self.register_state("kept_in_float32", self._reports.kept)  # registered first: loads may precede a watch
 
     # ------------------------------------------------------------------ queries
@@ -588,7 +523,8 @@ class GradScaler:
             return outputs
         if isinstance(outputs, torch.Tensor) and not self._tracker.iteration:
             self._scale.follow(outputs.device)
-        self._reports.new_loss(outputs)
+        if self._reports.watches or self._reports.report is not None:
+            self._reports.new_loss(outputs)
         cache: dict[torch.device, torch.Tensor] = {}
 
         def apply(value: Any) -> Any:
@@ -843,13 +779,13 @@ class GradScaler:
     ) -> bool:
         """Remember how the step ended; while a watch is active, know it now (one read on the fused and sync-free
         paths) and build the overflow report from the gradients, which still exist. Returns whether skipped."""
-        watches = self._reports.active()
+        watches = [w for w in self._reports.watches if w.active]
         if skipped is None and watches:
             skipped = self._scale.read_flag(found_inf)
         self._tracker.record_step(optimizer, found_inf, skipped)
         state.skipped = skipped
         if skipped and watches:
-            self._reports.overflowed(watches, self._scale)
+            self._reports.overflowed(watches, float(self._scale.tensor))  # the overflow path: one more read is fine
         return bool(skipped)
 
     def _step_unchecked(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
