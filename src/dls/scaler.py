@@ -57,7 +57,7 @@ class Stage(enum.Enum):
 
 @dataclasses.dataclass
 class IterationState:
-    """One optimizer in the current iteration."""
+    """One optimizer in the current iteration; after its step, also how the step ended (``step_was_skipped``)."""
 
     stage: Stage = Stage.READY
     flag: torch.Tensor | None = None  # float32 0-dim on the scale's device; read it through found_inf
@@ -75,21 +75,6 @@ class IterationState:
     @found_inf.setter
     def found_inf(self, value: torch.Tensor | None) -> None:
         self.flag, self.agreement = value, None
-
-
-@dataclasses.dataclass
-class LastStep:
-    """How the last ``step()`` of an optimizer ended: ``skipped`` when decided on the host, else read lazily from
-    ``found_inf`` (the fused and sync-free paths never read it themselves)."""
-
-    found_inf: torch.Tensor | None
-    skipped: bool | None
-
-    def was_skipped(self) -> bool:
-        if self.skipped is None:
-            assert self.found_inf is not None
-            self.skipped = bool(self.found_inf.item())
-        return self.skipped
 
 
 @dataclasses.dataclass
@@ -120,7 +105,7 @@ class Tracker:
     def __init__(self) -> None:
         self.iteration: dict[int, IterationState] = {}
         self._indexes: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Index] = weakref.WeakKeyDictionary()
-        self._last: weakref.WeakKeyDictionary[torch.optim.Optimizer, LastStep] = weakref.WeakKeyDictionary()
+        self.last: weakref.WeakKeyDictionary[torch.optim.Optimizer, IterationState] = weakref.WeakKeyDictionary()
 
     def state(self, optimizer: torch.optim.Optimizer) -> IterationState:
         check_optimizer(optimizer)
@@ -222,21 +207,6 @@ class Tracker:
         if len(index.stepped) < len(index.grads.params):
             index.stepped.update((id(p), p) for p in index.grads.params if p.grad is not None)
         index.state, index.state_len = optimizer.state, len(optimizer.state)
-
-    def record_step(
-        self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None, skipped: bool | None
-    ) -> None:
-        self._last[optimizer] = LastStep(found_inf, skipped)
-
-    def stepped_optimizers(self) -> list[torch.optim.Optimizer]:
-        return list(self._last.keys())
-
-    def last_step(self, optimizer: torch.optim.Optimizer) -> LastStep:
-        check_optimizer(optimizer)
-        last = self._last.get(optimizer)
-        if last is None:
-            raise RuntimeError("step_was_skipped(): this optimizer has not stepped through this scaler yet")
-        return last
 
 
 def _positions(optimizer: torch.optim.Optimizer, own: bool = True) -> dict[int, tuple[str, torch.Tensor]]:
@@ -462,19 +432,30 @@ class GradScaler:
         ``sync_free`` step it reads the flag once (then remembers it). Raises ``RuntimeError`` before the
         optimizer's first step through this scaler. A disabled scaler never skips.
         """
-        return self._tracker.last_step(optimizer).was_skipped()
+        last = self._last_step(optimizer)
+        if last.skipped is None:  # the fused and sync-free paths did not read the flag
+            assert last.flag is not None
+            last.skipped = bool(last.flag.item())
+        return last.skipped
+
+    def _last_step(self, optimizer: torch.optim.Optimizer) -> IterationState:
+        check_optimizer(optimizer)
+        last = self._tracker.last.get(optimizer)
+        if last is None:
+            raise RuntimeError("step_was_skipped(): this optimizer has not stepped through this scaler yet")
+        return last
 
     def _stepped_optimizers(self) -> list[torch.optim.Optimizer]:
         """The live optimizers that have stepped through this scaler (``dls.skip_aware`` binds to a single one)."""
-        return self._tracker.stepped_optimizers()
+        return list(self._tracker.last.keys())
 
     def step_was_skipped_tensor(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """``step_was_skipped`` as a 0-dim bool tensor on the scale's device, never read back to the host: to
         select on the device (``torch.where(skipped, old, new)``) in sync-free loops."""
-        last = self._tracker.last_step(optimizer)
-        if last.found_inf is None:
+        last = self._last_step(optimizer)
+        if last.flag is None:
             return torch.tensor(bool(last.skipped), device=self._scale.device)
-        return last.found_inf > 0
+        return last.flag > 0
 
     def get_growth_factor(self) -> float:
         """torch.amp's accessor: the factor the scale grows by."""
@@ -536,7 +517,7 @@ class GradScaler:
                 return value * cache[value.device]
             if isinstance(value, (list, tuple)):
                 scaled = [apply(v) for v in value]
-                return type(value)(scaled) if isinstance(value, list) else _rebuild_tuple(value, scaled)
+                return type(value)(*scaled) if hasattr(value, "_fields") else type(value)(scaled)  # named tuples
             if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
                 return map(apply, value)
             raise ValueError(f"outputs must be a Tensor or an iterable of Tensors; got {type(value).__name__}")
@@ -782,15 +763,14 @@ class GradScaler:
         watches = [w for w in self._reports.watches if w.active]
         if skipped is None and watches:
             skipped = self._scale.read_flag(found_inf)
-        self._tracker.record_step(optimizer, found_inf, skipped)
-        state.skipped = skipped
+        state.skipped, self._tracker.last[optimizer] = skipped, state
         if skipped and watches:
             self._reports.overflowed(watches, float(self._scale.tensor))  # the overflow path: one more read is fine
         return bool(skipped)
 
     def _step_unchecked(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A disabled scaler's step: never skipped (closures pass through, as in torch)."""
-        self._tracker.record_step(optimizer, None, False)
+        self._tracker.last[optimizer] = IterationState(skipped=False)
         return optimizer.step(*args, **kwargs)
 
     # ------------------------------------------------------------------ diagnostics
@@ -926,11 +906,7 @@ class GradScaler:
 
 
 def _distributed() -> bool:
-    """Whether ranks may have to agree (``dls.distributed`` decides per group); the default path never enters it.
-    An extension point for more per-step agreement (an extra element in the collective) belongs in
-    ``dls.distributed``, behind this check. The float32 fallback (``watch(model, fallback=True)``) does not use it:
-    its ranks agree on skipped steps only, with one small all-reduce of their own (see ``Reports.overflowed``), so
-    that clean steps gain neither a collective element nor a kernel."""
+    """Whether ranks may have to agree (``dls.distributed`` decides per group); the default path never enters it."""
     return dist.is_available() and dist.is_initialized()
 
 
@@ -945,7 +921,7 @@ def optimizer_list(
 
 
 def _tell_unscaled(optimizer: torch.optim.Optimizer) -> None:
-    """User code runs next and may read or clip the gradients it knows (see ``dls.tracking``)."""
+    """User code runs next and may read or clip the gradients it knows (``dls.master_weights``)."""
     hook = getattr(optimizer, "dls_gradients_unscaled", None)
     if hook is not None:
         hook()
@@ -954,9 +930,3 @@ def _tell_unscaled(optimizer: torch.optim.Optimizer) -> None:
 def _reject_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     if "closure" in kwargs or (args and callable(args[0])):
         raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-
-
-def _rebuild_tuple(original: tuple[Any, ...], items: list[Any]) -> tuple[Any, ...]:
-    if hasattr(original, "_fields"):  # named tuple
-        return type(original)(*items)
-    return type(original)(items)
