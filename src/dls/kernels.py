@@ -160,6 +160,15 @@ def mul_(
             check_nonfinite(grads, found_inf[device])
 
 
+def mul_and_raise(groups: Groups, factor: torch.Tensor, found_inf: torch.Tensor, check: bool) -> torch.Tensor:
+    """``mul_`` by ``factor`` (0-dim, on ``found_inf``'s device); with ``check``, returns ``found_inf`` raised where a
+    product overflowed, else ``found_inf`` itself."""
+    devices = {d for d, _ in groups}
+    flags = {d: found_inf.to(d) for d in devices} if check else None
+    mul_(groups, per_device(factor, devices), flags)
+    return found_inf if flags is None else max_flag([found_inf, *(f.to(found_inf.device) for f in flags.values())])
+
+
 def check_nonfinite(grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
     """Raise ``found_inf`` if any element of ``grads`` (same device and dtype) is inf or NaN.
 

@@ -8,15 +8,11 @@ iteration each optimizer moves READY → UNSCALED (or CLIPPED) → STEPPED (``St
 optimizer back to READY. The checkpoint format: ``dls.scaler_state``.
 
 A step is skipped when some gradient *as the optimizer would receive it* (unscaled, and clipped when the scaler
-clips) is inf/NaN in its dtype. Only ``step`` reads a tensor back (the flag, once per optimizer), and not for
-optimizers that take the flag themselves (torch's fused Adam/AdamW/SGD/Adagrad) nor with ``sync_free=True`` — except
-for a parameter's first step after every reset of the optimizer's state: state that does not exist yet cannot be
-protected on the device.
-
-Optimizers that keep their gradients elsewhere than ``param.grad`` (``dls.master_weights``) may define
-``dls_collect_gradients()`` (called once per iteration, before the gradients are first read),
-``dls_gradients_unscaled()`` (after an explicit unscale, so user code that clips next sees unscaled values) and
-``dls_state_restored()`` (after a sync-free step put parameters and state back).
+clips) is inf/NaN in its dtype. Only ``step`` reads a tensor back (the flag), and not for optimizers that take the
+flag themselves (torch's fused optimizers) nor with ``sync_free=True``, except at a parameter's first step after
+each reset of the optimizer's state: state that does not exist yet cannot be protected on the device. Optimizers
+holding their gradients elsewhere (``dls.master_weights``) hook in through ``dls_collect_gradients``,
+``dls_gradients_unscaled`` and ``dls_state_restored``.
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ import dataclasses
 import enum
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import EllipsisType
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
@@ -85,10 +81,8 @@ class _Index:
     signature: tuple[tuple[int, ...], ...]
     grads: kernels.GradIndex  # holds the parameters, so the ids in the signature cannot be reused
     has_dtensors: bool
-    # Parameters that have taken a step through this scaler (id → parameter), valid while the optimizer's state is
-    # the same object and has not shrunk: only for them does all the state a step touches exist, so that their step
-    # can be skipped or masked on the device. A reset (optimizer.load_state_dict, optimizer.state.clear()) forgets
-    # them, and their next step is decided on the host again.
+    # Parameters stepped through this scaler (id → parameter) since the optimizer's state was last reset (a new
+    # state object, or a shorter one): see Tracker.has_stepped.
     stepped: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     state: Any = None  # the optimizer.state object the stepped record refers to
     state_len: int = 0  # its length when last marked
@@ -189,10 +183,9 @@ class Tracker:
 
     # ------------------------------------------------------------------ steps
     def has_stepped(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether every parameter with a gradient has taken a step through this scaler since the optimizer's state
-        was last reset: only then does all the state a step touches exist, so that the step can be skipped or
-        masked on the device. O(1) once every parameter has stepped (the identity and length of
-        ``optimizer.state``); a scan over parameters before that."""
+        """Whether every parameter with a gradient has stepped through this scaler since the optimizer's state was
+        last reset (``load_state_dict``, ``state.clear()``): only then does all the state a step touches exist, so
+        that the step can be skipped or masked on the device. O(1) once every parameter has stepped."""
         index = self._index(optimizer)
         state = optimizer.state
         if state is not index.state or len(state) < index.state_len:
@@ -425,13 +418,9 @@ class GradScaler:
 
     def step_was_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the last ``step(optimizer)`` (or ``step_if_finite``) through this scaler was skipped because the
-        gradients overflowed. Stays valid after ``update()`` until the next step of that optimizer, so LR
-        schedulers, EMA and step counters can follow real updates (``dls.skip_aware`` does this for you).
-
-        Costs nothing where ``step`` decided on the host (the default path); after a fused-optimizer or
-        ``sync_free`` step it reads the flag once (then remembers it). Raises ``RuntimeError`` before the
-        optimizer's first step through this scaler. A disabled scaler never skips.
-        """
+        gradients overflowed; valid until the next step of that optimizer, so LR schedulers, EMA and step counters
+        can follow real updates (``dls.skip_aware``). Free where ``step`` decided on the host; after a fused or
+        ``sync_free`` step one read of the flag. ``RuntimeError`` before the optimizer's first step."""
         last = self._last_step(optimizer)
         if last.skipped is None:  # the fused and sync-free paths did not read the flag
             assert last.flag is not None
@@ -495,11 +484,8 @@ class GradScaler:
 
     # ------------------------------------------------------------------ scale
     def scale(self, outputs: _T) -> _T:
-        """Multiply a loss (or nested lists/tuples of them) by the scale.
-
-        Half-precision losses are scaled in float32 (a float16 loss times 2**15 would overflow in float16);
-        other tensors keep their dtype. The scale moves to the loss's device on first use.
-        """
+        """Multiply a loss (or nested lists/tuples of them) by the scale. Half-precision losses are scaled in float32
+        (a float16 loss times 2**15 would overflow); the scale moves to the loss's device on first use."""
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor) and not self._tracker.iteration:
@@ -527,11 +513,8 @@ class GradScaler:
 
     # ------------------------------------------------------------------ unscale / clip
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the optimizer's gradients by the scale in place and record whether any is inf/NaN.
-
-        One fused pass per device and dtype, no host sync. At most once per optimizer per iteration, before
-        ``step``; ``step`` calls it if you did not.
-        """
+        """Divide the optimizer's gradients by the scale in place and record whether any is inf/NaN (one fused pass
+        per device and dtype, no host sync). At most once per optimizer per iteration, before ``step``."""
         if not self._enabled:
             return
         state = self._tracker.state(optimizer)
@@ -550,13 +533,9 @@ class GradScaler:
         return_norm: bool = False,
     ) -> Any:
         """Unscale the optimizers' gradients, clip them together to ``max_gradient_norm`` (one global norm over
-        all their gradients) and return whether that norm is finite, as a bool tensor on the device.
-
-        The result decides the skip for all of them. ``max_gradient_norm`` defaults to the scaler's own; ``None``
-        unscales and checks without clipping. With ``return_norm=True`` the result is ``(isfinite, norm)``, the
-        norm being the global L2 norm of the unscaled gradients before clipping (a float32 device tensor; one
-        extra read pass when nothing is clipped).
-        """
+        all their gradients; default: the scaler's own; ``None``: no clipping) and return whether that norm is
+        finite, as a bool tensor on the device: the skip decision for all of them. ``return_norm=True`` returns
+        ``(isfinite, norm)``, the float32 L2 norm of the unscaled gradients before clipping."""
         max_norm = self._scale.settings.max_gradient_norm if max_gradient_norm is ... else max_gradient_norm
         if problem := limit_problem("max_gradient_norm", max_norm):
             raise ValueError(problem)
@@ -568,28 +547,30 @@ class GradScaler:
         return (isfinite, norm) if return_norm else isfinite
 
     # The passes (unscale, check, clip; pure in dls.kernels) and the skip decision.
+    def _flag_pass(
+        self, optimizer: torch.optim.Optimizer, run: Callable[..., None], inv_scale: torch.Tensor
+    ) -> torch.Tensor:
+        """``run`` (``kernels.mul_and_check_`` or ``kernels.check_unscaled_``) over the optimizer's gradients, factor
+        ``inv_scale``; returns the flag on the scale's device (not yet agreed across ranks)."""
+        groups = self._tracker.grads(optimizer)
+        devices = {d for d, _ in groups}
+        found = kernels.zero_flags(devices)
+        run(groups, kernels.per_device(inv_scale, devices), found, self._scale.may_be_below_one)
+        return kernels.gather_flags(found, self._scale.device)
+
     def _unscale_and_check(self, optimizers: list[torch.optim.Optimizer], states: list[IterationState]) -> None:
         """Unscale each optimizer's gradients and set its agreed overflow flag (stage → UNSCALED)."""
         inv_scale = self._scale.inverse()
         for optimizer, state in zip(optimizers, states):
-            groups = self._tracker.grads(optimizer)
-            devices = {device for device, _ in groups}
-            found = kernels.zero_flags(devices)
-            kernels.mul_and_check_(groups, kernels.per_device(inv_scale, devices), found, self._scale.may_be_below_one)
+            flag = self._flag_pass(optimizer, kernels.mul_and_check_, inv_scale)
             # Across ranks the flag is agreed asynchronously: reading state.found_inf waits for the all-reduce.
-            flag = kernels.gather_flags(found, self._scale.device)
             agreement = distributed.start_agreement(flag, self._process_group) if _distributed() else None
             state.flag, state.agreement = flag, agreement
             state.stage = Stage.UNSCALED
 
     def _check_scaled(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """The agreed flag of ``optimizer``'s still-scaled gradients, without unscaling them (one read pass)."""
-        groups = self._tracker.grads(optimizer)
-        devices = {d for d, _ in groups}
-        found = kernels.zero_flags(devices)
-        inv = kernels.per_device(self._scale.inverse(), devices)
-        kernels.check_unscaled_(groups, inv, found, self._scale.may_be_below_one)
-        flag = kernels.gather_flags(found, self._scale.device)
+        flag = self._flag_pass(optimizer, kernels.check_unscaled_, self._scale.inverse())
         return distributed.agree_on_overflow(flag, self._process_group) if _distributed() else flag
 
     def _clip_and_check(
@@ -651,15 +632,10 @@ class GradScaler:
         # A finite norm bounds every clipped element by max_norm: only a max_norm near a gradient dtype's largest
         # value (or an unscale by more than 1 without clipping) can make a product overflow.
         for groups, factor in parts:
-            if not groups or (factor is one and max_norm is None):
-                continue
-            dtypes_max = min(torch.finfo(dtype).max for _, dtype in groups)
-            check = (max_norm is None and self._scale.may_be_below_one) or (max_norm or 0) >= dtypes_max / 2
-            devices = {d for d, _ in groups}
-            flags = {d: found.to(d) for d in devices} if check else None
-            kernels.mul_(groups, kernels.per_device(factor * coef, devices), flags)
-            if flags is not None:
-                found = kernels.max_flag([found, *(f.to(home) for f in flags.values())])
+            if groups and (factor is not one or max_norm is not None):
+                dtypes_max = min(torch.finfo(dtype).max for _, dtype in groups)
+                check = (max_norm is None and self._scale.may_be_below_one) or (max_norm or 0) >= dtypes_max / 2
+                found = kernels.mul_and_raise(groups, factor * coef, found, check)
         return found, total_norm
 
     # ------------------------------------------------------------------ step
@@ -673,10 +649,7 @@ class GradScaler:
             if max_norm is not None and self._tracker.state(optimizer).stage is not Stage.CLIPPED:
                 self._clip_and_check([optimizer], max_norm, want_norm=False)
             return self._step_unchecked(optimizer, args, kwargs)
-        _reject_closure(args, kwargs)
-        state = self._tracker.state(optimizer)
-        if state.stage is Stage.STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
+        state = self._state_to_step(optimizer, args, kwargs)
         if max_norm is not None and state.stage is not Stage.CLIPPED:
             others = (s for key, s in self._tracker.iteration.items() if key != id(optimizer))
             if any(s.stage in (Stage.CLIPPED, Stage.STEPPED) for s in others):
@@ -694,16 +667,21 @@ class GradScaler:
         ``clip_gradients_and_return_isfinite`` is clean; returns its value, or ``None`` when skipped."""
         if not self._enabled:
             return self._step_unchecked(optimizer, args, kwargs)
-        _reject_closure(args, kwargs)
-        state = self._tracker.state(optimizer)
-        if state.stage is Stage.STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
+        state = self._state_to_step(optimizer, args, kwargs)
         if state.stage is Stage.READY:
             raise RuntimeError(
                 "step_if_finite() needs the overflow flag: call unscale_() or "
                 "clip_gradients_and_return_isfinite() first, or use step()."
             )
         return self._step_if_finite(optimizer, state, args, kwargs)
+
+    def _state_to_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: Any) -> IterationState:
+        if "closure" in kwargs or (args and callable(args[0])):
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        state = self._tracker.state(optimizer)
+        if state.stage is Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        return state
 
     def _step_if_finite(
         self, optimizer: torch.optim.Optimizer, state: IterationState, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -779,12 +757,9 @@ class GradScaler:
         after an overflowing step ``overflow_report()`` says where it started (``dls.diagnostics.watch``).
 
         ``fallback=True``: modules whose half-precision output overflows are found and kept in float32 from then on
-        (``dls.diagnostics.fallback``); ``watch.kept_in_float32`` lists them, and the scaler's state dict carries
-        them (key ``kept_in_float32``), whether the watch is made before or after ``load_state_dict``.
-
-        Clean steps cost no kernel: a Python-only hook per parameter in backward (about 1 µs each on a CPU), no
-        extra work in ``step`` or ``update`` on the default path; on the fused and sync-free paths ``step`` reads the
-        overflow flag once while a watch is active. ``watch(...).remove()`` (or ``with``) takes the hooks out.
+        (``dls.diagnostics.fallback``; ``watch.kept_in_float32``, carried by the scaler's state dict). Clean steps
+        cost no kernel: a Python hook per parameter in backward (about 1 µs each on a CPU); on the fused and
+        sync-free paths ``step`` reads the flag while a watch is active. ``watch(...).remove()`` takes it out.
         """
         return self._reports.watch(model, fallback, self._process_group)
 
@@ -796,13 +771,10 @@ class GradScaler:
 
     # ------------------------------------------------------------------ update
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """Apply the scale rule to this iteration's overflow flag (any optimizer overflowed → back off), or set
-        ``new_scale``, then start the next iteration.
-
-        ``new_scale`` must be a normal float32 (2**-126 to float32's max): a float outside that range raises
-        ``ValueError``; a tensor is checked on the device (no host read): a bad value (NaN, inf, 0, negative,
-        subnormal) keeps the previous scale, is counted, and the next ``get_scale()`` or ``state_dict()`` warns.
-        """
+        """Apply the scale rule (``dls.policy``) to this iteration's overflow flag, or set ``new_scale``, then start
+        the next iteration. ``new_scale`` must be a normal float32: a float outside raises ``ValueError``; a tensor
+        is checked on the device (no host read): a bad value (NaN, inf, 0, negative, subnormal) keeps the previous
+        scale, is counted, and the next ``get_scale()`` or ``state_dict()`` warns."""
         if not self._enabled:
             self._tracker.new_iteration()  # only clipping was recorded
             return
@@ -844,9 +816,8 @@ class GradScaler:
         return to_state_dict(values, self._scale.settings) | {k: v for k, v in extra.items() if v is not None}
 
     def register_state(self, name: str, owner: Any) -> None:
-        """Keep ``owner``'s state in this scaler's checkpoint under ``name`` (an extension point: e.g. a watch's
-        record of modules kept in float32). ``owner`` has ``state_dict()`` (``None``: nothing to save, no key) and
-        ``check_state(value)`` (raises ``ValueError`` naming the problem; called before anything changes) and
+        """Keep ``owner``'s state in this scaler's checkpoint under ``name``. ``owner`` has ``state_dict()``
+        (``None``: no key), ``check_state(value)`` (raises ``ValueError``; called before anything changes) and
         ``load_state_dict(value)``."""
         if not isinstance(name, str) or name in self.state_dict_keys():
             raise ValueError(f"name must be a new state dict key; got {name!r}")
@@ -881,8 +852,8 @@ class GradScaler:
             raise RuntimeError(
                 "A GradScaler may only be pickled at the beginning of an iteration, or after scaler.update()."
             )
-        # A disabled scaler records only clipping: nothing per iteration to carry. Watches hook this process's model.
-        parts = ("_tracker", "_reports", "_extra_state")  # registered owners: this process's
+        # A disabled scaler records only clipping. Watches and registered owners belong to this process.
+        parts = ("_tracker", "_reports", "_extra_state")
         state = {k: v for k, v in self.__dict__.items() if k not in parts}
         state["_process_group"] = None
         return state
@@ -925,8 +896,3 @@ def _tell_unscaled(optimizer: torch.optim.Optimizer) -> None:
     hook = getattr(optimizer, "dls_gradients_unscaled", None)
     if hook is not None:
         hook()
-
-
-def _reject_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    if "closure" in kwargs or (args and callable(args[0])):
-        raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
