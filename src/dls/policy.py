@@ -179,6 +179,7 @@ class DynamicRule:
             )
 
     def update(self, state: ScaleState, found_inf: torch.Tensor) -> ScaleState:
+        """The rule on a copy of ``state``."""
         new = ScaleState(*(t.clone() for t in state))
         self.update_(new, found_inf)
         return new
@@ -189,9 +190,9 @@ class DynamicRule:
         """``update`` written into ``state``'s buffers, around torch's fused kernel (``torch._amp_update_scale_``:
         back off and reset the count on an overflow, else count, and grow at the interval unless the product would
         be inf, resetting the count either way). The kernel is told only of counted overflows; a counted overflow
-        the budget absorbs gets its scale back. 5 device ops for torch's rule (4 with ``saturate=False``), about
-        14 with hysteresis, 13 with tolerance, 21 with both and ``consecutive_hysteresis`` (2 more each when the skip
-        count may saturate).
+        the budget absorbs gets its scale back. Device ops with ``saturate=False`` (2 more with it): 5 for torch's
+        rule, 14 with hysteresis, 12 with tolerance, 21 with both and ``consecutive_hysteresis``
+        (tests/test_update.py counts them).
 
         ``steps_since_rescale`` must be below ``growth_interval`` (the caller clamps it when it loads a state or
         shortens the interval), as after every update: the kernel grows at ``==``. ``count_skip=False`` leaves
@@ -200,15 +201,15 @@ class DynamicRule:
         s, hysteresis, tolerance = state, self.hysteresis > 1, self.overflow_tolerance > 0
         # As a mask, where something below needs one (torch's rule without the skip count: nothing does).
         overflow = found_inf > 0 if count_skip or hysteresis or tolerance else found_inf
-        counted, counted_inf = overflow, found_inf
+        counted_inf = found_inf  # what the kernel backs off on: counted overflows only
         if tolerance:
             s.overflows_since_rescale.add_(overflow)
             # int / int is a float32 division of the counts: the documented contract of the tolerance test.
             counted_inf = found_inf * (
                 s.overflows_since_rescale / (s.steps_since_rescale + 1) > self.overflow_tolerance
             )
-            counted = counted_inf > 0 if hysteresis else overflow
         if hysteresis:
+            counted = counted_inf > 0 if tolerance else overflow
             absorbed = counted & (s.hysteresis_tracker > 1)  # the budget pays: no back-off
             before = s.loss_scale.clone()
         torch._amp_update_scale_(
