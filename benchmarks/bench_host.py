@@ -6,7 +6,9 @@ medians over ``--reps`` repetitions:
 * ``update()``: the rule after an unfused step (the step untimed), one optimizer; target: dls at most 2x torch;
 * whole step: ``scale(loss).backward(); step(opt); update()`` on ``--params`` small parameters (default 200, 16
   elements each, plain SGD); target: dls at most torch;
-* device ops per ``update()`` (aten ops, counted with a dispatch mode): on a GPU each is a kernel launch.
+* device ops per ``update()`` (aten ops, counted with a dispatch mode): on a GPU each is a kernel launch;
+* ``update()`` where the host does not know the flag (torch's fused Adam, ``sync_free=True``): the whole rule runs
+  on the device, against torch.amp's ``update()`` after a fused Adam step.
 
     python benchmarks/bench_host.py
 """
@@ -35,9 +37,22 @@ class OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _setup(scaler: Any, count: int) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer, Callable[[], None]]:
+Optimizer = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.0)
+
+
+def fused_adam(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=0.0, fused=True)
+
+
+def _setup(
+    scaler: Any, count: int, optimizer: Optimizer = sgd
+) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer, Callable[[], None]]:
     params = [torch.nn.Parameter(torch.ones(16)) for _ in range(count)]
-    opt = torch.optim.SGD(params, lr=0.0)
+    opt = optimizer(params)
 
     def backward_and_step() -> None:
         loss = torch.stack([p.sum() for p in params]).sum()
@@ -48,11 +63,17 @@ def _setup(scaler: Any, count: int) -> tuple[list[torch.nn.Parameter], torch.opt
 
 
 def time_interleaved(
-    makers: dict[str, Callable[[], Any]], count: int, reps: int, whole: bool
+    makers: dict[str, Callable[[], Any]],
+    count: int,
+    reps: int,
+    whole: bool,
+    optimizers: dict[str, Optimizer] | None = None,
 ) -> dict[str, list[float]]:
     """Per repetition, one timed call per scaler in turn (drift in machine load hits every scaler alike): the whole
-    ``scale+backward+step+update`` (``whole``), else ``update()`` alone after an untimed step."""
-    setups = {name: (make(), *_setup_params(count)) for name, make in makers.items()}
+    ``scale+backward+step+update`` (``whole``), else ``update()`` alone after an untimed step. ``optimizers``: per
+    scaler, when not plain SGD."""
+    optimizers = optimizers or {}
+    setups = {name: (make(), *_setup_params(count, optimizers.get(name, sgd))) for name, make in makers.items()}
     out: dict[str, list[float]] = {name: [] for name in makers}
     for rep in range(reps + 20):  # the first 20: warm-up (indexes, lazily created state)
         for name, (scaler, params, opt) in setups.items():
@@ -69,13 +90,13 @@ def time_interleaved(
     return out
 
 
-def _setup_params(count: int) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+def _setup_params(count: int, optimizer: Optimizer) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
     params = [torch.nn.Parameter(torch.ones(16)) for _ in range(count)]
-    return params, torch.optim.SGD(params, lr=0.0)
+    return params, optimizer(params)
 
 
-def ops_per_update(scaler: Any) -> list[str]:
-    _, opt, before = _setup(scaler, 1)
+def ops_per_update(scaler: Any, optimizer: Optimizer = sgd) -> list[str]:
+    _, opt, before = _setup(scaler, 1, optimizer)
     for _ in range(3):
         before()
         scaler.update()
@@ -114,6 +135,34 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{ops:>12}"
         )
     print("targets: update() ratio <= 2.0, whole-step ratio <= 1.0 (torch dialect and Cerebras dialect)")
+
+    # The flag stays on the device: update() runs the whole rule there (after the first step, decided on the host).
+    device_side: dict[str, tuple[Callable[[], Any], Optimizer]] = {
+        "torch.amp (fused Adam)": (lambda: torch.amp.GradScaler("cpu"), fused_adam),
+        "dls torch (fused Adam)": (lambda: dls.GradScaler("cpu"), fused_adam),
+        "dls Cerebras (fused)": (lambda: dls.GradScaler(), fused_adam),
+        "dls hysteresis=2 (fused)": (lambda: dls.GradScaler(hysteresis=2), fused_adam),
+        "dls hyst=2+tol (fused)": (lambda: dls.GradScaler(hysteresis=2, overflow_tolerance=0.25), fused_adam),
+        "dls torch (sync_free)": (lambda: dls.GradScaler("cpu", sync_free=True), sgd),
+        "dls hyst=2+tol (sync_free)": (
+            lambda: dls.GradScaler(hysteresis=2, overflow_tolerance=0.25, sync_free=True),
+            sgd,
+        ),
+    }
+    times = time_interleaved(
+        {name: make for name, (make, _) in device_side.items()},
+        1,
+        args.reps,
+        whole=False,
+        optimizers={name: opt for name, (_, opt) in device_side.items()},
+    )
+    base_update = statistics.median(times["torch.amp (fused Adam)"])
+    print("\nupdate() where the flag stays on the device (fused optimizer, sync_free), medians (us)")
+    print(f"{'scaler':<28}{'update()':>10}{'ratio':>8}{'ops/update':>12}")
+    for name, (make, opt) in device_side.items():
+        update = statistics.median(times[name])
+        ops = len(ops_per_update(make(), opt))
+        print(f"{name:<28}{update:>10.2f}{update / base_update:>8.2f}{ops:>12}")
 
 
 if __name__ == "__main__":

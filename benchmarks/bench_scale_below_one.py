@@ -19,7 +19,7 @@ repetition, gradients restored from one master copy before each call, so every m
    2**10, bound exact: one pass) and ``torch 0.5`` (``torch.amp.GradScaler(device, init_scale=0.5)``: one pass,
    which does not see a finite gradient that overflows once unscaled). Each scaler's iteration is closed after each
    call with ``update()`` and a read of the scale (untimed), so the bounds stay where they are set.
-2. The fused-optimizer check (``OverflowCheck.check_scaled``, what ``step()`` runs): dls at 0.5 against dls at
+2. The fused-optimizer check (``GradScaler._check_scaled``, what ``step()`` runs): dls at 0.5 against dls at
    2**10 and torch's ``_check_inf_per_device`` (read+write multiply by one, the same at any scale).
 3. How often each ``step()`` path runs the careful form: a loop of ``--steps`` iterations of plain SGD at torch's
    default scale 2**16 without overflow, counting the passes that got ``factor_may_exceed_one=True``. The bound

@@ -20,7 +20,7 @@ one-pass case (bound >= 1); the extra check pass dls runs while the bound is bel
 ``bench_scale_below_one.py``.
 
 A second table times the inf check that precedes the step of an optimizer that unscales inside its own kernel
-(``step()`` on torch's ``fused=True`` Adam/AdamW/SGD/Adagrad): dls's ``OverflowCheck.check_scaled`` (the call
+(``step()`` on torch's ``fused=True`` Adam/AdamW/SGD/Adagrad): dls's ``GradScaler._check_scaled`` (the call
 ``step()`` makes, scale bound >= 1) against torch's ``_check_inf_per_device`` (a read+write multiply by one) and
 the floor.
 
@@ -332,14 +332,14 @@ def fused_step_check(scaler: dls.GradScaler, optimizer: torch.optim.Optimizer) -
     """The overflow check ``scaler.step(optimizer)`` runs before the step of an optimizer that unscales inside its
     own kernel (``GradScaler._fused_step``): a read of the still-scaled gradients, nothing written. It neither
     changes the scale nor its host bound, so it can be repeated without closing the iteration."""
-    return scaler._check.check_scaled(optimizer)
+    return scaler._check_scaled(optimizer)
 
 
 def bench_check(
     numel: int, count: int, dtype: torch.dtype, device: torch.device, reps: int, warmup: int
 ) -> dict[str, list[float]]:
     """Inf check before a fused optimizer step: what each scaler does when ``step()`` finds the optimizer READY.
-    dls: ``OverflowCheck.check_scaled`` at scale 2**15 (bound exact); torch: ``_check_inf_per_device``."""
+    dls: ``GradScaler._check_scaled`` at scale 2**15 (bound exact); torch: ``_check_inf_per_device``."""
     grads = make_grads(numel, count, dtype, device)
     opt = make_optimizer(grads)
     ours, theirs = scalers(device)

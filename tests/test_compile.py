@@ -79,11 +79,16 @@ def test_unscale_and_clip_compile_to_one_graph(clip: bool) -> None:
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_compiled_update_equals_eager_update(backend: str) -> None:
+@pytest.mark.parametrize(
+    "rule",
+    [{}, {"hysteresis": 2, "overflow_tolerance": 0.25}, {"hysteresis": 3, "consecutive_hysteresis": True}],
+    ids=["cerebras", "hysteresis-tolerance", "consecutive"],
+)
+def test_compiled_update_equals_eager_update(backend: str, rule: dict[str, Any]) -> None:
     """The compiled rule updates the scaler's buffers in place, step after step, like the eager one."""
     pattern = [False, False, True, False, False, False, True, True, False, False]
-    eager = make(steps_per_increase=2, init_scale=2.0**8)
-    compiled = make(steps_per_increase=2, init_scale=2.0**8)
+    eager = make(steps_per_increase=2, init_scale=2.0**8, **rule)
+    compiled = make(steps_per_increase=2, init_scale=2.0**8, **rule)
     update = full(compiled[2].update, backend)
     for overflow in pattern:
         for (model, opt, scaler), do_update in ((eager, eager[2].update), (compiled, update)):

@@ -332,3 +332,27 @@ def test_cuda_default_step_syncs() -> None:
         scaler.unscale_(opt)
         with pytest.raises(RuntimeError, match="synchroniz"):
             scaler.step(opt)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sync_free", "fused"])
+def test_asking_step_was_skipped_before_update_changes_no_trajectory(fused: bool) -> None:
+    """step_was_skipped() reads the flag, and update() then applies the rule knowing it: the same state as the
+    rule applied on the device, step after step (hysteresis, tolerance and the clamps included)."""
+    cfg = {"hysteresis": 2, "overflow_tolerance": 0.3, "max_loss_scale": 2.0**6, "min_loss_scale": 0.25}
+    trajectories = []
+    for ask in (False, True):
+        p = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.Adam([p], lr=0.0, fused=True) if fused else torch.optim.SGD([p], lr=0.0, momentum=0.9)
+        scaler = dls.GradScaler(init_scale=8.0, steps_per_increase=2, sync_free=not fused, **cfg)
+        trajectory = []
+        for i in range(40):
+            overflow = i % 5 in (1, 2) or i % 7 == 3
+            scaler.scale(p.sum() * (INF if overflow else 1.0)).backward()
+            scaler.step(opt)
+            if ask:
+                assert scaler.step_was_skipped(opt) is overflow
+            scaler.update()
+            opt.zero_grad()
+            trajectory.append((scaler.state_dict(), scaler.get_non_clamped_scale()))
+        trajectories.append(trajectory)
+    assert trajectories[0] == trajectories[1]

@@ -13,6 +13,7 @@ import dls
 from conftest import (
     INF,
     NAN,
+    OpLog,
     ReferenceRule,
     assert_tensors_equal,
     dls_scaler,
@@ -56,6 +57,30 @@ def test_hysteresis_and_tolerance_through_the_scaler_follow_the_reference_rule(c
         expected += (reference.overflows, reference.budget, reference.skipped)
         assert got == expected, (i, flags[: i + 1])
     assert scaler.get_num_skipped_steps() == sum(flags)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "most"),
+    [
+        ({}, 5),
+        ({"hysteresis": 2}, 14),
+        ({"overflow_tolerance": 0.25}, 12),
+        ({"hysteresis": 2, "overflow_tolerance": 0.25, "consecutive_hysteresis": True}, 21),
+    ],
+    ids=["cerebras", "hysteresis", "tolerance", "all"],
+)
+def test_an_update_the_host_cannot_decide_runs_a_few_device_ops(cfg: dict[str, Any], most: int) -> None:
+    """On the sync-free path update() does not know the flag: the whole rule runs on the device, where each op is
+    a kernel launch (``DynamicRule.update_``: torch's fused kernel and a few masks around it)."""
+    p, opt = one_parameter()
+    scaler = dls.GradScaler(sync_free=True, **cfg)
+    for overflow in (False, True, False, True):  # the first step is decided on the host
+        scaler.scale(p.sum() * (INF if overflow else 1.0)).backward()
+        scaler.step(opt)
+        with OpLog() as log:
+            scaler.update()
+        opt.zero_grad()
+    assert len(log.ops) <= most, log.names()
 
 
 def test_growth_at_max_scale_stays_at_max_and_resets_counters() -> None:

@@ -93,6 +93,27 @@ def per_device(value: torch.Tensor, devices: Iterable[torch.device]) -> dict[tor
     return copies
 
 
+def zero_flags(devices: Iterable[torch.device]) -> dict[torch.device, torch.Tensor]:
+    """A clean overflow flag on each device."""
+    flags: dict[torch.device, torch.Tensor] = {}
+    for d in devices:  # a loop, not a comprehension: see per_device
+        if d not in flags:
+            flags[d] = torch.zeros((), dtype=torch.float32, device=d)
+    return flags
+
+
+def max_flag(flags: Iterable[torch.Tensor | None]) -> torch.Tensor:
+    """One flag raised where any of ``flags`` (same device; ``None`` left out) is."""
+    present = [f for f in flags if f is not None]
+    return present[0] if len(present) == 1 else torch.stack(present).amax()
+
+
+def gather_flags(found: dict[torch.device, torch.Tensor], home: torch.device) -> torch.Tensor:
+    """The per-device flags of a pass as one flag on ``home``."""
+    flags = [f.to(home, non_blocking=True) for f in found.values()]
+    return max_flag(flags) if flags else torch.zeros((), dtype=torch.float32, device=home)
+
+
 def mul_and_check_(
     groups: Groups,
     factor: dict[torch.device, torch.Tensor],
@@ -137,6 +158,15 @@ def mul_(
             mul_and_check_({(device, dtype): grads}, factor, unused, factor_may_exceed_one=False)
         if found_inf is not None:
             check_nonfinite(grads, found_inf[device])
+
+
+def mul_and_raise(groups: Groups, factor: torch.Tensor, found_inf: torch.Tensor, check: bool) -> torch.Tensor:
+    """``mul_`` by ``factor`` (0-dim, on ``found_inf``'s device); with ``check``, returns ``found_inf`` raised where a
+    product overflowed, else ``found_inf`` itself."""
+    devices = {d for d, _ in groups}
+    flags = {d: found_inf.to(d) for d in devices} if check else None
+    mul_(groups, per_device(factor, devices), flags)
+    return found_inf if flags is None else max_flag([found_inf, *(f.to(found_inf.device) for f in flags.values())])
 
 
 def check_nonfinite(grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:

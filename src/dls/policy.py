@@ -18,11 +18,11 @@ The dynamic rule, once per ``update()``, with ``f = 1`` if any gradient of the i
 ``budget`` is Megatron-LM's ``hysteresis_tracker`` (DeepSpeed's ``cur_hysteresis``), starting at ``hysteresis``:
 with ``hysteresis=1`` every counted overflow backs off. Overflows within ``overflow_tolerance`` (cstorch.amp's
 fraction of overflowing updates since the last rescale) neither spend the budget nor reset the counts. Products
-are computed in float64 and rounded once to float32, as torch's kernel does. ``growth_interval`` is
+are computed in float64 and rounded once to float32: torch's own kernel computes them. ``growth_interval`` is
 ``steps_per_increase`` in the torch dialect (torch.amp grows on the interval-th clean step) and
 ``steps_per_increase + 1`` in the Cerebras dialect (cstorch.amp grows when ``steps_since_rescale >
 steps_per_increase``): the dialect picks it (``ScalerSettings.growth_interval``). With ``hysteresis=1`` and no
-tolerance this is torch.amp's rule plus the clamps, and torch's own kernel computes it.
+tolerance this is torch.amp's rule plus the clamps.
 
 ``ScaleState`` is immutable; ``update_`` writes into long-lived buffers so CUDA graphs that captured them see the
 new values.
@@ -68,14 +68,6 @@ def assign_(state: ScaleState, new: ScaleState) -> None:
     for dst, src in zip(state, new):
         if dst is not src:
             dst.copy_(src)
-
-
-def _times(scale: torch.Tensor, factor: float) -> torch.Tensor:
-    """``scale * factor`` computed in float64 and rounded once to float32, as torch's update kernel does (a
-    float32 multiply would round 0.3 first: 90 * 0.3 gives 27.000002). MPS has no float64."""
-    if scale.device.type == "mps":
-        return scale * factor
-    return (scale.double() * factor).float()
 
 
 # Validators shared by the rules, dls.settings and the trainer's config: each returns None when ``value`` is
@@ -154,9 +146,7 @@ class StaticRule:
     def update_(self, state: ScaleState, found_inf: torch.Tensor, saturate: bool = True) -> None:
         """``update`` written into ``state``'s buffers (``saturate=False``: the caller knows the skip count is far
         from its maximum, one op fewer)."""
-        _count_skip_(state.num_skipped_steps, found_inf, saturate)
-
-    torch_rule = False
+        _count_skip_(state.num_skipped_steps, found_inf > 0, saturate)
 
 
 @dataclass(frozen=True)
@@ -189,63 +179,71 @@ class DynamicRule:
             )
 
     def update(self, state: ScaleState, found_inf: torch.Tensor) -> ScaleState:
-        overflow = found_inf > 0
-        f = overflow.to(torch.int64)
-        steps = state.steps_since_rescale + 1
-        overflows = state.overflows_since_rescale + f
-        # float32 division on both sides of the comparison: the documented contract of the tolerance test.
-        counted = overflow & (overflows.float() / steps.float() > self.overflow_tolerance)
-        budget = state.hysteresis_tracker
-        backoff = counted & (budget <= 1)
-        grow = ~counted & (steps >= self.growth_interval)
-        grown = _times(state.loss_scale, self.growth_factor)
-        scale = torch.where(backoff, _times(state.loss_scale, self.backoff_factor), state.loss_scale)
-        scale = torch.where(grow & torch.isfinite(grown), grown, scale)
-        refill = grow | ~overflow if self.consecutive_hysteresis else grow  # DeepSpeed: also after a clean step
-        budget = torch.where(refill, torch.full_like(budget, self.hysteresis), budget - (counted & ~backoff).long())
-        reset = counted | grow
-        zero = torch.zeros_like(steps)
-        non_clamped = torch.clamp(scale, max=self.max_loss_scale)
-        return ScaleState(
-            loss_scale=torch.clamp(non_clamped, min=self.min_loss_scale),
-            non_clamped_scale=non_clamped,
-            steps_since_rescale=torch.where(reset, zero, steps),
-            overflows_since_rescale=torch.where(reset, zero, overflows),
-            num_skipped_steps=count_skip(state.num_skipped_steps, found_inf),
-            hysteresis_tracker=budget,
-        )
+        """The rule on a copy of ``state``."""
+        new = ScaleState(*(t.clone() for t in state))
+        self.update_(new, found_inf)
+        return new
 
-    def update_(self, state: ScaleState, found_inf: torch.Tensor, saturate: bool = True) -> None:
-        """``update`` written into ``state``'s buffers. With ``hysteresis=1`` and no tolerance the rule is torch's,
-        so torch's fused kernel computes it: 5 ops in all (4 with ``saturate=False``), instead of about 35.
+    def update_(
+        self, state: ScaleState, found_inf: torch.Tensor, saturate: bool = True, count_skip: bool = True
+    ) -> None:
+        """``update`` written into ``state``'s buffers, around torch's fused kernel (``torch._amp_update_scale_``:
+        back off and reset the count on an overflow, else count, and grow at the interval unless the product would
+        be inf, resetting the count either way). The kernel is told only of counted overflows; a counted overflow
+        the budget absorbs gets its scale back. Device ops with ``saturate=False`` (2 more with it): 5 for torch's
+        rule, 14 with hysteresis, 12 with tolerance, 21 with both and ``consecutive_hysteresis``
+        (tests/test_update.py counts them).
 
         ``steps_since_rescale`` must be below ``growth_interval`` (the caller clamps it when it loads a state or
-        shortens the interval), as after every update.
+        shortens the interval), as after every update: the kernel grows at ``==``. ``count_skip=False`` leaves
+        ``num_skipped_steps`` to the caller.
         """
-        if not self.torch_rule:
-            assign_(state, self.update(state, found_inf))
-            return
+        s, hysteresis, tolerance = state, self.hysteresis > 1, self.overflow_tolerance > 0
+        # As a mask, where something below needs one (torch's rule without the skip count: nothing does).
+        overflow = found_inf > 0 if count_skip or hysteresis or tolerance else found_inf
+        counted_inf = found_inf  # what the kernel backs off on: counted overflows only
+        if tolerance:
+            s.overflows_since_rescale.add_(overflow)
+            # int / int is a float32 division of the counts: the documented contract of the tolerance test.
+            counted_inf = found_inf * (
+                s.overflows_since_rescale / (s.steps_since_rescale + 1) > self.overflow_tolerance
+            )
+        if hysteresis:
+            counted = counted_inf > 0 if tolerance else overflow
+            absorbed = counted & (s.hysteresis_tracker > 1)  # the budget pays: no back-off
+            before = s.loss_scale.clone()
         torch._amp_update_scale_(
-            state.loss_scale,
-            state.steps_since_rescale,
-            found_inf,
+            s.loss_scale,
+            s.steps_since_rescale,
+            counted_inf,
             self.growth_factor,
             self.backoff_factor,
             self.growth_interval,
         )
-        torch.clamp(state.loss_scale, max=self.max_loss_scale, out=state.non_clamped_scale)
-        torch.clamp(state.non_clamped_scale, min=self.min_loss_scale, out=state.loss_scale)
-        _count_skip_(state.num_skipped_steps, found_inf, saturate)
+        scale = s.loss_scale
+        if hysteresis or tolerance:
+            reset = s.steps_since_rescale == 0  # the kernel resets the count on a counted overflow or a growth
+            s.overflows_since_rescale.masked_fill_(reset, 0)
+        if hysteresis:
+            scale = torch.where(absorbed, before, scale)
+            s.hysteresis_tracker.add_(absorbed, alpha=-1)  # sub_ refuses a bool
+            refill = reset > counted  # a growth event (reset & ~counted)
+            if self.consecutive_hysteresis:
+                refill = refill >= overflow  # DeepSpeed: also after a clean step (refill | ~overflow)
+            s.hysteresis_tracker.masked_fill_(refill, self.hysteresis)
+        torch.clamp(scale, max=self.max_loss_scale, out=s.non_clamped_scale)
+        torch.clamp(s.non_clamped_scale, min=self.min_loss_scale, out=s.loss_scale)
+        if count_skip:
+            _count_skip_(s.num_skipped_steps, overflow, saturate)
 
     def update_known_(self, state: ScaleState, found_inf: torch.Tensor, overflow: bool) -> None:
         """``update_`` when the host knows the flag's value (``overflow``) and the scale is within its bounds,
         without counting the skip (the caller counts it on the host). After a clean step every rule is torch's
         kernel (``steps + 1``, growth at the interval, dropped if it would reach inf, the count reset either way)
         plus the budget refill where the count was reset, and a max clamp only when ``max_loss_scale`` is below
-        float32's max; ``non_clamped_scale`` is then left stale (it equals ``loss_scale``). After an overflow: the
-        whole rule (torch's kernel and the clamps for the torch rule)."""
-        if overflow and not self.torch_rule:
-            assign_(state, self.update(state, found_inf)._replace(num_skipped_steps=state.num_skipped_steps))
+        float32's max; ``non_clamped_scale`` is then left stale (it equals ``loss_scale``)."""
+        if overflow:
+            self.update_(state, found_inf, count_skip=False)
             return
         torch._amp_update_scale_(
             state.loss_scale,
@@ -255,10 +253,6 @@ class DynamicRule:
             self.backoff_factor,
             self.growth_interval,
         )
-        if overflow:
-            torch.clamp(state.loss_scale, max=self.max_loss_scale, out=state.non_clamped_scale)
-            torch.clamp(state.non_clamped_scale, min=self.min_loss_scale, out=state.loss_scale)
-            return
         if self.hysteresis > 1 and self.consecutive_hysteresis:
             state.hysteresis_tracker.fill_(self.hysteresis)
         if (self.hysteresis > 1 and not self.consecutive_hysteresis) or self.overflow_tolerance > 0:
@@ -270,16 +264,11 @@ class DynamicRule:
         if self.max_loss_scale < FLOAT32_MAX:
             state.loss_scale.clamp_(max=self.max_loss_scale)
 
-    @property
-    def torch_rule(self) -> bool:
-        return self.overflow_tolerance == 0 and self.hysteresis == 1
-
 
 def count_skip(skipped: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
     """``skipped + f``, saturating at the int64 maximum instead of wrapping negative."""
     return skipped + ((found_inf > 0) & (skipped < INT64_MAX)).long()
 
 
-def _count_skip_(skipped: torch.Tensor, found_inf: torch.Tensor, saturate: bool) -> None:
-    grew = found_inf > 0
-    skipped.add_(grew & (skipped < INT64_MAX) if saturate else grew)
+def _count_skip_(skipped: torch.Tensor, overflow: torch.Tensor, saturate: bool) -> None:
+    skipped.add_(overflow & (skipped < INT64_MAX) if saturate else overflow)

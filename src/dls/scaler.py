@@ -1,27 +1,18 @@
 """``GradScaler``: dynamic loss scaling with the surface of ``cstorch.amp.GradScaler`` and ``torch.amp.GradScaler``.
 
 One step, read top to bottom: ``scale`` multiplies the loss; ``unscale_`` / ``clip_gradients_and_return_isfinite``
-(``OverflowCheck``) unscale, clip and raise the overflow flag with the pure passes of ``dls.kernels``; ``step``
-(``Stepper``) takes or skips the optimizer's step — **the one place a step is skipped**; ``update`` applies the rule
-of ``dls.policy`` to the flag (``dls.loss_scale`` holds the scale on the device) — **the one place the scale
-changes**. Per iteration each optimizer moves READY → UNSCALED (or CLIPPED) → STEPPED (``Stage``); ``update()``
-brings every optimizer back to READY. The checkpoint format: ``dls.scaler_state``.
+unscale, clip and raise the overflow flag with the passes of ``dls.kernels``; ``step`` takes or skips the
+optimizer's step — ``GradScaler._step_if_finite``, **the one place a step is skipped**; ``update`` applies the rule
+of ``dls.policy`` to the flag (``dls.loss_scale`` holds the scale) — **the one place the scale changes**. Per
+iteration each optimizer moves READY → UNSCALED (or CLIPPED) → STEPPED (``Stage``); ``update()`` brings every
+optimizer back to READY. The checkpoint format: ``dls.scaler_state``.
 
-Overflow: a step is skipped when some gradient, *as the optimizer would receive it* (unscaled, and clipped when the
-scaler clips), is inf/NaN in the gradient's dtype. While the scale may be below 1 (``LossScale.may_be_below_one``)
-a finite scaled gradient can overflow once unscaled, and the passes check the unscaled values too.
-
-Host synchronisation: ``scale``, ``unscale_``, ``clip_gradients_and_return_isfinite`` and ``update`` never read
-a tensor back. ``step`` reads the overflow flag once per optimizer, except for optimizers that take the flag
-themselves (torch's fused Adam/AdamW/SGD/Adagrad) and with ``sync_free=True``; a parameter's first step (after
-every reset of the optimizer's state) is decided on the host on those paths too: state that does not exist yet
-cannot be protected on the device.
-
-Optimizers that keep their gradients somewhere other than ``param.grad`` of the parameters in ``param_groups``
-(``dls.master_weights``) take part through three optional methods, called by the scaler only:
-``dls_collect_gradients()`` (once per iteration, before the gradients are first read), ``dls_gradients_unscaled()``
-(after an explicit ``unscale_``, so user code that clips next sees unscaled values) and ``dls_state_restored()``
-(after a sync-free step put parameters and state back).
+A step is skipped when some gradient *as the optimizer would receive it* (unscaled, and clipped when the scaler
+clips) is inf/NaN in its dtype. Only ``step`` reads a tensor back (the flag), and not for optimizers that take the
+flag themselves (torch's fused optimizers) nor with ``sync_free=True``, except at a parameter's first step after
+each reset of the optimizer's state: state that does not exist yet cannot be protected on the device. Optimizers
+holding their gradients elsewhere (``dls.master_weights``) hook in through ``dls_collect_gradients``,
+``dls_gradients_unscaled`` and ``dls_state_restored``.
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ import dataclasses
 import enum
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import EllipsisType
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
@@ -45,7 +36,7 @@ from dls.scaler_state import STATE_KEYS, TORCH_KEYS, parse_state_dict, to_state_
 from dls.settings import DEFAULT_STEPS_PER_INCREASE, TORCH_INIT_SCALE, ScalerSettings
 
 if TYPE_CHECKING:
-    from dls.diagnostics.watch import OverflowReport, OverflowWatch
+    from dls.diagnostics.watch import OverflowReport, OverflowWatch, Watches
 
 __all__ = ["GradScaler", "Stage", "optimizer_list"]
 
@@ -62,7 +53,7 @@ class Stage(enum.Enum):
 
 @dataclasses.dataclass
 class IterationState:
-    """One optimizer in the current iteration."""
+    """One optimizer in the current iteration; after its step, also how the step ended (``step_was_skipped``)."""
 
     stage: Stage = Stage.READY
     flag: torch.Tensor | None = None  # float32 0-dim on the scale's device; read it through found_inf
@@ -83,21 +74,6 @@ class IterationState:
 
 
 @dataclasses.dataclass
-class LastStep:
-    """How the last ``step()`` of an optimizer ended: ``skipped`` when decided on the host, else read lazily from
-    ``found_inf`` (the fused and sync-free paths never read it themselves)."""
-
-    found_inf: torch.Tensor | None
-    skipped: bool | None
-
-    def was_skipped(self) -> bool:
-        if self.skipped is None:
-            assert self.found_inf is not None
-            self.skipped = bool(self.found_inf.item())
-        return self.skipped
-
-
-@dataclasses.dataclass
 class _Index:
     """What is cached per optimizer, valid while its param groups hold the same parameters (an identity check of
     the lists per step: a parameter swapped into an existing list re-indexes)."""
@@ -105,10 +81,8 @@ class _Index:
     signature: tuple[tuple[int, ...], ...]
     grads: kernels.GradIndex  # holds the parameters, so the ids in the signature cannot be reused
     has_dtensors: bool
-    # Parameters that have taken a step through this scaler (id → parameter), valid while the optimizer's state is
-    # the same object and has not shrunk: only for them does all the state a step touches exist, so that their step
-    # can be skipped or masked on the device. A reset (optimizer.load_state_dict, optimizer.state.clear()) forgets
-    # them, and their next step is decided on the host again.
+    # Parameters stepped through this scaler (id → parameter) since the optimizer's state was last reset (a new
+    # state object, or a shorter one): see Tracker.has_stepped.
     stepped: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     state: Any = None  # the optimizer.state object the stepped record refers to
     state_len: int = 0  # its length when last marked
@@ -125,7 +99,7 @@ class Tracker:
     def __init__(self) -> None:
         self.iteration: dict[int, IterationState] = {}
         self._indexes: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Index] = weakref.WeakKeyDictionary()
-        self._last: weakref.WeakKeyDictionary[torch.optim.Optimizer, LastStep] = weakref.WeakKeyDictionary()
+        self.last: weakref.WeakKeyDictionary[torch.optim.Optimizer, IterationState] = weakref.WeakKeyDictionary()
 
     def state(self, optimizer: torch.optim.Optimizer) -> IterationState:
         check_optimizer(optimizer)
@@ -161,22 +135,21 @@ class Tracker:
         signature = tuple(tuple(map(id, g["params"])) for g in optimizer.param_groups)
         index = self._indexes.get(optimizer)
         if index is None or index.signature != signature:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            _refuse_repeats(optimizer)
+            where = _positions(optimizer)
+            params = [p for _, p in where.values()]
             index = _Index(signature, kernels.GradIndex(params), distributed.has_dtensors(params))
-            self._link_shared(optimizer, index)
+            self._link_shared(optimizer, index, where)
             self._indexes[optimizer] = index
         return index
 
-    def _link_shared(self, optimizer: torch.optim.Optimizer, index: _Index) -> None:
+    def _link_shared(self, optimizer: torch.optim.Optimizer, index: _Index, where: dict[int, Any]) -> None:
         """Record which other optimizers of this scaler hold a parameter of ``optimizer`` (both ways): unscaling
         both in one iteration would unscale that gradient twice (``check_disjoint``)."""
-        where = _positions(optimizer)
         for other, other_index in list(self._indexes.items()):
             other_index.shared = [s for s in other_index.shared if s[0]() not in (None, optimizer)]
             if other is optimizer:
                 continue
-            theirs = _positions(other)
+            theirs = _positions(other, own=False)
             common = where.keys() & theirs.keys()
             if common:
                 pid = next(iter(common))
@@ -210,10 +183,9 @@ class Tracker:
 
     # ------------------------------------------------------------------ steps
     def has_stepped(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether every parameter with a gradient has taken a step through this scaler since the optimizer's state
-        was last reset: only then does all the state a step touches exist, so that the step can be skipped or
-        masked on the device. O(1) once every parameter has stepped (the identity and length of
-        ``optimizer.state``); a scan over parameters before that."""
+        """Whether every parameter with a gradient has stepped through this scaler since the optimizer's state was
+        last reset (``load_state_dict``, ``state.clear()``): only then does all the state a step touches exist, so
+        that the step can be skipped or masked on the device. O(1) once every parameter has stepped."""
         index = self._index(optimizer)
         state = optimizer.state
         if state is not index.state or len(state) < index.state_len:
@@ -229,42 +201,21 @@ class Tracker:
             index.stepped.update((id(p), p) for p in index.grads.params if p.grad is not None)
         index.state, index.state_len = optimizer.state, len(optimizer.state)
 
-    def record_step(
-        self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None, skipped: bool | None
-    ) -> None:
-        self._last[optimizer] = LastStep(found_inf, skipped)
 
-    def stepped_optimizers(self) -> list[torch.optim.Optimizer]:
-        return list(self._last.keys())
-
-    def last_step(self, optimizer: torch.optim.Optimizer) -> LastStep:
-        check_optimizer(optimizer)
-        last = self._last.get(optimizer)
-        if last is None:
-            raise RuntimeError("step_was_skipped(): this optimizer has not stepped through this scaler yet")
-        return last
-
-
-def _positions(optimizer: torch.optim.Optimizer) -> dict[int, tuple[str, torch.Tensor]]:
-    return {
-        id(p): (f"param_groups[{g}]['params'][{k}]", p)
-        for g, group in enumerate(optimizer.param_groups)
-        for k, p in enumerate(group["params"])
-    }
-
-
-def _refuse_repeats(optimizer: torch.optim.Optimizer) -> None:
-    """A parameter twice in one optimizer (an in-place edit of its param groups) would be unscaled twice."""
-    seen: dict[int, str] = {}
+def _positions(optimizer: torch.optim.Optimizer, own: bool = True) -> dict[int, tuple[str, torch.Tensor]]:
+    """Where each parameter is in ``optimizer.param_groups``. In the optimizer being indexed (``own``) a parameter
+    listed twice (an in-place edit of the groups) would be unscaled twice and raises."""
+    where: dict[int, tuple[str, torch.Tensor]] = {}
     for g, group in enumerate(optimizer.param_groups):
         for k, p in enumerate(group["params"]):
-            where = f"param_groups[{g}]['params'][{k}]"
-            if id(p) in seen:
+            here = f"param_groups[{g}]['params'][{k}]"
+            if own and id(p) in where:
                 raise ValueError(
-                    f"optimizer.{where} (shape {tuple(p.shape)}) is also optimizer.{seen[id(p)]}: a parameter listed "
-                    "twice would have its gradient unscaled twice"
+                    f"optimizer.{here} (shape {tuple(p.shape)}) is also optimizer.{where[id(p)][0]}: a parameter "
+                    "listed twice would have its gradient unscaled twice"
                 )
-            seen[id(p)] = where
+            where[id(p)] = (here, p)
+    return where
 
 
 def check_optimizer(optimizer: Any) -> None:
@@ -272,276 +223,8 @@ def check_optimizer(optimizer: Any) -> None:
         raise ValueError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
 
 
-# --------------------------------------------------------------------------- the overflow passes: unscale, clip, check
-class OverflowCheck:
-    """The overflow passes of one scaler (see the module docstring). With ``enabled=False`` nothing is unscaled or
-    skipped, but clipping still applies and its flag still tells the truth."""
-
-    def __init__(
-        self, tracker: Tracker, scale: LossScale, enabled: bool, process_group: Any, gradients_sharded: bool | None
-    ) -> None:
-        self.tracker = tracker
-        self.scale = scale
-        self.enabled = enabled
-        self.process_group = process_group
-        self.gradients_sharded = gradients_sharded
-
-    def check_scaled(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """The agreed flag of ``optimizer``'s still-scaled gradients, without unscaling them (one read pass)."""
-        groups = self.tracker.grads(optimizer)
-        devices = {d for d, _ in groups}
-        found = zero_flags(devices)
-        inv = kernels.per_device(self.scale.inverse(), devices)
-        kernels.check_unscaled_(groups, inv, found, self.scale.may_be_below_one)
-        flag = self._combine(found)
-        return distributed.agree_on_overflow(flag, self.process_group) if _distributed() else flag
-
-    def clip_and_check(
-        self, optimizers: list[torch.optim.Optimizer], max_norm: float | None, want_norm: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        norm: torch.Tensor | None
-        states = [self.tracker.state(opt) for opt in optimizers]
-        if any(s.stage is Stage.STEPPED for s in states):
-            raise RuntimeError("gradients cannot be clipped after step() on the same optimizer before update().")
-        if not self.enabled:
-            # Nothing to unscale or skip; clipping still applies, and the flag still tells the truth.
-            if max_norm is None and not want_norm:
-                return torch.ones((), dtype=torch.bool, device=self.scale.device), None
-            found_inf, norm = self._clip([], optimizers, max_norm, want_norm)
-            for state in states:
-                state.stage = Stage.CLIPPED if max_norm is not None else state.stage
-            return found_inf == 0, norm
-        ready = [(o, s) for o, s in zip(optimizers, states) if s.stage is Stage.READY]
-        done = [o for o, s in zip(optimizers, states) if s.stage is not Stage.READY]
-        if max_norm is None and not want_norm:
-            if ready:
-                self.unscale_and_check([o for o, _ in ready], [s for _, s in ready])
-            found_inf, norm = max_flag([s.found_inf for s in states]), None
-        else:
-            found_inf, norm = self._clip([o for o, _ in ready], done, max_norm, want_norm)
-            found_inf = max_flag([found_inf, *(s.found_inf for s in states if s.stage is not Stage.READY)])
-            if _distributed():
-                found_inf = distributed.agree_on_overflow(found_inf, self.process_group)
-        for state in states:
-            state.stage = Stage.CLIPPED if max_norm is not None else Stage.UNSCALED
-            state.found_inf = found_inf
-        return found_inf == 0, norm
-
-    def unscale_and_check(self, optimizers: list[torch.optim.Optimizer], states: list[IterationState]) -> None:
-        """Unscale each optimizer's gradients and set its agreed overflow flag (stage → UNSCALED)."""
-        inv_scale = self.scale.inverse()
-        for optimizer, state in zip(optimizers, states):
-            groups = self.tracker.grads(optimizer)
-            devices = {device for device, _ in groups}
-            found = zero_flags(devices)
-            kernels.mul_and_check_(groups, kernels.per_device(inv_scale, devices), found, self.scale.may_be_below_one)
-            # Across ranks the flag is agreed asynchronously: reading state.found_inf waits for the all-reduce.
-            flag = self._combine(found)
-            agreement = distributed.start_agreement(flag, self.process_group) if _distributed() else None
-            state.flag, state.agreement = flag, agreement
-            state.stage = Stage.UNSCALED
-
-    def _clip(
-        self,
-        scaled: list[torch.optim.Optimizer],
-        unscaled: list[torch.optim.Optimizer],
-        max_norm: float | None,
-        want_norm: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unscale ``scaled`` and clip all gradients of both lists to ``max_norm`` (``None``: unscale only), in two
-        passes: one read for the global norm (of still-scaled gradients times 1/scale), one read+write multiplying
-        by ``clip_coef / scale`` (``clip_coef`` alone for already unscaled gradients). Returns the overflow flag
-        (the norm is inf/NaN exactly when an element is) and the norm."""
-        home = self.scale.device
-        inv_scale = self.scale.inverse() if self.enabled else torch.ones((), device=home)
-        one = torch.ones((), dtype=torch.float32, device=home)
-        parts = [(self.tracker.grads_of(scaled), inv_scale), (self.tracker.grads_of(unscaled), one)]
-        if _distributed() and distributed.norm_is_sharded(
-            scaled + unscaled, self.gradients_sharded, self.process_group
-        ):
-            # Each rank holds a slice of the gradients: squared norms are summed across ranks.
-            opts = [(scaled, inv_scale), (unscaled, one)]
-            sharded = self.gradients_sharded is True
-            total_norm = distributed.global_norm(opts, home, self.process_group, plain_sharded=sharded)
-        else:
-            norms = [kernels.global_norm(g, kernels.per_device(f, {d for d, _ in g}), home) for g, f in parts]
-            total_norm = torch.linalg.vector_norm(torch.stack(norms))
-        found = (~torch.isfinite(total_norm)).float()
-        coef = one if max_norm is None else kernels.clip_coefficient(total_norm, max_norm)
-        # A finite norm bounds every clipped element by max_norm: only a max_norm near a gradient dtype's largest
-        # value (or an unscale by more than 1 without clipping) can make a product overflow.
-        for groups, factor in parts:
-            if not groups or (factor is one and max_norm is None):
-                continue
-            dtypes_max = min(torch.finfo(dtype).max for _, dtype in groups)
-            check = (max_norm is None and self.scale.may_be_below_one) or (max_norm or 0) >= dtypes_max / 2
-            devices = {d for d, _ in groups}
-            flags = {d: found.to(d) for d in devices} if check else None
-            kernels.mul_(groups, kernels.per_device(factor * coef, devices), flags)
-            if flags is not None:
-                found = max_flag([found, *(f.to(home) for f in flags.values())])
-        return found, total_norm
-
-    def _combine(self, found: dict[torch.device, torch.Tensor]) -> torch.Tensor:
-        home = self.scale.device
-        flags = [f.to(home, non_blocking=True) for f in found.values()]
-        return max_flag(flags) if flags else torch.zeros((), dtype=torch.float32, device=home)
-
-
-def zero_flags(devices: Iterable[torch.device]) -> dict[torch.device, torch.Tensor]:
-    """A clean overflow flag (float32 0-dim, as torch's AMP kernels take) on each device."""
-    flags: dict[torch.device, torch.Tensor] = {}
-    for d in devices:  # a loop, not a comprehension: see kernels.per_device
-        if d not in flags:
-            flags[d] = torch.zeros((), dtype=torch.float32, device=d)
-    return flags
-
-
-def max_flag(flags: Iterable[torch.Tensor | None]) -> torch.Tensor:
-    present = [f for f in flags if f is not None]
-    if len(present) == 1:
-        return present[0]
-    return torch.stack(present).amax()
-
-
-# ---------------------------------------------------------------------------------- how a step ends: the skip decision
-class Reports:
-    """The watches of a scaler, the overflow report of the current iteration (``GradScaler.watch``) and the modules
-    its fallback watches keep in float32 (``kept``: the scaler's checkpoint entry ``kept_in_float32``)."""
-
-    def __init__(self) -> None:
-        from dls.diagnostics.fallback import KeptState
-
-        self.watches: list[OverflowWatch] = []
-        self.seen_loss: Any = None  # what the last scale() was given, detached, while a watch is active
-        self.report: OverflowReport | None = None
-        self.stale = False  # update() ran: the next scale() starts an iteration without a report
-        self.kept = KeptState(self.active)
-
-    def watch(self, model: torch.nn.Module, fallback: bool, process_group: Any) -> OverflowWatch:
-        from dls.diagnostics.watch import OverflowWatch
-
-        self.watches = [w for w in self.watches if w.active]
-        watch = OverflowWatch(model, fallback=fallback, process_group=process_group)
-        self.kept.adopt(watch)  # a loaded kept_in_float32 applies to a fallback watch made after the load
-        self.watches.append(watch)
-        return watch
-
-    def active(self) -> list[OverflowWatch]:
-        return [w for w in self.watches if w.active]
-
-    def new_loss(self, outputs: Any) -> None:
-        """``scale()`` was called: a new iteration clears the last report; keep the loss for the next one."""
-        if self.stale:
-            self.report, self.stale = None, False
-        if self.watches:
-            self.seen_loss = _detached(outputs)
-
-    def overflowed(self, watches: list[OverflowWatch], scale: LossScale) -> None:
-        if self.report is not None:
-            return  # the iteration's first overflowing step has reported already
-        value = float(scale.tensor)  # the overflow path: one more read is fine
-        # The skip is decided (and agreed across ranks): a fallback watch keeps, arms or gives up here. Its ranks
-        # agree on the module with a MAX all-reduce of their own (Fallback.after_skip), on skipped steps only, not
-        # as an extra element of the per-step collective: that element would cost every clean step an isfinite(loss)
-        # kernel and a larger collective, and the module found is known on the host only after an armed pass.
-        reports = [w.after_skip(w.build_report(self.seen_loss, loss_scale=value)) for w in watches]
-        self.report = next((r for r in reports if r.first_module is not None), reports[0] if reports else None)
-
-
-class Stepper:
-    """Takes or skips one optimizer's step once its overflow flag is known (see the module docstring)."""
-
-    def __init__(
-        self, tracker: Tracker, scale: LossScale, check: OverflowCheck, sync_free: bool, reports: Reports
-    ) -> None:
-        self.tracker = tracker
-        self.scale = scale
-        self.check = check
-        self.sync_free = sync_free
-        self.reports = reports
-
-    def unchecked(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A disabled scaler's step: never skipped (closures pass through, as in torch)."""
-        self.tracker.record_step(optimizer, None, False)
-        return optimizer.step(*args, **kwargs)
-
-    def if_finite(
-        self, optimizer: torch.optim.Optimizer, state: IterationState, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """The step, skipped where the flag says so; the one place the path is chosen: the optimizer's own kernel
-        when it takes the flag (from READY: it unscales, too), else on the device (sync-free) or on the host."""
-        if takes_scale_and_flag(optimizer):
-            return self.fused(optimizer, state, args, kwargs)
-        if state.stage is Stage.READY:
-            self.check.unscale_and_check([optimizer], [state])
-        found_inf = state.found_inf
-        assert found_inf is not None
-        state.stage = Stage.STEPPED
-        if self.sync_free and self.tracker.has_stepped(optimizer):
-            self._record(optimizer, state, found_inf, None)
-            return sync_free.masked_step(optimizer, found_inf, args, kwargs)
-        if self._record(optimizer, state, found_inf, self.scale.read_flag(found_inf)):
-            return None
-        result = optimizer.step(*args, **kwargs)
-        self.tracker.mark_stepped(optimizer)
-        return result
-
-    def fused(
-        self, optimizer: torch.optim.Optimizer, state: IterationState, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """Hand the scale and the flag to an optimizer whose kernel unscales and skips by itself (no sync)."""
-        grad_scale: torch.Tensor | None = None
-        if state.stage is Stage.READY:
-            # Only a read pass for the flag: the optimizer kernel divides by grad_scale while it updates.
-            state.found_inf = self.check.check_scaled(optimizer)
-            grad_scale = self.scale.tensor
-        found_inf = state.found_inf
-        assert found_inf is not None
-        first_step = not self.tracker.has_stepped(optimizer)
-        state.stage = Stage.STEPPED
-        if first_step and self.scale.read_flag(found_inf):
-            self._record(optimizer, state, found_inf, True)
-            return None
-        if self._record(optimizer, state, found_inf, False if first_step else None):
-            return None  # known on the host (a watch read it): nothing for the kernel to do
-        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-        try:
-            result = optimizer.step(*args, **kwargs)
-        finally:
-            del optimizer.grad_scale  # type: ignore[attr-defined]
-            del optimizer.found_inf  # type: ignore[attr-defined]
-        if first_step:
-            self.tracker.mark_stepped(optimizer)
-        return result
-
-    def _record(
-        self, optimizer: torch.optim.Optimizer, state: IterationState, found_inf: torch.Tensor, skipped: bool | None
-    ) -> bool:
-        """Remember how the step ended; while a watch is active, know it now (one read on the fused and sync-free
-        paths) and build the overflow report from the gradients, which still exist. Returns whether skipped."""
-        watches = self.reports.active()
-        if skipped is None and watches:
-            skipped = self.scale.read_flag(found_inf)
-        self.tracker.record_step(optimizer, found_inf, skipped)
-        state.skipped = skipped
-        if skipped and watches:
-            self.reports.overflowed(watches, self.scale)
-        return bool(skipped)
-
-
 def takes_scale_and_flag(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-
-
-def _detached(outputs: Any) -> Any:
-    """``outputs`` (a tensor or nested lists/tuples of them) detached: kept for a report, without its graph."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs.detach()
-    if isinstance(outputs, (list, tuple)):
-        return [_detached(o) for o in outputs]
-    return None
 
 
 # ---------------------------------------------------------------------------------------------------------- the scaler
@@ -638,8 +321,7 @@ class GradScaler:
     ) -> None: ...
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        settings, runtime = read_arguments(args, kwargs)
-        self._setup(settings, **runtime)
+        self._setup(*read_arguments(args, kwargs))
 
     @classmethod
     def from_settings(
@@ -656,26 +338,15 @@ class GradScaler:
         if not isinstance(settings, ScalerSettings):
             raise ValueError(f"settings must be a dls.settings.ScalerSettings; got {type(settings).__name__}")
         scaler = cls.__new__(cls)
-        scaler._setup(
-            settings,
-            enabled=enabled,
-            device=None if device is None else parse_device(device),
-            sync_free=sync_free,
-            process_group=process_group,
-            gradients_sharded=gradients_sharded,
-        )
+        device = None if device is None else parse_device(device)
+        runtime = {"enabled": enabled, "device": device, "sync_free": sync_free, "process_group": process_group}
+        scaler._setup(settings, runtime | {"gradients_sharded": gradients_sharded})
         return scaler
 
-    def _setup(
-        self,
-        settings: ScalerSettings,
-        *,
-        enabled: bool,
-        device: torch.device | None,
-        sync_free: bool,
-        process_group: Any,
-        gradients_sharded: bool | None,
-    ) -> None:
+    def _setup(self, settings: ScalerSettings, runtime: dict[str, Any]) -> None:
+        enabled, device, sync_free, gradients_sharded = (
+            runtime[k] for k in ("enabled", "device", "sync_free", "gradients_sharded")
+        )
         for name, value in (("enabled", enabled), ("sync_free", sync_free)):
             if problem := flag_problem(name, value):
                 raise ValueError(problem)
@@ -690,21 +361,19 @@ class GradScaler:
                 )
                 self._enabled = False
             device = None
-        self._sync_free = sync_free
-        self._process_group = process_group
-        self._gradients_sharded = gradients_sharded
+        self._sync_free, self._gradients_sharded = sync_free, gradients_sharded
+        self._process_group = runtime["process_group"]
         self._scale = LossScale(settings, device)
         self._extra_state: dict[str, Any] = {}  # register_state
         self._wire()
 
     def _wire(self) -> None:
-        """The per-process parts, built anew after unpickling: bookkeeping, overflow passes, reports, steps."""
+        """The per-process parts, built anew after unpickling: the per-optimizer bookkeeping and the watches."""
+        from dls.diagnostics.watch import Watches  # the diagnostics are imported with a scaler, not with dls
+
         self._tracker = Tracker()
-        pg, sharded = self._process_group, self._gradients_sharded
-        self._check = OverflowCheck(self._tracker, self._scale, self._enabled, pg, sharded)
-        self._reports = Reports()
+        self._reports: Watches = Watches()
         self.register_state("kept_in_float32", self._reports.kept)  # registered first: loads may precede a watch
-        self._stepper = Stepper(self._tracker, self._scale, self._check, self._sync_free, self._reports)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -749,26 +418,33 @@ class GradScaler:
 
     def step_was_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the last ``step(optimizer)`` (or ``step_if_finite``) through this scaler was skipped because the
-        gradients overflowed. Stays valid after ``update()`` until the next step of that optimizer, so LR
-        schedulers, EMA and step counters can follow real updates (``dls.skip_aware`` does this for you).
+        gradients overflowed; valid until the next step of that optimizer, so LR schedulers, EMA and step counters
+        can follow real updates (``dls.skip_aware``). Free where ``step`` decided on the host; after a fused or
+        ``sync_free`` step one read of the flag. ``RuntimeError`` before the optimizer's first step."""
+        last = self._last_step(optimizer)
+        if last.skipped is None:  # the fused and sync-free paths did not read the flag
+            assert last.flag is not None
+            last.skipped = bool(last.flag.item())
+        return last.skipped
 
-        Costs nothing where ``step`` decided on the host (the default path); after a fused-optimizer or
-        ``sync_free`` step it reads the flag once (then remembers it). Raises ``RuntimeError`` before the
-        optimizer's first step through this scaler. A disabled scaler never skips.
-        """
-        return self._tracker.last_step(optimizer).was_skipped()
+    def _last_step(self, optimizer: torch.optim.Optimizer) -> IterationState:
+        check_optimizer(optimizer)
+        last = self._tracker.last.get(optimizer)
+        if last is None:
+            raise RuntimeError("step_was_skipped(): this optimizer has not stepped through this scaler yet")
+        return last
 
     def _stepped_optimizers(self) -> list[torch.optim.Optimizer]:
         """The live optimizers that have stepped through this scaler (``dls.skip_aware`` binds to a single one)."""
-        return self._tracker.stepped_optimizers()
+        return list(self._tracker.last.keys())
 
     def step_was_skipped_tensor(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """``step_was_skipped`` as a 0-dim bool tensor on the scale's device, never read back to the host: to
         select on the device (``torch.where(skipped, old, new)``) in sync-free loops."""
-        last = self._tracker.last_step(optimizer)
-        if last.found_inf is None:
+        last = self._last_step(optimizer)
+        if last.flag is None:
             return torch.tensor(bool(last.skipped), device=self._scale.device)
-        return last.found_inf > 0
+        return last.flag > 0
 
     def get_growth_factor(self) -> float:
         """torch.amp's accessor: the factor the scale grows by."""
@@ -808,16 +484,14 @@ class GradScaler:
 
     # ------------------------------------------------------------------ scale
     def scale(self, outputs: _T) -> _T:
-        """Multiply a loss (or nested lists/tuples of them) by the scale.
-
-        Half-precision losses are scaled in float32 (a float16 loss times 2**15 would overflow in float16);
-        other tensors keep their dtype. The scale moves to the loss's device on first use.
-        """
+        """Multiply a loss (or nested lists/tuples of them) by the scale. Half-precision losses are scaled in float32
+        (a float16 loss times 2**15 would overflow); the scale moves to the loss's device on first use."""
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor) and not self._tracker.iteration:
             self._scale.follow(outputs.device)
-        self._reports.new_loss(outputs)
+        if self._reports.watches or self._reports.report is not None:
+            self._reports.new_loss(outputs)
         cache: dict[torch.device, torch.Tensor] = {}
 
         def apply(value: Any) -> Any:
@@ -829,7 +503,7 @@ class GradScaler:
                 return value * cache[value.device]
             if isinstance(value, (list, tuple)):
                 scaled = [apply(v) for v in value]
-                return type(value)(scaled) if isinstance(value, list) else _rebuild_tuple(value, scaled)
+                return type(value)(*scaled) if hasattr(value, "_fields") else type(value)(scaled)  # named tuples
             if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
                 return map(apply, value)
             raise ValueError(f"outputs must be a Tensor or an iterable of Tensors; got {type(value).__name__}")
@@ -839,11 +513,8 @@ class GradScaler:
 
     # ------------------------------------------------------------------ unscale / clip
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the optimizer's gradients by the scale in place and record whether any is inf/NaN.
-
-        One fused pass per device and dtype, no host sync. At most once per optimizer per iteration, before
-        ``step``; ``step`` calls it if you did not.
-        """
+        """Divide the optimizer's gradients by the scale in place and record whether any is inf/NaN (one fused pass
+        per device and dtype, no host sync). At most once per optimizer per iteration, before ``step``."""
         if not self._enabled:
             return
         state = self._tracker.state(optimizer)
@@ -851,7 +522,7 @@ class GradScaler:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if state.stage is Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        self._check.unscale_and_check([optimizer], [state])
+        self._unscale_and_check([optimizer], [state])
         _tell_unscaled(optimizer)
 
     def clip_gradients_and_return_isfinite(
@@ -862,22 +533,110 @@ class GradScaler:
         return_norm: bool = False,
     ) -> Any:
         """Unscale the optimizers' gradients, clip them together to ``max_gradient_norm`` (one global norm over
-        all their gradients) and return whether that norm is finite, as a bool tensor on the device.
-
-        The result decides the skip for all of them. ``max_gradient_norm`` defaults to the scaler's own; ``None``
-        unscales and checks without clipping. With ``return_norm=True`` the result is ``(isfinite, norm)``, the
-        norm being the global L2 norm of the unscaled gradients before clipping (a float32 device tensor; one
-        extra read pass when nothing is clipped).
-        """
+        all their gradients; default: the scaler's own; ``None``: no clipping) and return whether that norm is
+        finite, as a bool tensor on the device: the skip decision for all of them. ``return_norm=True`` returns
+        ``(isfinite, norm)``, the float32 L2 norm of the unscaled gradients before clipping."""
         max_norm = self._scale.settings.max_gradient_norm if max_gradient_norm is ... else max_gradient_norm
         if problem := limit_problem("max_gradient_norm", max_norm):
             raise ValueError(problem)
         opts = optimizer_list(optimizers, "optimizers")
         self._tracker.check_disjoint(opts)
-        isfinite, norm = self._check.clip_and_check(opts, max_norm, return_norm)
+        isfinite, norm = self._clip_and_check(opts, max_norm, return_norm)
         for opt in opts:
             _tell_unscaled(opt)
         return (isfinite, norm) if return_norm else isfinite
+
+    # The passes (unscale, check, clip; pure in dls.kernels) and the skip decision.
+    def _flag_pass(
+        self, optimizer: torch.optim.Optimizer, run: Callable[..., None], inv_scale: torch.Tensor
+    ) -> torch.Tensor:
+        """``run`` (``kernels.mul_and_check_`` or ``kernels.check_unscaled_``) over the optimizer's gradients, factor
+        ``inv_scale``; returns the flag on the scale's device (not yet agreed across ranks)."""
+        groups = self._tracker.grads(optimizer)
+        devices = {d for d, _ in groups}
+        found = kernels.zero_flags(devices)
+        run(groups, kernels.per_device(inv_scale, devices), found, self._scale.may_be_below_one)
+        return kernels.gather_flags(found, self._scale.device)
+
+    def _unscale_and_check(self, optimizers: list[torch.optim.Optimizer], states: list[IterationState]) -> None:
+        """Unscale each optimizer's gradients and set its agreed overflow flag (stage → UNSCALED)."""
+        inv_scale = self._scale.inverse()
+        for optimizer, state in zip(optimizers, states):
+            flag = self._flag_pass(optimizer, kernels.mul_and_check_, inv_scale)
+            # Across ranks the flag is agreed asynchronously: reading state.found_inf waits for the all-reduce.
+            agreement = distributed.start_agreement(flag, self._process_group) if _distributed() else None
+            state.flag, state.agreement = flag, agreement
+            state.stage = Stage.UNSCALED
+
+    def _check_scaled(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """The agreed flag of ``optimizer``'s still-scaled gradients, without unscaling them (one read pass)."""
+        flag = self._flag_pass(optimizer, kernels.check_unscaled_, self._scale.inverse())
+        return distributed.agree_on_overflow(flag, self._process_group) if _distributed() else flag
+
+    def _clip_and_check(
+        self, optimizers: list[torch.optim.Optimizer], max_norm: float | None, want_norm: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        norm: torch.Tensor | None
+        states = [self._tracker.state(opt) for opt in optimizers]
+        if any(s.stage is Stage.STEPPED for s in states):
+            raise RuntimeError("gradients cannot be clipped after step() on the same optimizer before update().")
+        if not self._enabled:
+            # Nothing to unscale or skip; clipping still applies, and the flag still tells the truth.
+            if max_norm is None and not want_norm:
+                return torch.ones((), dtype=torch.bool, device=self._scale.device), None
+            found_inf, norm = self._clip([], optimizers, max_norm, want_norm)
+            for state in states:
+                state.stage = Stage.CLIPPED if max_norm is not None else state.stage
+            return found_inf == 0, norm
+        ready = [(o, s) for o, s in zip(optimizers, states) if s.stage is Stage.READY]
+        done = [o for o, s in zip(optimizers, states) if s.stage is not Stage.READY]
+        if max_norm is None and not want_norm:
+            if ready:
+                self._unscale_and_check([o for o, _ in ready], [s for _, s in ready])
+            found_inf, norm = kernels.max_flag([s.found_inf for s in states]), None
+        else:
+            found_inf, norm = self._clip([o for o, _ in ready], done, max_norm, want_norm)
+            found_inf = kernels.max_flag([found_inf, *(s.found_inf for s in states if s.stage is not Stage.READY)])
+            if _distributed():
+                found_inf = distributed.agree_on_overflow(found_inf, self._process_group)
+        for state in states:
+            state.stage = Stage.CLIPPED if max_norm is not None else Stage.UNSCALED
+            state.found_inf = found_inf
+        return found_inf == 0, norm
+
+    def _clip(
+        self,
+        scaled: list[torch.optim.Optimizer],
+        unscaled: list[torch.optim.Optimizer],
+        max_norm: float | None,
+        want_norm: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unscale ``scaled`` and clip all gradients of both lists to ``max_norm`` (``None``: unscale only), in two
+        passes: one read for the global norm (of still-scaled gradients times 1/scale), one read+write multiplying
+        by ``clip_coef / scale`` (``clip_coef`` alone for already unscaled gradients). Returns the overflow flag
+        (the norm is inf/NaN exactly when an element is) and the norm."""
+        home = self._scale.device
+        inv_scale = self._scale.inverse() if self._enabled else torch.ones((), device=home)
+        one = torch.ones((), dtype=torch.float32, device=home)
+        parts = [(self._tracker.grads_of(scaled), inv_scale), (self._tracker.grads_of(unscaled), one)]
+        sharded = self._gradients_sharded
+        if _distributed() and distributed.norm_is_sharded(scaled + unscaled, sharded, self._process_group):
+            # Each rank holds a slice of the gradients: squared norms are summed across ranks.
+            opts = [(scaled, inv_scale), (unscaled, one)]
+            total_norm = distributed.global_norm(opts, home, self._process_group, plain_sharded=sharded is True)
+        else:
+            norms = [kernels.global_norm(g, kernels.per_device(f, {d for d, _ in g}), home) for g, f in parts]
+            total_norm = torch.linalg.vector_norm(torch.stack(norms))
+        found = (~torch.isfinite(total_norm)).float()
+        coef = one if max_norm is None else kernels.clip_coefficient(total_norm, max_norm)
+        # A finite norm bounds every clipped element by max_norm: only a max_norm near a gradient dtype's largest
+        # value (or an unscale by more than 1 without clipping) can make a product overflow.
+        for groups, factor in parts:
+            if groups and (factor is not one or max_norm is not None):
+                dtypes_max = min(torch.finfo(dtype).max for _, dtype in groups)
+                check = (max_norm is None and self._scale.may_be_below_one) or (max_norm or 0) >= dtypes_max / 2
+                found = kernels.mul_and_raise(groups, factor * coef, found, check)
+        return found, total_norm
 
     # ------------------------------------------------------------------ step
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -888,12 +647,9 @@ class GradScaler:
         if not self._enabled:
             # No scaling, no skipping; max_gradient_norm still clips (bfloat16 runs use it too).
             if max_norm is not None and self._tracker.state(optimizer).stage is not Stage.CLIPPED:
-                self._check.clip_and_check([optimizer], max_norm, want_norm=False)
-            return self._stepper.unchecked(optimizer, args, kwargs)
-        _reject_closure(args, kwargs)
-        state = self._tracker.state(optimizer)
-        if state.stage is Stage.STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
+                self._clip_and_check([optimizer], max_norm, want_norm=False)
+            return self._step_unchecked(optimizer, args, kwargs)
+        state = self._state_to_step(optimizer, args, kwargs)
         if max_norm is not None and state.stage is not Stage.CLIPPED:
             others = (s for key, s in self._tracker.iteration.items() if key != id(optimizer))
             if any(s.stage in (Stage.CLIPPED, Stage.STEPPED) for s in others):
@@ -903,24 +659,97 @@ class GradScaler:
                     "step(), or use dls.optimizer_step with the list.",
                     stacklevel=2,
                 )
-            self._check.clip_and_check([optimizer], max_norm)
-        return self._stepper.if_finite(optimizer, state, args, kwargs)
+            self._clip_and_check([optimizer], max_norm)
+        return self._step_if_finite(optimizer, state, args, kwargs)
 
     def step_if_finite(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step(*args, **kwargs)`` if the flag recorded by ``unscale_`` or
         ``clip_gradients_and_return_isfinite`` is clean; returns its value, or ``None`` when skipped."""
         if not self._enabled:
-            return self._stepper.unchecked(optimizer, args, kwargs)
-        _reject_closure(args, kwargs)
-        state = self._tracker.state(optimizer)
-        if state.stage is Stage.STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
+            return self._step_unchecked(optimizer, args, kwargs)
+        state = self._state_to_step(optimizer, args, kwargs)
         if state.stage is Stage.READY:
             raise RuntimeError(
                 "step_if_finite() needs the overflow flag: call unscale_() or "
                 "clip_gradients_and_return_isfinite() first, or use step()."
             )
-        return self._stepper.if_finite(optimizer, state, args, kwargs)
+        return self._step_if_finite(optimizer, state, args, kwargs)
+
+    def _state_to_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: Any) -> IterationState:
+        if "closure" in kwargs or (args and callable(args[0])):
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        state = self._tracker.state(optimizer)
+        if state.stage is Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        return state
+
+    def _step_if_finite(
+        self, optimizer: torch.optim.Optimizer, state: IterationState, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The step, skipped where the flag says so; the one place the path is chosen: the optimizer's own kernel
+        when it takes the flag (from READY: it unscales, too), else on the device (sync-free) or on the host."""
+        if takes_scale_and_flag(optimizer):
+            return self._step_fused(optimizer, state, args, kwargs)
+        if state.stage is Stage.READY:
+            self._unscale_and_check([optimizer], [state])
+        found_inf = state.found_inf
+        assert found_inf is not None
+        state.stage = Stage.STEPPED
+        if self._sync_free and self._tracker.has_stepped(optimizer):
+            self._record(optimizer, state, found_inf, None)
+            return sync_free.masked_step(optimizer, found_inf, args, kwargs)
+        if self._record(optimizer, state, found_inf, self._scale.read_flag(found_inf)):
+            return None
+        result = optimizer.step(*args, **kwargs)
+        self._tracker.mark_stepped(optimizer)
+        return result
+
+    def _step_fused(
+        self, optimizer: torch.optim.Optimizer, state: IterationState, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Hand the scale and the flag to an optimizer whose kernel unscales and skips by itself (no sync)."""
+        grad_scale: torch.Tensor | None = None
+        if state.stage is Stage.READY:
+            # Only a read pass for the flag: the optimizer kernel divides by grad_scale while it updates.
+            state.found_inf = self._check_scaled(optimizer)
+            grad_scale = self._scale.tensor
+        found_inf = state.found_inf
+        assert found_inf is not None
+        first_step = not self._tracker.has_stepped(optimizer)
+        state.stage = Stage.STEPPED
+        if first_step and self._scale.read_flag(found_inf):
+            self._record(optimizer, state, found_inf, True)
+            return None
+        if self._record(optimizer, state, found_inf, False if first_step else None):
+            return None  # known on the host (a watch read it): nothing for the kernel to do
+        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            result = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        if first_step:
+            self._tracker.mark_stepped(optimizer)
+        return result
+
+    def _record(
+        self, optimizer: torch.optim.Optimizer, state: IterationState, found_inf: torch.Tensor, skipped: bool | None
+    ) -> bool:
+        """Remember how the step ended; while a watch is active, know it now (one read on the fused and sync-free
+        paths) and build the overflow report from the gradients, which still exist. Returns whether skipped."""
+        watches = [w for w in self._reports.watches if w.active]
+        if skipped is None and watches:
+            skipped = self._scale.read_flag(found_inf)
+        state.skipped, self._tracker.last[optimizer] = skipped, state
+        if skipped and watches:
+            self._reports.overflowed(watches, float(self._scale.tensor))  # the overflow path: one more read is fine
+        return bool(skipped)
+
+    def _step_unchecked(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A disabled scaler's step: never skipped (closures pass through, as in torch)."""
+        self._tracker.last[optimizer] = IterationState(skipped=False)
+        return optimizer.step(*args, **kwargs)
 
     # ------------------------------------------------------------------ diagnostics
     def watch(self, model: torch.nn.Module, *, fallback: bool = False) -> OverflowWatch:
@@ -928,12 +757,9 @@ class GradScaler:
         after an overflowing step ``overflow_report()`` says where it started (``dls.diagnostics.watch``).
 
         ``fallback=True``: modules whose half-precision output overflows are found and kept in float32 from then on
-        (``dls.diagnostics.fallback``); ``watch.kept_in_float32`` lists them, and the scaler's state dict carries
-        them (key ``kept_in_float32``), whether the watch is made before or after ``load_state_dict``.
-
-        Clean steps cost no kernel: a Python-only hook per parameter in backward (about 1 µs each on a CPU), no
-        extra work in ``step`` or ``update`` on the default path; on the fused and sync-free paths ``step`` reads the
-        overflow flag once while a watch is active. ``watch(...).remove()`` (or ``with``) takes the hooks out.
+        (``dls.diagnostics.fallback``; ``watch.kept_in_float32``, carried by the scaler's state dict). Clean steps
+        cost no kernel: a Python hook per parameter in backward (about 1 µs each on a CPU); on the fused and
+        sync-free paths ``step`` reads the flag while a watch is active. ``watch(...).remove()`` takes it out.
         """
         return self._reports.watch(model, fallback, self._process_group)
 
@@ -945,19 +771,16 @@ class GradScaler:
 
     # ------------------------------------------------------------------ update
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """Apply the scale rule to this iteration's overflow flag (any optimizer overflowed → back off), or set
-        ``new_scale``, then start the next iteration.
-
-        ``new_scale`` must be a normal float32 (2**-126 to float32's max): a float outside that range raises
-        ``ValueError``; a tensor is checked on the device (no host read): a bad value (NaN, inf, 0, negative,
-        subnormal) keeps the previous scale, is counted, and the next ``get_scale()`` or ``state_dict()`` warns.
-        """
+        """Apply the scale rule (``dls.policy``) to this iteration's overflow flag, or set ``new_scale``, then start
+        the next iteration. ``new_scale`` must be a normal float32: a float outside raises ``ValueError``; a tensor
+        is checked on the device (no host read): a bad value (NaN, inf, 0, negative, subnormal) keeps the previous
+        scale, is counted, and the next ``get_scale()`` or ``state_dict()`` warns."""
         if not self._enabled:
             self._tracker.new_iteration()  # only clipping was recorded
             return
         if new_scale is not None:
             flags = [s.found_inf for s in self._tracker.iteration.values() if s.found_inf is not None]
-            self._scale.set(new_scale, max_flag(flags) if flags else None)
+            self._scale.set(new_scale, kernels.max_flag(flags) if flags else None)
         else:
             self._apply_rule(list(self._tracker.iteration.values()))
         self._tracker.new_iteration()
@@ -980,7 +803,7 @@ class GradScaler:
             )
         # Where step() decided on the host (the default path), the rule knows the flag's value too.
         known = None if any(s.skipped is None for s in states) else any(s.skipped for s in states)
-        self._scale.apply_rule(max_flag([s.found_inf for s in states]), known)
+        self._scale.apply_rule(kernels.max_flag([s.found_inf for s in states]), known)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -993,9 +816,8 @@ class GradScaler:
         return to_state_dict(values, self._scale.settings) | {k: v for k, v in extra.items() if v is not None}
 
     def register_state(self, name: str, owner: Any) -> None:
-        """Keep ``owner``'s state in this scaler's checkpoint under ``name`` (an extension point: e.g. a watch's
-        record of modules kept in float32). ``owner`` has ``state_dict()`` (``None``: nothing to save, no key) and
-        ``check_state(value)`` (raises ``ValueError`` naming the problem; called before anything changes) and
+        """Keep ``owner``'s state in this scaler's checkpoint under ``name``. ``owner`` has ``state_dict()``
+        (``None``: no key), ``check_state(value)`` (raises ``ValueError``; called before anything changes) and
         ``load_state_dict(value)``."""
         if not isinstance(name, str) or name in self.state_dict_keys():
             raise ValueError(f"name must be a new state dict key; got {name!r}")
@@ -1030,8 +852,8 @@ class GradScaler:
             raise RuntimeError(
                 "A GradScaler may only be pickled at the beginning of an iteration, or after scaler.update()."
             )
-        # A disabled scaler records only clipping: nothing per iteration to carry. Watches hook this process's model.
-        parts = ("_tracker", "_check", "_reports", "_stepper", "_extra_state")  # registered owners: this process's
+        # A disabled scaler records only clipping. Watches and registered owners belong to this process.
+        parts = ("_tracker", "_reports", "_extra_state")
         state = {k: v for k, v in self.__dict__.items() if k not in parts}
         state["_process_group"] = None
         return state
@@ -1055,11 +877,7 @@ class GradScaler:
 
 
 def _distributed() -> bool:
-    """Whether ranks may have to agree (``dls.distributed`` decides per group); the default path never enters it.
-    An extension point for more per-step agreement (an extra element in the collective) belongs in
-    ``dls.distributed``, behind this check. The float32 fallback (``watch(model, fallback=True)``) does not use it:
-    its ranks agree on skipped steps only, with one small all-reduce of their own (see ``Reports.overflowed``), so
-    that clean steps gain neither a collective element nor a kernel."""
+    """Whether ranks may have to agree (``dls.distributed`` decides per group); the default path never enters it."""
     return dist.is_available() and dist.is_initialized()
 
 
@@ -1074,18 +892,7 @@ def optimizer_list(
 
 
 def _tell_unscaled(optimizer: torch.optim.Optimizer) -> None:
-    """User code runs next and may read or clip the gradients it knows (see ``dls.tracking``)."""
+    """User code runs next and may read or clip the gradients it knows (``dls.master_weights``)."""
     hook = getattr(optimizer, "dls_gradients_unscaled", None)
     if hook is not None:
         hook()
-
-
-def _reject_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    if "closure" in kwargs or (args and callable(args[0])):
-        raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-
-
-def _rebuild_tuple(original: tuple[Any, ...], items: list[Any]) -> tuple[Any, ...]:
-    if hasattr(original, "_fields"):  # named tuple
-        return type(original)(*items)
-    return type(original)(items)

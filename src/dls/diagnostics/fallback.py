@@ -31,7 +31,7 @@ collective, for an event that only matters once the step is skipped, when the ho
 module an armed pass found is known on the host only. A caller with its own collective at skipped steps can carry
 :meth:`Fallback.local_code` in it and pass the reduced value as ``after_skip(agreed=...)``. Every rank must watch
 with ``fallback=True``. The scaler calls the fallback at the one place it decides a step is skipped and builds the
-overflow report (``dls.scaler.Reports.overflowed``), once per iteration.
+overflow report (``dls.diagnostics.watch.Watches.overflowed``), once per iteration.
 
 The kept set travels in the scaler's state dict (key ``kept_in_float32``) through :class:`KeptState`, which the
 scaler registers with ``GradScaler.register_state``.

@@ -53,7 +53,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dls import distributed
-from dls.diagnostics.fallback import Fallback
+from dls.diagnostics.fallback import Fallback, KeptState
 from dls.diagnostics.scales import module_label, pow2
 from dls.handles import Removable
 from dls.keep import KeptInFloat32, resolve_modules, unwrap
@@ -363,6 +363,56 @@ class OverflowWatch(Removable):
         return (
             f"OverflowWatch({type(unwrap(self.model)).__name__}, parameters={len(self._params)}{kept}, {self._state()})"
         )
+
+
+class Watches:
+    """The watches of one ``GradScaler`` (``GradScaler.watch``), the overflow report of the current iteration and
+    the modules its fallback watches keep in float32 (``kept``: the scaler's checkpoint entry ``kept_in_float32``).
+    The scaler calls in only while a watch exists or a report is held: a step without them never enters this file."""
+
+    def __init__(self) -> None:
+        self.watches: list[OverflowWatch] = []
+        self.seen_loss: Any = None  # what the last scale() was given, detached, while a watch is active
+        self.report: OverflowReport | None = None
+        self.stale = False  # update() ran: the next scale() starts an iteration without a report
+        self.kept = KeptState(self.active)
+
+    def watch(self, model: nn.Module, fallback: bool, process_group: Any) -> OverflowWatch:
+        self.watches = [w for w in self.watches if w.active]
+        watch = OverflowWatch(model, fallback=fallback, process_group=process_group)
+        self.kept.adopt(watch)  # a loaded kept_in_float32 applies to a fallback watch made after the load
+        self.watches.append(watch)
+        return watch
+
+    def active(self) -> list[OverflowWatch]:
+        return [w for w in self.watches if w.active]
+
+    def new_loss(self, outputs: Any) -> None:
+        """``scale()`` was called: a new iteration clears the last report; keep the loss for the next one."""
+        if self.stale:
+            self.report, self.stale = None, False
+        if self.watches:
+            self.seen_loss = _detached(outputs)
+
+    def overflowed(self, watches: list[OverflowWatch], loss_scale: float) -> None:
+        """A step of the iteration was skipped (agreed across ranks): report it, once per iteration."""
+        if self.report is not None:
+            return  # the iteration's first overflowing step has reported already
+        # A fallback watch keeps, arms or gives up here. Its ranks agree on the module with a MAX all-reduce of their
+        # own (Fallback.after_skip), on skipped steps only, not as an extra element of the per-step collective: that
+        # element would cost every clean step an isfinite(loss) kernel and a larger collective, and the module found
+        # is known on the host only after an armed pass.
+        reports = [w.after_skip(w.build_report(self.seen_loss, loss_scale=loss_scale)) for w in watches]
+        self.report = next((r for r in reports if r.first_module is not None), reports[0] if reports else None)
+
+
+def _detached(outputs: Any) -> Any:
+    """``outputs`` (a tensor or nested lists/tuples of them) detached: kept for a report, without its graph."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.detach()
+    if isinstance(outputs, (list, tuple)):
+        return [_detached(o) for o in outputs]
+    return None
 
 
 def _tensors(value: Any, what: str) -> Iterator[torch.Tensor]:
