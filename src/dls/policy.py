@@ -1,6 +1,6 @@
 """The loss-scale update rule, pure: ``(state, found_inf) -> state`` on 0-dim device tensors, never read back.
 
-The dynamic rule, once per ``update()``, with ``f = 1`` if any gradient of the iteration was inf/NaN, else 0::
+The dynamic rule, once per ``update()``, with ``f = 1`` if any gradient of the iteration was inf/NaN, else 0:
 
     steps += 1;  overflows += f;  skipped += f                 # skipped saturates at 2**63 - 1
     if f and overflows / steps > overflow_tolerance:           # an overflow that counts (float32 division)

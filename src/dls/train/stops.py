@@ -68,10 +68,11 @@ def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
 def nonfinite_weights(step: int, broken: Sequence[str], last: object, model_dir: object, repair: str = "") -> str:
     """The stop message of a run whose weights ``broken`` hold inf/NaN: ``last`` stays the newest checkpoint."""
     then = f"then --resume {model_dir} (its metrics rows after that step are dropped)" if last else "start again"
+    newest = f"the newest checkpoint, {last}, is the last with finite weights" if last else "the run has no checkpoint"
     return (
         f"Step {step}: the model's weights hold inf/NaN ({_listed(broken, 4)}): an applied step broke them, so every "
-        f"step after it would overflow. No checkpoint of them was written; the newest checkpoint, {last or 'none'}, "
-        f"is the last with finite weights. To try: {repair}a lower optimizer.learning_rate or clipping "
+        f"step after it would overflow. No checkpoint of them was written; {newest}. "
+        f"To try: {repair}a lower optimizer.learning_rate or clipping "
         f"(optimizer.max_gradient_norm), {then}"
     )
 
