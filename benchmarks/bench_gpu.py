@@ -54,11 +54,10 @@ from bench_scaler import (
     describe,
     human,
     interleave,
-    make_grads,
-    make_optimizer,
     median_ms,
     print_table,
     ratio,
+    restorable_grads,
     scalers,
     setup,
     spread,
@@ -140,16 +139,11 @@ def table_unscale(device: torch.device, args: argparse.Namespace) -> None:
     rows: list[list[Any]] = []
     for dtype_name, numel, count in unscale_points(args.quick):
         dtype = DTYPES[dtype_name]
-        grads = make_grads(numel, count, dtype, device)
-        master = [g.clone() for g in grads]
-        opt = make_optimizer(grads)
+        grads, opt, restore = restorable_grads(numel, count, dtype, device)
         ours, theirs = scalers(device)
         _, again = scalers(device)
         inv_scale = torch.tensor(1.0 / SCALE, device=device)
         fp16 = dtype == torch.float16
-
-        def restore(grads: list[torch.Tensor] = grads, master: list[torch.Tensor] = master) -> None:
-            torch._foreach_copy_(grads, master)
 
         def torch_run(scaler: torch.amp.GradScaler, opt: Any = opt, fp16: bool = fp16) -> None:
             torch_unscale_(scaler, opt, fp16)
@@ -182,7 +176,7 @@ def table_unscale(device: torch.device, args: argparse.Namespace) -> None:
             ]
         )
         print(f"  ... {dtype_name} {human(numel)} x{count}: dls/torch {r_torch:.3f}, dls/floor {r_floor:.3f}")
-        del grads, master, opt, cases, t
+        del grads, opt, restore, cases, t
     header = ["dtype", "elements", "tensors", "dls ms", "torch ms", "floor ms", "floor GB/s"]
     header += ["dls/torch", "<=1.05", "dls/floor", "<=1.15", "A/A"]
     body = [*judged(rows, aa), aa.row(len(header))]
@@ -204,16 +198,11 @@ def table_clip(device: torch.device, args: argparse.Namespace) -> None:
     rows: list[list[Any]] = []
     for dtype_name, numel, count in clip_points(args.quick):
         dtype = DTYPES[dtype_name]
-        grads = make_grads(numel, count, dtype, device)
-        master = [g.clone() for g in grads]
-        opt = make_optimizer(grads)
+        _, opt, restore = restorable_grads(numel, count, dtype, device)
         params = [p for group in opt.param_groups for p in group["params"]]
         ours, theirs = scalers(device, max_gradient_norm=max_norm)
         _, again = scalers(device)
         fp16 = dtype == torch.float16
-
-        def restore(grads: list[torch.Tensor] = grads, master: list[torch.Tensor] = master) -> None:
-            torch._foreach_copy_(grads, master)
 
         def torch_clip(scaler: torch.amp.GradScaler, opt: Any = opt, params: Any = params, fp16: bool = fp16) -> None:
             torch_unscale_(scaler, opt, fp16)
@@ -246,7 +235,7 @@ def table_clip(device: torch.device, args: argparse.Namespace) -> None:
             ]
         )
         print(f"  ... {dtype_name} {human(numel)} x{count}: dls/torch {value:.3f}")
-        del grads, master, opt, params, cases, t
+        del opt, restore, params, cases, t
     header = ["dtype", "elements", "tensors", "dls ms", "torch ms", "dls/torch", "[iqr]", "<=0.7", "A/A"]
     body = [*judged(rows, aa), aa.row(len(header))]
     print_table("2. unscale + global clip: dls vs torch's unscale_ + clip_grad_norm_", header, body)
