@@ -38,12 +38,11 @@ from bench_scaler import (
     describe,
     human,
     interleave,
-    make_grads,
-    make_optimizer,
     median_ms,
     print_table,
     ratio,
     reps_for,
+    restorable_grads,
     scalers,
     setup,
     spread,
@@ -58,9 +57,7 @@ HEADER = ["dtype", "elements", "tensors", "dls ms", "torch ms", "floor ms", "flo
 def bench_clip(
     numel: int, count: int, dtype: torch.dtype, device: torch.device, reps: int, warmup: int
 ) -> dict[str, list[float]]:
-    grads = make_grads(numel, count, dtype, device)
-    master = [g.clone() for g in grads]
-    opt = make_optimizer(grads)
+    grads, opt, restore = restorable_grads(numel, count, dtype, device)
     params = [p for g in opt.param_groups for p in g["params"]]
     # The norm of the unscaled gradients is about GRAD_STD * sqrt(numel): clip to a tenth of it.
     max_norm = 0.1 * GRAD_STD * numel**0.5
@@ -74,9 +71,6 @@ def bench_clip(
     def floor() -> None:
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
         torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-
-    def restore() -> None:
-        torch._foreach_copy_(grads, master)
 
     cases = {
         "dls": Case(run=lambda: ours.clip_gradients_and_return_isfinite(opt), prep=restore, reset=ours.update),

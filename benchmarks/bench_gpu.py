@@ -54,11 +54,10 @@ from bench_scaler import (
     describe,
     human,
     interleave,
-    make_grads,
-    make_optimizer,
     median_ms,
     print_table,
     ratio,
+    restorable_grads,
     scalers,
     setup,
     spread,
@@ -107,6 +106,11 @@ def judged(rows: list[list[Any]], aa: AA) -> list[list[str]]:
     return [[judge(*c, aa) if isinstance(c, tuple) else str(c) for c in row] for row in rows]
 
 
+def print_judged(title: str, header: list[str], rows: list[list[Any]], aa: AA) -> None:
+    """The table: ``rows`` judged (``judged``), then the A/A row."""
+    print_table(title, header, [*judged(rows, aa), aa.row(len(header))])
+
+
 @contextlib.contextmanager
 def counted_syncs(device: torch.device) -> Iterator[list[str]]:
     """Host syncs inside the block (CUDA's sync debug mode, "warn"); an empty list on the CPU."""
@@ -135,21 +139,24 @@ def unscale_points(quick: bool) -> list[tuple[str, int, int]]:
     return [("float32", n, c) for n, c in f32] + [(d, n, c) for d in ("bfloat16", "float16") for n, c in half]
 
 
+POINT_HEADER = ["dtype", "elements", "tensors", "dls ms", "torch ms"]
+
+
+def point_cells(dtype_name: str, numel: int, count: int, times: dict[str, list[float]]) -> list[Any]:
+    """The first cells of a row of tables 1 and 2 (``POINT_HEADER``): the point, then dls's and torch's times."""
+    return [dtype_name, human(numel), count, f"{median_ms(times['dls']):.3f}", f"{median_ms(times['torch']):.3f}"]
+
+
 def table_unscale(device: torch.device, args: argparse.Namespace) -> None:
     aa = AA()
     rows: list[list[Any]] = []
     for dtype_name, numel, count in unscale_points(args.quick):
         dtype = DTYPES[dtype_name]
-        grads = make_grads(numel, count, dtype, device)
-        master = [g.clone() for g in grads]
-        opt = make_optimizer(grads)
+        grads, opt, restore = restorable_grads(numel, count, dtype, device)
         ours, theirs = scalers(device)
         _, again = scalers(device)
         inv_scale = torch.tensor(1.0 / SCALE, device=device)
         fp16 = dtype == torch.float16
-
-        def restore(grads: list[torch.Tensor] = grads, master: list[torch.Tensor] = master) -> None:
-            torch._foreach_copy_(grads, master)
 
         def torch_run(scaler: torch.amp.GradScaler, opt: Any = opt, fp16: bool = fp16) -> None:
             torch_unscale_(scaler, opt, fp16)
@@ -167,11 +174,7 @@ def table_unscale(device: torch.device, args: argparse.Namespace) -> None:
         moved = 2 * numel * dtype.itemsize / statistics.median(t["floor"]) / 1e9
         rows.append(
             [
-                dtype_name,
-                human(numel),
-                count,
-                f"{median_ms(t['dls']):.3f}",
-                f"{median_ms(t['torch']):.3f}",
+                *point_cells(dtype_name, numel, count, t),
                 f"{median_ms(t['floor']):.3f}",
                 f"{moved:.0f}",
                 f"{r_torch:.3f}",
@@ -182,11 +185,9 @@ def table_unscale(device: torch.device, args: argparse.Namespace) -> None:
             ]
         )
         print(f"  ... {dtype_name} {human(numel)} x{count}: dls/torch {r_torch:.3f}, dls/floor {r_floor:.3f}")
-        del grads, master, opt, cases, t
-    header = ["dtype", "elements", "tensors", "dls ms", "torch ms", "floor ms", "floor GB/s"]
-    header += ["dls/torch", "<=1.05", "dls/floor", "<=1.15", "A/A"]
-    body = [*judged(rows, aa), aa.row(len(header))]
-    print_table("1. unscale + inf/NaN check: dls vs torch.amp and vs the bandwidth floor", header, body)
+        del grads, opt, restore, cases, t
+    header = [*POINT_HEADER, "floor ms", "floor GB/s", "dls/torch", "<=1.05", "dls/floor", "<=1.15", "A/A"]
+    print_judged("1. unscale + inf/NaN check: dls vs torch.amp and vs the bandwidth floor", header, rows, aa)
 
 
 # ---------------------------------------------------------------------------------------------- 2. clip
@@ -204,16 +205,11 @@ def table_clip(device: torch.device, args: argparse.Namespace) -> None:
     rows: list[list[Any]] = []
     for dtype_name, numel, count in clip_points(args.quick):
         dtype = DTYPES[dtype_name]
-        grads = make_grads(numel, count, dtype, device)
-        master = [g.clone() for g in grads]
-        opt = make_optimizer(grads)
+        _, opt, restore = restorable_grads(numel, count, dtype, device)
         params = [p for group in opt.param_groups for p in group["params"]]
         ours, theirs = scalers(device, max_gradient_norm=max_norm)
         _, again = scalers(device)
         fp16 = dtype == torch.float16
-
-        def restore(grads: list[torch.Tensor] = grads, master: list[torch.Tensor] = master) -> None:
-            torch._foreach_copy_(grads, master)
 
         def torch_clip(scaler: torch.amp.GradScaler, opt: Any = opt, params: Any = params, fp16: bool = fp16) -> None:
             torch_unscale_(scaler, opt, fp16)
@@ -234,11 +230,7 @@ def table_clip(device: torch.device, args: argparse.Namespace) -> None:
         lo, hi = spread(t, "dls", "torch")
         rows.append(
             [
-                dtype_name,
-                human(numel),
-                count,
-                f"{median_ms(t['dls']):.3f}",
-                f"{median_ms(t['torch']):.3f}",
+                *point_cells(dtype_name, numel, count, t),
                 f"{value:.3f}",
                 f"[{lo:.2f},{hi:.2f}]",
                 (value, 0.7),
@@ -246,10 +238,9 @@ def table_clip(device: torch.device, args: argparse.Namespace) -> None:
             ]
         )
         print(f"  ... {dtype_name} {human(numel)} x{count}: dls/torch {value:.3f}")
-        del grads, master, opt, params, cases, t
-    header = ["dtype", "elements", "tensors", "dls ms", "torch ms", "dls/torch", "[iqr]", "<=0.7", "A/A"]
-    body = [*judged(rows, aa), aa.row(len(header))]
-    print_table("2. unscale + global clip: dls vs torch's unscale_ + clip_grad_norm_", header, body)
+        del opt, restore, params, cases, t
+    header = [*POINT_HEADER, "dls/torch", "[iqr]", "<=0.7", "A/A"]
+    print_judged("2. unscale + global clip: dls vs torch's unscale_ + clip_grad_norm_", header, rows, aa)
 
 
 # ---------------------------------------------------------------------------------------------- 3. step
@@ -364,9 +355,11 @@ def table_step(device: torch.device, args: argparse.Namespace) -> None:
             ]
         )
     header = ["variant", "ms", "torch ms", "none ms", "/torch", "<=1.00", "/none", "<=1.01", "syncs", "want", ""]
-    body = [*judged(rows, aa), aa.row(len(header))]
-    print_table(
-        "3. a whole training step: dls vs torch.amp and vs no scaler (A/A: fused none again / fused none)", header, body
+    print_judged(
+        "3. a whole training step: dls vs torch.amp and vs no scaler (A/A: fused none again / fused none)",
+        header,
+        rows,
+        aa,
     )
     if device.type == "cuda":
         torch_syncs = ", ".join(f"{n}: {syncs[n]}" for n in STEP_VARIANTS if "torch" in n)
@@ -422,9 +415,8 @@ def table_overhead(device: torch.device, args: argparse.Namespace) -> None:
             ]
         )
     header = ["optimizer", "params", "dls ms", "torch ms", "dls/torch", "[iqr]", "A/A"]
-    body = [*judged(rows, aa), aa.row(len(header))]
-    print_table(
-        "4. host overhead, launch-bound: scale + step + update of small parameters (no target: info)", header, body
+    print_judged(
+        "4. host overhead, launch-bound: scale + step + update of small parameters (no target: info)", header, rows, aa
     )
 
 
@@ -517,9 +509,8 @@ def table_graphs(device: torch.device, args: argparse.Namespace) -> None:
                 ]
             )
     header = ["path", "scaler", "eager ms", "graph ms", "graph/eager", "dls/torch graph"]
-    body = [*judged(rows, aa), aa.row(len(header))]
-    print_table(
-        "5. CUDA graphs: a whole step captured vs eager (info; A/A: torch eager again / torch eager)", header, body
+    print_judged(
+        "5. CUDA graphs: a whole step captured vs eager (info; A/A: torch eager again / torch eager)", header, rows, aa
     )
 
 

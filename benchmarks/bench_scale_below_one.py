@@ -58,6 +58,7 @@ from bench_scaler import (
     median_ms,
     print_table,
     ratio,
+    restorable_grads,
     scalers,
     setup,
     spread,
@@ -74,15 +75,10 @@ HIGH = 2.0**10
 def bench_unscale(
     numel: int, count: int, dtype: torch.dtype, device: torch.device, reps: int, warmup: int
 ) -> dict[str, list[float]]:
-    grads = make_grads(numel, count, dtype, device)  # |g| up to ~2**8: finite in every dtype once doubled
-    master = [g.clone() for g in grads]
-    opt = make_optimizer(grads)
+    # |g| up to ~2**8: finite in every dtype once doubled
+    _, opt, restore = restorable_grads(numel, count, dtype, device)
     low, torch_low = scalers(device, LOW)
     high, _ = scalers(device, HIGH)
-
-    def restore() -> None:
-        torch._foreach_copy_(grads, master)
-
     allow_fp16 = dtype == torch.float16
     cases = {
         "dls 0.5": Case(run=lambda: low.unscale_(opt), prep=restore, reset=lambda: close_iteration(low)),

@@ -252,6 +252,20 @@ def make_grads(numel: int, count: int, dtype: torch.dtype, device: torch.device)
     return grads
 
 
+def restorable_grads(
+    numel: int, count: int, dtype: torch.dtype, device: torch.device
+) -> tuple[list[torch.Tensor], torch.optim.Optimizer, Callable[[], None]]:
+    """``make_grads``'s gradients, ``make_optimizer``'s optimizer over them, and ``restore``: copies them back from a
+    master copy, a ``Case``'s untimed ``prep`` for methods that change them in place (every call sees the same)."""
+    grads = make_grads(numel, count, dtype, device)
+    master = [g.clone() for g in grads]
+
+    def restore() -> None:
+        torch._foreach_copy_(grads, master)
+
+    return grads, make_optimizer(grads), restore
+
+
 def make_optimizer(grads: list[torch.Tensor]) -> torch.optim.Optimizer:
     # torch.empty parameters: never touched, so never backed by memory on CPU (only .grad is read).
     params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
@@ -303,16 +317,10 @@ def close_iteration(scaler: dls.GradScaler) -> None:
 def bench_unscale(
     numel: int, count: int, dtype: torch.dtype, device: torch.device, reps: int, warmup: int
 ) -> dict[str, list[float]]:
-    grads = make_grads(numel, count, dtype, device)
-    master = [g.clone() for g in grads]
-    opt = make_optimizer(grads)
+    grads, opt, restore = restorable_grads(numel, count, dtype, device)
     ours, theirs = scalers(device)
     inv_scale = torch.tensor(1.0 / SCALE, device=device)
     found = torch.zeros((), device=device)
-
-    def restore() -> None:
-        torch._foreach_copy_(grads, master)
-
     cases = {
         "dls": Case(run=lambda: ours.unscale_(opt), prep=restore, reset=lambda: close_iteration(ours)),
         "torch": Case(

@@ -52,6 +52,14 @@ def eval_loss(model: nn.Module) -> float:
         return sum(loss_fn(model, 1000 + i, half=False).item() for i in range(4)) / 4
 
 
+def scaled_step(scaler: dls.GradScaler, optimizer: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    """One step of the AMP recipe on ``loss``: zero the gradients, scaled backward, ``step``, ``update``."""
+    optimizer.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
 def train(
     model: nn.Module,
     steps: int,
@@ -67,11 +75,7 @@ def train(
     extra = setup(model, scaler) if setup is not None else None
     skipped: list[int] = []
     for step in range(steps):
-        loss = loss_fn(model, step, half)
-        optimizer.zero_grad()
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        scaled_step(scaler, optimizer, loss_fn(model, step, half))
         if scaler.step_was_skipped(optimizer):
             skipped.append(step)
         else:

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import dls
-from _amplify import amplifying_model, batch
+from _amplify import amplifying_model, batch, scaled_step
 from conftest import run_rank
 
 RANK = int(os.environ["RANK"])
@@ -30,10 +30,7 @@ def run() -> dict[str, object]:
         with torch.autocast("cpu", dtype=torch.float16):
             out = model(x)
         loss = nn.functional.mse_loss(out.float(), y)
-        optimizer.zero_grad()
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        scaled_step(scaler, optimizer, loss)
         skipped.append(scaler.step_was_skipped(optimizer))
     return {"kept": list(watch.kept_in_float32), "skipped": skipped}
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dls
-from _amplify import amplifying_model, batch, eval_loss, loss_fn, train
+from _amplify import amplifying_model, batch, eval_loss, loss_fn, scaled_step, train
 from conftest import OpLog, launch_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:dls fallback:UserWarning")  # tests that check them record them
@@ -111,10 +111,7 @@ def test_gradient_overflows_never_keep_a_module() -> None:
     for step in range(6):
         loss = loss_fn(model, step, half=True)
         assert torch.isfinite(loss)
-        optimizer.zero_grad()
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        scaled_step(scaler, optimizer, loss)
         assert scaler.step_was_skipped(optimizer)
         assert scaler.overflow_report() is not None and scaler.overflow_report().forward is False
         assert watch.fallback is not None and not watch.fallback.armed
@@ -131,10 +128,7 @@ def test_non_finite_parameters_keep_nothing_and_are_named() -> None:
     watch = scaler.watch(model, fallback=True)
     for step in range(4):
         loss = loss_fn(model, step, half=True)
-        optimizer.zero_grad()
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        scaled_step(scaler, optimizer, loss)
         report = scaler.overflow_report()
         assert report is not None and report.forward and report.non_finite_parameters == ("norm.weight",)
         assert "norm.weight" in str(report)
@@ -152,10 +146,7 @@ def test_an_overflow_outside_any_module_disarms_after_three_armed_passes() -> No
             x, _ = batch(step)
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = (model(x) * 1e6).sum()  # the loss function overflows, outside every module
-            optimizer.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
+            scaled_step(scaler, optimizer, loss)
     assert watch.kept_in_float32 == ()
     assert watch.fallback is not None and watch.fallback.disarmed and not watch.fallback.armed
     assert sum("disarmed" in str(w.message) for w in caught) == 1
@@ -218,14 +209,7 @@ def test_torch_compile_recompiles_when_a_module_is_kept() -> None:
     watch = scaler.watch(compiled, fallback=True)
     skipped = []
     for step in range(6):
-        x, y = batch(step)
-        with torch.autocast("cpu", dtype=torch.float16):
-            out = compiled(x)
-        loss = nn.functional.mse_loss(out.float(), y)
-        optimizer.zero_grad()
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        scaled_step(scaler, optimizer, loss_fn(compiled, step, half=True))
         skipped.append(scaler.step_was_skipped(optimizer))
     assert watch.kept_in_float32 == ("amplify",)
     assert skipped[-1] is False and all(skipped[:2])
@@ -248,10 +232,7 @@ def test_master_weights_and_fp8_emulation() -> None:
     skipped = []
     for step in range(5):
         loss = loss_fn(model, step, half=True)
-        optimizer.zero_grad()
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        scaled_step(scaler, optimizer, loss)
         skipped.append(scaler.step_was_skipped(optimizer))
     assert watch.kept_in_float32 == ("amplify",) and skipped == [True, True, False, False, False]
     assert model.amplify.weight.dtype == torch.float16  # the parameters stay half
@@ -264,10 +245,7 @@ def test_master_weights_and_fp8_emulation() -> None:
         watch = scaler.watch(model, fallback=True)
         for step in range(8):
             loss = loss_fn(model, step, half=False)
-            optimizer.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
+            scaled_step(scaler, optimizer, loss)
         # amplify's float32 output still overflows norm's float16 input rounding: norm is kept next
         assert watch.kept_in_float32 == ("amplify", "norm")
         assert torch.isfinite(loss)
@@ -294,10 +272,7 @@ def test_eval_passes_do_not_use_up_the_armed_pass() -> None:
             with torch.no_grad():
                 loss_fn(model, 99, half=True)  # an evaluation between: not a training pass
         loss = loss_fn(model, step, half=True)
-        optimizer.zero_grad()
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        scaled_step(scaler, optimizer, loss)
     assert watch.kept_in_float32 == ("amplify",)
     assert eval_loss(model) < 10
 
@@ -362,10 +337,7 @@ def test_a_kept_module_that_overflows_float32_is_not_kept_again_and_the_fallback
         warnings.simplefilter("always")
         for step in range(16):
             loss = loss_fn(model, step, half=True)
-            optimizer.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
+            scaled_step(scaler, optimizer, loss)
     assert watch.kept_in_float32 == ("amplify", "norm")
     assert watch.fallback is not None and watch.fallback.disarmed
     assert sum("disarmed" in str(w.message) for w in caught) == 1
