@@ -46,36 +46,32 @@ def test_refuses_to_overwrite_and_unknown_names(tmp_path: Path, capsys: pytest.C
     assert "DIR" in capsys.readouterr().err
 
 
-MODELZOO_CONFIG = """\
-# A Model Zoo config
-train_input:
-  data_processor: "MNISTDataProcessor"
-  data_dir:
-    - "./mnist_a"
-    - "./mnist_b"
-  batch_size: 8
-runconfig:
-  max_steps: 10
-"""
+@pytest.mark.parametrize("name", ["modelzoo/fc_mnist", "modelzoo/cerebras_gpt", "modelzoo/llama"])
+def test_a_modelzoo_config_is_copied_with_its_data_and_validates(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("h5py")
+    monkeypatch.chdir(tmp_path)
+    assert main(["init", name, "new"]) == 0
+    assert "dls[train,modelzoo]" in capsys.readouterr().out
+    config = Path("new") / (name.split("/")[1] + ".yaml")
+    data_dirs = [line for line in config.read_text().splitlines() if "data_dir:" in line and "#" not in line]
+    assert data_dirs and all(str(Path("new") / "data") in line for line in data_dirs)  # at the data just written
+    assert main(["validate", str(config)]) == 0
+    assert "on this machine" not in capsys.readouterr().out  # the data is there, in the expected layout
 
 
-def test_modelzoo_config_gets_tiny_data_and_its_data_dir(
+def test_the_copied_fc_mnist_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["init", "modelzoo/fc_mnist", "new"]) == 0
+    overrides = ["runconfig.max_steps=3", "runconfig.model_dir=run", "runconfig.checkpoint_steps=3"]
+    assert main(["train", "new/fc_mnist.yaml", "--no_progress", "-o", *overrides]) == 0
+    assert (tmp_path / "run" / "checkpoint_3.mdl").is_file()
+
+
+def test_without_a_data_writer_nothing_is_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    source = tmp_path / "fc_mnist.yaml"
-    source.write_text(MODELZOO_CONFIG)
-    monkeypatch.setattr(init, "shipped_configs", lambda: {"modelzoo/fc_mnist": source})
-    written = []
-    fake = types.ModuleType("dls.train.modelzoo")
-    fake.write_tiny_data = lambda kind, directory: written.append((kind, directory))  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "dls.train.modelzoo", fake)
-    out = tmp_path / "out"
-    assert main(["init", "modelzoo/fc_mnist", str(out)]) == 0
-    assert written == [("MNISTDataProcessor", out / "data")]
-    text = (out / "fc_mnist.yaml").read_text()
-    assert f"  data_dir: {str(out / 'data')!r}\n  batch_size: 8\n" in text and "mnist_a" not in text
-    assert "dls[train,modelzoo]" in capsys.readouterr().out
-
     monkeypatch.setitem(sys.modules, "dls.train.modelzoo", types.ModuleType("dls.train.modelzoo"))
     assert main(["init", "modelzoo/fc_mnist", str(tmp_path / "other")]) == 2
     assert "write_tiny_data is missing" in capsys.readouterr().err

@@ -12,7 +12,9 @@ from typing import Any
 from dls.train.errors import MissingExtras, UsageError
 
 _DATA_PROCESSOR = re.compile(r"^\s*data_processor:\s*[\"']?(\w+)", re.MULTILINE)
-_DATA_DIR = re.compile(r"^(?P<key>[ \t]*data_dir:)[^\n]*\n(?:[ \t]*-[^\n]*\n)*", re.MULTILINE)  # a list below too
+# The shipped Model Zoo configs keep their data under ./data/<kind>/ (as the `dls data` line in their header writes it)
+_DATA_DIR = re.compile(r"^(?P<key>[ \t]*data_dir:[ \t]*)[\"']?\./data/(?P<rest>[^\"'\n]*)[\"']?[ \t]*$", re.MULTILINE)
+_KIND = {"MNISTDataProcessor": "mnist", "GptHDF5DataProcessor": "gpt", "GptHDF5MapDataProcessor": "gpt"}
 
 
 def add_parser(sub: Any) -> None:
@@ -63,12 +65,14 @@ def command(args: argparse.Namespace, run: Any) -> int:
     text = configs[args.name].read_text()
     processor = _DATA_PROCESSOR.search(text)
     writer = _tiny_data_writer() if processor else None  # before anything is written
+    if processor is not None and processor.group(1) not in _KIND:
+        raise UsageError(f"dls init cannot write data for {processor.group(1)} (it writes {', '.join(_KIND)})")
     directory.mkdir(parents=True, exist_ok=True)
     if writer is not None and processor is not None:
-        data_dir = directory / "data"
-        writer(processor.group(1), data_dir)
-        text = _DATA_DIR.sub(lambda m: f"{m.group('key')} {str(data_dir)!r}\n", text)
-        print(f"Wrote a tiny {processor.group(1)} data set into {data_dir}")
+        kind = _KIND[processor.group(1)]
+        writer(kind, directory / "data" / kind)
+        text = _DATA_DIR.sub(lambda m: f"{m.group('key')}{str(directory / 'data' / m.group('rest'))!r}", text)
+        print(f"Wrote a tiny {processor.group(1)} data set into {directory / 'data' / kind}")
     with open(target, "x") as file:  # never over an existing file or through a link
         file.write(text)
     print(f"Wrote {target} (needs dls[{','.join(extras(args.name, text))}]). Next: dls train {target}")
