@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import dls
+from _amplify import amplifying_model
+from _amplify import batch as amplify_batch
 from conftest import load_example
 from dls.skip import SkipAware, skip_aware
 
@@ -184,3 +187,118 @@ def test_example_runs_and_its_schedule_and_ema_skip_with_the_steps() -> None:
         result = load_example("lightning_fp16.py").main(steps=20)
     assert result["steps"] == 20 and result["skipped"] > 0  # the example starts at a scale that overflows
     assert result["scheduler_steps"] == result["ema_updates"] == 20 - result["skipped"]
+
+
+# ----------------------------------------------------------------------------- the float32 fallback
+FALLBACK_STEPS = 6
+
+
+class Amplifying(L.LightningModule):
+    """``_amplify``'s model, whose float16 forward overflows in ``net.amplify``; ``training_step`` calls ``self.net``
+    (never ``self``), as many LightningModules do, so the fallback cannot rely on the module's own forward."""
+
+    def __init__(self, calls_forward: bool = False) -> None:
+        super().__init__()
+        self.net = amplifying_model()
+        self.calls_forward = calls_forward
+        self.losses: list[float] = []
+        self.skipped: list[bool] = []
+        self.amplify_dtypes: list[torch.dtype] = []
+        self.net.amplify.register_forward_hook(lambda m, a, out: self.amplify_dtypes.append(out.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss((self(x) if self.calls_forward else self.net(x)).float(), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.net.parameters(), lr=1e-2)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        scaler = self.trainer.precision_plugin.scaler
+        self.skipped.append(scaler.step_was_skipped(self.optimizers().optimizer))
+
+
+class KeptAtStart(L.Callback):
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.kept = trainer.precision_plugin.watch.kept_in_float32
+
+
+def _amplify_loader() -> torch.utils.data.DataLoader:
+    data = [amplify_batch(i, size=16) for i in range(FALLBACK_STEPS + 4)]
+    return torch.utils.data.DataLoader(data, batch_size=None)
+
+
+def _fallback_trainer(max_steps: int, plugin: DLSPrecision, callbacks: list[Any] | None = None) -> Any:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[plugin],
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+
+
+@pytest.mark.filterwarnings("ignore:dls fallback:UserWarning")
+@pytest.mark.parametrize("calls_forward", [False, True], ids=["training_step_only", "self_forward"])
+def test_fallback_keeps_the_amplifying_layer_of_the_lightning_module_and_resumes_with_it(
+    tmp_path: Path, calls_forward: bool
+) -> None:
+    plugin = DLSPrecision("16-mixed", "cpu", fallback=True)
+    assert plugin.watch is None  # the Trainer has not set the model up yet
+    model = Amplifying(calls_forward)
+    trainer = _fallback_trainer(FALLBACK_STEPS, plugin)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, _amplify_loader())
+
+    assert plugin.watch is not None and plugin.watch.kept_in_float32 == ("net.amplify",)
+    # The overflow seen, then the armed training step that found where it was born; then it trains.
+    assert model.skipped == [True, True] + [False] * (FALLBACK_STEPS - 2)
+    assert [math.isfinite(v) for v in model.losses] == [False, False] + [True] * (FALLBACK_STEPS - 2)
+    assert model.amplify_dtypes[:2] == [torch.float16] * 2 and set(model.amplify_dtypes[2:]) == {torch.float32}
+    assert model.losses[-1] < model.losses[2]
+    assert plugin.scaler.get_num_skipped_steps() == 2
+
+    path = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    assert checkpoint["DLSPrecision"]["kept_in_float32"] == ["net.amplify"]
+
+    resumed_plugin, probe = DLSPrecision("16-mixed", "cpu", fallback=True), KeptAtStart()
+    resumed_model = Amplifying()
+    resumed = _fallback_trainer(FALLBACK_STEPS + 3, resumed_plugin, [probe])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed.fit(resumed_model, _amplify_loader(), ckpt_path=path)
+    assert probe.kept == ("net.amplify",)  # kept from the first resumed step
+    assert resumed_model.skipped == [False] * 3 and all(math.isfinite(v) for v in resumed_model.losses)
+    assert set(resumed_model.amplify_dtypes) == {torch.float32}
+
+
+def test_fallback_argument() -> None:
+    with pytest.raises(ValueError, match="fallback must be True or False"):
+        DLSPrecision("16-mixed", "cpu", fallback=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fallback=True needs loss scaling"):
+        DLSPrecision("bf16-mixed", "cpu", fallback=True)
+    enabled = dls.GradScaler(device="cpu")
+    assert DLSPrecision("bf16-mixed", "cpu", scaler=enabled, fallback=True).fallback
+
+    # The Trainer connects the model at every fit/validate: the same model keeps its watch (and kept modules).
+    plugin = DLSPrecision("16-mixed", "cpu", fallback=True)
+    first, second = Amplifying(), Amplifying()
+    plugin.connect(first, [], [])
+    watch = plugin.watch
+    assert watch is not None and watch.model is first and watch.active
+    plugin.connect(first, [], [])
+    assert plugin.watch is watch
+    plugin.connect(second, [], [])  # another model: the first computes as before the watch again
+    assert plugin.watch is not None and plugin.watch.model is second and not watch.active

@@ -39,9 +39,10 @@ scaler registers with ``GradScaler.register_state``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -221,6 +222,17 @@ class Fallback:
         self._recording = False
         self._calls.clear()
         self._open.clear()
+
+    @contextlib.contextmanager
+    def forward_pass(self) -> Iterator[None]:
+        """While armed, the module calls inside count as one pass of the root, as if its forward had been called:
+        for frameworks that run the root's submodules without calling the root (Lightning calls
+        ``training_step``). A call of the root inside ends the pass at its end, as usual."""
+        if self.armed:
+            self._begin(self.root, ())
+        yield
+        if self._recording:
+            self._end(self.root, (), None)
 
     def _begin(self, module: nn.Module, args: Any) -> None:
         if not self._recording and torch.is_grad_enabled():

@@ -42,6 +42,7 @@ the forward pass. ``dls.diagnostics.audit`` looks at every module's outputs and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections import OrderedDict
@@ -257,6 +258,15 @@ class OverflowWatch(Removable):
             return report
         broken = self.fallback.after_skip(report.forward)
         return dataclasses.replace(report, non_finite_parameters=broken) if broken else report
+
+    def forward_pass(self) -> contextlib.AbstractContextManager[None]:
+        """A context manager marking one training pass of the watched model, for frameworks that run its
+        submodules without calling the model itself (Lightning calls the LightningModule's ``training_step``, not
+        its ``forward``): with ``fallback=True``, an armed fallback records the module calls inside it as one
+        forward pass of the model. Changes nothing otherwise, and nothing where the model itself is called."""
+        if self.fallback is None or self._removed:
+            return contextlib.nullcontext()
+        return self.fallback.forward_pass()
 
     def backward_order(self) -> tuple[str, ...]:
         """Names of the parameters whose gradients backward has accumulated since the watch was installed, in the
