@@ -3,6 +3,7 @@ Accelerate's own ``step_was_skipped`` and prepared scheduler, EMA, ``save_state`
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,8 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import dls
+from _amplify import amplifying_model, eval_loss
+from _amplify import batch as amplify_batch
 from conftest import load_example
 from dls.skip import skip_aware
 
@@ -139,3 +142,83 @@ def test_example_runs_and_its_schedule_and_ema_skip_with_the_steps() -> None:
     result = load_example("accelerate_fp16.py").main(steps=20)
     assert result["steps"] == 20 and result["skipped"] > 0  # the example starts at a scale that overflows
     assert result["scheduler_steps"] == result["ema_updates"] == 20 - result["skipped"]
+
+
+# ----------------------------------------------------------------------------- the float32 fallback
+FALLBACK_STEPS = 6
+
+
+def _amplifying() -> tuple[torch.nn.Module, torch.optim.Optimizer, list[torch.dtype]]:
+    model = amplifying_model()
+    dtypes: list[torch.dtype] = []
+    model.amplify.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2, fused=True), dtypes
+
+
+def _run(accelerator: Accelerator, model: Any, optimizer: Any, steps: range) -> tuple[list[bool], list[float]]:
+    skipped, losses = [], []
+    for step in steps:
+        x, y = amplify_batch(step, size=16)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        skipped.append(optimizer.step_was_skipped)
+        losses.append(loss.item())
+    return skipped, losses
+
+
+@pytest.mark.filterwarnings("ignore:dls fallback:UserWarning")
+def test_fallback_keeps_the_amplifying_layer_of_the_prepared_model_and_resumes_with_it(tmp_path: Path) -> None:
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    scaler = use_dls(accelerator, fallback=True)  # before prepare: the model is watched when prepared
+    model, optimizer, dtypes = _amplifying()
+    model, optimizer = accelerator.prepare(model, optimizer)
+    skipped, losses = _run(accelerator, model, optimizer, range(FALLBACK_STEPS))
+
+    # The overflow seen, then the armed pass that found where it was born; then it trains (fused Adam).
+    assert skipped == [True, True] + [False] * (FALLBACK_STEPS - 2)
+    assert [math.isfinite(v) for v in losses] == [False, False] + [True] * (FALLBACK_STEPS - 2)
+    assert eval_loss(accelerator.unwrap_model(model)) < eval_loss(amplifying_model())  # it trains on
+    assert dtypes[:2] == [torch.float16] * 2 and set(dtypes[2:]) == {torch.float32}
+    assert scaler.state_dict()["kept_in_float32"] == ["amplify"]
+    accelerator.save_state(str(tmp_path))
+    saved = torch.load(tmp_path / "scaler.pt", weights_only=True)
+    assert saved["kept_in_float32"] == ["amplify"]
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    model, optimizer, dtypes = _amplifying()
+    model, optimizer = accelerator.prepare(model, optimizer)
+    resumed = use_dls(accelerator, fallback=True)  # after prepare: the prepared model is watched at once
+    accelerator.load_state(str(tmp_path))
+    assert resumed.state_dict() == saved
+    skipped, losses = _run(accelerator, model, optimizer, range(FALLBACK_STEPS, FALLBACK_STEPS + 3))
+    assert skipped == [False] * 3 and all(math.isfinite(v) for v in losses)
+    assert set(dtypes) == {torch.float32}
+
+
+def test_fallback_argument_and_one_model() -> None:
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    with pytest.raises(ValueError, match="fallback must be True or False"):
+        use_dls(accelerator, fallback="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fallback=True needs an enabled scaler"):
+        use_dls(accelerator, scaler=dls.GradScaler(device="cpu", enabled=False), fallback=True)
+    assert accelerator.scaler is None  # errors changed nothing
+    first, second, evaluated = (torch.nn.Linear(2, 2) for _ in range(3))
+    scaler = use_dls(accelerator, fallback=True)
+    accelerator.prepare(first)
+    accelerator.prepare(first)  # the same model again
+    accelerator.prepare_model(evaluated, evaluation_mode=True)  # not trained: not watched, not counted
+    assert scaler.state_dict()["kept_in_float32"] == []
+    with pytest.raises(ValueError, match=r"keeps modules of one model.*second one \(Linear, after Linear\)"):
+        accelerator.prepare(second)
+    assert second not in accelerator._models  # refused before Accelerate took it
+
+
+def test_two_prepared_models_refuse_the_fallback() -> None:
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    accelerator.prepare(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="keeps modules of one model"):
+        use_dls(accelerator, fallback=True)
+    assert accelerator.scaler is None and not accelerator.native_amp

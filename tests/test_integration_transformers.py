@@ -3,7 +3,9 @@ autocast, skipped steps, the Trainer's LR schedule, EMA, checkpoints and resume.
 
 from __future__ import annotations
 
+import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,8 @@ import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from _amplify import amplifying_model, eval_loss
+from _amplify import batch as amplify_batch
 from conftest import load_example
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the Hub: the model is built from a config
@@ -149,3 +153,89 @@ def test_example_runs_and_its_schedule_skips_with_the_steps(tmp_path: Path) -> N
     result = load_example("hf_trainer_fp16.py").main(steps=12, output_dir=str(tmp_path))
     assert result["steps"] == 12 and result["skipped"] > 0  # the example starts at a scale that overflows
     assert result["scheduler_steps"] == 12 - result["skipped"]
+
+
+# ----------------------------------------------------------------------------- the float32 fallback
+FALLBACK_STEPS = 6
+
+
+class Amplifying(torch.nn.Module):
+    """``_amplify``'s model (float16 overflows in ``net.amplify``) with the Trainer's calling convention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = amplifying_model()
+        self.losses: list[float] = []
+        self.amplify_dtypes: list[torch.dtype] = []
+        self.net.amplify.register_forward_hook(lambda m, a, out: self.amplify_dtypes.append(out.dtype))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        loss = torch.nn.functional.mse_loss(self.net(x).float(), labels)
+        self.losses.append(loss.item())
+        return {"loss": loss}
+
+
+class Skips(TrainerCallback):
+    def __init__(self, trainer_of: list[Trainer]) -> None:
+        self.trainer_of = trainer_of
+        self.skipped: list[bool] = []
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.skipped.append(self.trainer_of[0].accelerator.optimizer_step_was_skipped)
+
+
+def _fallback_trainer(out: Path, max_steps: int) -> tuple[Trainer, Skips]:
+    trainers: list[Trainer] = []
+    skips = Skips(trainers)
+    data = []
+    for step in range(FALLBACK_STEPS + 3):
+        x, y = amplify_batch(step, size=16)
+        data.extend({"x": xi, "labels": yi} for xi, yi in zip(x, y))
+    args = TrainingArguments(
+        output_dir=str(out),
+        fp16=True,
+        use_cpu=True,
+        max_steps=max_steps,
+        per_device_train_batch_size=16,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        save_strategy="steps",
+        save_steps=FALLBACK_STEPS,
+        report_to=[],
+        disable_tqdm=True,
+        logging_strategy="no",
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    trainer = Trainer(model=Amplifying(), args=args, train_dataset=data, callbacks=[skips])
+    trainers.append(trainer)
+    return trainer, skips
+
+
+@pytest.mark.filterwarnings("ignore:dls fallback:UserWarning")
+def test_fallback_keeps_the_amplifying_layer_of_the_trainers_model_and_resumes_with_it(tmp_path: Path) -> None:
+    trainer, skips = _fallback_trainer(tmp_path, FALLBACK_STEPS)
+    scaler = use_dls(trainer, fallback=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    model = trainer.model
+    assert isinstance(model, Amplifying)
+    added = [str(w.message) for w in caught if "now runs in float32" in str(w.message)]
+    assert len(added) == 1 and "'net.amplify'" in added[0]
+    # The overflow seen, then the armed pass that found where it was born; then it trains (fused AdamW).
+    assert skips.skipped == [True, True] + [False] * (FALLBACK_STEPS - 2)
+    assert [math.isfinite(v) for v in model.losses] == [False, False] + [True] * (FALLBACK_STEPS - 2)
+    assert eval_loss(model.net) < eval_loss(amplifying_model())  # it trains on
+    assert model.amplify_dtypes[:2] == [torch.float16] * 2 and set(model.amplify_dtypes[2:]) == {torch.float32}
+    assert scaler.state_dict()["kept_in_float32"] == ["net.amplify"]
+    checkpoint = tmp_path / f"checkpoint-{FALLBACK_STEPS}"
+    assert torch.load(checkpoint / "scaler.pt", weights_only=True)["kept_in_float32"] == ["net.amplify"]
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    resumed, resumed_skips = _fallback_trainer(tmp_path, FALLBACK_STEPS + 3)
+    use_dls(resumed, fallback=True)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed_skips.skipped == [False] * 3
+    assert all(math.isfinite(v) for v in resumed.model.losses)
+    assert set(resumed.model.amplify_dtypes) == {torch.float32}

@@ -17,6 +17,7 @@ Then the usual loop (``accelerator.backward(loss)``, ``optimizer.step()``, ``sch
   optimizer is called and skips inside its kernel. Schedulers prepared by Accelerate step only when it is False,
   so the LR schedule follows real updates.
 * ``accelerator.save_state`` / ``load_state`` write and read the dls scaler's state (``scaler.pt``).
+* ``use_dls(accelerator, fallback=True)`` keeps modules whose float16 output overflows in float32, found by themselves.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from __future__ import annotations
 from types import MethodType
 from typing import Any
 
+import torch
+
+from dls.keep import unwrap
 from dls.scaler import GradScaler
 
 try:
@@ -44,7 +48,9 @@ _UNSUPPORTED = {
 }
 
 
-def use_dls(accelerator: Accelerator, scaler: GradScaler | None = None, **scaler_kwargs: Any) -> GradScaler:
+def use_dls(
+    accelerator: Accelerator, scaler: GradScaler | None = None, *, fallback: bool = False, **scaler_kwargs: Any
+) -> GradScaler:
     """Make ``accelerator`` (``mixed_precision="fp16"``) scale with a ``dls.GradScaler``; returns the scaler.
 
     Args:
@@ -52,6 +58,15 @@ def use_dls(accelerator: Accelerator, scaler: GradScaler | None = None, **scaler
         scaler: the ``dls.GradScaler`` to install, or ``None`` to build ``dls.GradScaler(device=<the accelerator's
             device type>, **scaler_kwargs)``; a ``GradScalerKwargs`` handler given to the Accelerator
             (``init_scale``, ``growth_interval``, ...) is honoured, ``scaler_kwargs`` win over it.
+        fallback: keep modules whose float16 output overflows in float32, found by themselves
+            (``scaler.watch(model, fallback=True)``, see ``dls.diagnostics.fallback``), in the model prepared for
+            training (``accelerator.prepare``; not those prepared with ``evaluation_mode=True``), by the names of
+            the model inside Accelerate's DDP or ``torch.compile`` wrapper. An argument here, so that it reaches
+            the model wherever ``prepare`` is called (a Hugging Face Trainer calls it inside ``train()``); in a
+            loop of your own, ``scaler.watch(model, fallback=True)`` on the prepared model is the same thing and
+            gives you the watch. The kept modules are in the scaler's state (``kept_in_float32``), so
+            ``save_state`` writes them and ``load_state`` keeps them again. One model only: the kept set names
+            modules of one model.
         **scaler_kwargs: passed to ``dls.GradScaler`` when ``scaler`` is ``None``.
 
     Call it once, right after building the Accelerator, before training. Models and optimizers prepared before the
@@ -61,8 +76,10 @@ def use_dls(accelerator: Accelerator, scaler: GradScaler | None = None, **scaler
 
     Raises:
         ValueError: ``accelerator`` is not an Accelerator, its mixed precision is not fp16, it runs DeepSpeed,
-            Megatron-LM, XLA or FSDP, dls is already installed, or ``scaler`` is not a ``dls.GradScaler`` (or comes
-            with ``scaler_kwargs``). Nothing is changed then.
+            Megatron-LM, XLA or FSDP, dls is already installed, ``scaler`` is not a ``dls.GradScaler`` (or comes
+            with ``scaler_kwargs``), or ``fallback`` is not a bool, or is ``True`` with a disabled scaler or with
+            two models prepared already. Nothing is changed then. With ``fallback=True``, ``prepare`` raises
+            ``ValueError`` before preparing a second model for training.
     """
     if not isinstance(accelerator, Accelerator):
         raise ValueError(f"accelerator must be an accelerate.Accelerator; got {type(accelerator).__name__}")
@@ -73,6 +90,8 @@ def use_dls(accelerator: Accelerator, scaler: GradScaler | None = None, **scaler
         )
     if accelerator.distributed_type in _UNSUPPORTED:
         raise ValueError(f"use_dls: {_UNSUPPORTED[accelerator.distributed_type]} ({accelerator.distributed_type})")
+    if not isinstance(fallback, bool):
+        raise ValueError(f"fallback must be True or False; got {fallback!r}")
     if isinstance(accelerator.scaler, GradScaler):
         raise ValueError("use_dls was already called on this accelerator (accelerator.scaler is a dls.GradScaler)")
     if scaler is None:
@@ -85,6 +104,14 @@ def use_dls(accelerator: Accelerator, scaler: GradScaler | None = None, **scaler
     for optimizer in accelerator._optimizers:
         if type(optimizer) not in (AcceleratedOptimizer, DLSAcceleratedOptimizer):
             raise ValueError(f"use_dls cannot take over a prepared {type(optimizer).__name__}")
+    watcher = _Fallback(scaler) if fallback else None
+    if watcher is not None:
+        if not scaler.is_enabled():
+            raise ValueError(
+                "fallback=True needs an enabled scaler: its skipped steps are what the fallback learns from"
+            )
+        for model in accelerator._models:
+            watcher.check(model)
 
     accelerator.scaler = scaler
     accelerator.native_amp = True  # Accelerate's switch for autocast in prepared forwards and accelerator.autocast()
@@ -102,7 +129,48 @@ def use_dls(accelerator: Accelerator, scaler: GradScaler | None = None, **scaler
     # prepare() reaches optimizers through this method: an instance attribute shadows the class's for this
     # accelerator only.
     accelerator.prepare_optimizer = prepare_dls_optimizer
+    if watcher is not None:
+        for model in accelerator._models:
+            watcher.watch(model)
+        prepare_model = accelerator.prepare_model
+
+        def prepare_watched_model(
+            model: Any, device_placement: bool | None = None, evaluation_mode: bool = False
+        ) -> Any:
+            if not evaluation_mode:
+                watcher.check(model)  # before Accelerate changes anything
+            prepared = prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+            if not evaluation_mode:
+                watcher.watch(prepared)
+            return prepared
+
+        accelerator.prepare_model = prepare_watched_model  # prepare() reaches models through it, as above
     return scaler
+
+
+class _Fallback:
+    """``use_dls(..., fallback=True)``: the scaler's fallback watch of the one model prepared for training."""
+
+    def __init__(self, scaler: GradScaler) -> None:
+        self.scaler = scaler
+        self.root: torch.nn.Module | None = None  # the model, without DDP's or torch.compile's wrapper
+        self.watched = False
+
+    def check(self, model: Any) -> None:
+        """``ValueError`` on a second model (a model prepared again is the same one)."""
+        root = unwrap(model)
+        if self.root is not None and root is not self.root:
+            raise ValueError(
+                f"use_dls(fallback=True) keeps modules of one model; this accelerator prepares a second one "
+                f"({type(root).__name__}, after {type(self.root).__name__}). Call scaler.watch(model, fallback=True) "
+                "on the one whose float16 forward pass overflows, and use_dls without fallback."
+            )
+        self.root = root
+
+    def watch(self, model: Any) -> None:
+        if not self.watched:
+            self.scaler.watch(unwrap(model), fallback=True)  # named as the model itself, inside any wrapper
+            self.watched = True
 
 
 class DLSAcceleratedOptimizer(AcceleratedOptimizer):

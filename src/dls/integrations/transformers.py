@@ -9,6 +9,8 @@ scaler = use_dls(trainer)        # after building the Trainer, before train()
 trainer.train()
 ```
 
+``use_dls(trainer, fallback=True)`` also keeps modules whose float16 output overflows in float32.
+
 The Trainer trains through its ``Accelerator``; ``use_dls`` is ``dls.integrations.accelerate.use_dls`` on it. A
 ``TrainerCallback`` could not do this: callbacks see the model, optimizer and scheduler, never the Trainer or its
 Accelerator.
@@ -29,13 +31,23 @@ except ImportError as err:  # pragma: no cover - exercised by the import-blockin
 __all__ = ["use_dls"]
 
 
-def use_dls(trainer: Trainer, scaler: GradScaler | None = None, **scaler_kwargs: Any) -> GradScaler:
+def use_dls(
+    trainer: Trainer, scaler: GradScaler | None = None, *, fallback: bool = False, **scaler_kwargs: Any
+) -> GradScaler:
     """Make a Hugging Face ``Trainer`` with ``TrainingArguments(fp16=True)`` scale with a ``dls.GradScaler``.
 
     Args:
         trainer: the Trainer, built (its Accelerator exists) and not yet training.
         scaler: the ``dls.GradScaler`` to use, or ``None`` to build ``dls.GradScaler(device=<the Trainer's device
             type>, **scaler_kwargs)``.
+        fallback: keep modules whose float16 output overflows in float32, found by themselves
+            (``dls.diagnostics.fallback``), in the model the Trainer trains. An argument, because the Trainer
+            prepares its model inside ``train()`` (after re-creating it with ``model_init``, wrapping it in DDP):
+            the model is watched when the Trainer prepares it, by the names of ``trainer.model``. The kept modules
+            are named in ``scaler.state_dict()["kept_in_float32"]`` (each addition is warned once), saved in every
+            checkpoint's ``scaler.pt`` and kept again from the first step of ``train(resume_from_checkpoint=...)``.
+            The kept set names modules of one model: a second ``train()`` that re-creates the model with
+            ``model_init`` is refused; build a new Trainer for it.
         **scaler_kwargs: passed to ``dls.GradScaler`` when ``scaler`` is ``None``.
 
     Returns:
@@ -63,4 +75,4 @@ def use_dls(trainer: Trainer, scaler: GradScaler | None = None, **scaler_kwargs:
             "use_dls needs TrainingArguments(fp16=True); got fp16=False"
             + (" and bf16=True (bf16 needs no loss scaling)" if trainer.args.bf16 else "")
         )
-    return use_dls_in_accelerate(trainer.accelerator, scaler, **scaler_kwargs)
+    return use_dls_in_accelerate(trainer.accelerator, scaler, fallback=fallback, **scaler_kwargs)
