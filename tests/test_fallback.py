@@ -277,6 +277,27 @@ def test_eval_passes_do_not_use_up_the_armed_pass() -> None:
     assert eval_loss(model) < 10
 
 
+def test_a_forward_overflow_in_any_micro_batch_counts_under_gradient_accumulation() -> None:
+    # Micro-batch 0 overflows in float16; micro-batch 1 runs in float32 and its loss is finite. The step is skipped
+    # for micro-batch 0's forward pass: the fallback must see it although the last loss given to scale() is finite.
+    model = amplifying_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = dls.GradScaler("cpu", init_scale=2.0**16)
+    watch = scaler.watch(model, fallback=True)
+    skipped = []
+    for step in range(4):
+        optimizer.zero_grad()
+        for micro in range(2):
+            loss = loss_fn(model, 2 * step + micro, half=micro == 0)
+            assert math.isfinite(loss.item()) == (watch.kept_in_float32 != () or micro == 1)
+            scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped.append(scaler.step_was_skipped(optimizer))
+    assert watch.kept_in_float32 == ("amplify",)
+    assert skipped == [True, True, False, False]
+
+
 def audit_list() -> list[str] | None:
     steps = iter(range(10_000, 20_000))
     result = dls.audit(amplifying_model(), lambda m: loss_fn(m, next(steps), half=False), ["float16", "bfloat16"])

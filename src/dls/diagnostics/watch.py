@@ -382,7 +382,9 @@ class Watches:
 
     def __init__(self) -> None:
         self.watches: list[OverflowWatch] = []
-        self.seen_loss: Any = None  # what the last scale() was given, detached, while a watch is active
+        # What scale() was given in this iteration, detached, while a watch is active: every micro-batch's loss under
+        # gradient accumulation, so that a forward overflow in any of them counts (the step is skipped for it).
+        self.seen_losses: list[Any] = []
         self.report: OverflowReport | None = None
         self.stale = False  # update() ran: the next scale() starts an iteration without a report
         self.kept = KeptState(self.active)
@@ -398,11 +400,12 @@ class Watches:
         return [w for w in self.watches if w.active]
 
     def new_loss(self, outputs: Any) -> None:
-        """``scale()`` was called: a new iteration clears the last report; keep the loss for the next one."""
+        """``scale()`` was called: a new iteration clears the last report and losses; keep the loss for the report."""
         if self.stale:
             self.report, self.stale = None, False
+            self.seen_losses.clear()
         if self.watches:
-            self.seen_loss = _detached(outputs)
+            self.seen_losses.append(_detached(outputs))
 
     def overflowed(self, watches: list[OverflowWatch], loss_scale: float) -> None:
         """A step of the iteration was skipped (agreed across ranks): report it, once per iteration."""
@@ -412,7 +415,8 @@ class Watches:
         # own (Fallback.after_skip), on skipped steps only, not as an extra element of the per-step collective: that
         # element would cost every clean step an isfinite(loss) kernel and a larger collective, and the module found
         # is known on the host only after an armed pass.
-        reports = [w.after_skip(w.build_report(self.seen_loss, loss_scale=loss_scale)) for w in watches]
+        losses = self.seen_losses or None  # None: no scale() this iteration, the forward pass is not checked
+        reports = [w.after_skip(w.build_report(losses, loss_scale=loss_scale)) for w in watches]
         self.report = next((r for r in reports if r.first_module is not None), reports[0] if reports else None)
 
 
