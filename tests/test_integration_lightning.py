@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -302,3 +303,43 @@ def test_fallback_argument() -> None:
     assert plugin.watch is watch
     plugin.connect(second, [], [])  # another model: the first computes as before the watch again
     assert plugin.watch is not None and plugin.watch.model is second and not watch.active
+
+
+class WrappedInDDP(L.Callback):
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.model = trainer.strategy.model
+
+
+@pytest.mark.filterwarnings("ignore:dls fallback:UserWarning")
+def test_fallback_under_ddp_watches_the_lightning_module_inside_the_wrapper() -> None:
+    # One process of strategy="ddp": Lightning wraps the LightningModule in DistributedDataParallel (gloo), and
+    # the fallback agrees across ranks at each skipped step. Lightning leaves its process group and environment
+    # variables behind: both are put back as they were.
+    environ = dict(os.environ)
+    plugin, probe = DLSPrecision("16-mixed", "cpu", fallback=True), WrappedInDDP()
+    model = Amplifying()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="ddp",
+        plugins=[plugin],
+        max_steps=FALLBACK_STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe],
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(model, _amplify_loader())
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+    assert isinstance(probe.model, torch.nn.parallel.DistributedDataParallel) and probe.model.module is model
+    assert plugin.watch is not None and plugin.watch.model is model
+    assert plugin.watch.kept_in_float32 == ("net.amplify",)
+    assert model.skipped == [True, True] + [False] * (FALLBACK_STEPS - 2)
