@@ -6,6 +6,10 @@ missing; this package itself imports none of them, so ``import dls`` needs torch
 * ``dls.integrations.lightning.DLSPrecision``: a precision plugin for ``L.Trainer(plugins=[...])``.
 * ``dls.integrations.accelerate.use_dls(accelerator)``: installs a ``dls.GradScaler`` into an ``Accelerator``.
 * ``dls.integrations.transformers.use_dls(trainer)``: the same for a Hugging Face ``Trainer``.
+
+Each takes ``fallback=True`` (``DLSPrecision(..., fallback=True)``, ``use_dls(..., fallback=True)``): the float32
+fallback of ``scaler.watch(model, fallback=True)`` on the model the framework trains, its kept modules carried by
+the framework's own checkpoints.
 """
 
 from __future__ import annotations
