@@ -195,13 +195,16 @@ FALLBACK_STEPS = 6
 
 
 class Amplifying(L.LightningModule):
-    """``_amplify``'s model, whose float16 forward overflows in ``net.amplify``; ``training_step`` calls ``self.net``
-    (never ``self``), as many LightningModules do, so the fallback cannot rely on the module's own forward."""
+    """``_amplify``'s model, whose float16 forward overflows in ``net.amplify``. ``how`` its training step runs:
+    ``"net"`` calls ``self.net`` (never ``self``), as many LightningModules do, so the fallback cannot rely on the
+    module's own forward; ``"forward"`` calls ``self(x)``; ``"manual"`` is manual optimization (the step runs
+    inside ``training_step``, inside the pass the fallback records)."""
 
-    def __init__(self, calls_forward: bool = False) -> None:
+    def __init__(self, how: str = "net") -> None:
         super().__init__()
         self.net = amplifying_model()
-        self.calls_forward = calls_forward
+        self.how = how
+        self.automatic_optimization = how != "manual"
         self.losses: list[float] = []
         self.skipped: list[bool] = []
         self.amplify_dtypes: list[torch.dtype] = []
@@ -212,8 +215,13 @@ class Amplifying(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = torch.nn.functional.mse_loss((self(x) if self.calls_forward else self.net(x)).float(), y)
+        loss = torch.nn.functional.mse_loss((self(x) if self.how == "forward" else self.net(x)).float(), y)
         self.losses.append(loss.item())
+        if self.how == "manual":
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
         return loss
 
     def configure_optimizers(self) -> Any:
@@ -249,13 +257,13 @@ def _fallback_trainer(max_steps: int, plugin: DLSPrecision, callbacks: list[Any]
 
 
 @pytest.mark.filterwarnings("ignore:dls fallback:UserWarning")
-@pytest.mark.parametrize("calls_forward", [False, True], ids=["training_step_only", "self_forward"])
+@pytest.mark.parametrize("how", ["net", "forward", "manual"])
 def test_fallback_keeps_the_amplifying_layer_of_the_lightning_module_and_resumes_with_it(
-    tmp_path: Path, calls_forward: bool
+    tmp_path: Path, how: str
 ) -> None:
     plugin = DLSPrecision("16-mixed", "cpu", fallback=True)
     assert plugin.watch is None  # the Trainer has not set the model up yet
-    model = Amplifying(calls_forward)
+    model = Amplifying(how)
     trainer = _fallback_trainer(FALLBACK_STEPS, plugin)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -275,7 +283,7 @@ def test_fallback_keeps_the_amplifying_layer_of_the_lightning_module_and_resumes
     assert checkpoint["DLSPrecision"]["kept_in_float32"] == ["net.amplify"]
 
     resumed_plugin, probe = DLSPrecision("16-mixed", "cpu", fallback=True), KeptAtStart()
-    resumed_model = Amplifying()
+    resumed_model = Amplifying(how)
     resumed = _fallback_trainer(FALLBACK_STEPS + 3, resumed_plugin, [probe])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

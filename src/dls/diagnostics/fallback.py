@@ -113,6 +113,8 @@ class Fallback:
 
         ``agreed``: the MAX of :meth:`local_code` over the ranks, when the caller reduced it already (e.g. as one
         more element of its own collective); ``None``: reduced here when distributed."""
+        if self._recording:  # the step ran inside the armed pass (Lightning's manual optimization): it ends here
+            self._end(self.root, (), None)
         code = self.local_code(forward) if agreed is None else agreed
         pass_done = self._pass_done
         self._found, self._pass_done = None, False
