@@ -71,15 +71,28 @@ def test_modelzoo_config_gets_tiny_data_and_its_data_dir(
     monkeypatch.setitem(sys.modules, "dls.train.modelzoo", fake)
     out = tmp_path / "out"
     assert main(["init", "modelzoo/fc_mnist", str(out)]) == 0
-    assert written == [("MNISTDataProcessor", out / "data")]
+    assert written == [("mnist", out / "data" / "mnist")]
     text = (out / "fc_mnist.yaml").read_text()
-    assert f"  data_dir: {str(out / 'data')!r}\n  batch_size: 8\n" in text and "mnist_a" not in text
+    assert f"  data_dir: {str(out / 'data' / 'mnist')!r}\n  batch_size: 8\n" in text and "mnist_a" not in text
     assert "dls[train,modelzoo]" in capsys.readouterr().out
 
     monkeypatch.setitem(sys.modules, "dls.train.modelzoo", types.ModuleType("dls.train.modelzoo"))
     assert main(["init", "modelzoo/fc_mnist", str(tmp_path / "other")]) == 2
     assert "write_tiny_data is missing" in capsys.readouterr().err
     assert not (tmp_path / "other").exists()  # nothing written before the error
+
+
+@pytest.mark.parametrize("name", ["modelzoo/fc_mnist", "modelzoo/cerebras_gpt", "modelzoo/llama"])
+def test_shipped_modelzoo_config_gets_data_it_reads(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("h5py")
+    out = tmp_path / "out"
+    assert main(["init", name, str(out)]) == 0, capsys.readouterr().err
+    copy = out / (name.rsplit("/", 1)[-1] + ".yaml")
+    capsys.readouterr()
+    assert main(["validate", str(copy)]) == 0
+    assert "on this machine" not in capsys.readouterr().out  # every data_dir exists and holds its data
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git to list the tracked files")

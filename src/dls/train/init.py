@@ -65,14 +65,22 @@ def command(args: argparse.Namespace, run: Any) -> int:
     writer = _tiny_data_writer() if processor else None  # before anything is written
     directory.mkdir(parents=True, exist_ok=True)
     if writer is not None and processor is not None:
-        data_dir = directory / "data"
-        writer(processor.group(1), data_dir)
-        text = _DATA_DIR.sub(lambda m: f"{m.group('key')} {str(data_dir)!r}\n", text)
+        kind = "mnist" if processor.group(1) == "MNISTDataProcessor" else "gpt"
+        data_dir = directory / "data" / kind
+        writer(kind, data_dir)
+        text = _DATA_DIR.sub(lambda m: f"{m.group('key')} {str(_split_dir(kind, data_dir, m.group(0)))!r}\n", text)
         print(f"Wrote a tiny {processor.group(1)} data set into {data_dir}")
     with open(target, "x") as file:  # never over an existing file or through a link
         file.write(text)
     print(f"Wrote {target} (needs dls[{','.join(extras(args.name, text))}]). Next: dls train {target}")
     return 0
+
+
+def _split_dir(kind: str, data_dir: Path, entry: str) -> Path:
+    # MNIST reads both splits from one directory; the GPT readers read DIR/train or DIR/val (dls data gpt's layout),
+    # chosen by the last directory the config named
+    last = re.findall(r"[\w.-]+", entry.split(":", 1)[1])
+    return data_dir if kind == "mnist" else data_dir / ("val" if last and last[-1] == "val" else "train")
 
 
 def _tiny_data_writer() -> Any:
