@@ -136,6 +136,19 @@ def test_missing_or_malformed_data_dir_is_one_line(tiny: Path, tmp_path: Path) -
     assert "not an IDX file with magic 2051" in errors(MNIST, {"data_dir": str(tmp_path), "batch_size": 2})[0]
 
 
+def test_truncated_or_corrupt_gzip_is_a_data_error(tiny: Path, tmp_path: Path) -> None:
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for path in (tiny / "mnist_gz" / "MNIST" / "raw").glob("train-*.gz"):
+        (raw / path.name).write_bytes(path.read_bytes())
+    images = raw / "train-images-idx3-ubyte.gz"
+    whole = images.read_bytes()
+    for broken in (whole[:100], whole[:10] + bytes(len(whole) - 10), b"not gzip at all"):
+        images.write_bytes(broken)
+        (problem,) = errors(MNIST, {"data_dir": str(tmp_path), "batch_size": 2})
+        assert f"{images}: not a readable gzip file" in problem
+
+
 def test_check_data_reports_without_raising(tiny: Path, tmp_path: Path) -> None:
     assert check_data(GPT, gpt(tiny)) == []
     assert check_data(MNIST, {"data_dir": str(tiny / "mnist_gz"), "batch_size": 2}, split="val") == []

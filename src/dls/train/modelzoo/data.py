@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import math
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,12 @@ def mnist_files(data_dir: str, split: str) -> tuple[list[Path], list[str]]:
 
 def read_idx(path: Path, magic: int) -> np.ndarray:
     """An IDX file (big-endian magic and dimensions, then unsigned bytes), plain or gzip'd."""
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    raw = path.read_bytes()
+    if path.suffix == ".gz":
+        try:
+            raw = gzip.decompress(raw)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as exc:  # truncated, not gzip, corrupt
+            raise ValueError(f"{path}: not a readable gzip file ({exc})") from None
     ndim = magic & 0xFF
     if len(raw) < 4 + 4 * ndim or int.from_bytes(raw[:4], "big") != magic:
         raise ValueError(f"{path}: not an IDX file with magic {magic}")
