@@ -172,3 +172,14 @@ def test_cli_writes_tiny_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert read_idx(tmp_path / "m" / "MNIST" / "raw" / "train-labels-idx1-ubyte.gz", 2049).shape == (10,)
     with pytest.raises(SystemExit):
         main(["gpt", str(tmp_path / "g"), "--msl", "0"])
+
+
+def test_a_token_id_outside_the_models_vocabulary_is_refused_as_read(tiny: Path) -> None:
+    for processor, params in ((MAP, {"data_dir": str(tiny / "corpus" / "train"), "max_sequence_length": 16}),
+                              (GPT, {"data_dir": str(tiny / "gpt" / "train")})):  # fmt: skip
+        loader = build_loader(processor, {**params, "batch_size": 8, "shuffle": False}, split="train", seed=0)
+        loader.dataset.vocab = (64, "model.vocab_size")  # what fit_to_data sets: the data's ids are below 64
+        loader.next()
+        loader.dataset.vocab = (4, "model.vocab_size")
+        with pytest.raises(ConfigError, match=r"model.vocab_size: 4, but the data holds token id \d+"):
+            loader.next()
