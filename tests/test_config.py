@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import io
 import re
 from pathlib import Path
 from typing import Any
@@ -783,6 +784,21 @@ def test_size_dependent_values_are_a_note_in_validate_and_exit_3_in_train(
     assert "# note: on this machine: data.num_samples: this run needs about" in capsys.readouterr().out
     assert main(["train", config, "-o", "data.num_samples=1e11", f"runconfig.model_dir={tmp_path / 'r'}"]) == 3
     assert "data.num_samples" in capsys.readouterr().err and not (tmp_path / "r").exists()
+
+
+def test_the_memory_estimate_counts_the_checkpoint_written_from_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Measured: a Llama of 165M parameters (float32, one checkpoint) peaked at 4.5 GB, 28 bytes per parameter more
+    # for each parameter added; the estimate of Model Zoo's Llama 3.2 1B (1.34e9 parameters) at 16 bytes per
+    # parameter fitted a machine with 23 GiB free, where the kernel then killed the run.
+    from dls.train import config as config_module
+
+    cfg = load_config(Path(__file__).parent / "data" / "modelzoo" / "llama3p2_1b_msl_8k.yaml")
+    count = 128256 * 2048 + 16 * 2048 * (4 * 2048 + 3 * 8192)
+    monkeypatch.setattr(config_module.os, "sysconf", lambda name: 1)  # nothing free: the estimate is reported
+    monkeypatch.setattr("builtins.open", lambda *a, **k: io.BytesIO(b"MemAvailable: 0 kB\n"))
+    problem = config_module.memory_problem(cfg)
+    assert problem is not None and problem.startswith("trainer.init.model.hidden_size: this run needs about")
+    assert f"{28 * count / 2**30:.1f} GiB" in problem
 
 
 # ---------------------------------------------------------------------- validate agrees with train (issue 18.6)

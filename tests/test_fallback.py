@@ -7,6 +7,7 @@ trains; in float16 every step overflows in the forward pass and no loss scale ca
 from __future__ import annotations
 
 import math
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,18 @@ def test_kept_modules_survive_a_checkpoint_in_either_order() -> None:
         assert resumed["skipped"] == [], order  # kept from the first step: no overflow again
         assert resumed["scaler"].state_dict()["kept_in_float32"] == ["amplify"]
         resumed["extra"].remove()
+
+
+def test_a_pickled_scaler_keeps_its_kept_modules() -> None:
+    # Its watches belong to this process; the names they keep are the scaler's state, adopted by the next watch.
+    run = train(amplifying_model(), 5, half=True, setup=fallback)
+    copy = pickle.loads(pickle.dumps(run["scaler"]))
+    assert copy.state_dict() == run["scaler"].state_dict() and copy.state_dict()["kept_in_float32"] == ["amplify"]
+    run["extra"].remove()
+    assert copy.watch(amplifying_model(), fallback=True).kept_in_float32 == ("amplify",)
+    loaded = dls.GradScaler("cpu")
+    loaded.load_state_dict({**loaded.state_dict(), "kept_in_float32": ["amplify"]})  # no watch yet
+    assert pickle.loads(pickle.dumps(loaded)).state_dict() == loaded.state_dict()
 
 
 def test_an_unknown_kept_name_is_an_error_naming_it() -> None:

@@ -136,6 +136,19 @@ def test_missing_or_malformed_data_dir_is_one_line(tiny: Path, tmp_path: Path) -
     assert "not an IDX file with magic 2051" in errors(MNIST, {"data_dir": str(tmp_path), "batch_size": 2})[0]
 
 
+def test_truncated_or_corrupt_gzip_is_a_data_error(tiny: Path, tmp_path: Path) -> None:
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for path in (tiny / "mnist_gz" / "MNIST" / "raw").glob("train-*.gz"):
+        (raw / path.name).write_bytes(path.read_bytes())
+    images = raw / "train-images-idx3-ubyte.gz"
+    whole = images.read_bytes()
+    for broken in (whole[:100], whole[:10] + bytes(len(whole) - 10), b"not gzip at all"):
+        images.write_bytes(broken)
+        (problem,) = errors(MNIST, {"data_dir": str(tmp_path), "batch_size": 2})
+        assert f"{images}: not a readable gzip file" in problem
+
+
 def test_check_data_reports_without_raising(tiny: Path, tmp_path: Path) -> None:
     assert check_data(GPT, gpt(tiny)) == []
     assert check_data(MNIST, {"data_dir": str(tiny / "mnist_gz"), "batch_size": 2}, split="val") == []
@@ -159,3 +172,14 @@ def test_cli_writes_tiny_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert read_idx(tmp_path / "m" / "MNIST" / "raw" / "train-labels-idx1-ubyte.gz", 2049).shape == (10,)
     with pytest.raises(SystemExit):
         main(["gpt", str(tmp_path / "g"), "--msl", "0"])
+
+
+def test_a_token_id_outside_the_models_vocabulary_is_refused_as_read(tiny: Path) -> None:
+    for processor, params in ((MAP, {"data_dir": str(tiny / "corpus" / "train"), "max_sequence_length": 16}),
+                              (GPT, {"data_dir": str(tiny / "gpt" / "train")})):  # fmt: skip
+        loader = build_loader(processor, {**params, "batch_size": 8, "shuffle": False}, split="train", seed=0)
+        loader.dataset.vocab = (64, "model.vocab_size")  # what fit_to_data sets: the data's ids are below 64
+        loader.next()
+        loader.dataset.vocab = (4, "model.vocab_size")
+        with pytest.raises(ConfigError, match=r"model.vocab_size: 4, but the data holds token id \d+"):
+            loader.next()

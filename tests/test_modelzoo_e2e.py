@@ -192,3 +192,19 @@ def test_dls_data_writes_what_the_configs_read(tmp_path: Path, capsys: pytest.Ca
     with pytest.raises(SystemExit) as info:
         main(["data", "text", str(tmp_path)])
     assert info.value.code == 2 and "invalid choice: 'text'" in capsys.readouterr().err
+
+
+def test_a_model_that_cannot_read_the_data_is_exit_2_naming_its_key(
+    data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = str(ZOO / "gpt3_cerebras_gpt_111m.yaml")
+    base = [*GPT3_TINY, *current(data, tmp_path / "run", 1), "trainer.init.loop.eval_frequency=null"]
+    cases = {  # the data: 16 tokens per sequence, token ids up to 31
+        f"{GPT3}vocab_size=16": "trainer.init.model.vocab_size: 16, but the data holds token id",
+        f"{GPT3}max_position_embeddings=8": "trainer.init.model.max_position_embeddings: 8, shorter than the data's",
+        "trainer.fit.train_dataloader.batch_size=65": "trainer.fit.train_dataloader.batch_size: 65 * 1 rank(s)",
+    }
+    for override, message in cases.items():
+        assert main(["train", config, "--no_progress", "-o", *base, override]) == 2, override
+        err = capsys.readouterr().err
+        assert message in err and err.count("invalid config") == 1 and len(err.splitlines()) == 1, err

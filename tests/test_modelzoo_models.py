@@ -182,6 +182,16 @@ def test_misspelt_and_loose_values_are_errors() -> None:
         build_model("resnet", {})
 
 
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("loss_weight", -1.0), ("loss_weight", 0.0), ("loss_weight", 1e39), ("loss_weight", float("nan")),
+     ("layer_norm_epsilon", float("inf")), ("rope_theta", 1e300), ("initializer_range", float("nan")),
+     ("dropout_rate", float("nan"))],
+)  # fmt: skip
+def test_float_keys_are_finite_and_in_float32s_range(key: str, value: float) -> None:
+    assert problems("gpt3", cerebras_gpt(**{key: value}))[0].startswith(f"model.{key}:")
+
+
 def test_hardware_only_keys_are_accepted_and_listed() -> None:
     params = cerebras_gpt(attention_kernel="optimized_beta", fold_rope_consts=True, rope_theta=10000.0)
     assert check_model("gpt3", params, prefix="trainer.init.model") == [

@@ -26,6 +26,20 @@ def test_a_newer_format_is_refused_naming_both_versions() -> None:
         parse_state_dict({"format_version": FORMAT_VERSION + 1, "loss_scale": 2.0}, CEREBRAS)
 
 
+def test_a_format_version_that_no_dls_wrote_is_not_called_newer() -> None:
+    for version in (0, -1, 1.5):
+        with pytest.raises(ValueError, match=r"format_version'\] must be an integer from 1 to 2; got"):
+            parse_state_dict({"format_version": version, "loss_scale": 2.0}, CEREBRAS)
+
+
+def test_numpy_scalars_are_numbers() -> None:
+    np = pytest.importorskip("numpy")
+    loaded = parse_state_dict({"loss_scale": np.float32(8.0), "steps_since_rescale": np.int64(2)}, CEREBRAS)
+    assert loaded.values == {"loss_scale": 8.0, "steps_since_rescale": 2}
+    with pytest.raises(ValueError, match="must be a number; got"):
+        parse_state_dict({"steps_since_rescale": np.bool_(True)}, CEREBRAS)
+
+
 def test_megatrons_spent_tracker_and_a_tracker_above_hysteresis_are_brought_into_range() -> None:
     assert parse_state_dict({"hysteresis_tracker": 0}, CEREBRAS).values["hysteresis_tracker"] == 1
     assert parse_state_dict({"hysteresis_tracker": 9}, CEREBRAS).values["hysteresis_tracker"] == 3

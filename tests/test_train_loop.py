@@ -253,7 +253,7 @@ class _ZooModel(torch.nn.Module):
 
 def test_model_zoo_names_dispatch_to_dls_train_modelzoo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The interface: build_model(name, params) and build_loader(processor, params, split=, seed=, rank=,
-    world_size=) returning resumable batches."""
+    world_size=, prefix=) returning resumable batches."""
     import dls.train.modelzoo
     from dls.train.data import BatchIterator, DataInfo, Dataset
 
@@ -270,7 +270,10 @@ def test_model_zoo_names_dispatch_to_dls_train_modelzoo(tmp_path: Path, monkeypa
         def batch(self, indices: torch.Tensor, epoch: int) -> dict[str, torch.Tensor]:
             return {"x": self.x[indices], "y": self.x[indices].sum(-1, keepdim=True)}
 
-    def build_loader(processor: str, params: dict[str, Any], *, split: str, seed: int, **ranks: int) -> Any:
+    def build_loader(
+        processor: str, params: dict[str, Any], *, split: str, seed: int, prefix: str, **ranks: int
+    ) -> Any:
+        assert prefix == {"train": "train_input", "val": "eval_input"}[split]  # the section as written
         calls.append((processor, params, split))
         return BatchIterator(Pairs(seed), params["batch_size"], False, seed, **ranks)
 

@@ -852,16 +852,20 @@ class GradScaler:
             raise RuntimeError(
                 "A GradScaler may only be pickled at the beginning of an iteration, or after scaler.update()."
             )
-        # A disabled scaler records only clipping. Watches and registered owners belong to this process.
+        # A disabled scaler records only clipping. Watches and registered owners belong to this process; the
+        # modules the watches keep are this scaler's state: the next fallback watch keeps them.
         parts = ("_tracker", "_reports", "_extra_state")
         state = {k: v for k, v in self.__dict__.items() if k not in parts}
         state["_process_group"] = None
+        state["_kept_in_float32"] = self._reports.kept.state_dict()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        kept = state.pop("_kept_in_float32", None)
         self.__dict__.update(state)
         self._extra_state = {}
         self._wire()
+        self._reports.kept.loaded = kept
 
     # ------------------------------------------------------------------ helpers
     def __repr__(self) -> str:

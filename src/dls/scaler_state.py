@@ -109,7 +109,9 @@ def parse_state_dict(
     extras = {key: state_dict[key] for key in extra if key in state_dict}
     numbers = {key: _number(key, value, label) for key, value in state_dict.items() if key not in extras}
     version = numbers.pop("format_version", 1)
-    if not (_integral(version) and 1 <= version <= FORMAT_VERSION):
+    if not (_integral(version) and version >= 1):
+        raise ValueError(f"{label('format_version')} must be an integer from 1 to {FORMAT_VERSION}; got {version!r}")
+    if version > FORMAT_VERSION:
         raise ValueError(
             f"{label('format_version')} is {version!r}: written by a newer dls; this dls reads formats 1 to "
             f"{FORMAT_VERSION} (upgrade dls to load it)"
@@ -194,6 +196,8 @@ def _number(key: str, value: Any, label: Callable[[str], str]) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{label(key)} must be a number; got a tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():  # a numpy scalar
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{label(key)} must be a number; got {value!r}")

@@ -175,7 +175,7 @@ def _build(cfg: Any, source: str, **kwargs: Any) -> Any:
     try:
         return Trainer(cfg, **kwargs)
     except ValueError as exc:
-        raise ConfigError([str(exc)], source) from None
+        raise ConfigError(exc.errors if isinstance(exc, ConfigError) else [str(exc)], source) from None
 
 
 def _validate(args: argparse.Namespace, run: _Run) -> int:
@@ -284,7 +284,7 @@ def _audit(args: argparse.Namespace, run: _Run) -> int:
         try:
             model, batches = audit.build_inputs(cfg, args.steps)
         except ValueError as exc:  # the device, a batch larger than the data set
-            raise ConfigError([str(exc)], args.config) from None
+            raise ConfigError(exc.errors if isinstance(exc, ConfigError) else [str(exc)], args.config) from None
         weight = cfg.model.loss_weight
         print(
             f"dls audit {args.config}: {cfg.model.name} on {cfg.data.dataset}, the first {args.steps} batches of "

@@ -767,10 +767,15 @@ def missing_paths(cfg: TrainConfig) -> list[str]:
     return lines
 
 
+# float32 weights, gradients and Adam's two states (16 bytes), and a checkpoint's weights and Adam states serialised
+# in memory before it is written (12; see dls.train.checkpoint): measured 28 bytes per parameter at the peak.
+BYTES_PER_PARAMETER = 28.0
+
+
 def memory_problem(cfg: TrainConfig) -> str | None:
     """What of ``cfg`` will not fit this machine's free memory (the generated data set; the model with its
-    gradients and Adam's two states), naming the key as written; ``None`` when it fits. A note for ``validate``,
-    exit status 3 for ``train``."""
+    gradients, Adam's two states and a checkpoint being written), naming the key as written; ``None`` when it
+    fits. A note for ``validate``, exit status 3 for ``train``."""
     m, d = cfg.model, cfg.data
     need: dict[str, float] = {}
     if d.dataset == "teacher_regression":
@@ -783,9 +788,9 @@ def memory_problem(cfg: TrainConfig) -> str | None:
         count = vocab * h * (1 if p.get("share_embedding_weights", True) else 2) + layers * h * (
             4 * h + mlp * p["filter_size"]
         )
-        need[cfg.sources.get("model.params", "model") + ".hidden_size"] = 16.0 * count
+        need[cfg.sources.get("model.params", "model") + ".hidden_size"] = BYTES_PER_PARAMETER * count
     elif m.name == "mlp":
-        need["model.hidden_size"] = 16.0 * h * (d.input_dim + h * (m.depth - 1) + d.output_dim)
+        need["model.hidden_size"] = BYTES_PER_PARAMETER * h * (d.input_dim + h * (m.depth - 1) + d.output_dim)
     try:
         pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         with open("/proc/meminfo", "rb") as f:

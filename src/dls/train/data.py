@@ -100,9 +100,11 @@ def build_dataset(cfg: DataConfig) -> Dataset:
     return TeacherRegression(cfg) if cfg.dataset == "teacher_regression" else CharCorpus(cfg)
 
 
-def build_batches(cfg: DataConfig, seed: int, split: str, rank: int = 0, world_size: int = 1) -> BatchIterator:
+def build_batches(
+    cfg: DataConfig, seed: int, split: str, rank: int = 0, world_size: int = 1, prefix: str | None = None
+) -> BatchIterator:
     """The resumable batches of a data section: a built-in data set, or a Model Zoo reader
-    (``dls.train.modelzoo.build_loader``, itself a :class:`BatchIterator`)."""
+    (``dls.train.modelzoo.build_loader``, itself a :class:`BatchIterator`; ``prefix``: the section as written)."""
     shuffle_seed = cfg.shuffle_seed if cfg.shuffle_seed is not None else seed
     if cfg.data_processor is None:
         return BatchIterator(build_dataset(cfg), cfg.batch_size, cfg.shuffle, shuffle_seed, rank, world_size)
@@ -110,7 +112,7 @@ def build_batches(cfg: DataConfig, seed: int, split: str, rank: int = 0, world_s
     params["drop_last_batch"] = cfg.drop_last_batch
     split = params.pop("split", split)
     batches: BatchIterator = modelzoo().build_loader(
-        cfg.data_processor, params, split=split, seed=shuffle_seed, rank=rank, world_size=world_size
+        cfg.data_processor, params, split=split, seed=shuffle_seed, rank=rank, world_size=world_size, prefix=prefix
     )
     return batches
 

@@ -25,7 +25,7 @@ from dls.diagnostics.fallback import apply_precision_fallback, fallback_note
 from dls.train import checkpoint as ckpt
 from dls.train import restore
 from dls.train.config import CHECKPOINT_STATES, TrainConfig, loss_scaling_mode, scaler_settings, to_dict
-from dls.train.data import build_batches
+from dls.train.data import build_batches, modelzoo
 from dls.train.errors import TrainingStopped
 from dls.train.launch import StopRequest, resolve_device, run_on_rank0, sum_over_ranks, wrap_data_parallel
 from dls.train.models import build_model, evaluate, evaluate_batches
@@ -42,6 +42,7 @@ from dls.train.reporting import (
     print_summary,
 )
 from dls.train.rundir import resolve_model_dir
+from dls.train.schema import ZOO_MODELS
 from dls.train.stops import (
     FloorWatch,
     NonFiniteGradients,
@@ -88,11 +89,21 @@ class Trainer:
 
             if missing := missing_paths(cfg):
                 raise ValueError("; ".join(missing))
-        self.batches = build_batches(cfg.data, rc.seed, "train", self.rank, self.world_size)
+        where = cfg.sources.get
+        self.batches = build_batches(cfg.data, rc.seed, "train", self.rank, self.world_size, where("data.params"))
         self.dataset = self.batches.dataset if cfg.data.data_processor is None else None  # a built-in data set
-        self.eval_batches = build_batches(cfg.eval_data, rc.seed, "val") if cfg.eval_data is not None else None
+        self.eval_batches = (
+            build_batches(cfg.eval_data, rc.seed, "val", prefix=where("eval_data.params"))
+            if cfg.eval_data is not None
+            else None
+        )
         prec = cfg.precision
-        self.model = build_model(cfg.model, getattr(self.dataset, "info", None)).to(self.device)
+        self.model = build_model(cfg.model, getattr(self.dataset, "info", None))
+        if cfg.model.name in ZOO_MODELS:  # can it read the data (positions, token ids)
+            for batches in (self.batches, self.eval_batches):
+                if batches is not None:
+                    modelzoo().fit_to_data(self.model, batches.dataset, where("model.params", "model"))
+        self.model = self.model.to(self.device)
         self.max_steps = rc.max_steps
         if rc.num_epochs is not None and "max_steps" not in rc.model_fields_set:
             per_epoch = rc.steps_per_epoch or max(1, self.batches.batches_per_epoch // rc.grad_accum_steps)

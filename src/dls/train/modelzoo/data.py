@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import math
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 from dls.train.data import BatchIterator, DataInfo, Dataset
 from dls.train.errors import ConfigError
 from dls.train.modelzoo.keys import IGNORE_INDEX, LoaderKeys, parse_loader
-from dls.train.modelzoo.models import Batch, require
+from dls.train.modelzoo.models import Batch, CausalLM, require
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 MNIST_LAYOUT = "<data_dir>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte (plain or .gz)"
@@ -40,7 +41,12 @@ def mnist_files(data_dir: str, split: str) -> tuple[list[Path], list[str]]:
 
 def read_idx(path: Path, magic: int) -> np.ndarray:
     """An IDX file (big-endian magic and dimensions, then unsigned bytes), plain or gzip'd."""
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    raw = path.read_bytes()
+    if path.suffix == ".gz":
+        try:
+            raw = gzip.decompress(raw)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as exc:  # truncated, not gzip, corrupt
+            raise ValueError(f"{path}: not a readable gzip file ({exc})") from None
     ndim = magic & 0xFF
     if len(raw) < 4 + 4 * ndim or int.from_bytes(raw[:4], "big") != magic:
         raise ValueError(f"{path}: not an IDX file with magic {magic}")
@@ -105,6 +111,13 @@ class GptDataset(Dataset):
         self.msl = int(msl if self.flat else self.data[0].shape[2])  # type: ignore[arg-type]
         self.count = (int(self.starts[-1]) - 1) // self.msl if self.flat else int(self.starts[-1])
         self.info = DataInfo(task="language_model", sequence_length=self.msl)
+        self.vocab: tuple[int, str] | None = None  # (vocab_size, its key): fit_to_data
+
+    def _check_tokens(self, ids: np.ndarray) -> None:
+        if self.vocab is not None and ids.size and (ids.min() < 0 or ids.max() >= self.vocab[0]):
+            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+            size, key = self.vocab
+            raise ConfigError([f"{key}: {size}, but the data holds token id {bad} (ids must be in [0, {size}))"])
 
     def __len__(self) -> int:
         return self.count
@@ -122,6 +135,7 @@ class GptDataset(Dataset):
         idx = indices.numpy()
         if self.flat:
             tokens = np.stack([self._read(i * self.msl, (i + 1) * self.msl + 1) for i in idx])
+            self._check_tokens(tokens)
             return torch.from_numpy(tokens[:, :-1]), torch.from_numpy(tokens[:, 1:])
         order = np.argsort(idx)  # h5py reads increasing indices
         rows = np.empty((len(idx), 3, self.msl), dtype=np.int64)
@@ -130,7 +144,27 @@ class GptDataset(Dataset):
             take = order[file_of == f]
             rows[take] = self.data[f][idx[take] - self.starts[f]]
         labels = np.where(rows[:, 1] == 0, IGNORE_INDEX, rows[:, 2])
+        self._check_tokens(rows[:, 0])
+        self._check_tokens(labels[labels != IGNORE_INDEX])
         return torch.from_numpy(rows[:, 0]), torch.from_numpy(labels)
+
+
+def fit_to_data(model: Any, dataset: Any, prefix: str = "model") -> None:
+    """``ConfigError`` naming ``prefix``'s key when a Model Zoo language model cannot read ``dataset``'s sequences
+    (longer than its positions, a larger vocabulary); a GPT data set then refuses a batch holding a token id outside
+    the model's vocabulary, as it reads it (the files are not scanned up front)."""
+    if not isinstance(model, CausalLM):
+        return
+    info = dataset.info
+    if info.sequence_length > model.max_positions:
+        raise ConfigError([
+            f"{prefix}.max_position_embeddings: {model.max_positions}, shorter than the data's sequences of "
+            f"{info.sequence_length} tokens"
+        ])  # fmt: skip
+    if info.vocab_size > model.vocab_size:
+        raise ConfigError([f"{prefix}.vocab_size: {model.vocab_size}, smaller than the data's {info.vocab_size}"])
+    if isinstance(dataset, GptDataset):
+        dataset.vocab = (model.vocab_size, f"{prefix}.vocab_size")
 
 
 def _problems(processor: str, keys: LoaderKeys, split: str, first_only: bool) -> tuple[Any, list[str]]:

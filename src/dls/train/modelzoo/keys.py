@@ -15,10 +15,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dls.train.errors import ConfigError
+from dls.train.schema import Finite
 
 Positive = Annotated[int, Field(gt=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
-Rate = Annotated[float, Field(ge=0, le=1)]
+Number = Annotated[float, Finite()]  # finite, at most float32's max in size: as every float key of the config
+PositiveFloat = Annotated[float, Finite(gt=0)]
+Rate = Annotated[float, Finite(ge=0, le=1)]
 IGNORE_INDEX = -100  # a label that the loss skips: where Model Zoo's attention_mask (a loss mask) is 0
 GPT_NAMES = ("gpt2", "gpt3", "llama")
 
@@ -34,10 +36,10 @@ class Initializer(_Keys):
     """``{name, ...}`` or just the name; defaults as Model Zoo's (truncated_normal: std 0.05, a/b = -/+2 std)."""
 
     name: Literal[tuple(_INIT_ARGS)]  # type: ignore[valid-type]
-    mean: float = 0.0
+    mean: Number = 0.0
     std: PositiveFloat = 0.05
-    a: float | None = None
-    b: float | None = None
+    a: Number | None = None
+    b: Number | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -132,7 +134,7 @@ class GptKeys(_Keys):
     ffn_initializer: Initializer | None = None
     ffn_output_layer_initializer: Initializer | None = None
     loss_scaling: Literal["num_tokens", "batch_size"] = "num_tokens"
-    loss_weight: float = 1.0
+    loss_weight: PositiveFloat = 1.0
     mixed_precision: bool | None = None  # read by the trainer's precision set-up
     fp16_type: Literal["float16", "bfloat16", "cbfloat16"] | None = None
 

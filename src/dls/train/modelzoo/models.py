@@ -85,6 +85,7 @@ class CausalLM(nn.Module):
         self.loss_scaling = k.loss_scaling
         self.loss_weight = k.loss_weight if k.loss_scaling == "batch_size" else 1.0
         self.max_positions = k.max_position_embeddings
+        self.vocab_size = k.vocab_size
         self.ignored_keys: list[str] = []
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
