@@ -203,8 +203,7 @@ def _validate(args: argparse.Namespace, run: _Run) -> int:
 
 
 def _train(args: argparse.Namespace, run: _Run) -> int:
-    from dls.train.checkpoint import load_resume_checkpoint
-    from dls.train.config import apply_overrides, memory_problem, parse_checkpoint_states, parse_config, read_config
+    from dls.train.config import memory_problem, parse_checkpoint_states, parse_config, read_config
 
     states = None
     if args.load_checkpoint_states is not None:
@@ -215,15 +214,7 @@ def _train(args: argparse.Namespace, run: _Run) -> int:
     if args.config is not None:
         raw, source = read_config(args.config, args.override), args.config
     elif args.resume is not None:
-        path, state, _ = load_resume_checkpoint(args.resume)
-        saved = state.get("config")
-        if not isinstance(saved, dict):
-            raise CheckpointError(f"{path} holds no config: give the YAML config too (dls train CONFIG --resume ...)")
-        source = f"the config saved in {path}"
-        runconfig = saved.get("runconfig")
-        if isinstance(runconfig, dict):  # the run's directory is DIR, not where the checkpoint was written
-            saved = {**saved, "runconfig": {k: v for k, v in runconfig.items() if k != "model_dir"}}
-        raw = apply_overrides(saved, args.override, source=source)
+        raw, source = _saved_config(args.resume, args.override)
     else:
         raise UsageError("give a YAML config (dls train CONFIG.yaml), or --resume DIR to continue a run")
     section = raw.get("runconfig")
@@ -255,6 +246,24 @@ def _train(args: argparse.Namespace, run: _Run) -> int:
         if owns_group:
             shutdown_distributed()
     return 0
+
+
+def _saved_config(resume: str, overrides: Sequence[str]) -> tuple[dict[str, Any], str]:
+    """The config saved in the checkpoint ``--resume`` names, with the overrides, and where it came from. A function
+    of its own so that the checkpoint's tensors are freed before the run starts (the trainer loads it again under
+    the model_dir's lock)."""
+    from dls.train.checkpoint import load_resume_checkpoint
+    from dls.train.config import apply_overrides
+
+    path, state, _ = load_resume_checkpoint(resume)
+    saved = state.get("config")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path} holds no config: give the YAML config too (dls train CONFIG --resume ...)")
+    source = f"the config saved in {path}"
+    runconfig = saved.get("runconfig")
+    if isinstance(runconfig, dict):  # the run's directory is DIR, not where the checkpoint was written
+        saved = {**saved, "runconfig": {k: v for k, v in runconfig.items() if k != "model_dir"}}
+    return apply_overrides(saved, overrides, source=source), source
 
 
 def _audit(args: argparse.Namespace, run: _Run) -> int:
