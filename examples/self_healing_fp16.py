@@ -1,9 +1,9 @@
 """float16 that heals itself: a layer whose float16 output overflows is found and kept in float32, automatically.
 
-The model has one amplifying layer (``amplify``) whose outputs reach about 5e5, beyond float16's largest value
-(65504), followed by a LayerNorm that brings them back to order 1: in float32 it trains normally. Under
-``torch.autocast(dtype=torch.float16)`` every forward pass overflows, every step is skipped, and the loss scale falls
-to its floor: loss scaling rescues gradients, not a forward pass.
+The model (``amplifying_net``, that of ``dls demo``'s fallback rows) has one amplifying layer (``amplify``) whose
+outputs reach about 5e5, beyond float16's largest value (65504), followed by a LayerNorm that brings them back to
+order 1: in float32 it trains normally. Under ``torch.autocast(dtype=torch.float16)`` every forward pass overflows,
+every step is skipped, and the loss scale falls to its floor: loss scaling rescues gradients, not a forward pass.
 
 Four runs from identical weights and batches:
 
@@ -22,31 +22,19 @@ from __future__ import annotations
 
 import argparse
 import warnings
-from collections import OrderedDict
 from typing import Any
 
 import torch
 from torch import nn
 
 import dls
+from dls.train.fallback_demo import amplifying_net
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_model(seed: int) -> nn.Sequential:
-    torch.manual_seed(seed)
-    model = nn.Sequential(
-        OrderedDict(
-            embed=nn.Linear(16, 64),
-            amplify=nn.Linear(64, 64),
-            norm=nn.LayerNorm(64),
-            act=nn.Tanh(),
-            head=nn.Linear(64, 1),
-        )
-    )
-    with torch.no_grad():
-        model.amplify.weight.mul_(3e5)  # outputs of order 5e5: beyond float16
-    return model.to(DEVICE)
+    return amplifying_net(seed).to(DEVICE)  # embed, amplify (weights x3e5), LayerNorm, Tanh, head
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

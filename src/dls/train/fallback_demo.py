@@ -24,15 +24,16 @@ import time
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from rich import box
-from rich.console import Console
-from rich.table import Table
 from torch import nn
 
 import dls
 from dls.diagnostics.scales import pow2
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = ["FallbackRow", "amplifying_net", "print_fallback_rows", "run_fallback_rows"]
 
@@ -144,6 +145,9 @@ def run_fallback_rows(steps: int = 600, seed: int = 0) -> list[FallbackRow]:
 
 def print_fallback_rows(console: Console, rows: list[FallbackRow], steps: int) -> None:
     """The runs as a table in the style of the demo's, then one sentence on what the fallback did."""
+    from rich import box  # here: examples/self_healing_fp16.py builds its model with amplifying_net, without rich
+    from rich.table import Table
+
     reference = rows[0].loss
     table = Table(
         title=f"float16 that heals itself: one layer outputs ~5e5 ({steps} steps each)",
