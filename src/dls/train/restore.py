@@ -93,11 +93,12 @@ def restore(trainer: Any, path: Path, state: dict[str, Any], states: Sequence[st
 def _restore_fp8(trainer: Any, path: Path, saved: Any) -> None:
     """FP8 state loads with the model when the checkpoint's recipe is the config's; else FP8 scaling starts fresh."""
     handle = trainer.fp8
-    if handle is None or saved is None:
-        if handle is None and saved is not None:
+    if handle is None:
+        if saved is not None:
             trainer.log(f"the fp8 state in {path} is not used: this config has no precision.fp8")
-        elif handle is not None:
-            trainer.log(f"{path} has no fp8 state (a run without precision.fp8 wrote it); FP8 scaling starts fresh")
+        return
+    if saved is None:
+        trainer.log(f"{path} has no fp8 state (a run without precision.fp8 wrote it); FP8 scaling starts fresh")
         return
     from dls.fp8 import recipe_from_dict
 
@@ -239,16 +240,17 @@ def _restore_rng(trainer: Any, path: Path, state: dict[str, Any]) -> None:
 
 def _restore_scaler(trainer: Any, path: Path, saved: Any, saved_cfg: TrainConfig | None) -> None:
     scaler = trainer.scaler
-    if not saved or not scaler.is_enabled():
-        if saved and not scaler.is_enabled():
+    if not scaler.is_enabled():
+        if saved:
             trainer.log(f"the grad_scaler state in {path} is not used: this config has no loss scaling")
-        elif scaler.is_enabled():
-            from dls.train.reporting import describe_scaling
+        return
+    if not saved:
+        from dls.train.reporting import describe_scaling
 
-            trainer.log(
-                f"{path} has no grad_scaler state (it was saved by a run without loss scaling); "
-                f"using the loss scaler built from the config: {describe_scaling(trainer.cfg)}"
-            )
+        trainer.log(
+            f"{path} has no grad_scaler state (it was saved by a run without loss scaling); "
+            f"using the loss scaler built from the config: {describe_scaling(trainer.cfg)}"
+        )
         return
     values, lines = scaler_state_to_load(saved, saved_cfg, trainer.cfg, path)
     for line in lines:
