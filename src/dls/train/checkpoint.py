@@ -51,14 +51,17 @@ def list_checkpoints(model_dir: str | Path) -> list[tuple[int, Path]]:
 
 def find_checkpoint(path: str | Path) -> Path:
     p = Path(path)
-    if p.is_file():
-        return p
-    if not p.exists():
-        raise CheckpointError(f"--resume: {p} does not exist")
-    found = list_checkpoints(p)
+    return p if p.is_file() else _resumable(p)[-1][1]
+
+
+def _resumable(directory: Path) -> list[tuple[int, Path]]:
+    """``list_checkpoints(directory)``, or --resume's error for a directory that is missing or holds none."""
+    if not directory.exists():
+        raise CheckpointError(f"--resume: {directory} does not exist")
+    found = list_checkpoints(directory)
     if not found:
-        raise CheckpointError(f"--resume: no checkpoint_<step>.mdl files in {p}")
-    return found[-1][1]
+        raise CheckpointError(f"--resume: no checkpoint_<step>.mdl files in {directory}")
+    return found
 
 
 def load_resume_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any], list[tuple[Path, str]]]:
@@ -67,9 +70,8 @@ def load_resume_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any], list
     p = Path(path)
     if p.is_file():
         return p, load_checkpoint(p), []
-    find_checkpoint(p)  # the errors for a missing or empty directory
     unreadable: list[tuple[Path, str]] = []
-    for _, candidate in reversed(list_checkpoints(p)):
+    for _, candidate in reversed(_resumable(p)):
         try:
             return candidate, load_checkpoint(candidate), unreadable
         except UnreadableCheckpoint as exc:
