@@ -40,7 +40,7 @@ from torch.utils.hooks import RemovableHandle
 from dls import formats
 from dls.formats import FloatFormat
 from dls.handles import Removable
-from dls.keep import in_kept_call
+from dls.keep import in_kept_call, map_floating
 
 __all__ = ["EmulationHandle", "EmulationStats", "emulate"]
 
@@ -152,20 +152,6 @@ class _RoundOutput(torch.autograd.Function):
         return q, None, None, None, None
 
 
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply fn to every floating-point tensor in nested tuples / lists / dicts; anything else passes."""
-    if isinstance(value, torch.Tensor):
-        return fn(value) if value.is_floating_point() else value
-    if isinstance(value, tuple):
-        items = [_map_tensors(v, fn) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, list):
-        return [_map_tensors(v, fn) for v in value]
-    if isinstance(value, dict):
-        return type(value)((k, _map_tensors(v, fn)) for k, v in value.items())
-    return value
-
-
 _Slot = tuple[nn.Module, str, torch.Tensor]
 
 
@@ -217,7 +203,7 @@ class EmulationHandle(Removable):
             if owns:
                 self._swap_in(module, is_leaf)
             if is_leaf and self._round_inputs:
-                return _map_tensors(args, self._round_input), _map_tensors(kwargs, self._round_input)
+                return map_floating(args, self._round_input), map_floating(kwargs, self._round_input)
             return None
 
         return pre_hook
@@ -229,7 +215,7 @@ class EmulationHandle(Removable):
             if owns:
                 self._swap_out(module)
             if is_leaf and (self._round_outputs or self._round_grads) and output is not None:
-                return _map_tensors(output, self._round_output)
+                return map_floating(output, self._round_output)
             return None
 
         return post_hook

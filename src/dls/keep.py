@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -62,8 +62,13 @@ class _Float32Call:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         global _kept_depth
         module: nn.Module = self  # type: ignore[assignment]
-        args, kwargs = _to_float32(args), _to_float32(kwargs)
-        device_types = {"cpu", *(t.device.type for t in _floating((args, kwargs)))}
+        device_types = {"cpu"}
+
+        def to_float32(t: torch.Tensor) -> torch.Tensor:
+            device_types.add(t.device.type)
+            return t if t.dtype == torch.float64 else t.float()
+
+        args, kwargs = map_floating(args, to_float32), map_floating(kwargs, to_float32)
         with contextlib.ExitStack() as stack:
             for device_type in sorted(device_types):
                 if torch.is_autocast_enabled(device_type):
@@ -103,29 +108,30 @@ def _float32_parameters(module: nn.Module) -> Iterator[None]:
             slots[name] = p
 
 
-def _floating(value: Any) -> Iterator[torch.Tensor]:
+def map_floating(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply fn to every floating-point tensor in nested tuples / lists / dicts; anything else passes (the one walk
+    over call arguments and outputs, shared with ``dls.emulate``)."""
     if isinstance(value, torch.Tensor):
-        if value.is_floating_point():
-            yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _floating(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _floating(item)
-
-
-def _to_float32(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.is_floating_point() and value.dtype != torch.float64 else value
+        return fn(value) if value.is_floating_point() else value
     if isinstance(value, tuple):
-        items = [_to_float32(v) for v in value]
+        items = [map_floating(v, fn) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, list):
-        return [_to_float32(v) for v in value]
+        return [map_floating(v, fn) for v in value]
     if isinstance(value, dict):
-        return type(value)((k, _to_float32(v)) for k, v in value.items())
+        return type(value)((k, map_floating(v, fn)) for k, v in value.items())
     return value
+
+
+def floating_tensors(value: Any) -> list[torch.Tensor]:
+    """The floating-point tensors ``map_floating`` would visit, in its order, without rebuilding the containers."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in floating_tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in floating_tensors(v)]
+    return []
 
 
 class KeptInFloat32(Removable):

@@ -44,9 +44,9 @@ from torch.utils.hooks import RemovableHandle
 from dls import formats as _formats
 from dls.diagnostics.report import AuditResult, FormatAudit, ModuleStats
 from dls.diagnostics.scales import HIST_BINS, HIST_LOW, module_label, percent, pow2, recommend_exponent
-from dls.emulate import _map_tensors, emulate
+from dls.emulate import emulate
 from dls.formats import FloatFormat
-from dls.keep import in_kept_call, keep_in_float32
+from dls.keep import floating_tensors, in_kept_call, keep_in_float32
 
 __all__ = ["audit"]
 
@@ -122,7 +122,7 @@ class _Recorder:
             self._hooks.append(module.register_forward_hook(partial(self._hook_gradients, i)))
 
     def _on_output(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
-        outs = [t.detach() for t in _floating(output) if t.numel()]
+        outs = [t.detach() for t in floating_tensors(output) if t.numel()]
         stats = self.stats[index]
         if stats.calls == 0:
             self.first_seen.append(index)
@@ -139,7 +139,7 @@ class _Recorder:
     def _hook_gradients(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
-        for t in _floating(output):
+        for t in floating_tensors(output):
             if t.requires_grad:
                 # Removed after the pass: an output can be a tensor the caller keeps (nn.Identity returns its input).
                 self._tensor_hooks.append(t.register_hook(partial(self._on_gradient, index)))
@@ -207,18 +207,6 @@ def _exceeds(fmt: FloatFormat, value: float) -> bool:
 
 def _read(value: torch.Tensor | None) -> float | None:
     return None if value is None else float(value.item())
-
-
-def _floating(value: Any) -> list[torch.Tensor]:
-    """Floating-point tensors in nested tuples / lists / dicts, found the way ``dls.emulate`` finds them."""
-    found: list[torch.Tensor] = []
-
-    def collect(t: torch.Tensor) -> torch.Tensor:
-        found.append(t)
-        return t
-
-    _map_tensors(value, collect)
-    return found
 
 
 # ------------------------------------------------------------------------------------------- state

@@ -54,7 +54,7 @@ from dls import distributed
 if TYPE_CHECKING:
     from dls.diagnostics.watch import OverflowWatch
     from dls.scaler import GradScaler
-from dls.keep import KeptInFloat32, resolve_modules
+from dls.keep import KeptInFloat32, floating_tensors, resolve_modules
 
 __all__ = ["Fallback", "KeptState", "apply_precision_fallback", "fallback_note"]
 
@@ -177,7 +177,7 @@ class Fallback:
         with torch.no_grad():
             for name, b in module.named_buffers():
                 b.copy_(buffers[name])
-        values = [t.detach().abs().amax().float() for t in _floating(out) if t.numel()]
+        values = [t.detach().abs().amax().float() for t in floating_tensors(out) if t.numel()]
         return float(torch.stack(values).amax()) if values else None
 
     def _non_finite_parameters(self) -> tuple[str, ...]:
@@ -383,18 +383,8 @@ def _eager_class(cls: type) -> type:
     return eager
 
 
-def _floating(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() else []
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _floating(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _floating(v)]
-    return []
-
-
 def _all_finite(value: Any) -> torch.Tensor:
-    tensors = [t.detach() for t in _floating(value) if t.numel()]
+    tensors = [t.detach() for t in floating_tensors(value) if t.numel()]
     if not tensors:
         return torch.ones((), dtype=torch.bool)
     device = tensors[0].device

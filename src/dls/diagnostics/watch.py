@@ -58,6 +58,7 @@ from dls.diagnostics.fallback import Fallback, KeptState
 from dls.diagnostics.scales import module_label, pow2
 from dls.handles import Removable
 from dls.keep import KeptInFloat32, resolve_modules, unwrap
+from dls.policy import flag_problem
 
 __all__ = ["NonFiniteGradient", "OverflowReport", "OverflowWatch"]
 
@@ -190,8 +191,8 @@ class OverflowWatch(Removable):
     def __init__(self, model: nn.Module, *, fallback: bool = False, process_group: Any = None) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-        if not isinstance(fallback, bool):
-            raise ValueError(f"fallback must be True or False; got {fallback!r}")
+        if problem := flag_problem("fallback", fallback):
+            raise ValueError(problem)
         root = unwrap(model)
         self.model = model
         names: dict[torch.Tensor, str] = {p: name for name, p in root.named_parameters()}

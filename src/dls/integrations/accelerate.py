@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from dls.keep import unwrap
+from dls.policy import flag_problem
 from dls.scaler import GradScaler
 
 try:
@@ -90,8 +91,8 @@ def use_dls(
         )
     if accelerator.distributed_type in _UNSUPPORTED:
         raise ValueError(f"use_dls: {_UNSUPPORTED[accelerator.distributed_type]} ({accelerator.distributed_type})")
-    if not isinstance(fallback, bool):
-        raise ValueError(f"fallback must be True or False; got {fallback!r}")
+    if problem := flag_problem("fallback", fallback):
+        raise ValueError(problem)
     if isinstance(accelerator.scaler, GradScaler):
         raise ValueError("use_dls was already called on this accelerator (accelerator.scaler is a dls.GradScaler)")
     if scaler is None:

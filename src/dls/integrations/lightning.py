@@ -23,6 +23,7 @@ import torch
 
 from dls.diagnostics.watch import OverflowWatch
 from dls.keep import unwrap
+from dls.policy import flag_problem
 from dls.scaler import GradScaler
 from dls.skip import SkipAware, skip_aware
 
@@ -85,8 +86,8 @@ class DLSPrecision(MixedPrecision):
         if precision not in _PRECISIONS:
             raise ValueError(f"precision must be one of {_PRECISIONS}; got {precision!r}")
         device_type = _device_type(device)
-        if not isinstance(fallback, bool):
-            raise ValueError(f"fallback must be True or False; got {fallback!r}")
+        if problem := flag_problem("fallback", fallback):
+            raise ValueError(problem)
         if scaler is None:
             scaler = GradScaler(device=device_type, enabled=precision == "16-mixed")
         elif not isinstance(scaler, GradScaler):
