@@ -122,7 +122,9 @@ class DataConfig(Section):
     @property
     def loader_params(self) -> dict[str, Any]:
         """The section as ``dls.train.modelzoo``'s readers take it: ``params`` and the keys dls keeps apart."""
-        kept = {k: getattr(self, k) for k in ("batch_size", "shuffle", "shuffle_seed", "drop_last_batch")}
+        kept = {k: getattr(self, k) for k in ("batch_size", "shuffle", "shuffle_seed")}
+        if "drop_last_batch" in self.model_fields_set:  # else the reader's drop_last, or its default, decides
+            kept["drop_last_batch"] = self.drop_last_batch
         return {**self.params, **kept}
 
 
