@@ -682,6 +682,14 @@ def test_legacy_model_zoo_defaults_are_model_zoos_and_logged() -> None:
     assert cfg.model.params == {"depth": 10, "hidden_size": 50, "dropout": 0.0, "activation_fn": "relu"}
 
 
+def test_a_model_zoo_reader_keeps_its_own_drop_last() -> None:
+    section = {"data_processor": "GptHDF5DataProcessor", "data_dir": "d", "batch_size": 4, "shuffle": False}
+    raw = {"train_input": {**section, "drop_last": False}, "model": {"name": "gpt2", "vocab_size": 16}}
+    assert parse_config(raw).data.loader_params["drop_last"] is False  # dls's default drop_last_batch is not written
+    raw["train_input"]["drop_last_batch"] = True
+    assert "train_input.drop_last_batch: contradicts drop_last" in errors_of(raw)[0]
+
+
 def test_a_legacy_config_without_a_model_name_says_how_to_name_it() -> None:
     raw = {"train_input": {"data_processor": "GptHDF5DataProcessor", "data_dir": "d"}, "model": {"hidden_size": 8}}
     (msg,) = errors_of(raw)

@@ -301,6 +301,12 @@ def test_model_zoo_names_dispatch_to_dls_train_modelzoo(tmp_path: Path, monkeypa
     make_trainer(raw)[0].train()
     assert [r["step"] for r in metrics(tmp_path / "again") if "eval_loss" in r] == [12]  # a val loader: at the end
     assert "ignored on this hardware (Cerebras only): eval_input.num_workers" in out.getvalue()
+    calls.clear()
+    del raw["eval_input"]
+    raw["runconfig"].update(eval_frequency=4, model_dir=str(tmp_path / "no_eval_input"))
+    make_trainer(raw)[0].train()
+    assert [r["step"] for r in metrics(tmp_path / "no_eval_input") if "eval_loss" in r] == [4, 8, 12]
+    assert [c[2] for c in calls] == ["train", "train"]  # evaluation's reader of the training data: built once
 
 
 # ---------------------------------------------------------------------- where a run starts from (issue 20 item 6)

@@ -653,10 +653,8 @@ def _check_zoo(b: dict[str, Any], r: _Reader) -> None:
     for section, default in (("data", "train_input"), ("eval_data", "eval_input")):
         data = b.get(section)
         if data is not None and data.data_processor is not None:
-            params = {**data.params, "batch_size": data.batch_size, "shuffle": data.shuffle}
-            params.update(drop_last_batch=data.drop_last_batch, shuffle_seed=data.shuffle_seed)
             where = r.written.get((section, "data_processor"), f"{default}.").rsplit(".", 1)[0]
-            checks.append((parse_loader, data.data_processor, params, where))
+            checks.append((parse_loader, data.data_processor, data.loader_params, where))
     for parse, name, params, where in checks:
         try:
             r.ignored.extend(parse(name, params, where)[1])
@@ -762,8 +760,8 @@ def missing_paths(cfg: TrainConfig) -> list[str]:
                 f"{key}.data_dir {missing[0]}{more} does not exist here (relative paths resolve against {Path.cwd()})"
             )
         else:
-            params = {**data.params, "batch_size": data.batch_size, "shuffle": data.shuffle}
-            lines += check_data(data.data_processor, params, split="train" if section == "data" else "val", prefix=key)
+            split = "train" if section == "data" else "val"
+            lines += check_data(data.data_processor, data.loader_params, split=split, prefix=key)
     return lines
 
 

@@ -108,8 +108,7 @@ def build_batches(
     shuffle_seed = cfg.shuffle_seed if cfg.shuffle_seed is not None else seed
     if cfg.data_processor is None:
         return BatchIterator(build_dataset(cfg), cfg.batch_size, cfg.shuffle, shuffle_seed, rank, world_size)
-    params = {**cfg.params, "batch_size": cfg.batch_size, "shuffle": cfg.shuffle, "shuffle_seed": shuffle_seed}
-    params["drop_last_batch"] = cfg.drop_last_batch
+    params = {**cfg.loader_params, "shuffle_seed": shuffle_seed}
     split = params.pop("split", split)
     batches: BatchIterator = modelzoo().build_loader(
         cfg.data_processor, params, split=split, seed=shuffle_seed, rank=rank, world_size=world_size, prefix=prefix

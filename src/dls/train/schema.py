@@ -119,6 +119,14 @@ class DataConfig(Section):
     max_sequence_length: Length = help_(64, "characters per training sequence")
     params: dict[str, Any] = help_({}, "a Model Zoo data processor's own keys, as written")
 
+    @property
+    def loader_params(self) -> dict[str, Any]:
+        """The section as ``dls.train.modelzoo``'s readers take it: ``params`` and the keys dls keeps apart."""
+        kept = {k: getattr(self, k) for k in ("batch_size", "shuffle", "shuffle_seed")}
+        if "drop_last_batch" in self.model_fields_set:  # else the reader's drop_last, or its default, decides
+            kept["drop_last_batch"] = self.drop_last_batch
+        return {**self.params, **kept}
+
 
 class PrecisionConfig(Section):
     """``precision:``. The run computes in ``fp16_type`` with ``mixed_precision``, else in float32."""

@@ -25,7 +25,7 @@ from dls.diagnostics.fallback import apply_precision_fallback, fallback_note
 from dls.train import checkpoint as ckpt
 from dls.train import restore
 from dls.train.config import CHECKPOINT_STATES, TrainConfig, loss_scaling_mode, scaler_settings, to_dict
-from dls.train.data import build_batches, modelzoo
+from dls.train.data import BatchIterator, build_batches, modelzoo
 from dls.train.errors import TrainingStopped
 from dls.train.launch import StopRequest, resolve_device, run_on_rank0, sum_over_ranks, wrap_data_parallel
 from dls.train.models import build_model, evaluate, evaluate_batches
@@ -97,6 +97,7 @@ class Trainer:
             if cfg.eval_data is not None
             else None
         )
+        self._train_data_eval: BatchIterator | None = None  # Model Zoo training data, for evaluation without eval_input
         prec = cfg.precision
         self.model = build_model(cfg.model, getattr(self.dataset, "info", None))
         if cfg.model.name in ZOO_MODELS:  # can it read the data (positions, token ids)
@@ -320,8 +321,11 @@ class Trainer:
         """``eval_steps`` batches of the eval loader (the training data's without one), as a metrics row."""
         rc = self.cfg.runconfig
         source = self.eval_batches
-        if source is None and self.dataset is None:
-            source = build_batches(self.cfg.data, rc.seed, "train")
+        if source is None and self.dataset is None:  # built at the first evaluation, read again at the next
+            if self._train_data_eval is None:
+                prefix = self.cfg.sources.get("data.params")
+                self._train_data_eval = build_batches(self.cfg.data, rc.seed, "train", prefix=prefix)
+            source = self._train_data_eval
         if source is None:
             assert self.dataset is not None
             self.eval_loss = evaluate(self.model, self.dataset, self.device)

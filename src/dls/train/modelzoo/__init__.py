@@ -7,11 +7,10 @@
 """
 
 from dls.train.modelzoo.data import build_loader, check_data, fit_to_data
-from dls.train.modelzoo.keys import PROCESSORS
 from dls.train.modelzoo.models import build_model, check_model
 from dls.train.modelzoo.tiny import main, write_tiny_data
-
-MODELS = ("fc_mnist", "gpt2", "gpt3", "llama")
+from dls.train.schema import ZOO_MODELS as MODELS
+from dls.train.schema import ZOO_PROCESSORS as PROCESSORS
 
 __all__ = [
     "MODELS",

@@ -15,14 +15,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dls.train.errors import ConfigError
-from dls.train.schema import Finite
+from dls.train.schema import ZOO_MODELS, ZOO_PROCESSORS, Finite
 
 Positive = Annotated[int, Field(gt=0)]
 Number = Annotated[float, Finite()]  # finite, at most float32's max in size: as every float key of the config
 PositiveFloat = Annotated[float, Finite(gt=0)]
 Rate = Annotated[float, Finite(ge=0, le=1)]
 IGNORE_INDEX = -100  # a label that the loss skips: where Model Zoo's attention_mask (a loss mask) is 0
-GPT_NAMES = ("gpt2", "gpt3", "llama")
+GPT_NAMES = tuple(n for n in ZOO_MODELS if n != "fc_mnist")
 
 
 class _Keys(BaseModel):
@@ -180,12 +180,11 @@ _LOADER_IGNORED = (
     "num_workers", "prefetch_factor", "persistent_workers", "use_worker_cache", "shuffle_buffer", "micro_batch_size",
     "to_float16", "fake_data_seed", "vocab_size", "repeat", "use_multiple_workers", "mixed_precision",
 )  # fmt: skip
-PROCESSORS = ("GptHDF5DataProcessor", "GptHDF5MapDataProcessor", "MNISTDataProcessor")
 _SHUFFLE_DEFAULT = {"GptHDF5DataProcessor": None, "GptHDF5MapDataProcessor": False, "MNISTDataProcessor": True}
 
 
 class LoaderKeys(_Keys):
-    data_processor: Literal[PROCESSORS] | None = None  # type: ignore[valid-type]
+    data_processor: Literal[ZOO_PROCESSORS] | None = None  # type: ignore[valid-type]
     data_dir: str | list[str] | None = None
     batch_size: Positive
     shuffle: bool | None = None
@@ -304,8 +303,7 @@ def parse_model(name: str, params: Any, prefix: str = "model") -> tuple[FcMnistK
             more, skipped = _gpt_problems(name, keys, prefix)
             problems, ignored = problems + more, ignored + skipped
     else:
-        known = ", ".join(("fc_mnist", *GPT_NAMES))
-        raise ConfigError([f"{prefix}.name: {name!r} is not a Model Zoo model dls builds ({known})"])
+        raise ConfigError([f"{prefix}.name: {name!r} is not a Model Zoo model dls builds ({', '.join(ZOO_MODELS)})"])
     if problems:
         raise ConfigError(problems)
     return keys, ignored
@@ -313,8 +311,8 @@ def parse_model(name: str, params: Any, prefix: str = "model") -> tuple[FcMnistK
 
 def parse_loader(processor: str, params: Any, prefix: str) -> tuple[LoaderKeys, list[str]]:
     """The validated keys of a data loader section and the key paths ignored here; ``ConfigError`` otherwise."""
-    if processor not in PROCESSORS:
-        raise ConfigError([f"{prefix}.data_processor: {processor!r} is not one of {', '.join(PROCESSORS)}"])
+    if processor not in ZOO_PROCESSORS:
+        raise ConfigError([f"{prefix}.data_processor: {processor!r} is not one of {', '.join(ZOO_PROCESSORS)}"])
     keys, ignored, problems = _validate(LoaderKeys, params, prefix, _LOADER_DEFAULT_ONLY, _LOADER_IGNORED)
     if keys is not None:
         if keys.data_processor not in (None, processor):
