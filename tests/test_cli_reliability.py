@@ -253,7 +253,7 @@ def test_a_full_disk_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytes
         monkeypatch.setattr(os, "fdopen", lambda fd, *args, **kwargs: FullDisk(fd))
         with pytest.raises(OSError) as info:
             if name == "metrics.jsonl":
-                run_dir.open_log(name, b"{}\n")
+                run_dir.write(name, b"{}\n", append=True)
             else:
                 run_dir.replace(name, b"x: 1\n")
         monkeypatch.undo()

@@ -17,12 +17,12 @@ import pytest
 import torch
 from rich.console import Console
 
-from dls.train import Trainer, TrainingStopped, restore
+from dls.train import Trainer, TrainingStopped
 from dls.train import checkpoint as ckpt
 from dls.train.config import CHECKPOINT_STATES, parse_config
 from dls.train.data import BatchIterator, CharCorpus, build_dataset
 from dls.train.errors import ModelDirError
-from dls.train.outputs import METRICS_FILE, PLOT_FILE
+from dls.train.rundir import METRICS_FILE, PLOT_FILE, RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,7 +94,7 @@ def assert_bit_identical(a: Any, b: Any, path: str = "") -> None:
 def load_into(trainer: Trainer, resume: Path, states: tuple[str, ...] = CHECKPOINT_STATES) -> None:
     """Load a checkpoint into ``trainer`` in memory (what ``train(resume=...)`` does before training)."""
     path, state, _ = ckpt.load_resume_checkpoint(resume)
-    restore.restore(trainer, path, state, states)
+    ckpt.restore(trainer, path, state, states)
 
 
 def metrics(model_dir: Path) -> list[dict[str, Any]]:
@@ -212,28 +212,41 @@ def test_resume_with_an_incompatible_model(tmp_path: Path) -> None:
 
 
 def test_resume_errors(tmp_path: Path) -> None:
-    with pytest.raises(ckpt.CheckpointError, match="does not exist"):
-        ckpt.find_checkpoint(tmp_path / "nope")
+    with pytest.raises(ckpt.CheckpointError, match=r"^--resume: .*nope does not exist"):
+        ckpt.load_resume_checkpoint(tmp_path / "nope")
     with pytest.raises(ckpt.CheckpointError, match=r"no checkpoint_<step>\.mdl"):
-        ckpt.find_checkpoint(tmp_path)
+        ckpt.load_resume_checkpoint(tmp_path)
     junk = tmp_path / "checkpoint_1.mdl"
     junk.write_bytes(b"not a checkpoint")
     with pytest.raises(ckpt.CheckpointError, match="cannot read checkpoint"):
         ckpt.load_checkpoint(junk)
 
 
+def test_a_missing_checkpoint_path_names_the_key_it_came_from(tmp_path: Path) -> None:
+    raw = tiny(tmp_path / "run", runconfig={"checkpoint_path": str(tmp_path / "nowhere")})
+    with pytest.raises(ckpt.CheckpointError, match=r"^runconfig\.checkpoint_path: .*nowhere does not exist"):
+        make_trainer(raw)[0].train()
+    # Model Zoo's current layout writes it as trainer.fit.ckpt_path: the error names that key, as written.
+    cfg = parse_config(raw)
+    cfg = cfg.model_copy(update={"sources": {**cfg.sources, "runconfig.checkpoint_path": "trainer.fit.ckpt_path"}})
+    with pytest.raises(ckpt.CheckpointError, match=r"^trainer\.fit\.ckpt_path: .*nowhere does not exist"):
+        Trainer(cfg, progress=False, summary=False, plot=False, console=Console(file=io.StringIO())).train()
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
 # ---------------------------------------------------------------------- atomic writes
 def test_failed_rename_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ckpt.save_checkpoint({"model": {"w": torch.ones(2)}, "global_step": 1}, ckpt.checkpoint_path(tmp_path, 1))
+    with RunDir(tmp_path) as run_dir:
+        run_dir.save_checkpoint({"model": {"w": torch.ones(2)}, "global_step": 1}, 1)
 
-    def crash(*args: Any, **kwargs: Any) -> None:
-        raise OSError("disk full")
+        def crash(*args: Any, **kwargs: Any) -> None:
+            raise OSError("disk full")
 
-    monkeypatch.setattr(os, "replace", crash)
-    with pytest.raises(OSError, match="disk full"):
-        ckpt.save_checkpoint({"model": {"w": torch.zeros(2)}, "global_step": 2}, ckpt.checkpoint_path(tmp_path, 2))
+        monkeypatch.setattr(os, "replace", crash)
+        with pytest.raises(OSError, match="disk full"):
+            run_dir.save_checkpoint({"model": {"w": torch.zeros(2)}, "global_step": 2}, 2)
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint_1.mdl"]  # no partial file, no temp left
-    assert ckpt.load_checkpoint(ckpt.find_checkpoint(tmp_path))["global_step"] == 1
+    assert ckpt.load_checkpoint(ckpt.load_resume_checkpoint(tmp_path)[0])["global_step"] == 1
 
 
 def test_keeps_the_last_n_checkpoints(tmp_path: Path) -> None:

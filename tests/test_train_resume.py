@@ -13,6 +13,7 @@ import yaml
 
 from dls.train import checkpoint as ckpt
 from dls.train.cli import main
+from dls.train.rundir import RunDir
 from test_train import make_trainer, metrics, tiny
 
 ALL_BUT_SCALER = "model,optimizer,dataloader,lr_scheduler,global_step,rng"
@@ -156,18 +157,25 @@ def test_an_unreadable_newest_checkpoint_of_a_directory_is_skipped(
 def resumed(run: Path, **optimizer: Any) -> tuple[Any, str]:
     """A trainer of ``run``'s config with ``optimizer`` changes, the checkpoint loaded as ``train`` loads it."""
     trainer, log = make_trainer(config(run, **optimizer))
-    from dls.train import restore
     from dls.train.config import CHECKPOINT_STATES
 
     path, state, _ = ckpt.load_resume_checkpoint(run)
-    restore.restore(trainer, path, state, CHECKPOINT_STATES)
+    ckpt.restore(trainer, path, state, CHECKPOINT_STATES)
     return trainer, log.getvalue()
+
+
+def save(state: dict[str, Any], path: Path) -> None:
+    """Write ``state`` (as read) back to the checkpoint ``path``."""
+    with RunDir(path.parent) as run_dir:
+        run_dir.save_checkpoint(
+            {k: v for k, v in state.items() if k not in ("format", "format_version")}, ckpt.checkpoint_step(path.name)
+        )
 
 
 def edit_checkpoint(path: Path, **grad_scaler: Any) -> None:
     state = ckpt.load_checkpoint(path)
     state["grad_scaler"].update(grad_scaler)
-    ckpt.save_checkpoint({k: v for k, v in state.items() if k not in ("format", "format_version")}, path)
+    save(state, path)
 
 
 def test_a_changed_static_scale_takes_effect(tmp_path: Path) -> None:
@@ -218,7 +226,7 @@ def test_torch_names_are_read_when_the_dls_names_are_absent(tmp_path: Path) -> N
     path = run / "checkpoint_4.mdl"
     state = ckpt.load_checkpoint(path)
     state["grad_scaler"] = {"scale": 2.0**11, "_growth_tracker": 2, "growth_factor": 3.0, "growth_interval": 7}
-    ckpt.save_checkpoint({k: v for k, v in state.items() if k not in ("format", "format_version")}, path)
+    save(state, path)
     trainer, _ = resumed(run)
     state = trainer.scaler.state_dict()
     assert (state["loss_scale"], state["steps_since_rescale"], state["growth_factor"]) == (2.0**11, 2, 2.0)

@@ -203,8 +203,8 @@ def test_kill_between_writing_and_renaming_a_checkpoint_leaves_the_run_resumable
     assert proc.returncode == -9, proc.stderr
     names = os.listdir(run)
     assert any(n.startswith(".checkpoint_") and n.endswith(".tmp") for n in names) and LOCK_FILE in names
-    assert ckpt.find_checkpoint(run).name == "checkpoint_3.mdl"
-    assert ckpt.load_checkpoint(ckpt.find_checkpoint(run))["global_step"] == 3
+    assert ckpt.load_resume_checkpoint(run)[0].name == "checkpoint_3.mdl"
+    assert ckpt.load_checkpoint(ckpt.load_resume_checkpoint(run)[0])["global_step"] == 3
     raw["runconfig"]["max_steps"] = 4
     result = make_trainer(raw)[0].train(resume=run, load_states=states)
     assert result.global_step == 4

@@ -19,10 +19,9 @@ from dls.diagnostics.scales import pow2
 from dls.train.config import parse_config
 from dls.train.errors import TrainingStopped
 from dls.train.fallback_demo import print_fallback_rows, run_fallback_rows
-from dls.train.outputs import CONFIG_FILE, METRICS_FILE, PLOT_FILE
 from dls.train.plots import plot_comparison, read_metrics
 from dls.train.reporting import TrainResult
-from dls.train.rundir import RunDir, resolve_model_dir
+from dls.train.rundir import CONFIG_FILE, METRICS_FILE, PLOT_FILE, RunDir, resolve_model_dir
 from dls.train.trainer import Trainer
 
 DEFAULT_STEPS = 600

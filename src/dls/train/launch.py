@@ -23,15 +23,14 @@ if TYPE_CHECKING:
 
 
 class TorchrunEnv(NamedTuple):
-    """``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` (0, 0, 1 outside torchrun)."""
-
     rank: int
     local_rank: int
     world_size: int
 
 
 def torchrun_env() -> TorchrunEnv:
-    """The one reader of torchrun's variables; a value that is not an integer reads as unset."""
+    """``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` (0, 0, 1 outside torchrun): the one reader of torchrun's variables; a
+    value that is not an integer reads as unset."""
 
     def read(name: str, default: int) -> int:
         try:
@@ -85,8 +84,7 @@ class _LossOf(torch.nn.Module):
 
 def wrap_data_parallel(model: TrainModel, device: torch.device) -> DistributedDataParallel:
     """``model``'s loss in DDP (the model itself stays unwrapped: checkpoints hold it)."""
-    ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(_LossOf(model), device_ids=ids)
+    return DistributedDataParallel(_LossOf(model), device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def sum_over_ranks(values: Sequence[float], device: torch.device) -> list[float]:
@@ -96,15 +94,16 @@ def sum_over_ranks(values: Sequence[float], device: torch.device) -> list[float]
     return [float(v) for v in tensor.tolist()]
 
 
-def run_on_rank0(action: Callable[[], None], rank: int, world_size: int) -> None:
+def run_on_rank0(action: Callable[[], object]) -> None:
     """Run ``action`` on rank 0 alone; when it fails, every other rank raises :class:`RankError` alike."""
-    error: Exception | None = None
+    ranks = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rank, error = dist.get_rank() if ranks else 0, None
     if rank == 0:
         try:
             action()
         except Exception as exc:
             error = exc
-    if world_size > 1:
+    if ranks:
         outcome = [None if error is None else (describe(error), int(exit_status(error)))]
         dist.broadcast_object_list(outcome, src=0)
         if rank != 0 and outcome[0] is not None:
@@ -115,15 +114,19 @@ def run_on_rank0(action: Callable[[], None], rank: int, world_size: int) -> None
 
 class StopRequest:
     """The first Ctrl-C or SIGTERM asks the loop to stop after the current step (it checkpoints, then raises
-    :meth:`interrupt`); a second one interrupts at once. Data-parallel: shared at the next logged step."""
+    :meth:`interrupt`); a second one interrupts at once. Data-parallel: shared at the next logged step, where the
+    loop sets ``agreed`` when some rank was asked."""
 
     def __init__(self, log: Callable[[str], None], distributed: bool = False) -> None:
-        self.log = log
-        self.distributed = distributed
-        self.requested = False
-        self.forced = False
+        self.log, self.distributed = log, distributed
+        self.requested = self.forced = self.agreed = False
         self.signum: int = signal.SIGINT
         self._signals = contextlib.ExitStack()
+
+    @property
+    def due(self) -> bool:
+        """Whether to stop before the next step: data-parallel, once the ranks agreed."""
+        return self.agreed if self.distributed else self.requested
 
     def _request(self, signum: int) -> bool:
         if self.requested:

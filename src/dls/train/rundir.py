@@ -1,5 +1,7 @@
-"""The run directory: resolved once, locked for one run at a time (``flock``; a lock left by a killed run is
-taken over), written only through its descriptor, never through a link, each file atomically. POSIX only."""
+"""A run's directory: resolved once, locked for one run at a time (``flock``; a lock left by a killed run is taken
+over), written only through its descriptor, never through a link, each file atomically. A training run's model_dir
+is checked once under the lock (:func:`check_model_dir`), then holds checkpoints, ``metrics.jsonl``,
+``config.yaml``, ``plots.png`` and TensorBoard events in ``tensorboard/``; rank 0 alone writes. POSIX only."""
 
 from __future__ import annotations
 
@@ -7,17 +9,29 @@ import contextlib
 import datetime
 import errno
 import fcntl
+import io
 import json
 import os
 import secrets
 import socket
 import stat
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from dls.train.errors import ModelDirError
+import torch
+import yaml
+
+from dls.train.checkpoint import FORMAT, FORMAT_VERSION, checkpoint_step, list_checkpoints
+from dls.train.errors import MissingExtras, ModelDirError
+from dls.train.plots import metrics_to_keep, plot_run, read_metrics
 
 LOCK_FILE = ".dls.lock"
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "plots.png"
+CONFIG_FILE = "config.yaml"
+TENSORBOARD_DIR = "tensorboard"
+_TEMPORARIES = (".checkpoint_", *(f".{name}." for name in (METRICS_FILE, PLOT_FILE, CONFIG_FILE)))
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW
 
@@ -35,19 +49,14 @@ def describe_holder(record: dict[str, Any] | None, held: bool = True) -> str:
         return "another process (no holder recorded)"
     pid, host = record.get("pid", "?"), record.get("host", "?")
     text = f"pid {pid} on host {host}" + (f" (since {record['since']})" if record.get("since") else "")
-    if held and host == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
-        text += f"; process {pid} has ended, so a process it started (which inherited the lock) still holds it"
+    if held and host == socket.gethostname() and isinstance(pid, int):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            text += f"; process {pid} has ended, so a process it started (which inherited the lock) still holds it"
+        except OSError:  # e.g. EPERM: it exists
+            pass
     return text
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # e.g. EPERM: it exists
-        pass
-    return True
 
 
 def _read_record(fd: int) -> dict[str, Any] | None:
@@ -59,72 +68,6 @@ def _read_record(fd: int) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def _fsync_dir(dir_fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.fsync(dir_fd)
-
-
-def open_directory(path: Path) -> int:
-    """A descriptor of the directory ``path`` (whose last component must not be a link)."""
-    try:
-        return os.open(path, _DIRECTORY)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and path.is_symlink()):
-            raise ModelDirError(f"{path} is a symbolic link; give the directory it points to") from None
-        raise
-
-
-def replace_file(
-    dir_fd: int, name: str, data: bytes | memoryview, *, keep_open: bool = False, shown: Path | None = None
-) -> IO[bytes] | None:
-    """Write ``name`` in ``dir_fd`` atomically (see the module docstring); with ``keep_open``, return it open for
-    appending. ``shown``: the path an ``OSError`` names. Callers serialise into memory first, so that a failing
-    write is the ``OSError`` it is (``torch.save`` into a file makes it a ``RuntimeError``)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | (os.O_APPEND if keep_open else 0)
-    while True:
-        tmp = f".{name}.{secrets.token_hex(6)}.tmp"
-        try:
-            fd = os.open(tmp, flags, 0o644, dir_fd=dir_fd)
-            break
-        except FileExistsError:  # someone planted this name: take another
-            continue
-        except OSError as exc:
-            raise _named(exc, shown) from None
-    f = os.fdopen(fd, "ab" if keep_open else "wb")
-    try:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):  # close() flushes again, and raises again on a full disk
-            f.close()
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=dir_fd)
-        if isinstance(exc, OSError):
-            raise _named(exc, shown) from None
-        raise
-    _fsync_dir(dir_fd)
-    if keep_open:
-        return f
-    f.close()
-    return None
-
-
-def _named(exc: OSError, shown: Path | None) -> OSError:
-    if shown is not None and exc.errno is not None:
-        exc.filename, exc.filename2 = str(shown), None
-    return exc
-
-
-def remove_temporaries(dir_fd: int, prefixes: tuple[str, ...]) -> None:
-    """Delete the ``<prefix>...tmp`` files a killed writer left in ``dir_fd`` (under its lock; links not followed)."""
-    for name in os.listdir(dir_fd):
-        if name.endswith(".tmp") and name.startswith(prefixes):
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=dir_fd)
-
-
 def is_same_file(dir_fd: int, name: str, other: Path | int) -> bool:
     """Whether ``name`` in ``dir_fd`` (not followed) is the file ``other`` (a path or an open descriptor)."""
     try:
@@ -134,9 +77,64 @@ def is_same_file(dir_fd: int, name: str, other: Path | int) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+def require_tensorboard() -> None:
+    """:class:`MissingExtras` when ``runconfig.tensorboard`` cannot work (checked before anything is written)."""
+    try:
+        import tensorboard  # noqa: F401
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError as exc:
+        raise MissingExtras(
+            f"runconfig.tensorboard needs the 'tensorboard' extra ({exc}); install it with: "
+            "pip install 'dls[tensorboard]'"
+        ) from None
+
+
+def check_model_dir(
+    model_dir: Path, checkpoint: Path | None, unreadable: Sequence[tuple[Path, str]], states: Sequence[str]
+) -> list[Path]:
+    """Whether a run resuming from ``checkpoint`` (``None``: fresh) loading ``states`` may write into
+    ``model_dir``: a fresh run needs a directory without checkpoints; a fork (another directory) a new or empty
+    one; in place, only from the newest readable checkpoint and loading ``global_step``. Raises
+    :class:`ModelDirError` (reading only); returns the ``unreadable`` checkpoints to set aside (in place only)."""
+    if checkpoint is None:
+        if found := list_checkpoints(model_dir):
+            raise ModelDirError(
+                f"runconfig.model_dir {model_dir} already holds checkpoints (latest: step {found[-1][0]}). To "
+                f"continue that run, add --resume {model_dir}; to start over, choose another model_dir "
+                f"(--override runconfig.model_dir=...) or delete {model_dir}."
+            )
+        return []
+    source = resolve_model_dir(checkpoint.parent)
+    if source != model_dir:
+        if model_dir.is_dir() and set(os.listdir(model_dir)) - {LOCK_FILE}:
+            raise ModelDirError(
+                f"runconfig.model_dir {model_dir} is not the directory of the checkpoint ({source}), so this run "
+                f"starts a new run from the checkpoint, and a new run needs a new or empty directory: {model_dir} "
+                f"is not empty. To continue {source} itself, resume it without another model_dir "
+                f"(or with -o runconfig.model_dir={source})."
+            )
+        return []
+    skipped, mine = {p.name for p, _ in unreadable}, checkpoint_step(checkpoint.name)
+    newer = [p for step, p in list_checkpoints(source) if p.name not in skipped and step > mine]
+    fork_hint = "load it into a new or empty directory instead: -o runconfig.model_dir=NEW_DIR"
+    if newer:
+        raise ModelDirError(
+            f"{checkpoint} is not the latest checkpoint of {source} ({newer[-1].name} is): continuing in {source} "
+            f"would mix two histories of the run. Continue from the latest with --resume {source}, or {fork_hint}"
+        )
+    if "global_step" not in states:
+        raise ModelDirError(
+            f"loading {', '.join(states)} without global_step restarts at step 0, which in {source} would "
+            f"overwrite the run's metrics and leave its checkpoints behind. Add global_step to continue the run "
+            f"in place, or {fork_hint}"
+        )
+    return [p for p, _ in unreadable]
+
+
 class RunDir:
     """``path`` (resolved), created if missing, opened and locked; ``what`` names it in messages. ``stale``: the
-    holder record of a lock left by a run that ended without releasing it. Release with :meth:`close`."""
+    holder record of a lock left by a run that ended without releasing it. A training run then calls :meth:`open`
+    and writes rows, checkpoints and plots. Release with :meth:`close`."""
 
     def __init__(self, path: Path, what: str = "runconfig.model_dir") -> None:
         self.path, self.what = path, what
@@ -147,9 +145,17 @@ class RunDir:
             path.mkdir(parents=True, exist_ok=True)
         except FileExistsError:
             raise NotADirectoryError(errno.ENOTDIR, f"{what} is not a directory", str(path)) from None
-        self.fd = open_directory(path)
+        try:
+            self.fd = os.open(path, _DIRECTORY)
+        except OSError as exc:  # replaced by a link since the check above
+            if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and path.is_symlink()):
+                raise ModelDirError(f"{what} {path} is a symbolic link; give the directory it points to") from None
+            raise
         self.stale: dict[str, Any] | None = None
         self._lock_fd: int | None = None
+        self._metrics: IO[bytes] | None = None
+        self.events: Any = None  # torch.utils.tensorboard.SummaryWriter
+        self._events_fd: int | None = None
         try:
             self._lock()
         except BaseException:
@@ -192,14 +198,39 @@ class RunDir:
             self._lock_fd = fd
             return
 
-    def replace(self, name: str, data: bytes | memoryview) -> Path:
-        replace_file(self.fd, name, data, shown=self.path / name)
-        return self.path / name
-
-    def open_log(self, name: str, content: bytes) -> IO[bytes]:
-        f = replace_file(self.fd, name, content, keep_open=True, shown=self.path / name)
-        assert f is not None
+    def write(self, name: str, data: bytes | memoryview, append: bool = False) -> IO[bytes]:
+        """Write ``name`` atomically: a new temporary file (a planted name is never opened), flushed to disk, renamed
+        over ``name``; returned open (for appending with ``append``). Callers serialise into memory first, so that a
+        failing write is the ``OSError`` it is, naming the file (``torch.save`` into a file makes it a
+        ``RuntimeError``); a failed write leaves no temporary file."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | (os.O_APPEND if append else 0)
+        tmp, f = "", None
+        try:
+            while f is None:
+                tmp = f".{name}.{secrets.token_hex(6)}.tmp"
+                with contextlib.suppress(FileExistsError):  # someone planted this name: take another
+                    f = os.fdopen(os.open(tmp, flags, 0o644, dir_fd=self.fd), "ab" if append else "wb")
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+            os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except BaseException as exc:
+            if f is not None:
+                with contextlib.suppress(OSError):  # close() flushes again, and raises again on a full disk
+                    f.close()
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=self.fd)
+            if isinstance(exc, OSError) and exc.errno is not None:
+                exc.filename, exc.filename2 = str(self.path / name), None
+            raise
+        with contextlib.suppress(OSError):
+            os.fsync(self.fd)
         return f
+
+    def replace(self, name: str, data: bytes | memoryview) -> Path:
+        """:meth:`write` ``name``; its path."""
+        self.write(name, data).close()
+        return self.path / name
 
     def read(self, name: str) -> bytes | None:
         """The bytes of the regular file ``name``; ``None`` when there is none (a link or other kind counts as none)."""
@@ -215,22 +246,59 @@ class RunDir:
         with os.fdopen(fd, "rb") as f:
             return f.read()
 
-    def subdirectory(self, name: str) -> int:
-        """A descriptor of the subdirectory ``name``, created if missing; anything else there is refused."""
+    def open(
+        self, log: Callable[[str], None], *, set_aside: Sequence[Path], step: int, config: dict[str, Any],
+        config_file: Path | None, tensorboard: bool = False,
+    ) -> None:  # fmt: skip
+        """Start a training session: set the ``set_aside`` checkpoints aside, keep metrics.jsonl up to ``step`` open,
+        write config.yaml (unless it is the input ``config_file``), start this session's TensorBoard events."""
+        if tensorboard:  # checked before anything is written
+            self._events_fd = self._events_dir()
+        keep = metrics_to_keep(self.read(METRICS_FILE), self.path / METRICS_FILE, step)  # may refuse
+        for name in os.listdir(self.fd):  # the temporary files a killed writer left
+            if name.endswith(".tmp") and name.startswith(_TEMPORARIES):
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=self.fd)
+        for bad in set_aside:  # out of the way of this run's checkpoints and rotation
+            kept = self._set_aside(bad.name, ".unreadable")
+            log(f"Renamed {bad.name} to {kept} (kept, never resumed from)")
+        self._metrics = self.write(METRICS_FILE, keep, append=True)
+        if config_file is not None and is_same_file(self.fd, CONFIG_FILE, config_file):
+            log(f"{self.path / CONFIG_FILE} is the input config: left as it is")
+        else:
+            self.replace(CONFIG_FILE, yaml.safe_dump(config, sort_keys=False).encode())
+        if self._events_fd is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # The directory as its descriptor's path, so that the writer cannot be redirected; a resumed session
+            # purges the events a crashed one wrote after its checkpoint, as its metrics rows are dropped.
+            proc = Path(f"/proc/self/fd/{self._events_fd}")
+            log_dir = proc if proc.is_dir() else self.path / TENSORBOARD_DIR
+            self.events = SummaryWriter(str(log_dir), purge_step=step + 1 if step else None, flush_secs=3600)
+
+    def _events_dir(self) -> int:
+        """``tensorboard/``, created if missing: a directory, not a link, the run owner's and writable by no one else
+        (no one can plant a link); anything else there is refused."""
+        path = self.path / TENSORBOARD_DIR
         with contextlib.suppress(FileExistsError):
-            os.mkdir(name, 0o755, dir_fd=self.fd)
+            os.mkdir(TENSORBOARD_DIR, 0o755, dir_fd=self.fd)
         try:
-            return os.open(name, _DIRECTORY, dir_fd=self.fd)
+            fd = os.open(TENSORBOARD_DIR, _DIRECTORY, dir_fd=self.fd)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise ModelDirError(
-                    f"{self.path / name} is not a directory (or is a symbolic link, which dls does not follow in "
-                    "model_dir): move it away"
+                    f"{path} is not a directory (or is a symbolic link, which dls does not follow in model_dir): "
+                    "move it away"
                 ) from None
-            exc.filename = str(self.path / name)
+            exc.filename = str(path)
             raise
+        info = os.fstat(fd)
+        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            os.close(fd)
+            raise ModelDirError(f"{path} is writable by others than this run's user: move it away")
+        return fd
 
-    def set_aside(self, name: str, suffix: str) -> str:
+    def _set_aside(self, name: str, suffix: str) -> str:
         """Rename ``name`` to the first free ``name + suffix`` (then ``-2``, ``-3``, ...); the new name."""
         for n in range(1, 1000):
             new_name = name + suffix + (f"-{n}" if n > 1 else "")
@@ -238,12 +306,54 @@ class RunDir:
                 os.stat(new_name, dir_fd=self.fd, follow_symlinks=False)
             except FileNotFoundError:
                 os.rename(name, new_name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-                _fsync_dir(self.fd)
+                with contextlib.suppress(OSError):
+                    os.fsync(self.fd)
                 return new_name
         raise FileExistsError(errno.EEXIST, "no free name to set the file aside", str(self.path / name))
 
+    def write_row(self, row: dict[str, Any]) -> None:
+        """Append one metrics row (on disk before this returns) and its numbers as TensorBoard scalars."""
+        assert self._metrics is not None, "rows are written while the run directory is open"
+        try:
+            self._metrics.write((json.dumps(row, allow_nan=False) + "\n").encode())
+            self._metrics.flush()
+        except OSError as exc:  # e.g. the disk is full: say which file
+            exc.filename = exc.filename or str(self.path / METRICS_FILE)
+            raise
+        if self.events is not None:
+            for key, value in row.items():
+                if key not in ("step", "time") and isinstance(value, (int, float)):  # bool is an int
+                    self.events.add_scalar(key, float(value), row["step"])
+            self.events.flush()
+
+    def save_checkpoint(self, state: dict[str, Any], step: int, keep: int | None = None) -> Path:
+        """Write ``state`` as ``checkpoint_<step>.mdl`` atomically, then with ``keep`` delete all but the ``keep``
+        newest checkpoints (never the one just written; a link is not a checkpoint: it pushes no real one out)."""
+        buffer = io.BytesIO()  # in memory first: see write()
+        torch.save({"format": FORMAT, "format_version": FORMAT_VERSION, **state}, buffer)
+        path = self.replace(f"checkpoint_{step}.mdl", buffer.getbuffer())
+        for _, old in list_checkpoints(self.path, self.fd)[:-keep] if keep is not None else []:
+            if old != path:
+                with contextlib.suppress(OSError):
+                    os.unlink(old.name, dir_fd=self.fd)
+        return path
+
+    def plot(self, title: str) -> Path:
+        """Write plots.png from metrics.jsonl; its path."""
+        png = io.BytesIO()
+        plot_run(read_metrics(self.read(METRICS_FILE) or b""), png, title=title)
+        return self.replace(PLOT_FILE, png.getbuffer())
+
     def close(self) -> None:
-        """Release the lock (its file removed first); a directory this created and left empty is removed."""
+        """End the session's files; release the lock (its file removed first); a directory this created and left
+        empty is removed."""
+        for f in (self._metrics, self.events):
+            if f is not None:
+                f.close()
+        self._metrics = self.events = None
+        if self._events_fd is not None:
+            os.close(self._events_fd)
+            self._events_fd = None
         if self._lock_fd is not None:
             with contextlib.suppress(OSError):
                 os.unlink(LOCK_FILE, dir_fd=self.fd)
