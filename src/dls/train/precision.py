@@ -1,23 +1,29 @@
-"""How a run computes (``precision:``): parameter dtype, FP8 layers, master weights, autocast or ``dls.emulate``,
-and the underflow each logged row measures (``optimizer.log_summaries``)."""
+"""How a run computes and steps: ``precision:`` (parameter dtype, FP8 layers, master weights, autocast or
+``dls.emulate``, the underflow each logged row measures), ``optimizer:`` (the optimizer and its LR schedule), and the
+stops where its numbers cannot go on (exit 1, after a finite checkpoint), each telling the user what to try."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Sequence
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 import dls
 import dls.fp8
+from dls import kernels
+from dls.diagnostics import OverflowReport
+from dls.diagnostics.scales import module_label, pow2
 from dls.emulate import EmulationHandle
+from dls.scaler import GradScaler
 from dls.train.config import TrainConfig
 from dls.train.data import Batch
 from dls.train.models import TrainModel
-
-__all__ = ["HALF_DTYPES", "RunPrecision"]
+from dls.train.schema import OptimizerConfig
 
 HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -27,35 +33,27 @@ class RunPrecision:
     and, with ``precision.fp8``, installs FP8 Linear layers (``process_group``: a data-parallel run's ranks)."""
 
     def __init__(self, cfg: TrainConfig, model: TrainModel, device: torch.device, process_group: Any = None) -> None:
-        prec = cfg.precision
-        self.model = model
-        self.device = device
-        self.compute_dtype = prec.compute_dtype
-        self.half_params = prec.half_params
-        self.master_weights = prec.half_params and prec.master_weights
-        self.fp16_type = prec.fp16_type
-        self.emulated = prec.emulated
+        self.cfg, self.prec, self.model, self.device = cfg, cfg.precision, model, device
         self.log_summaries = cfg.optimizer.log_summaries
-        self.loss_weight = cfg.model.loss_weight
-        self.param_dtype = HALF_DTYPES.get(prec.param_dtype, torch.float32)
+        self.param_dtype = HALF_DTYPES.get(self.prec.param_dtype, torch.float32)
         model.to(self.param_dtype)
         self.fp8: dls.fp8.Fp8Handle | None = None
-        if prec.fp8 is not None:
-            self.fp8 = dls.fp8.emulate(model, dls.fp8.recipe_from_dict(dict(prec.fp8)), process_group=process_group)
+        if self.prec.fp8 is not None:
+            recipe = dls.fp8.recipe_from_dict(dict(self.prec.fp8))
+            self.fp8 = dls.fp8.emulate(model, recipe, process_group=process_group)
         self.emulation: EmulationHandle | None = None  # dls.emulate's hooks, while a session trains
-        self._underflows: list[float] = []
-        self._fp8_fractions: list[tuple[float, float]] = []  # (flushed, saturated) of grad_output, per logged row
+        self._recorded: tuple[list[float], ...] = ([], [], [])  # grad_underflow, FP8 flushed, saturated: per row
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """``optimizer`` stepping float32 masters (``dls.master_weights``) where the config asks for them."""
-        if not self.master_weights:
+        if not (self.prec.half_params and self.prec.master_weights):
             return optimizer
-        return dls.master_weights(optimizer, fmt="cbfloat16" if self.fp16_type == "cbfloat16" else None)
+        return dls.master_weights(optimizer, fmt="cbfloat16" if self.prec.fp16_type == "cbfloat16" else None)
 
     def start_session(self) -> None:
         """Install this session's ``dls.emulate`` hooks (cbfloat16, ``precision.emulate``)."""
-        if self.emulated:
-            self.emulation = dls.emulate(self.model, self.compute_dtype, track_stats=self.log_summaries)
+        if self.prec.emulated:
+            self.emulation = dls.emulate(self.model, self.prec.compute_dtype, track_stats=self.log_summaries)
 
     def remove_hooks(self) -> None:
         """Take out this session's emulation and FP8 hooks (the FP8 state stays for the final checkpoint)."""
@@ -67,8 +65,8 @@ class RunPrecision:
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """``torch.autocast`` for float16/bfloat16 without emulation or half parameters, else nothing."""
-        if self.compute_dtype in HALF_DTYPES and self.emulation is None and not self.half_params:
-            dtype = torch.float16 if self.compute_dtype == "float16" else torch.bfloat16
+        dtype = HALF_DTYPES.get(self.prec.compute_dtype)
+        if dtype is not None and self.emulation is None and not self.prec.half_params:
             return torch.autocast(self.device.type, dtype=dtype)
         return contextlib.nullcontext()
 
@@ -89,7 +87,8 @@ class RunPrecision:
     @property
     def probes_underflow(self) -> bool:
         """Whether logged steps run :meth:`probe_underflow` (``log_summaries``, half precision, no emulation/FP8)."""
-        return self.log_summaries and self.compute_dtype != "float32" and self.emulation is None and self.fp8 is None
+        half = self.prec.compute_dtype != "float32"
+        return self.log_summaries and half and self.emulation is None and self.fp8 is None
 
     def probe_underflow(self, batch: Batch, scale: float) -> float:
         """The fraction of nonzero activation gradients flushed to zero at ``scale`` (one emulated backward pass)."""
@@ -99,8 +98,8 @@ class RunPrecision:
             batch = self.to_device(batch, torch.float32)
         params = [p for p in model.parameters() if p.requires_grad]
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), dls.emulate(model, self.compute_dtype) as handle:
-            loss = model.loss(batch) * (self.loss_weight * scale)
+        with torch.random.fork_rng(devices=devices), dls.emulate(model, self.prec.compute_dtype) as handle:
+            loss = model.loss(batch) * (self.cfg.model.loss_weight * scale)
             torch.autograd.grad(loss, params, allow_unused=True)
         assert handle.stats is not None
         return float(handle.stats.underflow_fraction)
@@ -125,19 +124,193 @@ class RunPrecision:
 
     def record(self, underflow: float | None, fp8: Sequence[float]) -> None:
         """Keep a logged row's ``grad_underflow`` and FP8 fractions for :meth:`means`."""
-        if underflow is not None:
-            self._underflows.append(underflow)
-        if fp8:
-            self._fp8_fractions.append((fp8[0], fp8[1]))
+        for values, value in zip(self._recorded, (underflow, *(fp8 or (None, None)))):
+            if value is not None:
+                values.append(value)
 
-    def means(self) -> tuple[float | None, float | None, float | None]:
+    def means(self) -> tuple[float | None, ...]:
         """The means of the recorded underflow, FP8 flushed and saturated fractions (``None``: none recorded)."""
-        return (
-            _mean(self._underflows),
-            _mean([f for f, _ in self._fp8_fractions]),
-            _mean([s for _, s in self._fp8_fractions]),
+        return tuple(sum(values) / len(values) if values else None for values in self._recorded)
+
+
+def build_optimizer(cfg: OptimizerConfig, params: Any) -> torch.optim.Optimizer:
+    """``optimizer:``'s optimizer with learning rate 1.0: the LR schedule (a ``LambdaLR``) sets the real one. Model
+    Zoo's argument names (``correct_bias`` is torch's only behaviour and is checked by the schema)."""
+    if cfg.optimizer_type == "SGD":
+        return torch.optim.SGD(params, lr=1.0, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    cls = torch.optim.Adam if cfg.optimizer_type == "Adam" else torch.optim.AdamW
+    return cls(params, lr=1.0, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def learning_rate_at(schedule: float | Sequence[Any], step: int) -> float:
+    """The learning rate after ``step`` applied updates (0-based): a constant, or the schedule pieces one after
+    another (``Constant``, ``Linear``, ``CosineDecay`` over ``total_iters`` steps each; the last holds its end)."""
+    if isinstance(schedule, (int, float)):
+        return float(schedule)
+    t = step
+    for i, item in enumerate(schedule):
+        piece = item if isinstance(item, dict) else item.model_dump()
+        total = piece.get("total_iters")
+        if total is not None and t >= total and i < len(schedule) - 1:
+            t -= total
+            continue
+        if piece["scheduler"] == "Constant":
+            return float(piece["learning_rate"])
+        start, end = float(piece["initial_learning_rate"]), float(piece["end_learning_rate"])
+        frac = min(t / total, 1.0) if total else 1.0
+        if piece["scheduler"] == "Linear":
+            return start + (end - start) * frac
+        return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * frac))
+    raise AssertionError("unreachable: a schedule has at least one piece")
+
+
+def build_scheduler(cfg: OptimizerConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` over the schedule's LR (the optimizer's own is 1.0), wrapped by the trainer with
+    ``dls.skip_aware`` so that it advances on applied steps."""
+    schedule = cfg.learning_rate
+
+    def lr_at(step: int) -> float:  # a plain function: LambdaLR.state_dict() does not store it
+        return learning_rate_at(schedule, step)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+
+
+# ---------------------------------------------------------------------- stops
+class NonFiniteGradients(Exception):
+    """Raised before the optimizer applies inf/NaN gradients."""
+
+
+def refuse_nonfinite_gradients(
+    device: torch.device, params: Sequence[torch.Tensor]
+) -> Callable[[torch.optim.Optimizer, Any, Any], None]:
+    """An optimizer step pre-hook for runs without loss scaling: :class:`NonFiniteGradients` when a gradient of
+    ``params`` (the model's: master weights get theirs inside the step) holds inf/NaN; one read per step."""
+    params = list(params)
+
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        flags = []
+        for (grad_device, _), grads in kernels.group_grads(params).items():
+            flag = torch.zeros((), dtype=torch.float32, device=grad_device)
+            kernels.check_nonfinite(grads, flag)
+            flags.append(flag.to(device))
+        if flags and bool(torch.stack(flags).amax() > 0):
+            raise NonFiniteGradients
+
+    return hook
+
+
+def nonfinite_message(
+    step: int, loss: float, compute_dtype: str, saved_step: int, path: object, report: OverflowReport | None = None
+) -> str:
+    """The stop message of a run without loss scaling whose gradients became inf/NaN (``report``: where)."""
+    scaling = ", or optimizer.loss_scaling_factor: dynamic." if compute_dtype != "float32" else "."
+    where = ""
+    if report is not None and report.first_module is not None:
+        where = (
+            f" The first module with inf/NaN gradients, in backward order, is {module_label(report.first_module)} "
+            f"({report.first_module_type}); modules with inf/NaN gradients: {_listed(report.modules)}."
         )
+    return (
+        f"Step {step}: the gradients are inf/NaN (loss {loss}) and loss scaling is off ({compute_dtype}), so nothing "
+        f"can skip this step.{where} Training stopped before applying it; the model as of step {saved_step} is saved "
+        f"in {path}. Try a lower optimizer.learning_rate, optimizer.max_gradient_norm (e.g. 1.0){scaling}"
+    )
 
 
-def _mean(values: Sequence[float]) -> float | None:
-    return sum(values) / len(values) if values else None
+def nonfinite_weights(model: torch.nn.Module, step: int, last: object, model_dir: object, repair: str) -> str | None:
+    """When ``model``'s parameters hold inf/NaN (one device read; buffers may hold them by design), the stop message:
+    ``last`` stays the newest checkpoint; else ``None``."""
+    named = [(n, t) for n, t in model.named_parameters() if t.is_floating_point()]
+    finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist() if named else []
+    if not (broken := [n for (n, _), ok in zip(named, finite) if not ok]):
+        return None
+    then = f"then --resume {model_dir} (its metrics rows after that step are dropped)" if last else "start again"
+    newest = f"the newest checkpoint, {last}, is the last with finite weights" if last else "the run has no checkpoint"
+    return (
+        f"Step {step}: the model's weights hold inf/NaN ({_listed(broken, 4)}): an applied step broke them, so every "
+        f"step after it would overflow. No checkpoint of them was written; {newest}. To try: {repair}a lower "
+        f"optimizer.learning_rate or clipping (optimizer.max_gradient_norm), {then}"
+    )
+
+
+def _listed(names: Sequence[str], count: int = 6) -> str:
+    shown = [module_label(n) for n in names[:count]]
+    return ", ".join(shown) + (f" and {len(names) - count} more" if len(names) > count else "")
+
+
+# Formats with more range than each half format, for a forward pass that overflowed it.
+_WIDER = {
+    "float16": "bfloat16 or cbfloat16 (precision.fp16_type), whose ranges reach float32's max and 2^32",
+    "cbfloat16": "bfloat16 (precision.fp16_type: bfloat16), whose range is float32's",
+}
+_DIVERGED = "lower optimizer.learning_rate or clip with optimizer.max_gradient_norm (the model may have diverged)"
+
+
+class FloorWatch:
+    """Counts overflowing steps at the scale's floor (Model Zoo's test: ``get_non_clamped_scale() < get_scale()``;
+    static scaling: every overflowing step) up to ``limit`` without a clean step between. ``count`` is
+    checkpointed; the counted steps' overflow reports of this session name where the overflow started."""
+
+    def __init__(self, limit: int, half_dtype: str = "float16", repair: str = "") -> None:
+        self.limit, self.half_dtype, self.repair = limit, half_dtype, repair
+        self.count = 0
+        self.reports: list[OverflowReport | None] = []
+
+    def after_step(self, scaler: GradScaler, skipped: bool, report: OverflowReport | None = None) -> str | None:
+        """Count a step (reading the scaler only when skipped); at the limit, the stop message, else ``None``."""
+        if not scaler.is_enabled():
+            return None
+        if not skipped:
+            self.count = 0
+            self.reports.clear()
+            return None
+        scale, static = scaler.get_scale(), scaler.mode == "static"
+        if static or scaler.get_non_clamped_scale() < scale:
+            self.count += 1
+            self.reports = [*self.reports[-(self.limit - 1) :], report] if self.limit > 1 else [report]
+        if self.count < self.limit:
+            return None
+        if static:
+            what = (
+                f"the static loss scale {pow2(scale)} made the gradients overflow on {self.limit} consecutive steps, "
+                "and a static scale never comes down"
+            )
+            advice = "use optimizer.loss_scaling_factor: dynamic (it finds the largest scale that does not overflow), "
+            advice += "or a smaller static scale"
+        else:
+            what = (
+                f"the loss scale is pinned at min_loss_scale ({pow2(scale)}) and the gradients still overflowed on "
+                f"{self.limit} steps without a clean step between (Model Zoo: 'Minimum loss scale threshold was "
+                "reached but gradient norms are still encountering NaN or inf values')"
+            )
+            advice = (
+                f"{_DIVERGED}; check the data for inf/NaN; switch to bfloat16 (precision.fp16_type: bfloat16), whose "
+                "range matches float32, if the forward pass itself overflows in float16; or lower "
+                "optimizer.min_loss_scale"
+            )
+        # Where the counted overflows started, and whether the forward pass overflowed in most of them.
+        reports, where = [r for r in self.reports if r is not None], ""
+        n, forward = len(reports), sum(1 for r in reports if r.forward)
+        of = f"of the last {n} counted steps" if n < self.count else f"of the {n} steps"
+        if firsts := Counter(r.first_module for r in reports if r.first_module is not None):
+            ranked = ", ".join(f"{module_label(m)} in {k}" for m, k in firsts.most_common(3))
+            modules = list(dict.fromkeys(m for r in reports for m in r.modules))
+            where += (
+                f" First module with inf/NaN gradients, in backward order: {ranked} {of}; modules with inf/NaN "
+                f"gradients: {_listed(modules)}."
+            )
+        if forward:
+            where += (
+                f" The loss was already inf/NaN before scaling in {forward} {of}: the forward pass overflowed, and "
+                "loss scaling cannot fix that."
+            )
+        elif reports and all(r.forward is False for r in reports):
+            where += " The loss was finite every time: the overflow arose in backward."
+        if forward * 2 > n:
+            wider = _WIDER.get(self.half_dtype)
+            advice = (
+                (f"use {wider}, if {self.half_dtype}'s range is what overflowed; " if wider else "")
+                + "`dls audit CONFIG.yaml` names the first module whose output exceeds each format; if float32's "
+                f"range overflowed too, {_DIVERGED}, or check the data and model.loss_weight"
+            )
+        return f"{what}.{where} Skipping more steps cannot help. To try: {advice}"

@@ -27,8 +27,16 @@ from dls.train.data import BatchIterator, build_batches, modelzoo
 from dls.train.errors import TrainingStopped
 from dls.train.launch import StopRequest, resolve_device, run_on_rank0, sum_over_ranks, wrap_data_parallel
 from dls.train.models import build_model, evaluate, evaluate_batches
-from dls.train.optim import build_optimizer, build_scheduler
-from dls.train.precision import RunPrecision
+from dls.train.precision import (
+    FloorWatch,
+    NonFiniteGradients,
+    RunPrecision,
+    build_optimizer,
+    build_scheduler,
+    nonfinite_message,
+    nonfinite_weights,
+    refuse_nonfinite_gradients,
+)
 from dls.train.reporting import (
     ProgressDisplay,
     TrainResult,
@@ -47,14 +55,6 @@ from dls.train.rundir import (
     resolve_model_dir,
 )
 from dls.train.schema import ZOO_MODELS
-from dls.train.stops import (
-    FloorWatch,
-    NonFiniteGradients,
-    nonfinite_message,
-    nonfinite_parameters,
-    nonfinite_weights,
-    refuse_nonfinite_gradients,
-)
 
 __all__ = ["TrainResult", "Trainer", "TrainingStopped"]
 
@@ -422,11 +422,9 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def _save(self, session_start: float) -> Path:
         """Checkpoint the current state (every rank calls it; rank 0 writes); inf/NaN weights stop the run instead."""
-        if broken := nonfinite_parameters(self.model):
-            message = nonfinite_weights(
-                self.global_step, broken, self._last_checkpoint, self.model_dir, self.floor.repair
-            )
-            raise TrainingStopped(message, self._last_checkpoint)
+        last = self._last_checkpoint
+        if message := nonfinite_weights(self.model, self.global_step, last, self.model_dir, self.floor.repair):
+            raise TrainingStopped(message, last)
         rng_ranks: list[Any] = [None] * self.world_size
         if self.world_size > 1:
             dist.all_gather_object(rng_ranks, ckpt.rng_state())
