@@ -8,7 +8,7 @@ import contextlib
 import copy
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from dls.scaler import GradScaler
 from dls.train.config import TrainConfig
 from dls.train.data import Batch
 from dls.train.models import TrainModel
-from dls.train.schema import OptimizerConfig
+from dls.train.schema import OptimizerConfig, PrecisionConfig
 
 HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -44,11 +44,14 @@ class RunPrecision:
         self.emulation: EmulationHandle | None = None  # dls.emulate's hooks, while a session trains
         self._recorded: tuple[list[float], ...] = ([], [], [])  # grad_underflow, FP8 flushed, saturated: per row
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """``optimizer`` stepping float32 masters (``dls.master_weights``) where the config asks for them."""
-        if not (self.prec.half_params and self.prec.master_weights):
-            return optimizer
-        return dls.master_weights(optimizer, fmt="cbfloat16" if self.prec.fp16_type == "cbfloat16" else None)
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, scaled: bool) -> torch.optim.Optimizer:
+        """``optimizer`` stepping float32 masters (``dls.master_weights``) where the config asks for them; in a run
+        without loss scaling (not ``scaled``), where nothing can skip a step, refusing inf/NaN gradients."""
+        if self.prec.half_params and self.prec.master_weights:
+            optimizer = dls.master_weights(optimizer, fmt="cbfloat16" if self.prec.fp16_type == "cbfloat16" else None)
+        if not scaled:
+            optimizer.register_step_pre_hook(refuse_nonfinite_gradients(self.device, self.model.parameters()))
+        return optimizer
 
     def start_session(self) -> None:
         """Install this session's ``dls.emulate`` hooks (cbfloat16, ``precision.emulate``)."""
@@ -181,7 +184,7 @@ class NonFiniteGradients(Exception):
 
 
 def refuse_nonfinite_gradients(
-    device: torch.device, params: Sequence[torch.Tensor]
+    device: torch.device, params: Iterable[torch.Tensor]
 ) -> Callable[[torch.optim.Optimizer, Any, Any], None]:
     """An optimizer step pre-hook for runs without loss scaling: :class:`NonFiniteGradients` when a gradient of
     ``params`` (the model's: master weights get theirs inside the step) holds inf/NaN; one read per step."""
@@ -199,40 +202,6 @@ def refuse_nonfinite_gradients(
     return hook
 
 
-def nonfinite_message(
-    step: int, loss: float, compute_dtype: str, saved_step: int, path: object, report: OverflowReport | None = None
-) -> str:
-    """The stop message of a run without loss scaling whose gradients became inf/NaN (``report``: where)."""
-    scaling = ", or optimizer.loss_scaling_factor: dynamic." if compute_dtype != "float32" else "."
-    where = ""
-    if report is not None and report.first_module is not None:
-        where = (
-            f" The first module with inf/NaN gradients, in backward order, is {module_label(report.first_module)} "
-            f"({report.first_module_type}); modules with inf/NaN gradients: {_listed(report.modules)}."
-        )
-    return (
-        f"Step {step}: the gradients are inf/NaN (loss {loss}) and loss scaling is off ({compute_dtype}), so nothing "
-        f"can skip this step.{where} Training stopped before applying it; the model as of step {saved_step} is saved "
-        f"in {path}. Try a lower optimizer.learning_rate, optimizer.max_gradient_norm (e.g. 1.0){scaling}"
-    )
-
-
-def nonfinite_weights(model: torch.nn.Module, step: int, last: object, model_dir: object, repair: str) -> str | None:
-    """When ``model``'s parameters hold inf/NaN (one device read; buffers may hold them by design), the stop message:
-    ``last`` stays the newest checkpoint; else ``None``."""
-    named = [(n, t) for n, t in model.named_parameters() if t.is_floating_point()]
-    finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist() if named else []
-    if not (broken := [n for (n, _), ok in zip(named, finite) if not ok]):
-        return None
-    then = f"then --resume {model_dir} (its metrics rows after that step are dropped)" if last else "start again"
-    newest = f"the newest checkpoint, {last}, is the last with finite weights" if last else "the run has no checkpoint"
-    return (
-        f"Step {step}: the model's weights hold inf/NaN ({_listed(broken, 4)}): an applied step broke them, so every "
-        f"step after it would overflow. No checkpoint of them was written; {newest}. To try: {repair}a lower "
-        f"optimizer.learning_rate or clipping (optimizer.max_gradient_norm), {then}"
-    )
-
-
 def _listed(names: Sequence[str], count: int = 6) -> str:
     shown = [module_label(n) for n in names[:count]]
     return ", ".join(shown) + (f" and {len(names) - count} more" if len(names) > count else "")
@@ -246,15 +215,51 @@ _WIDER = {
 _DIVERGED = "lower optimizer.learning_rate or clip with optimizer.max_gradient_norm (the model may have diverged)"
 
 
-class FloorWatch:
-    """Counts overflowing steps at the scale's floor (Model Zoo's test: ``get_non_clamped_scale() < get_scale()``;
-    static scaling: every overflowing step) up to ``limit`` without a clean step between. ``count`` is
-    checkpointed; the counted steps' overflow reports of this session name where the overflow started."""
+class Stops:
+    """When a run stops because its numbers cannot go on (a finite checkpoint saved first), and what it tells the
+    user: inf/NaN gradients without loss scaling, inf/NaN weights, and overflowing steps at the scale's floor (Model
+    Zoo's test: ``get_non_clamped_scale() < get_scale()``; static scaling: every overflowing step) counted up to
+    ``limit`` without a clean step between. ``count`` is checkpointed; the counted steps' overflow reports of this
+    session name where the overflow started."""
 
-    def __init__(self, limit: int, half_dtype: str = "float16", repair: str = "") -> None:
-        self.limit, self.half_dtype, self.repair = limit, half_dtype, repair
+    def __init__(self, limit: int, prec: PrecisionConfig) -> None:
+        self.limit, self.half_dtype, self.compute_dtype = limit, prec.fp16_type, prec.compute_dtype
+        self.repair = "precision.master_weights: true, " if prec.half_params and not prec.master_weights else ""
         self.count = 0
         self.reports: list[OverflowReport | None] = []
+
+    def nonfinite_gradients(self, step: int, loss: float, saved_step: int, path: object, report: Any) -> str:
+        """The stop message of a run without loss scaling whose gradients became inf/NaN (``report``: where)."""
+        scaling = ", or optimizer.loss_scaling_factor: dynamic." if self.compute_dtype != "float32" else "."
+        where = ""
+        if report is not None and report.first_module is not None:
+            where = (
+                f" The first module with inf/NaN gradients, in backward order, is {module_label(report.first_module)} "
+                f"({report.first_module_type}); modules with inf/NaN gradients: {_listed(report.modules)}."
+            )
+        return (
+            f"Step {step}: the gradients are inf/NaN (loss {loss}) and loss scaling is off ({self.compute_dtype}), so "
+            f"nothing can skip this step.{where} Training stopped before applying it; the model as of step "
+            f"{saved_step} is saved in {path}. Try a lower optimizer.learning_rate, optimizer.max_gradient_norm (e.g. "
+            f"1.0){scaling}"
+        )
+
+    def nonfinite_weights(self, model: torch.nn.Module, step: int, last: object, model_dir: object) -> str | None:
+        """When ``model``'s parameters hold inf/NaN (one device read; buffers may hold them by design), the stop
+        message: ``last`` stays the newest checkpoint; else ``None``."""
+        named = [(n, t) for n, t in model.named_parameters() if t.is_floating_point()]
+        finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist() if named else []
+        if not (broken := [n for (n, _), ok in zip(named, finite) if not ok]):
+            return None
+        then = f"then --resume {model_dir} (its metrics rows after that step are dropped)" if last else "start again"
+        newest = (
+            f"the newest checkpoint, {last}, is the last with finite weights" if last else "the run has no checkpoint"
+        )
+        return (
+            f"Step {step}: the model's weights hold inf/NaN ({_listed(broken, 4)}): an applied step broke them, so "
+            f"every step after it would overflow. No checkpoint of them was written; {newest}. To try: {self.repair}a "
+            f"lower optimizer.learning_rate or clipping (optimizer.max_gradient_norm), {then}"
+        )
 
     def after_step(self, scaler: GradScaler, skipped: bool, report: OverflowReport | None = None) -> str | None:
         """Count a step (reading the scaler only when skipped); at the limit, the stop message, else ``None``."""

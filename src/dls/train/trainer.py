@@ -22,38 +22,14 @@ from dls import distributed
 from dls.diagnostics import OverflowReport
 from dls.diagnostics.fallback import apply_precision_fallback, fallback_note
 from dls.train import checkpoint as ckpt
+from dls.train import reporting, rundir
 from dls.train.config import CHECKPOINT_STATES, TrainConfig, loss_scaling_mode, scaler_settings, to_dict
 from dls.train.data import BatchIterator, build_batches, modelzoo
 from dls.train.errors import TrainingStopped
 from dls.train.launch import StopRequest, resolve_device, run_on_rank0, sum_over_ranks, wrap_data_parallel
 from dls.train.models import build_model, evaluate, evaluate_batches
-from dls.train.precision import (
-    FloorWatch,
-    NonFiniteGradients,
-    RunPrecision,
-    build_optimizer,
-    build_scheduler,
-    nonfinite_message,
-    nonfinite_weights,
-    refuse_nonfinite_gradients,
-)
-from dls.train.reporting import (
-    ProgressDisplay,
-    TrainResult,
-    describe_precision,
-    describe_run,
-    describe_scaling,
-    json_number,
-    print_summary,
-)
-from dls.train.rundir import (
-    METRICS_FILE,
-    RunDir,
-    check_model_dir,
-    describe_holder,
-    require_tensorboard,
-    resolve_model_dir,
-)
+from dls.train.precision import NonFiniteGradients, RunPrecision, Stops, build_optimizer, build_scheduler
+from dls.train.reporting import TrainResult, json_number
 from dls.train.schema import ZOO_MODELS
 
 __all__ = ["TrainResult", "Trainer", "TrainingStopped"]
@@ -82,9 +58,9 @@ class Trainer:
         if self.world_size > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())  # one GPU per rank
         if rc.tensorboard:
-            require_tensorboard()  # before anything is built or written
-        self.model_dir = resolve_model_dir(rc.model_dir)
-        self.run_dir: RunDir | None = None  # rank 0, while train() holds model_dir
+            rundir.require_tensorboard()  # before anything is built or written
+        self.model_dir = rundir.resolve_model_dir(rc.model_dir)
+        self.run_dir: rundir.RunDir | None = None  # rank 0, while train() holds model_dir
         self.crash_dir: Path | None = None  # where a crash report may go: model_dir, once this run has locked it
         ckpt.seed_everything(rc.seed)
         if not cfg.data.dataset:  # Model Zoo data: the directories are checked here, not by dls validate
@@ -123,23 +99,19 @@ class Trainer:
             # stream of its own per rank (dropout).
             self.ddp = wrap_data_parallel(self.model, self.device)
             ckpt.seed_everything(rc.seed + self.rank)
-        self.optimizer = self.precision.wrap_optimizer(build_optimizer(cfg.optimizer, self.model.parameters()))
         self.scaling = loss_scaling_mode(cfg)
         # The settings carry the half dtype (fp16_type): nothing process-global is read or set.
         enabled = prec.compute_dtype != "float32"
         self.scaler = dls.GradScaler.from_settings(scaler_settings(cfg), enabled=enabled, device=self.device)
+        optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
+        self.optimizer = self.precision.wrap_optimizer(optimizer, scaled=self.scaler.is_enabled())
         self.scheduler = dls.skip_aware(build_scheduler(cfg.optimizer, self.optimizer), self.scaler)
         # Where an overflow starts (hooks of Python only; a report on overflowing steps alone); the modules kept in
         # float32 (precision.keep_in_float32, and those the fallback finds).
         keep, fallback = prec.keep_in_float32, prec.fallback_on and self.scaler.is_enabled()
         self.watch = apply_precision_fallback(self.model, self.scaler, keep, fallback)
-        if not self.scaler.is_enabled():
-            guard = refuse_nonfinite_gradients(self.device, list(self.model.parameters()))
-            self.optimizer.register_step_pre_hook(guard)
         self.global_step, self.elapsed = 0, 0.0
-        # Stops when the scale cannot help.
-        repair = "precision.master_weights: true, " if prec.half_params and not prec.master_weights else ""
-        self.floor = FloorWatch(rc.max_overflows_at_min_loss_scale, prec.fp16_type, repair)
+        self.stops = Stops(rc.max_overflows_at_min_loss_scale, prec)  # when the numbers cannot go on
         self._last_checkpoint: Path | None = None
         self._last_skipped = False
         self._skipped_total: int | None = None  # as last read, on a logged step
@@ -167,7 +139,7 @@ class Trainer:
         checkpoint, loading ``load_states`` (default: ``runconfig.load_checkpoint_states``, else all)."""
         if self.fp8 is not None and not self.fp8.active:
             raise RuntimeError("a Trainer with precision.fp8 trains once: build a new Trainer (with resume=...)")
-        session_start = time.perf_counter()
+        self._session_start = time.perf_counter()
         rc, threads = self.cfg.runconfig, torch.get_num_threads()
         if rc.num_threads is not None:
             torch.set_num_threads(rc.num_threads)
@@ -178,10 +150,10 @@ class Trainer:
         aside: list[Path] = []  # unreadable checkpoints of this run's own directory
 
         def lock() -> None:  # first: nothing of model_dir is read before its lock is held
-            run_dir = self.run_dir = RunDir(self.model_dir)
+            run_dir = self.run_dir = rundir.RunDir(self.model_dir)
             self.crash_dir = self.model_dir  # then a crash report may go there
             if run_dir.stale:
-                holder = describe_holder(run_dir.stale, held=False)
+                holder = rundir.describe_holder(run_dir.stale, held=False)
                 self.log(f"Taking over the lock of {holder}: that run ended without releasing it")
 
         def open_run_dir() -> None:
@@ -206,19 +178,19 @@ class Trainer:
                     states = rc.load_checkpoint_states
                 for bad, reason in unreadable:
                     self.log(f"Skipping {bad}: {reason}")
-            run_on_rank0(lambda: aside.extend(check_model_dir(self.model_dir, path, unreadable, states)))
+            run_on_rank0(lambda: aside.extend(rundir.check_model_dir(self.model_dir, path, unreadable, states)))
             if path is not None and state is not None:
                 ckpt.restore(self, path, state, states)
                 del state
             run_on_rank0(open_run_dir)
-            return self._train(session_start)
+            return self._train()
         finally:
             torch.set_num_threads(threads)
             if self.run_dir is not None:
                 self.run_dir.close()
                 self.run_dir = None
 
-    def _train(self, session_start: float) -> TrainResult:
+    def _train(self) -> TrainResult:
         cfg, rc = self.cfg, self.cfg.runconfig
         if rc.num_steps is not None:  # Model Zoo's num_steps: this many steps in this run, within max_steps
             ends = [self.max_steps] if "max_steps" in rc.model_fields_set or rc.num_epochs else []
@@ -226,15 +198,14 @@ class Trainer:
         max_steps, start_step = self.max_steps, self.global_step
         for note in cfg.notes:
             self.log(f"note: {note}")
-        self.log(describe_run(cfg, start_step, self.model_dir, self.world_size, self.device.type, max_steps))
+        self.log(reporting.describe_run(cfg, start_step, self.model_dir, self.world_size, self.device.type, max_steps))
         tail = max(1, (max_steps - start_step) // 10)  # the final loss: mean over the last 10% of the session
         self._tail = (max_steps - tail + 1, torch.zeros((), device=self.device), 0)
         self.precision.start_session()
-        display = ProgressDisplay(
-            self.console, self.show_progress and self.is_main, max_steps, start_step, cfg.model.name
-        )
+        shown = self.show_progress and self.is_main
+        display = reporting.ProgressDisplay(self.console, shown, max_steps, start_step, cfg.model.name)
         if rc.save_initial_checkpoint and start_step == 0:
-            self._save(session_start)
+            self._save()
         self.model.train()
         stop_request = StopRequest(self.log, distributed=self.world_size > 1)
         stopped: TrainingStopped | None = None
@@ -243,24 +214,24 @@ class Trainer:
                 while self.global_step < max_steps:
                     if stop_request.due:
                         raise stop_request.interrupt()
-                    row = self._step(session_start, stop_request)
+                    row = self._step(stop_request)
                     if row is not None and self.run_dir is not None:
                         self.run_dir.write_row(row)
-                    self._check_floor(session_start)
+                    self._check_floor()
                     step = self.global_step
                     last = step == max_steps and (self.eval_every or self.eval_batches is not None)
                     if last or (self.eval_every and step % self.eval_every == 0):  # an eval loader: at the end too
                         self._evaluate(step)
                     if rc.checkpoint_steps and step % rc.checkpoint_steps == 0 and step < max_steps:
-                        self._save(session_start)
+                        self._save()
                     if row is not None:
                         display.update(row, self._skipped_total)
                 if self._last_checkpoint != ckpt.checkpoint_path(self.model_dir, self.global_step):  # not saved yet
-                    self._save(session_start)
+                    self._save()
         except KeyboardInterrupt:
             display.close()
             if stop_request.due and not stop_request.forced:  # between two steps: consistent
-                path = self._save(session_start)
+                path = self._save()
                 self._ended_together = True
                 self.log(
                     f"Interrupted at step {self.global_step}; saved {path}. Continue with --resume {self.model_dir}"
@@ -273,17 +244,8 @@ class Trainer:
         finally:
             display.close()
             self.precision.remove_hooks()
-        result = self._result(start_step, time.perf_counter() - session_start)
-        if stopped is not None:
-            stopped.result = result
-            raise stopped
-        if self.show_summary and self.is_main:
-            print_summary(self.console, self.cfg, result)
-        return result
-
-    def _result(self, start_step: int, session_time: float) -> TrainResult:
-        """What the session did (finished or stopped), with the plot written and the model evaluated."""
-        _, loss_sum, count = self._tail
+        # What the session did (finished or stopped), with the plot written and the model evaluated.
+        wall_time, (_, loss_sum, count) = time.perf_counter() - self._session_start, self._tail
         final_loss = float(loss_sum) / count if count else None
         if final_loss is not None and self.world_size > 1:
             final_loss = sum_over_ranks([final_loss], self.device)[0] / self.world_size
@@ -293,19 +255,24 @@ class Trainer:
             eval_loss = evaluate(self.model, self.dataset, self.device)
         plot = None
         if self.write_plot and self.run_dir is not None:
-            plot = self.run_dir.plot(
-                f"{self.cfg.model.name}, {describe_precision(self.cfg)}\n{describe_scaling(self.cfg)}"
-            )
+            describe = reporting.describe_precision(cfg), reporting.describe_scaling(cfg)
+            plot = self.run_dir.plot(f"{cfg.model.name}, {describe[0]}\n{describe[1]}")
         grad_underflow, fp8_flushed, fp8_saturated = self.precision.means()
-        return TrainResult(
+        result = TrainResult(
             model_dir=self.model_dir, global_step=self.global_step, steps_run=self.global_step - start_step,
             final_loss=final_loss, eval_loss=eval_loss if self.is_main else None,
             skipped_steps=self.scaler.get_num_skipped_steps(),
             loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None, scaling=self.scaling,
             grad_underflow=grad_underflow, fp8_flushed=fp8_flushed, fp8_saturated=fp8_saturated,
-            wall_time=session_time, checkpoint=self._last_checkpoint, metrics_path=self.model_dir / METRICS_FILE,
+            wall_time=wall_time, checkpoint=self._last_checkpoint, metrics_path=self.model_dir / rundir.METRICS_FILE,
             plot_path=plot,
         )  # fmt: skip
+        if stopped is not None:
+            stopped.result = result
+            raise stopped
+        if self.show_summary and self.is_main:
+            reporting.print_summary(self.console, cfg, result)
+        return result
 
     def _evaluate(self, step: int) -> None:
         """``eval_steps`` batches of the eval loader (the training data's without one), as a metrics row."""
@@ -328,7 +295,7 @@ class Trainer:
             self.run_dir.write_row({"step": step, "eval_loss": json_number(self.eval_loss)})
 
     # ------------------------------------------------------------------ one step
-    def _step(self, session_start: float, stop_request: StopRequest) -> dict[str, Any] | None:
+    def _step(self, stop_request: StopRequest) -> dict[str, Any] | None:
         """One training step; its metrics row when the step is logged (see the module docstring), else ``None``."""
         cfg, rc, opt_cfg = self.cfg, self.cfg.runconfig, self.cfg.optimizer
         step = self.global_step + 1
@@ -358,11 +325,9 @@ class Trainer:
             report = self.watch.build_report(loss.detach())  # the stop path: reads are fine here
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.update()  # ends the iteration the refused step began
-            path = self._save(session_start)
-            loss_value = float(loss.detach())
-            raise TrainingStopped(
-                nonfinite_message(step, loss_value, cfg.precision.compute_dtype, self.global_step, path, report), path
-            ) from None
+            path = self._save()
+            message = self.stops.nonfinite_gradients(step, float(loss.detach()), self.global_step, path, report)
+            raise TrainingStopped(message, path) from None
         skipped = self.scaler.step_was_skipped(self.optimizer)
         self._last_report = self.scaler.overflow_report() if skipped else None  # built by step() on overflow only
         self.scheduler.step()  # skip-aware: advances only when the step was applied
@@ -394,7 +359,7 @@ class Trainer:
         row: dict[str, Any] = {
             "step": step, "loss": json_number(loss_value), "loss_scale": scale_used if enabled else None,
             "skipped": skipped, "grad_norm": json_number(grad_norm), "lr": lr,
-            "time": round(self.elapsed + time.perf_counter() - session_start, 4),
+            "time": round(self.elapsed + time.perf_counter() - self._session_start, 4),
         }  # fmt: skip
         if opt_cfg.log_summaries:
             row["skipped_total"] = self._skipped_total
@@ -408,11 +373,11 @@ class Trainer:
             )
         return row
 
-    def _check_floor(self, session_start: float) -> None:
+    def _check_floor(self) -> None:
         """Stop (after a checkpoint) when overflows at the scale's floor show that loss scaling cannot help."""
-        problem = self.floor.after_step(self.scaler, self._last_skipped, self._last_report)
+        problem = self.stops.after_step(self.scaler, self._last_skipped, self._last_report)
         if problem is not None:
-            path = self._save(session_start)
+            path = self._save()
             raise TrainingStopped(
                 f"Stopped at step {self.global_step}: {problem}{fallback_note(self.watch)}. Nothing is lost: the state "
                 f"is saved in {path}; after changing the config, continue with --resume {self.model_dir}",
@@ -420,10 +385,10 @@ class Trainer:
             )
 
     # ------------------------------------------------------------------ checkpoints
-    def _save(self, session_start: float) -> Path:
+    def _save(self) -> Path:
         """Checkpoint the current state (every rank calls it; rank 0 writes); inf/NaN weights stop the run instead."""
         last = self._last_checkpoint
-        if message := nonfinite_weights(self.model, self.global_step, last, self.model_dir, self.floor.repair):
+        if message := self.stops.nonfinite_weights(self.model, self.global_step, last, self.model_dir):
             raise TrainingStopped(message, last)
         rng_ranks: list[Any] = [None] * self.world_size
         if self.world_size > 1:
@@ -439,14 +404,12 @@ class Trainer:
                 "config": to_dict(self.cfg),
                 "dls_version": dls.__version__,
                 "trainer": {
-                    "elapsed": self.elapsed + time.perf_counter() - session_start,
-                    "overflows_at_floor": self.floor.count,
+                    "elapsed": self.elapsed + time.perf_counter() - self._session_start,
+                    "overflows_at_floor": self.stops.count,
                 },
             }
-            if self.scaler.is_enabled():
-                state["grad_scaler"] = self.scaler.state_dict()
-            if self.fp8 is not None:
-                state["fp8"] = self.fp8.state_dict()
+            optional = {"grad_scaler": self.scaler if self.scaler.is_enabled() else None, "fp8": self.fp8}
+            state.update((key, value.state_dict()) for key, value in optional.items() if value is not None)
             if self.world_size > 1:
                 state["rng_ranks"] = rng_ranks
             self.run_dir.save_checkpoint(state, self.global_step, self.cfg.runconfig.keep_checkpoint_max)
