@@ -152,14 +152,14 @@ class RunDir:
                 raise ModelDirError(f"{what} {path} is a symbolic link; give the directory it points to") from None
             raise
         self.stale: dict[str, Any] | None = None
-        self._lock_fd: int | None = None
         self._metrics: IO[bytes] | None = None
         self.events: Any = None  # torch.utils.tensorboard.SummaryWriter
-        self._events_fd: int | None = None
+        self._close = contextlib.ExitStack()  # what close() releases, last acquired first
+        self._close.callback(os.close, self.fd)
         try:
             self._lock()
         except BaseException:
-            os.close(self.fd)
+            self._close.close()
             raise
 
     def _lock(self) -> None:
@@ -195,8 +195,17 @@ class RunDir:
             except BaseException:
                 os.close(fd)
                 raise
-            self._lock_fd = fd
+            self._close.callback(self._unlock, fd)
             return
+
+    def _unlock(self, fd: int) -> None:
+        """Release the lock (its file removed first); a directory this created and left empty is removed."""
+        with contextlib.suppress(OSError):
+            os.unlink(LOCK_FILE, dir_fd=self.fd)
+        os.close(fd)
+        if self.created:
+            with contextlib.suppress(OSError):  # not empty: kept
+                os.rmdir(self.path)
 
     def write(self, name: str, data: bytes | memoryview, append: bool = False) -> IO[bytes]:
         """Write ``name`` atomically: a new temporary file (a planted name is never opened), flushed to disk, renamed
@@ -252,64 +261,54 @@ class RunDir:
     ) -> None:  # fmt: skip
         """Start a training session: set the ``set_aside`` checkpoints aside, keep metrics.jsonl up to ``step`` open,
         write config.yaml (unless it is the input ``config_file``), start this session's TensorBoard events."""
-        if tensorboard:  # checked before anything is written
-            self._events_fd = self._events_dir()
+        events = self.path / TENSORBOARD_DIR
+        if tensorboard:  # checked before anything is written: created if missing, and refused unless a directory
+            with contextlib.suppress(FileExistsError):  # (not a link) of the run's user writable by no one else
+                os.mkdir(TENSORBOARD_DIR, 0o755, dir_fd=self.fd)
+            try:
+                events_fd = os.open(TENSORBOARD_DIR, _DIRECTORY, dir_fd=self.fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise ModelDirError(
+                        f"{events} is not a directory (or is a symbolic link, which dls does not follow in "
+                        "model_dir): move it away"
+                    ) from None
+                exc.filename = str(events)
+                raise
+            self._close.callback(os.close, events_fd)
+            info = os.fstat(events_fd)
+            if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                raise ModelDirError(f"{events} is writable by others than this run's user: move it away")
         keep = metrics_to_keep(self.read(METRICS_FILE), self.path / METRICS_FILE, step)  # may refuse
         for name in os.listdir(self.fd):  # the temporary files a killed writer left
             if name.endswith(".tmp") and name.startswith(_TEMPORARIES):
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=self.fd)
-        for bad in set_aside:  # out of the way of this run's checkpoints and rotation
-            kept = self._set_aside(bad.name, ".unreadable")
+        for bad in set_aside:  # out of the way of this run's checkpoints and rotation, under the first free name
+            for n in range(1, 1000):
+                kept = f"{bad.name}.unreadable" + (f"-{n}" if n > 1 else "")
+                try:
+                    os.stat(kept, dir_fd=self.fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    break
+            else:
+                raise FileExistsError(errno.EEXIST, "no free name to set the file aside", str(bad))
+            os.rename(bad.name, kept, src_dir_fd=self.fd, dst_dir_fd=self.fd)
             log(f"Renamed {bad.name} to {kept} (kept, never resumed from)")
-        self._metrics = self.write(METRICS_FILE, keep, append=True)
+        self._metrics = self._close.enter_context(self.write(METRICS_FILE, keep, append=True))
         if config_file is not None and is_same_file(self.fd, CONFIG_FILE, config_file):
             log(f"{self.path / CONFIG_FILE} is the input config: left as it is")
         else:
             self.replace(CONFIG_FILE, yaml.safe_dump(config, sort_keys=False).encode())
-        if self._events_fd is not None:
+        if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             # The directory as its descriptor's path, so that the writer cannot be redirected; a resumed session
             # purges the events a crashed one wrote after its checkpoint, as its metrics rows are dropped.
-            proc = Path(f"/proc/self/fd/{self._events_fd}")
-            log_dir = proc if proc.is_dir() else self.path / TENSORBOARD_DIR
+            proc = Path(f"/proc/self/fd/{events_fd}")
+            log_dir = proc if proc.is_dir() else events
             self.events = SummaryWriter(str(log_dir), purge_step=step + 1 if step else None, flush_secs=3600)
-
-    def _events_dir(self) -> int:
-        """``tensorboard/``, created if missing: a directory, not a link, the run owner's and writable by no one else
-        (no one can plant a link); anything else there is refused."""
-        path = self.path / TENSORBOARD_DIR
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(TENSORBOARD_DIR, 0o755, dir_fd=self.fd)
-        try:
-            fd = os.open(TENSORBOARD_DIR, _DIRECTORY, dir_fd=self.fd)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise ModelDirError(
-                    f"{path} is not a directory (or is a symbolic link, which dls does not follow in model_dir): "
-                    "move it away"
-                ) from None
-            exc.filename = str(path)
-            raise
-        info = os.fstat(fd)
-        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            os.close(fd)
-            raise ModelDirError(f"{path} is writable by others than this run's user: move it away")
-        return fd
-
-    def _set_aside(self, name: str, suffix: str) -> str:
-        """Rename ``name`` to the first free ``name + suffix`` (then ``-2``, ``-3``, ...); the new name."""
-        for n in range(1, 1000):
-            new_name = name + suffix + (f"-{n}" if n > 1 else "")
-            try:
-                os.stat(new_name, dir_fd=self.fd, follow_symlinks=False)
-            except FileNotFoundError:
-                os.rename(name, new_name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-                with contextlib.suppress(OSError):
-                    os.fsync(self.fd)
-                return new_name
-        raise FileExistsError(errno.EEXIST, "no free name to set the file aside", str(self.path / name))
+            self._close.callback(self.events.close)
 
     def write_row(self, row: dict[str, Any]) -> None:
         """Append one metrics row (on disk before this returns) and its numbers as TensorBoard scalars."""
@@ -345,26 +344,8 @@ class RunDir:
         return self.replace(PLOT_FILE, png.getbuffer())
 
     def close(self) -> None:
-        """End the session's files; release the lock (its file removed first); a directory this created and left
-        empty is removed."""
-        for f in (self._metrics, self.events):
-            if f is not None:
-                f.close()
-        self._metrics = self.events = None
-        if self._events_fd is not None:
-            os.close(self._events_fd)
-            self._events_fd = None
-        if self._lock_fd is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(LOCK_FILE, dir_fd=self.fd)
-            os.close(self._lock_fd)
-            self._lock_fd = None
-            if self.created:
-                with contextlib.suppress(OSError):  # not empty: kept
-                    os.rmdir(self.path)
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        """End the session's files, release the lock (see :meth:`_unlock`) and the directory."""
+        self._close.close()
 
     def __enter__(self) -> RunDir:
         return self
