@@ -4,6 +4,7 @@ without the extra and can say that it is missing."""
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 __all__ = ["TrainResult", "Trainer", "TrainingStopped"]
@@ -14,12 +15,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    if name == "TrainingStopped":
-        from dls.train.errors import TrainingStopped
-
-        return TrainingStopped
-    if name in ("Trainer", "TrainResult"):
-        from dls.train import trainer
-
-        return getattr(trainer, name)
-    raise AttributeError(f"module 'dls.train' has no attribute {name!r}")
+    if name not in __all__:
+        raise AttributeError(f"module 'dls.train' has no attribute {name!r}")
+    return getattr(
+        importlib.import_module("dls.train.errors" if name == "TrainingStopped" else "dls.train.trainer"), name
+    )

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import dls.fp8
 from dls.diagnostics.scales import pow2
 from dls.scaler_state import parse_state_dict
 from dls.train.config import CHECKPOINT_STATES, TrainConfig, loss_scaling_mode, parse_config, scaler_settings
@@ -235,10 +236,8 @@ def _restore_fp8(trainer: Any, path: Path, saved: Any) -> None:
         elif handle is not None:
             trainer.log(f"{path} has no fp8 state (a run without precision.fp8 wrote it); FP8 scaling starts fresh")
         return
-    from dls.fp8 import recipe_from_dict
-
     try:
-        then = recipe_from_dict(saved["recipe"])
+        then = dls.fp8.recipe_from_dict(saved["recipe"])
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"the fp8 state in {path} names no valid recipe: {exc}") from None
     if then != handle.recipe:
@@ -277,10 +276,9 @@ def _check_optimizer(saved: Any, trainer: Any, saved_cfg: TrainConfig | None, pa
     now = trainer.cfg.optimizer.optimizer_type
     # SGD groups have 'momentum', Adam/AdamW groups 'betas': a state of the other family breaks the first step.
     then = saved_cfg.optimizer.optimizer_type if saved_cfg is not None else None
-    family_then = (
-        ("SGD" if then == "SGD" else "Adam") if then else "Adam" if all("betas" in g for g in groups) else "SGD"
-    )
-    if family_then != (family := "SGD" if now == "SGD" else "Adam"):
+    guessed = "Adam" if all("betas" in g for g in groups) else "SGD"  # from its groups, without a readable config
+    family, family_then = ("SGD" if name == "SGD" else "Adam" for name in (now, then or guessed))
+    if family_then != family:
         raise CheckpointError(
             f"the optimizer state in {path} is {then or family_then}'s and optimizer.optimizer_type is {now} now: "
             "resume without it (--load_checkpoint_states with every state but optimizer; in the run's own "

@@ -19,7 +19,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dls
 from dls import distributed
-from dls.diagnostics import OverflowReport
 from dls.diagnostics.fallback import apply_precision_fallback, fallback_note
 from dls.train import checkpoint as ckpt
 from dls.train import reporting, rundir
@@ -113,10 +112,8 @@ class Trainer:
         self.global_step, self.elapsed = 0, 0.0
         self.stops = Stops(rc.max_overflows_at_min_loss_scale, prec)  # when the numbers cannot go on
         self._last_checkpoint: Path | None = None
-        self._last_skipped = False
         self._skipped_total: int | None = None  # as last read, on a logged step
         self._tail = (0, torch.zeros((), device=self.device), 0)  # (first step, loss sum, count): the final loss
-        self._last_report: OverflowReport | None = None
         self._ended_together = False  # data-parallel: train() ended at the same point on every rank
 
     # ------------------------------------------------------------------ logging, data-parallel
@@ -215,9 +212,6 @@ class Trainer:
                     if stop_request.due:
                         raise stop_request.interrupt()
                     row = self._step(stop_request)
-                    if row is not None and self.run_dir is not None:
-                        self.run_dir.write_row(row)
-                    self._check_floor()
                     step = self.global_step
                     last = step == max_steps and (self.eval_every or self.eval_batches is not None)
                     if last or (self.eval_every and step % self.eval_every == 0):  # an eval loader: at the end too
@@ -322,14 +316,14 @@ class Trainer:
                 max_gradient_value=opt_cfg.max_gradient_value, gradient_norm=log_now,
             )  # fmt: skip
         except NonFiniteGradients:  # no loss scaling: stop before applying them
-            report = self.watch.build_report(loss.detach())  # the stop path: reads are fine here
+            where = self.watch.build_report(loss.detach())  # the stop path: reads are fine here
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.update()  # ends the iteration the refused step began
             path = self._save()
-            message = self.stops.nonfinite_gradients(step, float(loss.detach()), self.global_step, path, report)
+            message = self.stops.nonfinite_gradients(step, float(loss.detach()), self.global_step, path, where)
             raise TrainingStopped(message, path) from None
         skipped = self.scaler.step_was_skipped(self.optimizer)
-        self._last_report = self.scaler.overflow_report() if skipped else None  # built by step() on overflow only
+        report = self.scaler.overflow_report() if skipped else None  # built by step() on overflow only
         self.scheduler.step()  # skip-aware: advances only when the step was applied
         self.global_step = step
         first, loss_sum, count = self._tail
@@ -337,8 +331,8 @@ class Trainer:
             self._tail = (first, loss_sum + loss.detach().float(), count + 1)
         if log_now and (emulated := self.precision.emulated_underflow()) is not None:
             underflow = emulated
-        self._last_skipped = skipped
         if not (log_now or skipped):
+            self.stops.after_step(self.scaler, skipped)  # a clean step
             return None
         fp8 = self.precision.fp8_fractions()  # the casts since the previous row
         norm = result.grad_norm if result.grad_norm is not None else torch.full((), math.nan)
@@ -367,22 +361,19 @@ class Trainer:
         if fp8:
             row["fp8_grad_output_flushed"], row["fp8_grad_output_saturated"] = fp8
         if skipped:  # where the overflow started
-            last = self._last_report
             row["overflow_module"], row["forward_overflow"] = (
-                (last.first_module, last.forward) if last else (None, None)
+                (report.first_module, report.forward) if report else (None, None)
             )
-        return row
-
-    def _check_floor(self) -> None:
-        """Stop (after a checkpoint) when overflows at the scale's floor show that loss scaling cannot help."""
-        problem = self.stops.after_step(self.scaler, self._last_skipped, self._last_report)
-        if problem is not None:
+        if self.run_dir is not None:
+            self.run_dir.write_row(row)
+        if problem := self.stops.after_step(self.scaler, skipped, report):  # loss scaling cannot help: stop
             path = self._save()
             raise TrainingStopped(
-                f"Stopped at step {self.global_step}: {problem}{fallback_note(self.watch)}. Nothing is lost: the state "
-                f"is saved in {path}; after changing the config, continue with --resume {self.model_dir}",
+                f"Stopped at step {step}: {problem}{fallback_note(self.watch)}. Nothing is lost: the state is saved in "
+                f"{path}; after changing the config, continue with --resume {self.model_dir}",
                 path,
             )
+        return row
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self) -> Path:
