@@ -183,7 +183,25 @@ def restore(trainer: Any, path: Path, state: dict[str, Any], states: Sequence[st
                 f"the model in {path} does not fit model: in this config ({first}); resume with the config the "
                 "checkpoint was trained with"
             ) from None
-        _restore_fp8(trainer, path, state.get("fp8"))
+        fp8, handle = state.get("fp8"), trainer.fp8  # loads with the model when its recipe is the config's
+        if handle is None and fp8 is not None:
+            trainer.log(f"the fp8 state in {path} is not used: this config has no precision.fp8")
+        elif handle is not None and fp8 is None:
+            trainer.log(f"{path} has no fp8 state (a run without precision.fp8 wrote it); FP8 scaling starts fresh")
+        elif handle is not None and fp8 is not None:
+            try:
+                then = dls.fp8.recipe_from_dict(fp8["recipe"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"the fp8 state in {path} names no valid recipe: {exc}") from None
+            if then != handle.recipe:
+                trainer.log(
+                    f"the fp8 state in {path} is for {then!r}; the config's recipe {handle.recipe!r} starts fresh"
+                )
+            else:
+                try:
+                    handle.load_state_dict(fp8)
+                except (ValueError, TypeError, RuntimeError) as exc:
+                    raise CheckpointError(f"cannot load the fp8 state of {path}: {exc}") from None
     saved_cfg = state.get("config")
     try:
         saved_cfg = parse_config(saved_cfg) if isinstance(saved_cfg, dict) else None
@@ -225,28 +243,6 @@ def restore(trainer: Any, path: Path, state: dict[str, Any], states: Sequence[st
                 trainer.log(f"{path} has no rng state; random-number generators start from runconfig.seed")
         except _LOAD_ERRORS as exc:
             raise CheckpointError(f"cannot restore the random-number generators (rng) of {path}: {exc}") from None
-
-
-def _restore_fp8(trainer: Any, path: Path, saved: Any) -> None:
-    """FP8 state loads with the model when the checkpoint's recipe is the config's; else FP8 scaling starts fresh."""
-    handle = trainer.fp8
-    if handle is None or saved is None:
-        if saved is not None:
-            trainer.log(f"the fp8 state in {path} is not used: this config has no precision.fp8")
-        elif handle is not None:
-            trainer.log(f"{path} has no fp8 state (a run without precision.fp8 wrote it); FP8 scaling starts fresh")
-        return
-    try:
-        then = dls.fp8.recipe_from_dict(saved["recipe"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"the fp8 state in {path} names no valid recipe: {exc}") from None
-    if then != handle.recipe:
-        trainer.log(f"the fp8 state in {path} is for {then!r}; the config's recipe {handle.recipe!r} starts fresh")
-        return
-    try:
-        handle.load_state_dict(saved)
-    except (ValueError, TypeError, RuntimeError) as exc:
-        raise CheckpointError(f"cannot load the fp8 state of {path}: {exc}") from None
 
 
 def _count(value: Any, what: str, path: Path) -> int:

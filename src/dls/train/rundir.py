@@ -43,10 +43,16 @@ def resolve_model_dir(path: str | Path, what: str = "runconfig.model_dir") -> Pa
     return Path(os.path.realpath(Path(path).expanduser()))
 
 
-def describe_holder(record: dict[str, Any] | None, held: bool = True) -> str:
-    """Who holds a lock (``held``: still now; then a holder that ended left a child with it)."""
-    if not record:
-        return "another process (no holder recorded)"
+def _holder(lock_fd: int, held: bool = True) -> str | None:
+    """Who holds the lock, as the record in its file says (``None``: none recorded); ``held``: still now (then a
+    holder that ended left a child with it)."""
+    try:
+        data = os.pread(lock_fd, 4096, 0)
+        record = json.loads(data.decode("utf-8")) if data.strip() else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not record:
+        return None
     pid, host = record.get("pid", "?"), record.get("host", "?")
     text = f"pid {pid} on host {host}" + (f" (since {record['since']})" if record.get("since") else "")
     if held and host == socket.gethostname() and isinstance(pid, int):
@@ -57,15 +63,6 @@ def describe_holder(record: dict[str, Any] | None, held: bool = True) -> str:
         except OSError:  # e.g. EPERM: it exists
             pass
     return text
-
-
-def _read_record(fd: int) -> dict[str, Any] | None:
-    try:
-        data = os.pread(fd, 4096, 0)
-        record = json.loads(data.decode("utf-8")) if data.strip() else None
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
 
 
 def is_same_file(dir_fd: int, name: str, other: Path | int) -> bool:
@@ -133,7 +130,7 @@ def check_model_dir(
 
 class RunDir:
     """``path`` (resolved), created if missing, opened and locked; ``what`` names it in messages. ``stale``: the
-    holder record of a lock left by a run that ended without releasing it. A training run then calls :meth:`open`
+    holder of a lock left by a run that ended without releasing it. A training run then calls :meth:`open`
     and writes rows, checkpoints and plots. Release with :meth:`close`."""
 
     def __init__(self, path: Path, what: str = "runconfig.model_dir") -> None:
@@ -151,7 +148,7 @@ class RunDir:
             if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and path.is_symlink()):
                 raise ModelDirError(f"{what} {path} is a symbolic link; give the directory it points to") from None
             raise
-        self.stale: dict[str, Any] | None = None
+        self.stale: str | None = None
         self._metrics: IO[bytes] | None = None
         self.events: Any = None  # torch.utils.tensorboard.SummaryWriter
         self._close = contextlib.ExitStack()  # what close() releases, last acquired first
@@ -179,14 +176,15 @@ class RunDir:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     raise ModelDirError(
-                        f"{self.what} {self.path} is in use by another dls run: {describe_holder(_read_record(fd))}. "
-                        "Wait for it to finish (or stop it), or choose another model_dir"
+                        f"{self.what} {self.path} is in use by another dls run: "
+                        f"{_holder(fd) or 'another process (no holder recorded)'}. Wait for it to finish (or stop it), "
+                        "or choose another model_dir"
                     ) from None
                 # A holder that released between our open and our lock has unlinked the file we locked: retry.
                 if not is_same_file(self.fd, LOCK_FILE, fd):
                     os.close(fd)
                     continue
-                self.stale = _read_record(fd)
+                self.stale = _holder(fd, held=False)
                 now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
                 record = {"pid": os.getpid(), "host": socket.gethostname(), "since": now}
                 os.ftruncate(fd, 0)

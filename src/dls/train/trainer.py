@@ -150,8 +150,7 @@ class Trainer:
             run_dir = self.run_dir = rundir.RunDir(self.model_dir)
             self.crash_dir = self.model_dir  # then a crash report may go there
             if run_dir.stale:
-                holder = rundir.describe_holder(run_dir.stale, held=False)
-                self.log(f"Taking over the lock of {holder}: that run ended without releasing it")
+                self.log(f"Taking over the lock of {run_dir.stale}: that run ended without releasing it")
 
         def open_run_dir() -> None:
             assert self.run_dir is not None
