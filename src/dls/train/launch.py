@@ -56,11 +56,10 @@ def init_distributed(device: str) -> bool:
     env = torchrun_env()
     if env.world_size < 2 or not dist.is_available() or dist.is_initialized():
         return False
-    if resolve_device(device).type == "cuda":
+    cuda = resolve_device(device).type == "cuda"
+    if cuda:
         torch.cuda.set_device(env.local_rank)
-        dist.init_process_group("nccl")
-    else:
-        dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if cuda else "gloo")
     return True
 
 
@@ -112,16 +111,16 @@ def run_on_rank0(action: Callable[[], object]) -> None:
         raise error
 
 
-class StopRequest:
+class StopRequest(contextlib.ExitStack):
     """The first Ctrl-C or SIGTERM asks the loop to stop after the current step (it checkpoints, then raises
     :meth:`interrupt`); a second one interrupts at once. Data-parallel: shared at the next logged step, where the
     loop sets ``agreed`` when some rank was asked."""
 
     def __init__(self, log: Callable[[str], None], distributed: bool = False) -> None:
+        super().__init__()
         self.log, self.distributed = log, distributed
         self.requested = self.forced = self.agreed = False
         self.signum: int = signal.SIGINT
-        self._signals = contextlib.ExitStack()
 
     @property
     def due(self) -> bool:
@@ -143,8 +142,5 @@ class StopRequest:
         return Terminated() if self.signum == signal.SIGTERM else KeyboardInterrupt()
 
     def __enter__(self) -> StopRequest:
-        self._signals.enter_context(signals(self._request))
+        self.enter_context(signals(self._request))  # released by ExitStack's __exit__
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._signals.close()
