@@ -24,6 +24,7 @@ from dls.diagnostics.scales import pow2
 from dls.scaler_state import parse_state_dict
 from dls.train.config import CHECKPOINT_STATES, TrainConfig, loss_scaling_mode, parse_config, scaler_settings
 from dls.train.errors import CheckpointError, ConfigError
+from dls.train.reporting import describe_scaling
 from dls.train.schema import SCALER_KEYS
 
 FORMAT = "dls-checkpoint"
@@ -346,8 +347,6 @@ def _restore_scaler(trainer: Any, path: Path, saved: Any, saved_cfg: TrainConfig
         if saved:
             log(f"the grad_scaler state in {path} is not used: this config has no loss scaling")
         elif scaler.is_enabled():
-            from dls.train.reporting import describe_scaling
-
             log(
                 f"{path} has no grad_scaler state (it was saved by a run without loss scaling); using the loss scaler "
                 f"built from the config: {describe_scaling(cfg)}"
