@@ -153,7 +153,7 @@ def test_learning_rate_schedules() -> None:
     )
     schedule = cfg.optimizer.learning_rate
     assert isinstance(schedule, tuple) and schedule[1].scheduler == "CosineDecay"
-    from dls.train.precision import learning_rate_at
+    from dls.train.trainer import learning_rate_at
 
     assert learning_rate_at(schedule, 0) == 0.0
     assert learning_rate_at(schedule, 5) == pytest.approx(5e-4)
@@ -657,7 +657,7 @@ def test_the_current_layout_maps_key_by_key() -> None:
     assert cfg.optimizer.weight_decay == 0.1 and cfg.optimizer.max_gradient_norm == 1.0
     pieces = cfg.optimizer.learning_rate
     assert isinstance(pieces, tuple) and [p.scheduler for p in pieces] == ["CosineDecay", "CosineDecay"]
-    from dls.train.precision import learning_rate_at
+    from dls.train.trainer import learning_rate_at
 
     assert learning_rate_at(pieces, 34) == pytest.approx(3e-4) and learning_rate_at(pieces, 700) == pytest.approx(3e-5)
     rc = cfg.runconfig

@@ -13,10 +13,8 @@ import torch
 
 from conftest import OpLog, from_dls, host_reads
 from dls.train import checkpoint as ckpt
-from dls.train import precision as train_precision
 from dls.train.cli import main
-from dls.train.precision import learning_rate_at
-from dls.train.trainer import Trainer
+from dls.train.trainer import Trainer, learning_rate_at
 from test_train import assert_bit_identical, load_into, make_trainer, metrics, tiny
 
 FORMAT1 = Path(__file__).resolve().parent / "data" / "format1" / "checkpoint_6.mdl"
@@ -91,7 +89,6 @@ def test_steps_that_are_not_logged_read_the_device_at_most_once(
         raw["optimizer"].pop("max_gradient_norm")
         raw["optimizer"]["max_gradient_value"] = 100.0
     if fused:
-        monkeypatch.setattr(train_precision, "build_optimizer", _fused)
         monkeypatch.setattr("dls.train.trainer.build_optimizer", _fused)
     trainer = make_trainer(raw)[0]
     assert bool(trainer.optimizer.defaults.get("fused")) is fused and trainer.watch.active
