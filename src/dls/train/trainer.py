@@ -96,10 +96,14 @@ class Trainer:
         freq = rc.eval_frequency
         self.eval_every = freq if isinstance(freq, int) else max(1, round(freq * self.max_steps)) if freq else None
         self.eval_loss: float | None = None
-        # Before DDP: FP8's delayed scaling reduces its amaxes over the same ranks.
-        group = dist.group.WORLD if self.world_size > 1 else None
-        self.precision = RunPrecision(cfg, self.model, self.device, process_group=group)
-        self.fp8 = self.precision.fp8  # the dls.fp8.emulate handle of precision.fp8 (None without it)
+        self.param_dtype = HALF_DTYPES.get(prec.param_dtype, torch.float32)
+        self.model.to(self.param_dtype)
+        self.fp8: dls.fp8.Fp8Handle | None = None  # FP8 Linear layers (precision.fp8)
+        if prec.fp8 is not None:  # before DDP: FP8's delayed scaling reduces its amaxes over the same ranks
+            group = dist.group.WORLD if self.world_size > 1 else None
+            self.fp8 = dls.fp8.emulate(self.model, dls.fp8.recipe_from_dict(dict(prec.fp8)), process_group=group)
+        self.emulation: EmulationHandle | None = None  # dls.emulate's hooks (cbfloat16, precision.emulate), per session
+        self._recorded: tuple[list[float], ...] = ([], [], [])  # grad_underflow, FP8 flushed, saturated: per row
         self.ddp: DistributedDataParallel | None = None
         if self.world_size > 1:
             # The same initial model everywhere (seeded alike; DDP also broadcasts rank 0's), then a random
@@ -110,8 +114,13 @@ class Trainer:
         # The settings carry the half dtype (fp16_type): nothing process-global is read or set.
         enabled = prec.compute_dtype != "float32"
         self.scaler = dls.GradScaler.from_settings(scaler_settings(cfg), enabled=enabled, device=self.device)
-        optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
-        self.optimizer = self.precision.wrap_optimizer(optimizer, scaled=self.scaler.is_enabled())
+        self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
+        if prec.half_params and prec.master_weights:  # float32 masters step for the half parameters
+            self.optimizer = dls.master_weights(
+                self.optimizer, fmt="cbfloat16" if prec.fp16_type == "cbfloat16" else None
+            )
+        if not self.scaler.is_enabled():  # nothing can skip a step: inf/NaN gradients stop the run
+            self.optimizer.register_step_pre_hook(refuse_nonfinite_gradients(self.device, self.model.parameters()))
         self.scheduler = dls.skip_aware(build_scheduler(cfg.optimizer, self.optimizer), self.scaler)
         # Where an overflow starts (hooks of Python only; a report on overflowing steps alone); the modules kept in
         # float32 (precision.keep_in_float32, and those the fallback finds).
@@ -205,7 +214,10 @@ class Trainer:
         self.log(reporting.describe_run(cfg, start_step, self.model_dir, self.world_size, self.device.type, max_steps))
         tail = max(1, (max_steps - start_step) // 10)  # the final loss: mean over the last 10% of the session
         self._tail = (max_steps - tail + 1, torch.zeros((), device=self.device), 0)
-        self.precision.start_session()
+        if cfg.precision.emulated:
+            self.emulation = dls.emulate(
+                self.model, cfg.precision.compute_dtype, track_stats=cfg.optimizer.log_summaries
+            )
         shown = self.show_progress and self.is_main
         display = reporting.ProgressDisplay(self.console, shown, max_steps, start_step, cfg.model.name)
         if rc.save_initial_checkpoint and start_step == 0:
@@ -244,7 +256,11 @@ class Trainer:
             stopped, self._ended_together = exc, True  # decided alike on every rank: the scaler state agrees
         finally:
             display.close()
-            self.precision.remove_hooks()
+            if self.emulation is not None:
+                self.emulation.remove()
+                self.emulation = None
+            if self.fp8 is not None:  # its state stays for the final checkpoint
+                self.fp8.remove()
         # What the session did (finished or stopped), with the plot written and the model evaluated.
         wall_time, (_, loss_sum, count) = time.perf_counter() - self._session_start, self._tail
         final_loss = float(loss_sum) / count if count else None
@@ -258,7 +274,7 @@ class Trainer:
         if self.write_plot and self.run_dir is not None:
             describe = reporting.describe_precision(cfg), reporting.describe_scaling(cfg)
             plot = self.run_dir.plot(f"{cfg.model.name}, {describe[0]}\n{describe[1]}")
-        grad_underflow, fp8_flushed, fp8_saturated = self.precision.means()
+        grad_underflow, fp8_flushed, fp8_saturated = (sum(v) / len(v) if v else None for v in self._recorded)
         result = TrainResult(
             model_dir=self.model_dir, global_step=self.global_step, steps_run=self.global_step - start_step,
             final_loss=final_loss, eval_loss=eval_loss if self.is_main else None,
@@ -289,11 +305,47 @@ class Trainer:
             self.eval_loss = evaluate(self.model, self.dataset, self.device)
         else:
             steps = rc.eval_steps or max(1, source.batches_per_epoch)
-            with self.precision.autocast():
-                self.eval_loss = evaluate_batches(self.model, source, steps, self.device, self.precision.to_device)
+            with self._autocast():
+                self.eval_loss = evaluate_batches(self.model, source, steps, self.device, self._to_device)
             source.load_state_dict({"epoch": 0, "position": 0})  # every evaluation reads the same batches
         if self.run_dir is not None:
             self.run_dir.write_row({"step": step, "eval_loss": json_number(self.eval_loss)})
+
+    # ------------------------------------------------------------------ how a step computes
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """``torch.autocast`` for float16/bfloat16 without emulation or half parameters, else nothing."""
+        dtype = HALF_DTYPES.get(self.cfg.precision.compute_dtype)
+        if dtype is not None and self.emulation is None and not self.cfg.precision.half_params:
+            return torch.autocast(self.device.type, dtype=dtype)
+        return contextlib.nullcontext()
+
+    def _to_device(self, batch: Batch, dtype: torch.dtype | None = None) -> Batch:
+        """``batch`` (tensors in tuples, lists, dicts) on the device; floating-point inputs in ``dtype``."""
+        dtype = dtype or self.param_dtype
+        if isinstance(batch, torch.Tensor):
+            cast = dtype if batch.is_floating_point() else None
+            return batch.to(self.device, dtype=cast, non_blocking=True)
+        if isinstance(batch, dict):
+            return {k: self._to_device(v, dtype) for k, v in batch.items()}
+        if isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[1], torch.Tensor):
+            return self._to_device(batch[0], dtype), batch[1].to(self.device, non_blocking=True)
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self._to_device(v, dtype) for v in batch)
+        return batch
+
+    def _probe_underflow(self, batch: Batch, scale: float) -> float:
+        """The fraction of nonzero activation gradients flushed to zero at ``scale`` (one emulated backward pass)."""
+        model: TrainModel = self.model
+        if self.param_dtype != torch.float32:  # half parameters: a float32 copy holds the same values
+            model = copy.deepcopy(model).float()
+            batch = self._to_device(batch, torch.float32)
+        params = [p for p in model.parameters() if p.requires_grad]
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), dls.emulate(model, self.cfg.precision.compute_dtype) as handle:
+            loss = model.loss(batch) * (self.cfg.model.loss_weight * scale)
+            torch.autograd.grad(loss, params, allow_unused=True)
+        assert handle.stats is not None
+        return float(handle.stats.underflow_fraction)
 
     # ------------------------------------------------------------------ one step
     def _step(self, stop_request: StopRequest) -> dict[str, Any] | None:
@@ -302,13 +354,16 @@ class Trainer:
         step = self.global_step + 1
         log_now = step % rc.log_steps == 0 or step == self.max_steps or step == 1
         weight, underflow = cfg.model.loss_weight / rc.grad_accum_steps, None
+        # Logged steps measure the underflow with one emulated backward pass (half precision, no emulation or FP8).
+        probe = opt_cfg.log_summaries and cfg.precision.compute_dtype != "float32"
+        probe = probe and self.emulation is None and self.fp8 is None
         losses: list[torch.Tensor] = []
         for later in range(rc.grad_accum_steps - 1, -1, -1):  # micro-batches before the last: gradients add up
-            batch = self.precision.to_device(self.batches.next())
-            if not later and log_now and self.precision.probes_underflow:
-                underflow = self.precision.probe_underflow(batch, self.scaler.get_scale())
+            batch = self._to_device(self.batches.next())
+            if not later and log_now and probe:
+                underflow = self._probe_underflow(batch, self.scaler.get_scale())
             with self.ddp.no_sync() if self.ddp is not None and later else contextlib.nullcontext():
-                with self.precision.autocast():
+                with self._autocast():
                     loss = self.model.loss(batch) if self.ddp is None else self.ddp(batch)
                 if later:
                     self.scaler.scale(loss * weight).backward()
@@ -336,12 +391,18 @@ class Trainer:
         first, loss_sum, count = self._tail
         if step >= first:
             self._tail = (first, loss_sum + loss.detach().float(), count + 1)
-        if log_now and (emulated := self.precision.emulated_underflow()) is not None:
-            underflow = emulated
+        stats = self.emulation.stats if self.emulation is not None and opt_cfg.log_summaries else None
+        if log_now and stats is not None:  # under dls.emulate: the underflow counted since the last logged step
+            underflow = stats.underflow_fraction
+            stats.reset()
         if not (log_now or skipped):
             self.stops.after_step(self.scaler, skipped)  # a clean step
             return None
-        fp8 = self.precision.fp8_fractions()  # the casts since the previous row
+        fp8: list[float] = []  # flushed and saturated fractions of FP8 grad_output casts since the previous row
+        if self.fp8 is not None:
+            totals = self.fp8.stats.totals()["grad_output"]
+            self.fp8.stats.reset()
+            fp8 = [float(totals["flushed_fraction"]), float(totals["saturated_fraction"])]
         norm = result.grad_norm if result.grad_norm is not None else torch.full((), math.nan)
         loss_value, scale_used, grad_norm = torch.stack(
             [loss.detach().float(), result.loss_scale.float().to(loss.device), norm.float().to(loss.device)]
@@ -354,7 +415,9 @@ class Trainer:
             underflow = sums[1] / self.world_size if underflow is not None else None
             stop_request.agreed = stop_request.agreed or sums[2] > 0
             fp8 = [v / self.world_size for v in sums[3:]]
-        self.precision.record(underflow, fp8)
+        for values, value in zip(self._recorded, (underflow, *(fp8 or (None, None)))):  # for the session's means
+            if value is not None:
+                values.append(value)
         enabled = self.scaler.is_enabled()
         self._skipped_total = self.scaler.get_num_skipped_steps() if enabled else None
         row: dict[str, Any] = {
@@ -417,114 +480,6 @@ class Trainer:
 
 # ---------------------------------------------------------------------- how a run computes, and when it stops
 HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class RunPrecision:
-    """The precision set-up of ``cfg`` applied to ``model`` (on ``device``): casts the model to the parameters' dtype
-    and, with ``precision.fp8``, installs FP8 Linear layers (``process_group``: a data-parallel run's ranks)."""
-
-    def __init__(self, cfg: TrainConfig, model: TrainModel, device: torch.device, process_group: Any = None) -> None:
-        self.cfg, self.prec, self.model, self.device = cfg, cfg.precision, model, device
-        self.log_summaries = cfg.optimizer.log_summaries
-        self.param_dtype = HALF_DTYPES.get(self.prec.param_dtype, torch.float32)
-        model.to(self.param_dtype)
-        self.fp8: dls.fp8.Fp8Handle | None = None
-        if self.prec.fp8 is not None:
-            recipe = dls.fp8.recipe_from_dict(dict(self.prec.fp8))
-            self.fp8 = dls.fp8.emulate(model, recipe, process_group=process_group)
-        self.emulation: EmulationHandle | None = None  # dls.emulate's hooks, while a session trains
-        self._recorded: tuple[list[float], ...] = ([], [], [])  # grad_underflow, FP8 flushed, saturated: per row
-
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, scaled: bool) -> torch.optim.Optimizer:
-        """``optimizer`` stepping float32 masters (``dls.master_weights``) where the config asks for them; in a run
-        without loss scaling (not ``scaled``), where nothing can skip a step, refusing inf/NaN gradients."""
-        if self.prec.half_params and self.prec.master_weights:
-            optimizer = dls.master_weights(optimizer, fmt="cbfloat16" if self.prec.fp16_type == "cbfloat16" else None)
-        if not scaled:
-            optimizer.register_step_pre_hook(refuse_nonfinite_gradients(self.device, self.model.parameters()))
-        return optimizer
-
-    def start_session(self) -> None:
-        """Install this session's ``dls.emulate`` hooks (cbfloat16, ``precision.emulate``)."""
-        if self.prec.emulated:
-            self.emulation = dls.emulate(self.model, self.prec.compute_dtype, track_stats=self.log_summaries)
-
-    def remove_hooks(self) -> None:
-        """Take out this session's emulation and FP8 hooks (the FP8 state stays for the final checkpoint)."""
-        if self.emulation is not None:
-            self.emulation.remove()
-            self.emulation = None
-        if self.fp8 is not None:
-            self.fp8.remove()
-
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """``torch.autocast`` for float16/bfloat16 without emulation or half parameters, else nothing."""
-        dtype = HALF_DTYPES.get(self.prec.compute_dtype)
-        if dtype is not None and self.emulation is None and not self.prec.half_params:
-            return torch.autocast(self.device.type, dtype=dtype)
-        return contextlib.nullcontext()
-
-    def to_device(self, batch: Batch, dtype: torch.dtype | None = None) -> Batch:
-        """``batch`` (tensors in tuples, lists, dicts) on the device; floating-point inputs in ``dtype``."""
-        dtype = dtype or self.param_dtype
-        if isinstance(batch, torch.Tensor):
-            cast = dtype if batch.is_floating_point() else None
-            return batch.to(self.device, dtype=cast, non_blocking=True)
-        if isinstance(batch, dict):
-            return {k: self.to_device(v, dtype) for k, v in batch.items()}
-        if isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[1], torch.Tensor):
-            return self.to_device(batch[0], dtype), batch[1].to(self.device, non_blocking=True)
-        if isinstance(batch, (list, tuple)):
-            return type(batch)(self.to_device(v, dtype) for v in batch)
-        return batch
-
-    @property
-    def probes_underflow(self) -> bool:
-        """Whether logged steps run :meth:`probe_underflow` (``log_summaries``, half precision, no emulation/FP8)."""
-        half = self.prec.compute_dtype != "float32"
-        return self.log_summaries and half and self.emulation is None and self.fp8 is None
-
-    def probe_underflow(self, batch: Batch, scale: float) -> float:
-        """The fraction of nonzero activation gradients flushed to zero at ``scale`` (one emulated backward pass)."""
-        model: TrainModel = self.model
-        if self.param_dtype != torch.float32:  # half parameters: a float32 copy holds the same values
-            model = copy.deepcopy(model).float()
-            batch = self.to_device(batch, torch.float32)
-        params = [p for p in model.parameters() if p.requires_grad]
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), dls.emulate(model, self.prec.compute_dtype) as handle:
-            loss = model.loss(batch) * (self.cfg.model.loss_weight * scale)
-            torch.autograd.grad(loss, params, allow_unused=True)
-        assert handle.stats is not None
-        return float(handle.stats.underflow_fraction)
-
-    def emulated_underflow(self) -> float | None:
-        """Under ``dls.emulate`` with ``log_summaries``: the underflow counted since the last call; else ``None``."""
-        if self.emulation is None or not self.log_summaries:
-            return None
-        stats = self.emulation.stats
-        assert stats is not None, "log_summaries installs the hooks with track_stats"
-        underflow = stats.underflow_fraction
-        stats.reset()
-        return underflow
-
-    def fp8_fractions(self) -> list[float]:
-        """With FP8: ``[flushed, saturated]`` fractions of grad_output casts since the last call; else ``[]``."""
-        if self.fp8 is None:
-            return []
-        totals = self.fp8.stats.totals()["grad_output"]
-        self.fp8.stats.reset()
-        return [float(totals["flushed_fraction"]), float(totals["saturated_fraction"])]
-
-    def record(self, underflow: float | None, fp8: Sequence[float]) -> None:
-        """Keep a logged row's ``grad_underflow`` and FP8 fractions for :meth:`means`."""
-        for values, value in zip(self._recorded, (underflow, *(fp8 or (None, None)))):
-            if value is not None:
-                values.append(value)
-
-    def means(self) -> tuple[float | None, ...]:
-        """The means of the recorded underflow, FP8 flushed and saturated fractions (``None``: none recorded)."""
-        return tuple(sum(values) / len(values) if values else None for values in self._recorded)
 
 
 def build_optimizer(cfg: OptimizerConfig, params: Any) -> torch.optim.Optimizer:
