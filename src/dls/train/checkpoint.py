@@ -230,7 +230,7 @@ def restore(trainer: Any, path: Path, state: dict[str, Any], states: Sequence[st
     if "grad_scaler" in states:
         _restore_scaler(trainer, path, state.get("grad_scaler"), saved_cfg)
     if "global_step" in states:
-        trainer.global_step, trainer.elapsed, trainer.stops.count = step, float(elapsed), floor
+        trainer.global_step, trainer.elapsed, trainer.overflows_at_floor = step, float(elapsed), floor
     if "rng" in states:  # last: building the run above must not consume the restored RNG
         rng_ranks = state.get("rng_ranks")
         try:

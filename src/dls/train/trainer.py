@@ -12,7 +12,7 @@ import gc
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,6 @@ from dls.diagnostics import OverflowReport
 from dls.diagnostics.fallback import apply_precision_fallback, fallback_note
 from dls.diagnostics.scales import module_label, pow2
 from dls.emulate import EmulationHandle
-from dls.scaler import GradScaler
 from dls.train import checkpoint as ckpt
 from dls.train import reporting, rundir
 from dls.train.config import CHECKPOINT_STATES, TrainConfig, loss_scaling_mode, scaler_settings, to_dict
@@ -37,7 +36,7 @@ from dls.train.errors import TrainingStopped
 from dls.train.launch import StopRequest, resolve_device, run_on_rank0, sum_over_ranks, wrap_data_parallel
 from dls.train.models import TrainModel, build_model, evaluate, evaluate_batches
 from dls.train.reporting import TrainResult, json_number
-from dls.train.schema import ZOO_MODELS, OptimizerConfig, PrecisionConfig
+from dls.train.schema import ZOO_MODELS, OptimizerConfig
 
 __all__ = ["TrainResult", "Trainer", "TrainingStopped"]
 
@@ -120,14 +119,17 @@ class Trainer:
                 self.optimizer, fmt="cbfloat16" if prec.fp16_type == "cbfloat16" else None
             )
         if not self.scaler.is_enabled():  # nothing can skip a step: inf/NaN gradients stop the run
-            self.optimizer.register_step_pre_hook(refuse_nonfinite_gradients(self.device, self.model.parameters()))
-        self.scheduler = dls.skip_aware(build_scheduler(cfg.optimizer, self.optimizer), self.scaler)
+            self.optimizer.register_step_pre_hook(self._refuse_nonfinite_gradients)
+        schedule = cfg.optimizer.learning_rate  # the optimizer's own LR is 1.0; LambdaLR does not store a lambda
+        lambda_lr = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: learning_rate_at(schedule, step))
+        self.scheduler = dls.skip_aware(lambda_lr, self.scaler)  # it advances on applied steps only
         # Where an overflow starts (hooks of Python only; a report on overflowing steps alone); the modules kept in
         # float32 (precision.keep_in_float32, and those the fallback finds).
         keep, fallback = prec.keep_in_float32, prec.fallback_on and self.scaler.is_enabled()
         self.watch = apply_precision_fallback(self.model, self.scaler, keep, fallback)
         self.global_step, self.elapsed = 0, 0.0
-        self.stops = Stops(rc.max_overflows_at_min_loss_scale, prec)  # when the numbers cannot go on
+        self.overflows_at_floor = 0  # consecutive overflowing steps at the scale's floor (checkpointed), and the
+        self._floor_reports: list[OverflowReport | None] = []  # overflow reports of those in this session
         self._last_checkpoint: Path | None = None
         self._skipped_total: int | None = None  # as last read, on a logged step
         self._tail = (0, torch.zeros((), device=self.device), 0)  # (first step, loss sum, count): the final loss
@@ -382,8 +384,21 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.update()  # ends the iteration the refused step began
             path = self._save()
-            message = self.stops.nonfinite_gradients(step, float(loss.detach()), self.global_step, path, where)
-            raise TrainingStopped(message, path) from None
+            compute, located = cfg.precision.compute_dtype, ""
+            if where is not None and where.first_module is not None:
+                located = (
+                    f" The first module with inf/NaN gradients, in backward order, is "
+                    f"{module_label(where.first_module)} ({where.first_module_type}); modules with inf/NaN gradients: "
+                    f"{_listed(where.modules)}."
+                )
+            scaling = ", or optimizer.loss_scaling_factor: dynamic." if compute != "float32" else "."
+            raise TrainingStopped(
+                f"Step {step}: the gradients are inf/NaN (loss {float(loss.detach())}) and loss scaling is off "
+                f"({compute}), so nothing can skip this step.{located} Training stopped before applying it; the model "
+                f"as of step {self.global_step} is saved in {path}. Try a lower optimizer.learning_rate, "
+                f"optimizer.max_gradient_norm (e.g. 1.0){scaling}",
+                path,
+            ) from None
         skipped = self.scaler.step_was_skipped(self.optimizer)
         report = self.scaler.overflow_report() if skipped else None  # built by step() on overflow only
         self.scheduler.step()  # skip-aware: advances only when the step was applied
@@ -396,7 +411,7 @@ class Trainer:
             underflow = stats.underflow_fraction
             stats.reset()
         if not (log_now or skipped):
-            self.stops.after_step(self.scaler, skipped)  # a clean step
+            self._at_floor(skipped)  # a clean step
             return None
         fp8: list[float] = []  # flushed and saturated fractions of FP8 grad_output casts since the previous row
         if self.fp8 is not None:
@@ -436,7 +451,7 @@ class Trainer:
             )
         if self.run_dir is not None:
             self.run_dir.write_row(row)
-        if problem := self.stops.after_step(self.scaler, skipped, report):  # loss scaling cannot help: stop
+        if problem := self._at_floor(skipped, report):  # loss scaling cannot help: stop
             path = self._save()
             raise TrainingStopped(
                 f"Stopped at step {step}: {problem}{fallback_note(self.watch)}. Nothing is lost: the state is saved in "
@@ -445,12 +460,98 @@ class Trainer:
             )
         return row
 
+    def _refuse_nonfinite_gradients(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The optimizer's step pre-hook in a run without loss scaling: :class:`NonFiniteGradients` when a gradient of
+        the model (master weights get theirs inside the step) holds inf/NaN; one read per step."""
+        groups = kernels.group_grads(self.model.parameters())
+        found = kernels.zero_flags(grad_device for grad_device, _ in groups)
+        for (grad_device, _), grads in groups.items():
+            kernels.check_nonfinite(grads, found[grad_device])
+        if found and bool(kernels.gather_flags(found, self.device) > 0):
+            raise NonFiniteGradients
+
+    def _at_floor(self, skipped: bool, report: OverflowReport | None = None) -> str | None:
+        """Count a step at the scale's floor (Model Zoo's test: ``get_non_clamped_scale() < get_scale()``; static
+        scaling: every overflowing step; reading the scaler only when skipped); at
+        ``runconfig.max_overflows_at_min_loss_scale`` of them without a clean step between, the stop message naming
+        where the counted overflows of this session started and what to try; else ``None``."""
+        scaler, limit = self.scaler, self.cfg.runconfig.max_overflows_at_min_loss_scale
+        half = self.cfg.precision.fp16_type
+        if not scaler.is_enabled():
+            return None
+        if not skipped:
+            self.overflows_at_floor = 0
+            self._floor_reports.clear()
+            return None
+        scale, static = scaler.get_scale(), scaler.mode == "static"
+        if static or scaler.get_non_clamped_scale() < scale:
+            self.overflows_at_floor += 1
+            self._floor_reports = [*self._floor_reports[-(limit - 1) :], report] if limit > 1 else [report]
+        if self.overflows_at_floor < limit:
+            return None
+        if static:
+            what = (
+                f"the static loss scale {pow2(scale)} made the gradients overflow on {limit} consecutive steps, "
+                "and a static scale never comes down"
+            )
+            advice = "use optimizer.loss_scaling_factor: dynamic (it finds the largest scale that does not overflow), "
+            advice += "or a smaller static scale"
+        else:
+            what = (
+                f"the loss scale is pinned at min_loss_scale ({pow2(scale)}) and the gradients still overflowed on "
+                f"{limit} steps without a clean step between (Model Zoo: 'Minimum loss scale threshold was "
+                "reached but gradient norms are still encountering NaN or inf values')"
+            )
+            advice = (
+                f"{_DIVERGED}; check the data for inf/NaN; switch to bfloat16 (precision.fp16_type: bfloat16), whose "
+                "range matches float32, if the forward pass itself overflows in float16; or lower "
+                "optimizer.min_loss_scale"
+            )
+        # Where the counted overflows started, and whether the forward pass overflowed in most of them.
+        reports, where = [r for r in self._floor_reports if r is not None], ""
+        n, forward = len(reports), sum(1 for r in reports if r.forward)
+        of = f"of the last {n} counted steps" if n < self.overflows_at_floor else f"of the {n} steps"
+        if firsts := Counter(r.first_module for r in reports if r.first_module is not None):
+            ranked = ", ".join(f"{module_label(m)} in {k}" for m, k in firsts.most_common(3))
+            modules = list(dict.fromkeys(m for r in reports for m in r.modules))
+            where += (
+                f" First module with inf/NaN gradients, in backward order: {ranked} {of}; modules with inf/NaN "
+                f"gradients: {_listed(modules)}."
+            )
+        if forward:
+            where += (
+                f" The loss was already inf/NaN before scaling in {forward} {of}: the forward pass overflowed, and "
+                "loss scaling cannot fix that."
+            )
+        elif reports and all(r.forward is False for r in reports):
+            where += " The loss was finite every time: the overflow arose in backward."
+        if forward * 2 > n:
+            wider = _WIDER.get(half)
+            advice = (
+                (f"use {wider}, if {half}'s range is what overflowed; " if wider else "")
+                + "`dls audit CONFIG.yaml` names the first module whose output exceeds each format; if float32's "
+                f"range overflowed too, {_DIVERGED}, or check the data and model.loss_weight"
+            )
+        return f"{what}.{where} Skipping more steps cannot help. To try: {advice}"
+
     # ------------------------------------------------------------------ checkpoints
     def _save(self) -> Path:
         """Checkpoint the current state (every rank calls it; rank 0 writes); inf/NaN weights stop the run instead."""
-        last = self._last_checkpoint
-        if message := self.stops.nonfinite_weights(self.model, self.global_step, last, self.model_dir):
-            raise TrainingStopped(message, last)
+        named = [(n, t) for n, t in self.model.named_parameters() if t.is_floating_point()]  # not buffers: they may
+        finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist() if named else []  # hold inf
+        if broken := [n for (n, _), ok in zip(named, finite) if not ok]:  # an applied step broke the weights
+            last, prec = self._last_checkpoint, self.cfg.precision
+            then, newest = "start again", "the run has no checkpoint"
+            if last:
+                then = f"then --resume {self.model_dir} (its metrics rows after that step are dropped)"
+                newest = f"the newest checkpoint, {last}, is the last with finite weights"
+            repair = "precision.master_weights: true, " if prec.half_params and not prec.master_weights else ""
+            raise TrainingStopped(
+                f"Step {self.global_step}: the model's weights hold inf/NaN ({_listed(broken, 4)}): an applied step "
+                f"broke them, so every step after it would overflow. No checkpoint of them was written; {newest}. To "
+                f"try: {repair}a lower optimizer.learning_rate or clipping (optimizer.max_gradient_norm), {then}",
+                last,
+            )
         rng_ranks: list[Any] = [None] * self.world_size
         if self.world_size > 1:
             dist.all_gather_object(rng_ranks, ckpt.rng_state())
@@ -466,7 +567,7 @@ class Trainer:
                 "dls_version": dls.__version__,
                 "trainer": {
                     "elapsed": self.elapsed + time.perf_counter() - self._session_start,
-                    "overflows_at_floor": self.stops.count,
+                    "overflows_at_floor": self.overflows_at_floor,
                 },
             }
             optional = {"grad_scaler": self.scaler if self.scaler.is_enabled() else None, "fp8": self.fp8}
@@ -478,7 +579,7 @@ class Trainer:
         return self._last_checkpoint
 
 
-# ---------------------------------------------------------------------- how a run computes, and when it stops
+# ---------------------------------------------------------------------- the optimizer, the LR schedule, stop messages
 HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -513,39 +614,8 @@ def learning_rate_at(schedule: float | Sequence[Any], step: int) -> float:
     raise AssertionError("unreachable: a schedule has at least one piece")
 
 
-def build_scheduler(cfg: OptimizerConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-    """A ``LambdaLR`` over the schedule's LR (the optimizer's own is 1.0), wrapped by the trainer with
-    ``dls.skip_aware`` so that it advances on applied steps."""
-    schedule = cfg.learning_rate
-
-    def lr_at(step: int) -> float:  # a plain function: LambdaLR.state_dict() does not store it
-        return learning_rate_at(schedule, step)
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
-
-
-# ---------------------------------------------------------------------- stops
 class NonFiniteGradients(Exception):
     """Raised before the optimizer applies inf/NaN gradients."""
-
-
-def refuse_nonfinite_gradients(
-    device: torch.device, params: Iterable[torch.Tensor]
-) -> Callable[[torch.optim.Optimizer, Any, Any], None]:
-    """An optimizer step pre-hook for runs without loss scaling: :class:`NonFiniteGradients` when a gradient of
-    ``params`` (the model's: master weights get theirs inside the step) holds inf/NaN; one read per step."""
-    params = list(params)
-
-    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        flags = []
-        for (grad_device, _), grads in kernels.group_grads(params).items():
-            flag = torch.zeros((), dtype=torch.float32, device=grad_device)
-            kernels.check_nonfinite(grads, flag)
-            flags.append(flag.to(device))
-        if flags and bool(torch.stack(flags).amax() > 0):
-            raise NonFiniteGradients
-
-    return hook
 
 
 def _listed(names: Sequence[str], count: int = 6) -> str:
@@ -559,109 +629,3 @@ _WIDER = {
     "cbfloat16": "bfloat16 (precision.fp16_type: bfloat16), whose range is float32's",
 }
 _DIVERGED = "lower optimizer.learning_rate or clip with optimizer.max_gradient_norm (the model may have diverged)"
-
-
-class Stops:
-    """When a run stops because its numbers cannot go on (a finite checkpoint saved first), and what it tells the
-    user: inf/NaN gradients without loss scaling, inf/NaN weights, and overflowing steps at the scale's floor (Model
-    Zoo's test: ``get_non_clamped_scale() < get_scale()``; static scaling: every overflowing step) counted up to
-    ``limit`` without a clean step between. ``count`` is checkpointed; the counted steps' overflow reports of this
-    session name where the overflow started."""
-
-    def __init__(self, limit: int, prec: PrecisionConfig) -> None:
-        self.limit, self.half_dtype, self.compute_dtype = limit, prec.fp16_type, prec.compute_dtype
-        self.repair = "precision.master_weights: true, " if prec.half_params and not prec.master_weights else ""
-        self.count = 0
-        self.reports: list[OverflowReport | None] = []
-
-    def nonfinite_gradients(self, step: int, loss: float, saved_step: int, path: object, report: Any) -> str:
-        """The stop message of a run without loss scaling whose gradients became inf/NaN (``report``: where)."""
-        scaling = ", or optimizer.loss_scaling_factor: dynamic." if self.compute_dtype != "float32" else "."
-        where = ""
-        if report is not None and report.first_module is not None:
-            where = (
-                f" The first module with inf/NaN gradients, in backward order, is {module_label(report.first_module)} "
-                f"({report.first_module_type}); modules with inf/NaN gradients: {_listed(report.modules)}."
-            )
-        return (
-            f"Step {step}: the gradients are inf/NaN (loss {loss}) and loss scaling is off ({self.compute_dtype}), so "
-            f"nothing can skip this step.{where} Training stopped before applying it; the model as of step "
-            f"{saved_step} is saved in {path}. Try a lower optimizer.learning_rate, optimizer.max_gradient_norm (e.g. "
-            f"1.0){scaling}"
-        )
-
-    def nonfinite_weights(self, model: torch.nn.Module, step: int, last: object, model_dir: object) -> str | None:
-        """When ``model``'s parameters hold inf/NaN (one device read; buffers may hold them by design), the stop
-        message: ``last`` stays the newest checkpoint; else ``None``."""
-        named = [(n, t) for n, t in model.named_parameters() if t.is_floating_point()]
-        finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist() if named else []
-        if not (broken := [n for (n, _), ok in zip(named, finite) if not ok]):
-            return None
-        then = f"then --resume {model_dir} (its metrics rows after that step are dropped)" if last else "start again"
-        newest = (
-            f"the newest checkpoint, {last}, is the last with finite weights" if last else "the run has no checkpoint"
-        )
-        return (
-            f"Step {step}: the model's weights hold inf/NaN ({_listed(broken, 4)}): an applied step broke them, so "
-            f"every step after it would overflow. No checkpoint of them was written; {newest}. To try: {self.repair}a "
-            f"lower optimizer.learning_rate or clipping (optimizer.max_gradient_norm), {then}"
-        )
-
-    def after_step(self, scaler: GradScaler, skipped: bool, report: OverflowReport | None = None) -> str | None:
-        """Count a step (reading the scaler only when skipped); at the limit, the stop message, else ``None``."""
-        if not scaler.is_enabled():
-            return None
-        if not skipped:
-            self.count = 0
-            self.reports.clear()
-            return None
-        scale, static = scaler.get_scale(), scaler.mode == "static"
-        if static or scaler.get_non_clamped_scale() < scale:
-            self.count += 1
-            self.reports = [*self.reports[-(self.limit - 1) :], report] if self.limit > 1 else [report]
-        if self.count < self.limit:
-            return None
-        if static:
-            what = (
-                f"the static loss scale {pow2(scale)} made the gradients overflow on {self.limit} consecutive steps, "
-                "and a static scale never comes down"
-            )
-            advice = "use optimizer.loss_scaling_factor: dynamic (it finds the largest scale that does not overflow), "
-            advice += "or a smaller static scale"
-        else:
-            what = (
-                f"the loss scale is pinned at min_loss_scale ({pow2(scale)}) and the gradients still overflowed on "
-                f"{self.limit} steps without a clean step between (Model Zoo: 'Minimum loss scale threshold was "
-                "reached but gradient norms are still encountering NaN or inf values')"
-            )
-            advice = (
-                f"{_DIVERGED}; check the data for inf/NaN; switch to bfloat16 (precision.fp16_type: bfloat16), whose "
-                "range matches float32, if the forward pass itself overflows in float16; or lower "
-                "optimizer.min_loss_scale"
-            )
-        # Where the counted overflows started, and whether the forward pass overflowed in most of them.
-        reports, where = [r for r in self.reports if r is not None], ""
-        n, forward = len(reports), sum(1 for r in reports if r.forward)
-        of = f"of the last {n} counted steps" if n < self.count else f"of the {n} steps"
-        if firsts := Counter(r.first_module for r in reports if r.first_module is not None):
-            ranked = ", ".join(f"{module_label(m)} in {k}" for m, k in firsts.most_common(3))
-            modules = list(dict.fromkeys(m for r in reports for m in r.modules))
-            where += (
-                f" First module with inf/NaN gradients, in backward order: {ranked} {of}; modules with inf/NaN "
-                f"gradients: {_listed(modules)}."
-            )
-        if forward:
-            where += (
-                f" The loss was already inf/NaN before scaling in {forward} {of}: the forward pass overflowed, and "
-                "loss scaling cannot fix that."
-            )
-        elif reports and all(r.forward is False for r in reports):
-            where += " The loss was finite every time: the overflow arose in backward."
-        if forward * 2 > n:
-            wider = _WIDER.get(self.half_dtype)
-            advice = (
-                (f"use {wider}, if {self.half_dtype}'s range is what overflowed; " if wider else "")
-                + "`dls audit CONFIG.yaml` names the first module whose output exceeds each format; if float32's "
-                f"range overflowed too, {_DIVERGED}, or check the data and model.loss_weight"
-            )
-        return f"{what}.{where} Skipping more steps cannot help. To try: {advice}"
