@@ -422,14 +422,12 @@ class Trainer:
         loss_value, scale_used, grad_norm = torch.stack(
             [loss.detach().float(), result.loss_scale.float().to(loss.device), norm.float().to(loss.device)]
         ).tolist()
-        if self.world_size > 1:  # alike on every rank: skipping is agreed
-            # One all-reduce: the mean loss, underflow and FP8 fractions over the ranks, and whether any rank got
-            # Ctrl-C.
+        if self.world_size > 1:  # alike on every rank (skipping is agreed): one all-reduce of the means over the
+            # ranks (loss, underflow, FP8 fractions) and of whether any rank got Ctrl-C
             sums = sum_over_ranks([loss_value, underflow or 0.0, float(stop_request.requested), *fp8], self.device)
-            loss_value = sums[0] / self.world_size
-            underflow = sums[1] / self.world_size if underflow is not None else None
-            stop_request.agreed = stop_request.agreed or sums[2] > 0
-            fp8 = [v / self.world_size for v in sums[3:]]
+            loss_value, mean_underflow, asked, *fp8 = (v / self.world_size for v in sums)
+            underflow = mean_underflow if underflow is not None else None
+            stop_request.agreed = stop_request.agreed or asked > 0
         for values, value in zip(self._recorded, (underflow, *(fp8 or (None, None)))):  # for the session's means
             if value is not None:
                 values.append(value)
