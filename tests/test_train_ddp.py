@@ -256,10 +256,11 @@ def _worker(argv: list[str]) -> int:
 
     def step(self: Trainer, *a: Any, **k: Any) -> Any:
         current["step"], current["model"] = self.global_step + 1, self.model
-        row = original_step(self, *a, **k)
-        if self.scaler.step_was_skipped(self.optimizer):
-            current["skipped"].append(self.global_step)
-        return row
+        try:
+            return original_step(self, *a, **k)
+        finally:  # also a step that stops the run (its floor check is part of the step)
+            if self.scaler.step_was_skipped(self.optimizer):
+                current["skipped"].append(self.global_step)
 
     def check(self: Any, optimizers: Any, **kwargs: Any) -> Any:
         if current["step"] in mine:  # the model's (float16) gradient, which the master gradients are taken from
