@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from dls.train.checkpoint import FORMAT, FORMAT_VERSION, checkpoint_step, list_checkpoints
-from dls.train.errors import MissingExtras, ModelDirError
+from dls.train.errors import ModelDirError
 from dls.train.plots import metrics_to_keep, plot_run, read_metrics
 
 LOCK_FILE = ".dls.lock"
@@ -72,18 +72,6 @@ def is_same_file(dir_fd: int, name: str, other: Path | int) -> bool:
     except OSError:
         return False
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
-def require_tensorboard() -> None:
-    """:class:`MissingExtras` when ``runconfig.tensorboard`` cannot work (checked before anything is written)."""
-    try:
-        import tensorboard  # noqa: F401
-        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
-    except ImportError as exc:
-        raise MissingExtras(
-            f"runconfig.tensorboard needs the 'tensorboard' extra ({exc}); install it with: "
-            "pip install 'dls[tensorboard]'"
-        ) from None
 
 
 def check_model_dir(

@@ -1,8 +1,8 @@
 """The training loop behind ``dls train``: a config in; a trained model, checkpoints, metrics and plots out. Each step
 uses the library as its users do (``dls.optimizer_step``, ``dls.skip_aware``, ``scaler.watch``); device reads only
-on logged steps (every ``log_steps``, the first, the last and skipped ones). Below the loop: how a run computes
-(``precision:``), its optimizer and LR schedule, and the stops where its numbers cannot go on (exit 1, after a finite
-checkpoint), each telling the user what to try."""
+on logged steps (every ``log_steps``, the first, the last and skipped ones). The trainer also holds how a run
+computes (``precision:``) and the stops where its numbers cannot go on (exit 1, after a finite checkpoint), each
+telling the user what to try; the optimizer and its LR schedule follow it."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from dls.train import checkpoint as ckpt
 from dls.train import reporting, rundir
 from dls.train.config import CHECKPOINT_STATES, TrainConfig, loss_scaling_mode, scaler_settings, to_dict
 from dls.train.data import Batch, BatchIterator, build_batches, modelzoo
-from dls.train.errors import TrainingStopped
+from dls.train.errors import MissingExtras, TrainingStopped
 from dls.train.launch import StopRequest, resolve_device, run_on_rank0, sum_over_ranks, wrap_data_parallel
 from dls.train.models import TrainModel, build_model, evaluate, evaluate_batches
 from dls.train.reporting import TrainResult, json_number
@@ -63,8 +63,15 @@ class Trainer:
         self.is_main = self.rank == 0
         if self.world_size > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())  # one GPU per rank
-        if rc.tensorboard:
-            rundir.require_tensorboard()  # before anything is built or written
+        if rc.tensorboard:  # can it work: checked before anything is built or written
+            try:
+                import tensorboard  # noqa: F401
+                from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+            except ImportError as exc:
+                raise MissingExtras(
+                    f"runconfig.tensorboard needs the 'tensorboard' extra ({exc}); install it with: "
+                    "pip install 'dls[tensorboard]'"
+                ) from None
         self.model_dir = rundir.resolve_model_dir(rc.model_dir)
         self.run_dir: rundir.RunDir | None = None  # rank 0, while train() holds model_dir
         self.crash_dir: Path | None = None  # where a crash report may go: model_dir, once this run has locked it
@@ -142,12 +149,11 @@ class Trainer:
 
     def close(self) -> None:
         """Data-parallel: wait for all ranks when :meth:`train` ended alike on each, then release the DDP wrapper."""
-        if self.ddp is None:
-            return
-        if self._ended_together and distributed.is_active():
-            dist.barrier()
-        self.ddp = None
-        gc.collect()
+        if self.ddp is not None:
+            if self._ended_together and distributed.is_active():
+                dist.barrier()
+            self.ddp = None
+            gc.collect()
 
     # ------------------------------------------------------------------ run
     def train(self, resume: str | Path | None = None, load_states: Sequence[str] | None = None) -> TrainResult:
@@ -577,7 +583,7 @@ class Trainer:
         return self._last_checkpoint
 
 
-# ---------------------------------------------------------------------- the optimizer, the LR schedule, stop messages
+# ---------------------------------------------------------------------- the optimizer, its LR schedule, stop messages
 HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
