@@ -234,6 +234,15 @@ def test_a_missing_checkpoint_path_names_the_key_it_came_from(tmp_path: Path) ->
     assert not (tmp_path / "run").exists()  # nothing written
 
 
+def test_autoload_without_a_readable_checkpoint_names_its_key(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoint_3.mdl").write_bytes(b"not a checkpoint")
+    raw = tiny(tmp_path / "run", runconfig={"autoload_last_checkpoint": True})
+    with pytest.raises(ckpt.CheckpointError, match=r"^runconfig\.autoload_last_checkpoint: no readable checkpoint"):
+        make_trainer(raw)[0].train()
+    assert os.listdir(tmp_path / "run") == ["checkpoint_3.mdl"]  # nothing changed
+
+
 # ---------------------------------------------------------------------- atomic writes
 def test_failed_rename_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with RunDir(tmp_path) as run_dir:

@@ -191,7 +191,8 @@ class Trainer:
                 key = "runconfig.checkpoint_path"  # or trainer.fit.ckpt_path: errors name the key as written
                 resume, what = rc.checkpoint_path, self.cfg.sources.get(key, key)
             if resume is None and rc.autoload_last_checkpoint and ckpt.list_checkpoints(self.model_dir):
-                resume = self.model_dir  # the same command again continues the run (the --resume DIR rules)
+                key = "runconfig.autoload_last_checkpoint"  # the same command again continues the run (--resume DIR)
+                resume, what = self.model_dir, self.cfg.sources.get(key, key)
             if resume is not None:
                 path, state, unreadable = ckpt.load_resume_checkpoint(resume, what)
                 # LoadCheckpointStates applies to another run's checkpoint; the run's own load whole.
