@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from dls.train.schema import OptimizerConfig
+from dls.train.config import OptimizerConfig
 
 __all__ = ["build_optimizer", "build_scheduler", "learning_rate_at"]
 

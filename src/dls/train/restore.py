@@ -13,12 +13,12 @@ import torch
 from dls.diagnostics.scales import pow2
 from dls.scaler_state import parse_state_dict
 from dls.train import checkpoint as ckpt
+from dls.train import config
 from dls.train.config import CHECKPOINT_STATES, TrainConfig, loss_scaling_mode, parse_config, scaler_settings
 from dls.train.errors import CheckpointError, ConfigError
-from dls.train.schema import SCALER_KEYS
 
 # The settings of the dynamic rule (ScalerSettings attribute -> config key), compared on resume.
-_SETTING_KEYS = {arg: key for key, arg in SCALER_KEYS.items() if arg not in ("loss_scale", "max_gradient_norm")}
+_SETTING_KEYS = {arg: key for key, arg in config.SCALER_KEYS.items() if arg not in ("loss_scale", "max_gradient_norm")}
 # Per-parameter state every optimizer family needs once it has stepped.
 _REQUIRED_STATE = {"SGD": ("momentum_buffer",), "Adam": ("step", "exp_avg", "exp_avg_sq")}
 _INT64_MAX = 2**63 - 1

@@ -24,7 +24,7 @@ from dls.diagnostics import OverflowReport
 from dls.diagnostics.fallback import apply_precision_fallback, fallback_note
 from dls.train import checkpoint as ckpt
 from dls.train import restore
-from dls.train.config import CHECKPOINT_STATES, TrainConfig, loss_scaling_mode, scaler_settings, to_dict
+from dls.train.config import CHECKPOINT_STATES, ZOO_MODELS, TrainConfig, loss_scaling_mode, scaler_settings, to_dict
 from dls.train.data import BatchIterator, build_batches, modelzoo
 from dls.train.errors import TrainingStopped
 from dls.train.launch import StopRequest, resolve_device, run_on_rank0, sum_over_ranks, wrap_data_parallel
@@ -42,7 +42,6 @@ from dls.train.reporting import (
     print_summary,
 )
 from dls.train.rundir import resolve_model_dir
-from dls.train.schema import ZOO_MODELS
 from dls.train.stops import (
     FloorWatch,
     NonFiniteGradients,
