@@ -34,22 +34,6 @@ ZOO_PROCESSORS: tuple[str, ...] = get_args(ZooProcessor)
 MODEL_DATASETS = {"mlp": "teacher_regression", "transformer_lm": "char_corpus"}
 # Model Zoo's --load_checkpoint_states values, plus "rng" (the random-number generators, needed for bit-identity).
 CHECKPOINT_STATES = ("model", "optimizer", "dataloader", "grad_scaler", "lr_scheduler", "global_step", "rng")
-# Keys that apply to one variant of their section only (the section's selector value).
-ONLY = {
-    "depth": ("mlp",),
-    "activation_fn": ("mlp",),
-    "dropout": ("mlp",),
-    **dict.fromkeys(
-        ("num_hidden_layers", "num_heads", "filter_size", "dropout_rate", "max_position_embeddings"),
-        ("transformer_lm",),
-    ),
-    **dict.fromkeys(("num_samples", "input_dim", "output_dim", "noise_std", "dataset_seed"), ("teacher_regression",)),
-    "max_sequence_length": ("char_corpus",),
-    "momentum": ("SGD",),
-    "betas": ("Adam", "AdamW"),
-    "eps": ("Adam", "AdamW"),
-    "correct_bias": ("AdamW",),
-}
 # Keys that matter only on Cerebras hardware (or to Model Zoo's launcher): accepted, listed once as ignored.
 CEREBRAS_ONLY = {
     "num_workers", "prefetch_factor", "persistent_workers", "precision_opt_level", "enable_distributed",
@@ -133,8 +117,9 @@ Length = Annotated[int, INTEGRAL, Bounds(1, 1 << 22)]
 Layers = Annotated[int, INTEGRAL, Bounds(1, 4096)]
 
 
-def help_(default: Any, text: str) -> Any:
-    return Field(default, description=text)
+def help_(default: Any, text: str, only: str = "") -> Any:
+    """A key's default and help (``dls keys``); ``only``: the variants of its section it applies to (:data:`ONLY`)."""
+    return Field(default, description=text, json_schema_extra={"only": only} if only else None)
 
 
 class Section(BaseModel):
@@ -150,14 +135,14 @@ class ModelConfig(Section):
     )
     loss_weight: Annotated[float, Finite(gt=0)] = help_(1.0, "multiplies the training loss (logged unweighted)")
     hidden_size: Size = help_(128, "width of the hidden layers / the model dimension")
-    depth: Layers = help_(3, "number of hidden layers")
-    activation_fn: Literal["tanh", "relu", "gelu"] = help_("tanh", "activation of the hidden layers")
-    dropout: Unit = help_(0.0, "dropout probability after each activation")
-    num_hidden_layers: Layers = help_(2, "number of transformer blocks")
-    num_heads: Layers = help_(4, "attention heads (must divide hidden_size)")
-    filter_size: Length = help_(256, "width of each block's feed-forward layer")
-    dropout_rate: Unit = help_(0.0, "dropout probability")
-    max_position_embeddings: Length = help_(256, "longest sequence the model accepts")
+    depth: Layers = help_(3, "number of hidden layers", "mlp")
+    activation_fn: Literal["tanh", "relu", "gelu"] = help_("tanh", "activation of the hidden layers", "mlp")
+    dropout: Unit = help_(0.0, "dropout probability after each activation", "mlp")
+    num_hidden_layers: Layers = help_(2, "number of transformer blocks", "transformer_lm")
+    num_heads: Layers = help_(4, "attention heads (must divide hidden_size)", "transformer_lm")
+    filter_size: Length = help_(256, "width of each block's feed-forward layer", "transformer_lm")
+    dropout_rate: Unit = help_(0.0, "dropout probability", "transformer_lm")
+    max_position_embeddings: Length = help_(256, "longest sequence the model accepts", "transformer_lm")
     params: dict[str, Any] = help_({}, "a Model Zoo model's own keys, as written in model:")
 
 
@@ -173,12 +158,16 @@ class DataConfig(Section):
     shuffle: bool = help_(True, "reshuffle the samples every epoch")
     shuffle_seed: Seed | None = help_(None, "seed of the sample order (null: the seed)")
     drop_last_batch: bool = help_(True, "drop an incomplete last batch (dls's built-in data sets always do)")
-    num_samples: Annotated[int, INTEGRAL, Bounds(1, 1 << 40)] = help_(4096, "samples in the generated data set")
-    input_dim: Size = help_(32, "features per sample")
-    output_dim: Size = help_(64, "regression targets per sample")
-    noise_std: Annotated[float, Finite(ge=0)] = help_(0.0, "standard deviation of noise added to the targets")
-    dataset_seed: Seed = help_(1234, "seed that generates the data set (the teacher)")
-    max_sequence_length: Length = help_(64, "characters per training sequence")
+    num_samples: Annotated[int, INTEGRAL, Bounds(1, 1 << 40)] = help_(
+        4096, "samples in the generated data set", "teacher_regression"
+    )
+    input_dim: Size = help_(32, "features per sample", "teacher_regression")
+    output_dim: Size = help_(64, "regression targets per sample", "teacher_regression")
+    noise_std: Annotated[float, Finite(ge=0)] = help_(
+        0.0, "standard deviation of noise added to the targets", "teacher_regression"
+    )
+    dataset_seed: Seed = help_(1234, "seed that generates the data set (the teacher)", "teacher_regression")
+    max_sequence_length: Length = help_(64, "characters per training sequence", "char_corpus")
     params: dict[str, Any] = help_({}, "a Model Zoo data processor's own keys, as written")
 
     @property
@@ -245,11 +234,11 @@ class OptimizerConfig(Section):
     learning_rate: Annotated[float, Finite(ge=0)] | Annotated[tuple[SchedulePiece, ...], LISTED] = help_(
         1e-3, "a number, or a schedule: [{scheduler: Linear|CosineDecay|Constant, ...}, ...] (on applied steps)"
     )
-    momentum: Unit = help_(0.0, "SGD momentum")
+    momentum: Unit = help_(0.0, "SGD momentum", "SGD")
     weight_decay: Annotated[float, Finite(ge=0)] = help_(0.0, "weight decay")
-    betas: Annotated[tuple[Unit, Unit], LISTED] = help_((0.9, 0.999), "Adam/AdamW betas")
-    eps: Annotated[float, Finite(gt=0)] = help_(1e-8, "Adam/AdamW epsilon")
-    correct_bias: Literal[True] = help_(True, "AdamW bias correction (torch's AdamW always corrects)")
+    betas: Annotated[tuple[Unit, Unit], LISTED] = help_((0.9, 0.999), "Adam/AdamW betas", "Adam AdamW")
+    eps: Annotated[float, Finite(gt=0)] = help_(1e-8, "Adam/AdamW epsilon", "Adam AdamW")
+    correct_bias: Literal[True] = help_(True, "AdamW bias correction (torch's AdamW always corrects)", "AdamW")
     loss_scaling_factor: Any = help_(None, "'dynamic', a static scale, or null: dynamic for float16/cbfloat16")
     initial_loss_scale: Any = help_(None, "first dynamic scale (null: the max)")
     steps_per_increase: Annotated[Any, INTEGRAL] = help_(None, "the scale grows on the next clean step after this many")
@@ -312,12 +301,18 @@ SECTION_CLASSES: dict[str, type[Section]] = {
     "optimizer": OptimizerConfig,
     "runconfig": RunConfig,
 }
-SCALER_KEYS = {  # optimizer key -> ScalerSettings.cerebras argument
-    "loss_scaling_factor": "loss_scale",
-    "initial_loss_scale": "init_scale",
-    **{k: k for k in ("steps_per_increase", "min_loss_scale", "max_loss_scale", "overflow_tolerance")},
-    **{k: k for k in ("growth_factor", "backoff_factor", "hysteresis", "consecutive_hysteresis")},
-    "max_gradient_norm": "max_gradient_norm",
+# Keys that apply to one variant of their section only (the section's selector value: model.name, ...).
+ONLY = {
+    k: tuple(str(f.json_schema_extra["only"]).split())
+    for c in SECTION_CLASSES.values()
+    for k, f in c.model_fields.items()
+    if isinstance(f.json_schema_extra, dict)
+}
+# The keys ScalerSettings judges (typed Any above) -> its argument.
+SCALER_KEYS = {
+    k: {"loss_scaling_factor": "loss_scale", "initial_loss_scale": "init_scale"}.get(k, k)
+    for k, f in OptimizerConfig.model_fields.items()
+    if f.annotation is Any
 }
 
 
@@ -552,17 +547,20 @@ _INIT = {
 }
 _RUN_KEYS = ("model_dir", "seed", "device", "num_threads", "tensorboard", "max_overflows_at_min_loss_scale")
 _SCHEDULERS = {"ConstantLR": "Constant", "LinearLR": "Linear", "CosineDecayLR": "CosineDecay"}
-# Model Zoo's defaults where they differ from dls's: (section, key) -> {layout: (the key as written, value)}.
-_ZOO_DEFAULTS: dict[tuple[str, str], dict[str, tuple[str, Any]]] = {
-    ("precision", "fp16_type"):
-        {"legacy": ("model.fp16_type", "float16"), "current": ("trainer.init.precision.fp16_type", "bfloat16")},
-    ("precision", "mixed_precision"):
-        {"legacy": ("model.mixed_precision", False), "current": ("trainer.init.precision.enabled", True)},
-    ("optimizer", "loss_scaling_factor"): {
-        "legacy": ("optimizer.loss_scaling_factor", 1.0), "current": ("trainer.init.precision.loss_scaling_factor", 1.0)
-    },
-    ("runconfig", "autoload_last_checkpoint"): {"current": ("trainer.init.checkpoint.autoload_last_checkpoint", True)},
-}  # fmt: skip
+# Model Zoo's defaults where they differ from dls's, in each layout: (section, key, the key as written, value).
+_ZOO_DEFAULTS: dict[str, list[tuple[str, str, str, Any]]] = {
+    "legacy": [
+        ("precision", "fp16_type", "model.fp16_type", "float16"),
+        ("precision", "mixed_precision", "model.mixed_precision", False),
+        ("optimizer", "loss_scaling_factor", "optimizer.loss_scaling_factor", 1.0),
+    ],
+    "current": [
+        ("precision", "fp16_type", "trainer.init.precision.fp16_type", "bfloat16"),
+        ("precision", "mixed_precision", "trainer.init.precision.enabled", True),
+        ("optimizer", "loss_scaling_factor", "trainer.init.precision.loss_scaling_factor", 1.0),
+        ("runconfig", "autoload_last_checkpoint", "trainer.init.checkpoint.autoload_last_checkpoint", True),
+    ],
+}
 
 
 class _Reader:
@@ -604,7 +602,7 @@ class _Reader:
     def section(self, section: str, body: Any, path: str, moved: Mapping[str, tuple[str, str]] = {}) -> None:
         """A section written as dls's fields (legacy layout); Model Zoo models' and readers' keys go to ``params``."""
         body = self.mapping(body, path)
-        fields = [k for k in SECTION_CLASSES["data" if section == "eval_data" else section].model_fields]
+        fields = list(SECTION_CLASSES["data" if section == "eval_data" else section].model_fields) if section else []
         zoo = self.zoo_model if section == "model" else self.zoo_model or "data_processor" in body
         zoo = zoo and section in ("model", "data", "eval_data")
         params = {}
@@ -619,7 +617,7 @@ class _Reader:
             elif key in fields and key != "params":
                 self.put(section, key, value, where)
             else:
-                self.unknown(path, key, [f for f in fields if f != "params"])
+                self.unknown(path, key, [f for f in fields if f != "params"] or list(moved))
         if params:
             self.put(section, "params", params, path)
 
@@ -638,13 +636,12 @@ class _Reader:
                 self.section(section, body, str(name), _MOVED if section == "model" else _ALIAS)
 
     def current(self, raw: Mapping[Any, Any]) -> None:
-        for name in raw:
-            if name != "trainer":
-                self.errors.append(f"unknown section {name}: the current layout has trainer: alone")
+        self.errors += [
+            f"unknown section {name}: the current layout has trainer: alone" for name in raw if name != "trainer"
+        ]
         trainer = self.mapping(raw.get("trainer"), "trainer")
-        for name in trainer:
-            if name not in ("init", "fit", "validate", "validate_all"):
-                self.unknown("trainer", name, ["init", "fit", "validate", "validate_all"])
+        for name in [n for n in trainer if n not in ("init", "fit", "validate", "validate_all")]:
+            self.unknown("trainer", name, ["init", "fit", "validate", "validate_all"])
         allowed = [*_RUN_KEYS, "backend", "model", "optimizer", "schedulers", "callbacks", *_INIT]
         for key, value in self.mapping(trainer.get("init"), "trainer.init").items():
             path = f"trainer.init.{key}"
@@ -652,12 +649,8 @@ class _Reader:
                 self.put("runconfig", key, value, path)
             elif key == "model":
                 self.section("model", value, path)
-            elif key in _INIT:
-                for k, v in self.mapping(value, path).items():
-                    if k in _INIT[key]:
-                        self.put(*_INIT[key][k], v, f"{path}.{k}")
-                    else:
-                        self.unknown(path, k, list(_INIT[key]))
+            elif key in _INIT:  # keys that all move to dls's sections
+                self.section("", value, path, _INIT[key])
             elif key == "backend":
                 self.backend(self.mapping(value, path), path)
             elif key == "optimizer":
@@ -765,34 +758,27 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
         r.errors.append(f"model.name is required ({hint}); one of {', '.join(get_args(ModelName))}")
     if layout == "current" or name in ZOO_MODELS or "data_processor" in s["data"]:
         other = "legacy" if layout == "current" else "current"
-        for (section, key), by_layout in _ZOO_DEFAULTS.items():
-            if (section, key) not in r.written and layout in by_layout:
-                path, value = by_layout[layout]
+        theirs = {(section, key): value for section, key, _, value in _ZOO_DEFAULTS[other]}
+        for section, key, path, value in _ZOO_DEFAULTS[layout]:
+            if (section, key) not in r.written:
                 s[section][key] = value
                 differs = (
-                    f" ({other} layout: {by_layout[other][1]!r})"
-                    if by_layout.get(other, (0, value))[1] != value
-                    else ""
+                    f" ({other} layout: {theirs[section, key]!r})" if theirs.get((section, key), value) != value else ""
                 )
                 r.notes.append(f"{path}: {value!r}, Model Zoo's default in the {layout} layout{differs}")
     else:
         layout = "dls"
     if name in MODEL_NAMES and "data_processor" not in s["data"]:
         s["data"].setdefault("dataset", MODEL_DATASETS[str(name)])
-    for section in ("data", "eval_data"):  # the reader a legacy config's model implies, as Model Zoo's run.py does
-        if (
-            name in ZOO_MODELS
-            and not {"dataset", "data_processor"} & s[section].keys()
-            and (s[section] or section == "data")
-        ):
+    for section in ("data", "eval_data") if name in ZOO_MODELS else ():  # the reader the model implies (run.py's)
+        if not {"dataset", "data_processor"} & s[section].keys() and (s[section] or section == "data"):
             s[section]["data_processor"] = "MNISTDataProcessor" if name == "fc_mnist" else "GptHDF5DataProcessor"
     kind = _caseless(s["optimizer"].get("optimizer_type", "Adam"))
-    selectors = {
-        "model": ("name", name),
-        "data": ("dataset", s["data"].get("dataset")),
-        "optimizer": ("optimizer_type", kind),
-    }
-    for section, (selector, value) in selectors.items():
+    for section, selector, value in [
+        ("model", "name", name),
+        ("data", "dataset", s["data"].get("dataset")),
+        ("optimizer", "optimizer_type", kind),
+    ]:
         for key in [k for k in s[section] if k in ONLY and value is not None and value not in ONLY[k]]:
             only = " or ".join(map(repr, ONLY[key]))
             r.errors.append(
