@@ -737,18 +737,13 @@ def _schedule(value: Any, path: str, errors: list[str]) -> Any:
 
 
 # ---------------------------------------------------------------------- validation
-def _get(raw: Any, *keys: str) -> Any:
-    for key in keys:
-        raw = raw.get(key) if isinstance(raw, Mapping) else None
-    return raw
-
-
 def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConfig:
     """Validate a config dict (the parsed YAML, either layout) and build the :class:`TrainConfig`. Raises
     :class:`ConfigError` listing every problem, each naming its key as written."""
     raw = apply_overrides(raw, (), source)  # a mapping, aliases expanded into copies
     layout = "current" if "trainer" in raw else "legacy"
-    model = raw.get("model") if layout == "legacy" else _get(raw, "trainer", "init", "model")
+    model = raw if layout == "legacy" else raw["trainer"].get("init") if isinstance(raw["trainer"], Mapping) else None
+    model = model.get("model") if isinstance(model, Mapping) else None
     r = _Reader(isinstance(model, Mapping) and model.get("name") in ZOO_MODELS)
     r.current(raw) if layout == "current" else r.legacy(raw)
     s = r.sections
@@ -864,16 +859,12 @@ def _check_combinations(b: dict[str, Any], r: _Reader) -> None:
     if not prec.mixed_precision and ("precision", "fp16_type") in r.written and prec.fp16_type != "float32":
         note(f"{at('precision', 'fp16_type')} ({prec.fp16_type!r}) has no effect: mixed_precision is off")
     if prec.half_params and prec.compute_dtype == "float32":
-        refuse(
-            f"{at('precision', 'half_params')} needs a half-precision run (precision.mixed_precision: true and a half "
-            "fp16_type): float32 parameters are what it keeps without half_params"
-        )
+        why = "(precision.mixed_precision: true and a half fp16_type): without it the parameters are float32"
+        refuse(f"{at('precision', 'half_params')} needs a half-precision run {why}")
     if prec.half_params and prec.fp16_type == "cbfloat16" and not prec.master_weights:
         refuse(f"{at('precision', 'master_weights')}: false does not work with cbfloat16 half_params")
     if prec.fp8 is not None and prec.emulated:
-        refuse(
-            f"{at('precision', 'fp8')} cannot be combined with dls.emulate's rounding (cbfloat16 or precision.emulate)"
-        )
+        refuse(f"{at('precision', 'fp8')} cannot be combined with dls.emulate (cbfloat16 or precision.emulate)")
     if opt.max_gradient_norm is not None and opt.max_gradient_value is not None:
         refuse(f"give {at('optimizer', 'max_gradient_norm')} or {at('optimizer', 'max_gradient_value')}, not both")
     if "master_weights" in prec.model_fields_set and not prec.half_params:
@@ -931,8 +922,7 @@ def _check_loss_scaling(b: dict[str, Any], r: _Reader) -> None:
     except SettingsError as exc:
         pattern = re.compile(r"\b(" + "|".join(sorted(names, key=len, reverse=True)) + r")\b")
         given = {arg for key, arg in SCALER_KEYS.items() if getattr(opt, key) is not None}
-        named = [(set(pattern.findall(m)), m) for _, m in exc.problems]
-        kept = [m for n, m in named if n & given] or [m for _, m in named]
+        kept = [m for arg, m in exc.problems if arg in given] or [m for _, m in exc.problems]  # the keys written
         r.errors.extend(pattern.sub(lambda m: names[m.group(1)], m) for m in kept)
         return
     if opt.max_gradient_norm is not None and opt.max_gradient_norm > F32_MAX:  # the scaler takes any finite norm
