@@ -99,10 +99,8 @@ def parse_checkpoint_states(value: str | Sequence[str]) -> tuple[str, ...]:
         return CHECKPOINT_STATES
     bad = [s for s in items if s not in CHECKPOINT_STATES]
     if bad:
-        hint = did_you_mean(bad[0], CHECKPOINT_STATES)
-        raise ValueError(
-            f"unknown checkpoint state(s) {', '.join(map(repr, bad))}{hint}; allowed: {', '.join(CHECKPOINT_STATES)}"
-        )
+        bad_ones = ", ".join(map(repr, bad)) + did_you_mean(bad[0], CHECKPOINT_STATES)
+        raise ValueError(f"unknown checkpoint state(s) {bad_ones}; allowed: {', '.join(CHECKPOINT_STATES)}")
     return tuple(dict.fromkeys(items))
 
 
@@ -130,9 +128,7 @@ class ModelConfig(Section):
     """``model:``. A Model Zoo model (``fc_mnist``, ``gpt2``, ``gpt3``, ``llama``) takes its keys in ``params``,
     judged by ``dls.train.modelzoo``."""
 
-    name: ModelName = help_(
-        "mlp", "mlp | transformer_lm (built in), or a Model Zoo model: fc_mnist | gpt2 | gpt3 | llama"
-    )
+    name: ModelName = help_("mlp", "mlp | transformer_lm (built in), or Model Zoo's fc_mnist | gpt2 | gpt3 | llama")
     loss_weight: Annotated[float, Finite(gt=0)] = help_(1.0, "multiplies the training loss (logged unweighted)")
     hidden_size: Size = help_(128, "width of the hidden layers / the model dimension")
     depth: Layers = help_(3, "number of hidden layers", "mlp")
@@ -250,9 +246,7 @@ class OptimizerConfig(Section):
     hysteresis: Annotated[Any, INTEGRAL] = help_(None, "overflows per back-off (DeepSpeed/Megatron)")
     consecutive_hysteresis: Any = help_(None, "hysteresis counts consecutive overflows only")
     max_gradient_norm: Any = help_(None, "clip the global gradient L2 norm")
-    max_gradient_value: Annotated[float, Finite(gt=0)] | None = help_(
-        None, "clip each gradient element to [-value, value]"
-    )
+    max_gradient_value: Annotated[float, Finite(gt=0)] | None = help_(None, "clip each gradient to [-value, value]")
     log_summaries: bool = help_(False, "also log gradient underflow statistics (slower)")
 
 
@@ -263,9 +257,7 @@ class RunConfig(Section):
     num_steps: Steps | None = help_(None, "train this many steps in this run (then stop)")
     num_epochs: Size | None = help_(None, "train this many epochs (when max_steps is not given)")
     steps_per_epoch: Steps | None = help_(None, "steps per epoch (default: the training data's batches)")
-    grad_accum_steps: Annotated[int, INTEGRAL, Bounds(1, 65536)] = help_(
-        1, "micro-batches whose gradients make one optimizer step"
-    )
+    grad_accum_steps: Annotated[int, INTEGRAL, Bounds(1, 65536)] = help_(1, "micro-batches per optimizer step")
     eval_frequency: Steps | Annotated[float, Finite(gt=0, le=1)] | None = help_(
         None, "evaluate every N steps (an integer) or every fraction of the run (a float in (0, 1])"
     )
@@ -545,6 +537,8 @@ _INIT = {
     },
     "logging": {"log_steps": ("runconfig", "log_steps"), "log_summaries": ("optimizer", "log_summaries")},
 }
+_OPTIMIZER_ARGS = _same("optimizer", "learning_rate momentum weight_decay betas eps correct_bias")
+_OPTIMIZER_ARGS["lr"] = ("optimizer", "learning_rate")  # torch's name
 _RUN_KEYS = ("model_dir", "seed", "device", "num_threads", "tensorboard", "max_overflows_at_min_loss_scale")
 _SCHEDULERS = {"ConstantLR": "Constant", "LinearLR": "Linear", "CosineDecayLR": "CosineDecay"}
 # Model Zoo's defaults where they differ from dls's, in each layout: (section, key, the key as written, value).
@@ -687,12 +681,7 @@ class _Reader:
             return
         ((name, args),) = body.items()
         self.put("optimizer", "optimizer_type", name, path)
-        fields = ["learning_rate", "momentum", "weight_decay", "betas", "eps", "correct_bias"]
-        for key, value in self.mapping(args, f"{path}.{name}").items():
-            if key in fields or key == "lr":
-                self.put("optimizer", "learning_rate" if key == "lr" else key, value, f"{path}.{name}.{key}")
-            else:
-                self.unknown(f"{path}.{name}", key, fields)
+        self.section("", args, f"{path}.{name}", _OPTIMIZER_ARGS)
 
     def callbacks(self, value: Any, path: str) -> None:
         for i, item in enumerate(value if isinstance(value, list) else [value]):
@@ -962,7 +951,7 @@ def to_dict(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.eval_data is not None:
         out["eval_input"] = cfg.eval_data.model_dump(mode="json", exclude_defaults=True)
     out["model"] = {"name": cfg.model.name, **out["model"]}
-    out["data"] = {"dataset": cfg.data.dataset, **out["data"]} if cfg.data.dataset else out["data"]
+    out["data"] = {"dataset": cfg.data.dataset, **out["data"]} if cfg.data.dataset else out["data"]  # first
     for body in (out["model"], out["data"], out.get("eval_input", {})):
         body.update(body.pop("params", {}))
     if cfg.layout != "dls":  # Model Zoo's defaults of these differ from dls's
@@ -989,10 +978,8 @@ def describe_keys() -> str:
             default = "null" if default is None else str(default).lower() if isinstance(default, bool) else default
             arg = SCALER_KEYS.get(key, "") if name == "optimizer" else ""
             if arg not in ("", "loss_scale", "max_gradient_norm"):
-                default = f"null: {shown(getattr(f16, arg), arg)}"
-                text += (
-                    f" (cbfloat16: {shown(getattr(cb16, arg), arg)})" if getattr(cb16, arg) != getattr(f16, arg) else ""
-                )
+                default, cb = f"null: {shown(getattr(f16, arg), arg)}", shown(getattr(cb16, arg), arg)
+                text += f" (cbfloat16: {cb})" if f"null: {cb}" != default else ""
             only = f" [{'/'.join(ONLY[key])} only]" if key in ONLY else ""
             lines.append(f"  {key:<32} {default!s:<19} {text}{only}")
     return "\n".join(lines)
@@ -1015,9 +1002,8 @@ def missing_paths(cfg: TrainConfig) -> list[str]:
             where = f"relative paths resolve against {Path.cwd()}"
             lines.append(f"{key}.data_dir {missing[0]}{more} does not exist here ({where})")
         else:
-            lines += check_data(
-                data.data_processor, data.loader_params, split="train" if section == "data" else "val", prefix=key
-            )
+            split = "train" if section == "data" else "val"
+            lines += check_data(data.data_processor, data.loader_params, split=split, prefix=key)
     return lines
 
 
@@ -1036,14 +1022,10 @@ def memory_problem(cfg: TrainConfig) -> str | None:
         need["data.num_samples"] = 4.0 * d.num_samples * (d.input_dim + d.output_dim)
     h = p.get("hidden_size", m.hidden_size)
     if m.name in ("gpt2", "gpt3", "llama") and all(isinstance(p.get(k), int) for k in ("hidden_size", "filter_size")):
-        layers, vocab, mlp = (
-            p.get("num_hidden_layers", 1),
-            p.get("vocab_size", 1),
-            3 if p.get("nonlinearity") == "swiglu" else 2,
-        )
-        embeddings = vocab * h * (1 if p.get("share_embedding_weights", True) else 2)
+        embeddings = p.get("vocab_size", 1) * h * (1 if p.get("share_embedding_weights", True) else 2)
+        block = 4 * h + (3 if p.get("nonlinearity") == "swiglu" else 2) * p["filter_size"]  # attention and MLP
         need[cfg.sources.get("model.params", "model") + ".hidden_size"] = BYTES_PER_PARAMETER * (
-            embeddings + layers * h * (4 * h + mlp * p["filter_size"])
+            embeddings + p.get("num_hidden_layers", 1) * h * block
         )
     elif m.name == "mlp":
         need["model.hidden_size"] = BYTES_PER_PARAMETER * h * (d.input_dim + h * (m.depth - 1) + d.output_dim)
@@ -1056,6 +1038,5 @@ def memory_problem(cfg: TrainConfig) -> str | None:
     if sum(need.values()) <= free:
         return None
     key = max(need, key=need.__getitem__)
-    return f"{cfg.sources.get(key, key)}: this run needs about {sum(need.values()) / 2**30:.1f} GiB, " + (
-        f"{free / 2**30:.1f} GiB are free here"
-    )
+    gib = f"about {sum(need.values()) / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free here"
+    return f"{cfg.sources.get(key, key)}: this run needs {gib}"
