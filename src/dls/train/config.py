@@ -85,11 +85,6 @@ def Finite(ge: float | None = None, le: float | None = None, gt: float | None = 
 _CANONICAL = {n.lower(): n for n in ("SGD", "Adam", "AdamW", "Constant", "Linear", "CosineDecay")}
 
 
-def _caseless(value: Any) -> Any:
-    """Model Zoo writes ``adamw``: a name in another case is the name."""
-    return _CANONICAL.get(value.lower(), value) if isinstance(value, str) else value
-
-
 def parse_checkpoint_states(value: str | Sequence[str]) -> tuple[str, ...]:
     """``"model,optimizer"`` or a list → validated tuple of state names (``"all"`` → every state)."""
     items = [s.strip() for s in value.split(",")] if isinstance(value, str) else value
@@ -106,7 +101,8 @@ def parse_checkpoint_states(value: str | Sequence[str]) -> tuple[str, ...]:
 
 INTEGRAL = BeforeValidator(_integral)
 LISTED = BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)  # a YAML list as a tuple
-CASELESS = BeforeValidator(_caseless)
+SCHEDULE = BeforeValidator(lambda v: (v,) if isinstance(v, dict) else tuple(v) if isinstance(v, list) else v)
+CASELESS = BeforeValidator(lambda v: _CANONICAL.get(v.lower(), v) if isinstance(v, str) else v)  # Model Zoo: adamw
 Unit = Annotated[float, Finite(ge=0, lt=1)]
 Steps = Annotated[int, INTEGRAL, Bounds(1)]
 Seed = Annotated[int, INTEGRAL, Bounds(0, MAX_SEED)]
@@ -227,7 +223,7 @@ class OptimizerConfig(Section):
     """``optimizer:``: the optimizer, its learning rate and the loss-scaling keys (null: the scaler's default)."""
 
     optimizer_type: Annotated[Literal["SGD", "Adam", "AdamW"], CASELESS] = help_("Adam", "the torch optimizer")
-    learning_rate: Annotated[float, Finite(ge=0)] | Annotated[tuple[SchedulePiece, ...], LISTED] = help_(
+    learning_rate: Annotated[float, Finite(ge=0)] | Annotated[tuple[SchedulePiece, ...], SCHEDULE] = help_(
         1e-3, "a number, or a schedule: [{scheduler: Linear|CosineDecay|Constant, ...}, ...] (on applied steps)"
     )
     momentum: Unit = help_(0.0, "SGD momentum", "SGD")
@@ -757,7 +753,7 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
     for section in ("data", "eval_data") if name in ZOO_MODELS else ():  # the reader the model implies (run.py's)
         if not {"dataset", "data_processor"} & s[section].keys() and (s[section] or section == "data"):
             s[section]["data_processor"] = "MNISTDataProcessor" if name == "fc_mnist" else "GptHDF5DataProcessor"
-    kind = _caseless(s["optimizer"].get("optimizer_type", "Adam"))
+    kind = CASELESS.func(s["optimizer"].get("optimizer_type", "Adam"))
     for section, selector, value in [
         ("model", "name", name),
         ("data", "dataset", s["data"].get("dataset")),
@@ -769,9 +765,8 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
                 f"{r.written[section, key]} applies only when {section}.{selector} is {only}; it is {value!r}"
             )
             del s[section][key]
-    built = {section: _build(cls, section, s[section], r) for section, cls in SECTION_CLASSES.items()}
-    if s["eval_data"]:
-        built["eval_data"] = _build(DataConfig, "eval_data", s["eval_data"], r)
+    classes = {**SECTION_CLASSES, **({"eval_data": DataConfig} if s["eval_data"] else {})}
+    built = {section: _build(cls, section, s[section], r) for section, cls in classes.items()}
     if built["optimizer"] is not None:
         _check_loss_scaling(built, r)
     if not r.errors:
@@ -788,8 +783,6 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
 
 
 def _build(cls: type[Section], section: str, values: dict[str, Any], r: _Reader) -> Any:
-    if section == "optimizer" and isinstance(values.get("learning_rate"), dict):
-        values["learning_rate"] = [values["learning_rate"]]
     try:
         return cls(**values)
     except ValidationError as exc:
