@@ -753,7 +753,8 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
     for section in ("data", "eval_data") if name in ZOO_MODELS else ():  # the reader the model implies (run.py's)
         if not {"dataset", "data_processor"} & s[section].keys() and (s[section] or section == "data"):
             s[section]["data_processor"] = "MNISTDataProcessor" if name == "fc_mnist" else "GptHDF5DataProcessor"
-    kind = CASELESS.func(s["optimizer"].get("optimizer_type", "Adam"))
+    kind = s["optimizer"].get("optimizer_type", "Adam")
+    kind = _CANONICAL.get(kind.lower(), kind) if isinstance(kind, str) else kind
     for section, selector, value in [
         ("model", "name", name),
         ("data", "dataset", s["data"].get("dataset")),
@@ -765,7 +766,7 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
                 f"{r.written[section, key]} applies only when {section}.{selector} is {only}; it is {value!r}"
             )
             del s[section][key]
-    classes = {**SECTION_CLASSES, **({"eval_data": DataConfig} if s["eval_data"] else {})}
+    classes: dict[str, type[Section]] = {**SECTION_CLASSES, **({"eval_data": DataConfig} if s["eval_data"] else {})}
     built = {section: _build(cls, section, s[section], r) for section, cls in classes.items()}
     if built["optimizer"] is not None:
         _check_loss_scaling(built, r)
