@@ -727,8 +727,8 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
     :class:`ConfigError` listing every problem, each naming its key as written."""
     raw = apply_overrides(raw, (), source)  # a mapping, aliases expanded into copies
     layout = "current" if "trainer" in raw else "legacy"
-    model = raw if layout == "legacy" else raw["trainer"].get("init") if isinstance(raw["trainer"], Mapping) else None
-    model = model.get("model") if isinstance(model, Mapping) else None
+    holder = raw if layout == "legacy" else (raw["trainer"] if isinstance(raw["trainer"], Mapping) else {}).get("init")
+    model = holder.get("model") if isinstance(holder, Mapping) else None
     r = _Reader(isinstance(model, Mapping) and model.get("name") in ZOO_MODELS)
     r.current(raw) if layout == "current" else r.legacy(raw)
     s = r.sections
@@ -742,9 +742,8 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
         for section, key, path, value in _ZOO_DEFAULTS[layout]:
             if (section, key) not in r.written:
                 s[section][key] = value
-                differs = (
-                    f" ({other} layout: {theirs[section, key]!r})" if theirs.get((section, key), value) != value else ""
-                )
+                their = theirs.get((section, key), value)
+                differs = f" ({other} layout: {their!r})" if their != value else ""
                 r.notes.append(f"{path}: {value!r}, Model Zoo's default in the {layout} layout{differs}")
     else:
         layout = "dls"
