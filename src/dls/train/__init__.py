@@ -1,5 +1,5 @@
 """``dls train``: a Model-Zoo-style YAML trainer (the ``train`` extra). ``Trainer(cfg).train()`` runs a validated
-:class:`dls.train.schema.TrainConfig`; the names below are imported on first use, so that the ``dls`` command starts
+:class:`dls.train.config.TrainConfig`; the names below are imported on first use, so that the ``dls`` command starts
 without the extra and can say that it is missing."""
 
 from __future__ import annotations

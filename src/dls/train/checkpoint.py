@@ -22,10 +22,16 @@ import torch
 import dls.fp8
 from dls.diagnostics.scales import pow2
 from dls.scaler_state import parse_state_dict
-from dls.train.config import CHECKPOINT_STATES, TrainConfig, loss_scaling_mode, parse_config, scaler_settings
+from dls.train.config import (
+    CHECKPOINT_STATES,
+    SCALER_KEYS,
+    TrainConfig,
+    loss_scaling_mode,
+    parse_config,
+    scaler_settings,
+)
 from dls.train.errors import CheckpointError, ConfigError
 from dls.train.reporting import describe_scaling
-from dls.train.schema import SCALER_KEYS
 
 FORMAT = "dls-checkpoint"
 FORMAT_VERSION = 2

@@ -1,49 +1,39 @@
-"""Training configs: YAML in either Cerebras Model Zoo layout (or dls's own), read safely, mapped key by key onto
-:class:`~dls.train.schema.TrainConfig` with every error naming the key as written; the loss-scaling keys are judged
-by ``ScalerSettings.cerebras``, so the config accepts what ``GradScaler`` accepts."""
+"""Training configs: YAML in either Cerebras Model Zoo layout (or dls's own), read safely and mapped key by key onto
+dls's sections, each key declared once below as a pydantic field (its type, bounds, default and help for ``dls
+keys``). Numbers are strict (``true`` is not 1, ``"1024"`` is not 1024), finite and at most float32's max in size;
+counts have fixed upper bounds; every error names the key as written. The loss-scaling keys are judged by
+``ScalerSettings.cerebras``, so the config accepts exactly what ``GradScaler`` accepts."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import difflib
 import os
 import re
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from dls.settings import ScalerSettings, SettingsError
 from dls.train.errors import ConfigError
-from dls.train.schema import (
-    CHECKPOINT_STATES,
-    F32_MAX,
-    MODEL_DATASETS,
-    MODEL_NAMES,
-    ONLY,
-    OPTIMIZERS,
-    SCALER_KEYS,
-    SECTION_CLASSES,
-    ZOO_MODELS,
-    ZOO_PROCESSORS,
-    DataConfig,
-    TrainConfig,
-    _integral,
-    describe_keys,
-    did_you_mean,
-    problems,
-)
 
-__all__ = [
-    "CHECKPOINT_STATES", "ConfigError", "TrainConfig", "apply_overrides", "describe_keys", "load_config", "load_yaml",
-    "loss_scaling_mode", "parse_checkpoint_states", "parse_config", "read_config", "scaler_settings", "to_dict",
-]  # fmt: skip
-
+F32_MAX = 3.4028234663852886e38
+INT64_MAX = 2**63 - 1
+MAX_SEED = 2**32 - 1  # NumPy's seeds are 32-bit
+MAX_THREADS = 1024  # more threads than any machine has cores only oversubscribes them
 MAX_CONFIG_NODES = 100_000
 MAX_CONFIG_BYTES = 1 << 20
+ModelName = Literal["mlp", "transformer_lm", "fc_mnist", "gpt2", "gpt3", "llama"]
+MODEL_NAMES, ZOO_MODELS = get_args(ModelName)[:2], get_args(ModelName)[2:]  # dls's built-in models; Model Zoo's
+ZooProcessor = Literal["MNISTDataProcessor", "GptHDF5DataProcessor", "GptHDF5MapDataProcessor"]
+ZOO_PROCESSORS: tuple[str, ...] = get_args(ZooProcessor)
+MODEL_DATASETS = {"mlp": "teacher_regression", "transformer_lm": "char_corpus"}
+# Model Zoo's --load_checkpoint_states values, plus "rng" (the random-number generators, needed for bit-identity).
+CHECKPOINT_STATES = ("model", "optimizer", "dataloader", "grad_scaler", "lr_scheduler", "global_step", "rng")
 # Keys that matter only on Cerebras hardware (or to Model Zoo's launcher): accepted, listed once as ignored.
 CEREBRAS_ONLY = {
     "num_workers", "prefetch_factor", "persistent_workers", "precision_opt_level", "enable_distributed",
@@ -60,31 +50,337 @@ _HINTS = {
     "clip_grad_norm": "max_gradient_norm", "gradient_clipping": "max_gradient_norm", "type": "optimizer_type",
     "dtype": "fp16_type", "amp": "mixed_precision",
 }  # fmt: skip
-# The current layout's trainer.init.<group>.<key> -> (section, key).
-_PRECISION = {"enabled": ("precision", "mixed_precision"), "fp16_type": ("precision", "fp16_type")}
-_PRECISION.update({k: ("optimizer", k) for k in [*SCALER_KEYS, "max_gradient_value", "log_summaries"]})
-_PRECISION.update({k: ("precision", k) for k in ("keep_in_float32", "fallback", "emulate", "half_params")})
-_PRECISION.update({k: ("precision", k) for k in ("master_weights", "fp8")})
-_LOOP = {k: ("runconfig", k) for k in ("max_steps", "num_epochs", "steps_per_epoch", "eval_frequency")}
-_LOOP.update({k: ("runconfig", k) for k in ("eval_steps", "grad_accum_steps", "num_steps")})
-_CHECKPOINT = {"steps": ("runconfig", "checkpoint_steps")}
-_CHECKPOINT.update({k: ("runconfig", k) for k in ("save_initial_checkpoint", "disable_strict_checkpoint_loading")})
-_CHECKPOINT.update({k: ("runconfig", k) for k in ("autoload_last_checkpoint", "keep_checkpoint_max")})
-_INIT = {"precision": _PRECISION, "loop": _LOOP, "checkpoint": _CHECKPOINT}
-_INIT["logging"] = {"log_steps": ("runconfig", "log_steps"), "log_summaries": ("optimizer", "log_summaries")}
-_DLS_FIELDS = ("name", "data_processor", "batch_size", "shuffle", "shuffle_seed", "drop_last_batch")
-_RUN_KEYS = ("model_dir", "seed", "device", "num_threads", "tensorboard", "max_overflows_at_min_loss_scale")
-_SCHEDULERS = {"ConstantLR": "Constant", "LinearLR": "Linear", "CosineDecayLR": "CosineDecay"}
-# Model Zoo's defaults where they differ from dls's: (section, key) -> {layout: (where it is written, value)}.
-_ZOO_DEFAULTS: dict[tuple[str, str], dict[str, tuple[str, Any]]] = {
-    ("precision", "fp16_type"):
-        {"legacy": ("model.fp16_type", "float16"), "current": ("precision.fp16_type", "bfloat16")},
-    ("precision", "mixed_precision"):
-        {"legacy": ("model.mixed_precision", False), "current": ("precision.enabled", True)},
-    ("optimizer", "loss_scaling_factor"):
-        {"legacy": ("optimizer.loss_scaling_factor", 1.0), "current": ("precision.loss_scaling_factor", 1.0)},
-    ("runconfig", "autoload_last_checkpoint"): {"current": ("checkpoint.autoload_last_checkpoint", True)},
-}  # fmt: skip
+
+
+def did_you_mean(word: Any, allowed: Any) -> str:
+    names = [str(a) for a in allowed]
+    same = [a for a in names if a.lower() == str(word).lower()]
+    close = same or difflib.get_close_matches(str(word), names, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _unknown(path: str, key: Any, allowed: Sequence[str]) -> str:
+    hint = f" (did you mean {_HINTS[key]!r}?)" if key in _HINTS else did_you_mean(key, allowed)
+    return f"unknown key {path}.{key}{hint}; allowed keys: {', '.join(allowed)}"
+
+
+# ---------------------------------------------------------------------- the sections' keys
+def _integral(value: Any) -> Any:
+    """YAML's ``1e3`` for an integer key is the integer it is."""
+    return int(value) if isinstance(value, float) and value.is_integer() and abs(value) <= INT64_MAX else value
+
+
+def Bounds(ge: int = 0, le: int = INT64_MAX) -> Any:
+    """An integer key's bounds (strict: ``true`` and ``"1"`` are not integers)."""
+    return Field(strict=True, ge=ge, le=le)
+
+
+def Finite(ge: float | None = None, le: float | None = None, gt: float | None = None, lt: float | None = None) -> Any:
+    """A number key's bounds: finite, and at most float32's max in size unless a tighter bound is given."""
+    ge = -F32_MAX if ge is None and gt is None else ge
+    le = F32_MAX if le is None and lt is None else le
+    return Field(strict=True, allow_inf_nan=False, ge=ge, le=le, gt=gt, lt=lt)
+
+
+_CANONICAL = {n.lower(): n for n in ("SGD", "Adam", "AdamW", "Constant", "Linear", "CosineDecay")}
+
+
+def parse_checkpoint_states(value: str | Sequence[str]) -> tuple[str, ...]:
+    """``"model,optimizer"`` or a list → validated tuple of state names (``"all"`` → every state)."""
+    items = [s.strip() for s in value.split(",")] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not items or not all(isinstance(s, str) and s for s in items):
+        raise ValueError(f"expected a comma-separated list of {', '.join(CHECKPOINT_STATES)} (or 'all'); got {value!r}")
+    if list(items) == ["all"]:
+        return CHECKPOINT_STATES
+    bad = [s for s in items if s not in CHECKPOINT_STATES]
+    if bad:
+        bad_ones = ", ".join(map(repr, bad)) + did_you_mean(bad[0], CHECKPOINT_STATES)
+        raise ValueError(f"unknown checkpoint state(s) {bad_ones}; allowed: {', '.join(CHECKPOINT_STATES)}")
+    return tuple(dict.fromkeys(items))
+
+
+INTEGRAL = BeforeValidator(_integral)
+LISTED = BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)  # a YAML list as a tuple
+SCHEDULE = BeforeValidator(lambda v: (v,) if isinstance(v, dict) else tuple(v) if isinstance(v, list) else v)
+CASELESS = BeforeValidator(lambda v: _CANONICAL.get(v.lower(), v) if isinstance(v, str) else v)  # Model Zoo: adamw
+Unit = Annotated[float, Finite(ge=0, lt=1)]
+Steps = Annotated[int, INTEGRAL, Bounds(1)]
+Seed = Annotated[int, INTEGRAL, Bounds(0, MAX_SEED)]
+Size = Annotated[int, INTEGRAL, Bounds(1, 1 << 20)]
+Length = Annotated[int, INTEGRAL, Bounds(1, 1 << 22)]
+Layers = Annotated[int, INTEGRAL, Bounds(1, 4096)]
+
+
+def help_(default: Any, text: str, only: str = "") -> Any:
+    """A key's default and help (``dls keys``); ``only``: the variants of its section it applies to (:data:`ONLY`)."""
+    return Field(default, description=text, json_schema_extra={"only": only} if only else None)
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class ModelConfig(Section):
+    """``model:``. A Model Zoo model (``fc_mnist``, ``gpt2``, ``gpt3``, ``llama``) takes its keys in ``params``,
+    judged by ``dls.train.modelzoo``."""
+
+    name: ModelName = help_("mlp", "mlp | transformer_lm (built in), or Model Zoo's fc_mnist | gpt2 | gpt3 | llama")
+    loss_weight: Annotated[float, Finite(gt=0)] = help_(1.0, "multiplies the training loss (logged unweighted)")
+    hidden_size: Size = help_(128, "width of the hidden layers / the model dimension")
+    depth: Layers = help_(3, "number of hidden layers", "mlp")
+    activation_fn: Literal["tanh", "relu", "gelu"] = help_("tanh", "activation of the hidden layers", "mlp")
+    dropout: Unit = help_(0.0, "dropout probability after each activation", "mlp")
+    num_hidden_layers: Layers = help_(2, "number of transformer blocks", "transformer_lm")
+    num_heads: Layers = help_(4, "attention heads (must divide hidden_size)", "transformer_lm")
+    filter_size: Length = help_(256, "width of each block's feed-forward layer", "transformer_lm")
+    dropout_rate: Unit = help_(0.0, "dropout probability", "transformer_lm")
+    max_position_embeddings: Length = help_(256, "longest sequence the model accepts", "transformer_lm")
+    params: dict[str, Any] = help_({}, "a Model Zoo model's own keys, as written in model:")
+
+
+class DataConfig(Section):
+    """``train_input:`` / ``eval_input:`` (dls's own configs: ``data:``). A Model Zoo ``data_processor`` takes its
+    keys in ``params``, judged by ``dls.train.modelzoo``."""
+
+    dataset: Literal["teacher_regression", "char_corpus"] | None = help_(
+        None, "generated teacher_regression, or the character corpus shipped with dls (default: the model's)"
+    )
+    data_processor: ZooProcessor | None = help_(None, "a Model Zoo reader: " + " | ".join(ZOO_PROCESSORS))
+    batch_size: Annotated[int, INTEGRAL, Bounds(1, 1 << 24)] = help_(64, "samples (sequences) per step and rank")
+    shuffle: bool = help_(True, "reshuffle the samples every epoch")
+    shuffle_seed: Seed | None = help_(None, "seed of the sample order (null: the seed)")
+    drop_last_batch: bool = help_(True, "drop an incomplete last batch (dls's built-in data sets always do)")
+    num_samples: Annotated[int, INTEGRAL, Bounds(1, 1 << 40)] = help_(
+        4096, "samples in the generated data set", "teacher_regression"
+    )
+    input_dim: Size = help_(32, "features per sample", "teacher_regression")
+    output_dim: Size = help_(64, "regression targets per sample", "teacher_regression")
+    noise_std: Annotated[float, Finite(ge=0)] = help_(
+        0.0, "standard deviation of noise added to the targets", "teacher_regression"
+    )
+    dataset_seed: Seed = help_(1234, "seed that generates the data set (the teacher)", "teacher_regression")
+    max_sequence_length: Length = help_(64, "characters per training sequence", "char_corpus")
+    params: dict[str, Any] = help_({}, "a Model Zoo data processor's own keys, as written")
+
+    @property
+    def loader_params(self) -> dict[str, Any]:
+        """The section as ``dls.train.modelzoo``'s readers take it: ``params`` and the keys dls keeps apart."""
+        kept = {k: getattr(self, k) for k in ("batch_size", "shuffle", "shuffle_seed")}
+        if "drop_last_batch" in self.model_fields_set:  # else the reader's drop_last, or its default, decides
+            kept["drop_last_batch"] = self.drop_last_batch
+        return {**self.params, **kept}
+
+
+class PrecisionConfig(Section):
+    """``precision:``. The run computes in ``fp16_type`` with ``mixed_precision``, else in float32."""
+
+    fp16_type: Literal["float16", "bfloat16", "cbfloat16", "float32"] = help_("float16", "half format")
+    mixed_precision: bool = help_(False, "compute in fp16_type (false: everything in float32)")
+    emulate: bool = help_(False, "round with dls.emulate instead of torch.autocast (cbfloat16 always emulates)")
+    half_params: bool = help_(False, "parameters in fp16_type, stepped through float32 master weights")
+    master_weights: bool = help_(True, "with half_params: step float32 masters (false: the half parameters)")
+    fp8: dict[str, Any] | None = help_(None, "FP8 Linear layers: {recipe: current|delayed|mxfp8|static, <fields>}")
+    keep_in_float32: Annotated[tuple[str, ...], LISTED] = help_((), "names of modules that compute in float32")
+    fallback: bool | None = help_(
+        None, "keep the module where a forward overflow starts in float32 (null: on for float16 and cbfloat16)"
+    )
+
+    @property
+    def fallback_on(self) -> bool:
+        return self.compute_dtype in ("float16", "cbfloat16") if self.fallback is None else self.fallback
+
+    @property
+    def compute_dtype(self) -> str:
+        return self.fp16_type if self.mixed_precision else "float32"
+
+    @property
+    def emulated(self) -> bool:
+        """Whether the run rounds through ``dls.emulate`` (always for cbfloat16) instead of ``torch.autocast``."""
+        return self.compute_dtype == "cbfloat16" or (self.emulate and self.compute_dtype != "float32")
+
+    @property
+    def param_dtype(self) -> str:
+        return self.fp16_type if self.half_params and self.fp16_type in ("float16", "bfloat16") else "float32"
+
+
+class SchedulePiece(Section):
+    scheduler: Annotated[Literal["Constant", "Linear", "CosineDecay"], CASELESS]
+    learning_rate: Annotated[float, Finite(ge=0)] | None = None
+    initial_learning_rate: Annotated[float, Finite(ge=0)] | None = None
+    end_learning_rate: Annotated[float, Finite(ge=0)] | None = None
+    total_iters: Steps | None = None
+
+    @model_validator(mode="after")
+    def _required(self) -> SchedulePiece:
+        need = ["learning_rate"] if self.scheduler == "Constant" else ["initial_learning_rate", "end_learning_rate"]
+        missing = [k for k in need + ["total_iters"] * (self.scheduler != "Constant") if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"{missing[0]} is required for {self.scheduler}")
+        return self
+
+
+class OptimizerConfig(Section):
+    """``optimizer:``: the optimizer, its learning rate and the loss-scaling keys (null: the scaler's default)."""
+
+    optimizer_type: Annotated[Literal["SGD", "Adam", "AdamW"], CASELESS] = help_("Adam", "the torch optimizer")
+    learning_rate: Annotated[float, Finite(ge=0)] | Annotated[tuple[SchedulePiece, ...], SCHEDULE] = help_(
+        1e-3, "a number, or a schedule: [{scheduler: Linear|CosineDecay|Constant, ...}, ...] (on applied steps)"
+    )
+    momentum: Unit = help_(0.0, "SGD momentum", "SGD")
+    weight_decay: Annotated[float, Finite(ge=0)] = help_(0.0, "weight decay")
+    betas: Annotated[tuple[Unit, Unit], LISTED] = help_((0.9, 0.999), "Adam/AdamW betas", "Adam AdamW")
+    eps: Annotated[float, Finite(gt=0)] = help_(1e-8, "Adam/AdamW epsilon", "Adam AdamW")
+    correct_bias: Literal[True] = help_(True, "AdamW bias correction (torch's AdamW always corrects)", "AdamW")
+    loss_scaling_factor: Any = help_(None, "'dynamic', a static scale, or null: dynamic for float16/cbfloat16")
+    initial_loss_scale: Any = help_(None, "first dynamic scale (null: the max)")
+    steps_per_increase: Annotated[Any, INTEGRAL] = help_(None, "the scale grows on the next clean step after this many")
+    min_loss_scale: Any = help_(None, "floor of the dynamic scale")
+    max_loss_scale: Any = help_(None, "ceiling of the dynamic scale")
+    overflow_tolerance: Any = help_(None, "fraction of overflowing steps tolerated before backing off")
+    growth_factor: Any = help_(None, "multiplies the scale when it grows")
+    backoff_factor: Any = help_(None, "multiplies the scale on overflow")
+    hysteresis: Annotated[Any, INTEGRAL] = help_(None, "overflows per back-off (DeepSpeed/Megatron)")
+    consecutive_hysteresis: Any = help_(None, "hysteresis counts consecutive overflows only")
+    max_gradient_norm: Any = help_(None, "clip the global gradient L2 norm")
+    max_gradient_value: Annotated[float, Finite(gt=0)] | None = help_(None, "clip each gradient to [-value, value]")
+    log_summaries: bool = help_(False, "also log gradient underflow statistics (slower)")
+
+
+class RunConfig(Section):
+    """``runconfig:`` (the current layout's ``loop``, ``checkpoint``, ``logging``, ``model_dir``, ``seed``)."""
+
+    max_steps: Steps = help_(100, "train until this global step (num_epochs instead, when this is not given)")
+    num_steps: Steps | None = help_(None, "train this many steps in this run (then stop)")
+    num_epochs: Size | None = help_(None, "train this many epochs (when max_steps is not given)")
+    steps_per_epoch: Steps | None = help_(None, "steps per epoch (default: the training data's batches)")
+    grad_accum_steps: Annotated[int, INTEGRAL, Bounds(1, 65536)] = help_(1, "micro-batches per optimizer step")
+    eval_frequency: Steps | Annotated[float, Finite(gt=0, le=1)] | None = help_(
+        None, "evaluate every N steps (an integer) or every fraction of the run (a float in (0, 1])"
+    )
+    eval_steps: Steps | None = help_(None, "batches per evaluation (null: the whole eval data)")
+    checkpoint_steps: Annotated[int, INTEGRAL, Bounds(0)] = help_(0, "checkpoint every N steps (0: only at the end)")
+    save_initial_checkpoint: bool = help_(False, "also checkpoint step 0")
+    keep_checkpoint_max: Size = help_(5, "keep only the last N checkpoints")
+    log_steps: Steps = help_(10, "write metrics every N steps (skipped steps are always written)")
+    model_dir: Annotated[str, Field(min_length=1)] = help_("model_dir", "directory for checkpoints and metrics")
+    seed: Seed = help_(0, "seed of initialisation, data order and dropout")
+    device: Literal["auto", "cpu", "cuda"] = help_("cpu", "'cpu', 'cuda', or 'auto' (cuda when available)")
+    num_threads: Annotated[int, INTEGRAL, Bounds(1, MAX_THREADS)] | None = help_(
+        None,
+        "torch CPU threads for the run, restored after (null: leave torch's setting). Tiny models on busy cores "
+        "train fastest with 1: a tiny MLP on 2 cores shared with other work ran 25-40x faster with 1 thread than 2",
+    )
+    tensorboard: bool = help_(False, "also write TensorBoard events into model_dir/tensorboard/")
+    max_overflows_at_min_loss_scale: Annotated[int, INTEGRAL, Bounds(1, 1 << 31)] = help_(
+        10, "stop after N overflows pinned at the floor"
+    )
+    load_checkpoint_states: Annotated[tuple[str, ...], BeforeValidator(parse_checkpoint_states)] | None = help_(
+        None, "when starting from a checkpoint of another run: the states to load (default: all)"
+    )
+    checkpoint_path: Annotated[str, Field(min_length=1)] | None = help_(None, "a checkpoint to start from")
+    autoload_last_checkpoint: bool = help_(False, "continue from model_dir's newest checkpoint (the same command)")
+    disable_strict_checkpoint_loading: bool = help_(False, "load a model state with missing/extra entries")
+
+
+SECTION_CLASSES: dict[str, type[Section]] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "precision": PrecisionConfig,
+    "optimizer": OptimizerConfig,
+    "runconfig": RunConfig,
+}
+# Keys that apply to one variant of their section only (the section's selector value: model.name, ...).
+ONLY = {
+    k: tuple(str(f.json_schema_extra["only"]).split())
+    for c in SECTION_CLASSES.values()
+    for k, f in c.model_fields.items()
+    if isinstance(f.json_schema_extra, dict)
+}
+# The keys ScalerSettings judges (typed Any above) -> its argument.
+SCALER_KEYS = {
+    k: {"loss_scaling_factor": "loss_scale", "initial_loss_scale": "init_scale"}.get(k, k)
+    for k, f in OptimizerConfig.model_fields.items()
+    if f.annotation is Any
+}
+
+
+class TrainConfig(BaseModel):
+    """A validated config. ``eval_data``: the evaluation loader (``eval_input`` / ``val_dataloader``);
+    ``notes``: what the run should say once at start (Model Zoo defaults taken, keys ignored on this hardware,
+    keys without effect in the chosen mode); ``layout``: ``dls``, ``legacy`` or ``current``."""
+
+    model_config = ConfigDict(frozen=True)
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    runconfig: RunConfig = RunConfig()
+    eval_data: DataConfig | None = None
+    notes: tuple[str, ...] = ()
+    layout: str = "dls"
+    sources: dict[str, str] = {}  # "section.key" -> the key as the file wrote it
+
+
+# ---------------------------------------------------------------------- pydantic's errors, as the config wrote them
+_SHAPES = {  # what a compound key allows, in words
+    "learning_rate": "a number >= 0 or a schedule (a list of {scheduler: Linear|CosineDecay|Constant, ...})",
+    "betas": "a list of two numbers in [0, 1), e.g. [0.9, 0.999]",
+    "fp8": "null (no FP8) or a mapping {recipe: current | delayed | mxfp8 | static, <the recipe's fields>}",
+}
+_KINDS = {"boolean": "true or false", "string": "text", "object": "a mapping", "array": "a list of names"}
+
+
+def _allowed(schema: dict[str, Any], big: bool) -> str:
+    """A key's JSON schema in words (``an integer in [0, 4294967295] or null``); ``big``: name a bound of 2**63-1."""
+    if "anyOf" in schema:
+        return " or ".join(_allowed(s, big) for s in schema["anyOf"])
+    if "enum" in schema or "const" in schema:
+        return "one of " + ", ".join(map(repr, schema["enum"])) if "enum" in schema else str(schema["const"]).lower()
+    kind = schema.get("type", "null")
+    if kind not in ("integer", "number"):
+        return "non-empty text" if schema.get("minLength") else _KINDS.get(kind, kind)
+    text = "an integer" if kind == "integer" else "a number"
+    lows = [(k, schema[k]) for k in ("minimum", "ge", "exclusiveMinimum") if schema.get(k, -F32_MAX) != -F32_MAX]
+    highs = [(k, schema[k]) for k in ("maximum", "le", "exclusiveMaximum") if schema.get(k, F32_MAX) != F32_MAX]
+    (low_key, low), (high_key, high) = (lows or [("", None)])[0], (highs or [("", None)])[0]
+    open_low, open_high = low_key.startswith("exclusive"), high_key.startswith("exclusive")
+    if low is not None and high is not None and (big or high != INT64_MAX):
+        return f"{text} in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+    return f"{text} {'>' if open_low else '>='} {low}" if low is not None else text
+
+
+def _problems(
+    exc: ValidationError, cls: type[BaseModel], values: Mapping[str, Any], where: Callable[[str], str]
+) -> list[str]:
+    """One line per key pydantic refused: the key as written (``where(key)``), what it allows and what it got."""
+    errors: list[tuple[list[Any], Any]] = [
+        ([p for p in e["loc"] if isinstance(p, int) or p.isidentifier()], e) for e in exc.errors()
+    ]
+    pieces = {loc[0] for loc, _ in errors if len(loc) > 1 and loc[0] == "learning_rate"}  # said in the pieces
+    out = []
+    for loc, err in errors:
+        inner = loc[0] in pieces
+        if inner and len(loc) == 1:
+            continue
+        path = where(loc[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:] if inner)
+        value, key, model = (err["input"], loc[2:3], SchedulePiece) if inner else (values[loc[0]], loc[:1], cls)
+        if err["type"] == "extra_forbidden":
+            out.append(_unknown(path.rsplit(".", 1)[0], loc[-1], list(model.model_fields)))
+        elif err["type"] == "missing" and inner:
+            out.append(f"{path} is required")
+        elif err["type"] == "value_error":
+            out.append(f"{path}: {err['msg'].removeprefix('Value error, ')}")
+        else:
+            schema = model.model_json_schema()["properties"][key[0]] if key else {"type": "object"}
+            big = isinstance(value, int) and not isinstance(value, bool) and value > INT64_MAX
+            allowed = _SHAPES.get(str(loc[0])) if not inner else None
+            allowed = allowed or _allowed(schema, big)
+            if isinstance(value, (int, float)) and abs(value) > F32_MAX and "a number" in allowed:
+                allowed += ", at most float32's max 3.4e38 in size"
+            names = [n for s in [schema, *schema.get("anyOf", [])] for n in s.get("enum", [])]
+            hint = did_you_mean(value, names) if isinstance(value, str) and names else ""
+            out.append(f"{path} must be {allowed}; got {value!r}{hint}")
+    return list(dict.fromkeys(out))
 
 
 # ---------------------------------------------------------------------- YAML
@@ -135,8 +431,7 @@ def _unshare(data: Any, budget: list[int]) -> Any:
 def load_yaml(text: str, source: str = "<string>") -> Any:
     """Parse YAML text into plain data, aliases expanded into copies. Raises :class:`ConfigError`."""
     try:
-        data = yaml.load(text, Loader=_Loader)  # a SafeLoader subclass
-        return _unshare(data, [MAX_CONFIG_NODES])
+        return _unshare(yaml.load(text, Loader=_Loader), [MAX_CONFIG_NODES])  # a SafeLoader subclass
     except ConfigError as exc:
         raise ConfigError(exc.errors, source) from None
     except yaml.YAMLError as exc:
@@ -165,10 +460,8 @@ def read_config(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, An
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(
-            [f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); save the config as UTF-8"],
-            str(path),
-        ) from None
+        why = f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); save the config as UTF-8"
+        raise ConfigError([why], str(path)) from None
     raw = load_yaml(text, str(path))
     return apply_overrides({} if raw is None else raw, overrides, source=str(path))
 
@@ -197,11 +490,10 @@ def apply_overrides(raw: Any, overrides: Sequence[str], source: str | None = Non
         for i, k in enumerate(keys[:-1]):
             if node.get(k) is None:
                 node[k] = {}
-            child = node[k]
-            if not isinstance(child, dict):
+            node = node[k]
+            if not isinstance(node, dict):
                 errors.append(f"override {item!r}: {'.'.join(keys[: i + 1])} is not a section/mapping")
                 break
-            node = child
         else:
             node[keys[-1]] = value
     if errors:
@@ -214,30 +506,59 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
     return parse_config(read_config(path, overrides), source=str(path))
 
 
-def parse_checkpoint_states(value: str | Sequence[str]) -> tuple[str, ...]:
-    """``"model,optimizer"`` or a list → validated tuple of state names (``"all"`` → every state)."""
-    items = [s.strip() for s in value.split(",")] if isinstance(value, str) else list(value)
-    if not items or not all(isinstance(s, str) and s for s in items):
-        raise ValueError(f"expected a comma-separated list of {', '.join(CHECKPOINT_STATES)} (or 'all'); got {value!r}")
-    if items == ["all"]:
-        return CHECKPOINT_STATES
-    bad = [s for s in items if s not in CHECKPOINT_STATES]
-    if bad:
-        hint = did_you_mean(bad[0], CHECKPOINT_STATES)
-        raise ValueError(
-            f"unknown checkpoint state(s) {', '.join(map(repr, bad))}{hint}; allowed: {', '.join(CHECKPOINT_STATES)}"
-        )
-    return tuple(dict.fromkeys(items))
-
-
 # ---------------------------------------------------------------------- layouts → sections
+def _same(section: str, keys: str) -> dict[str, tuple[str, str]]:
+    return {k: (section, k) for k in keys.split()}
+
+
+_LEGACY = {"train_input": "data", "data": "data", "eval_input": "eval_data"}  # a legacy section -> dls's
+_LEGACY.update({k: k for k in ("model", "optimizer", "runconfig", "precision")})
+_MOVED = {"mixed_precision": ("precision", "mixed_precision"), "fp16_type": ("precision", "fp16_type")}  # from model
+_ALIAS = {"weight_decay_rate": ("optimizer", "weight_decay")}
+_DLS_FIELDS = ("name", "data_processor", "batch_size", "shuffle", "shuffle_seed", "drop_last_batch")
+# The current layout's trainer.init.<group>.<key> -> (section, key); and the keys written in trainer.init itself.
+_INIT = {
+    "precision": {
+        "enabled": ("precision", "mixed_precision"),
+        **_same("optimizer", " ".join([*SCALER_KEYS, "max_gradient_value", "log_summaries"])),
+        **_same("precision", "fp16_type keep_in_float32 fallback emulate half_params master_weights fp8"),
+    },
+    "loop": _same(
+        "runconfig", "max_steps num_epochs steps_per_epoch eval_frequency eval_steps grad_accum_steps num_steps"
+    ),
+    "checkpoint": {
+        "steps": ("runconfig", "checkpoint_steps"),
+        **_same("runconfig", "save_initial_checkpoint disable_strict_checkpoint_loading autoload_last_checkpoint"),
+        **_same("runconfig", "keep_checkpoint_max"),
+    },
+    "logging": {"log_steps": ("runconfig", "log_steps"), "log_summaries": ("optimizer", "log_summaries")},
+}
+_OPTIMIZER_ARGS = _same("optimizer", "learning_rate momentum weight_decay betas eps correct_bias")
+_OPTIMIZER_ARGS["lr"] = ("optimizer", "learning_rate")  # torch's name
+_RUN_KEYS = ("model_dir", "seed", "device", "num_threads", "tensorboard", "max_overflows_at_min_loss_scale")
+_SCHEDULERS = {"ConstantLR": "Constant", "LinearLR": "Linear", "CosineDecayLR": "CosineDecay"}
+# Model Zoo's defaults where they differ from dls's, in each layout: (section, key, the key as written, value).
+_ZOO_DEFAULTS: dict[str, list[tuple[str, str, str, Any]]] = {
+    "legacy": [
+        ("precision", "fp16_type", "model.fp16_type", "float16"),
+        ("precision", "mixed_precision", "model.mixed_precision", False),
+        ("optimizer", "loss_scaling_factor", "optimizer.loss_scaling_factor", 1.0),
+    ],
+    "current": [
+        ("precision", "fp16_type", "trainer.init.precision.fp16_type", "bfloat16"),
+        ("precision", "mixed_precision", "trainer.init.precision.enabled", True),
+        ("optimizer", "loss_scaling_factor", "trainer.init.precision.loss_scaling_factor", 1.0),
+        ("runconfig", "autoload_last_checkpoint", "trainer.init.checkpoint.autoload_last_checkpoint", True),
+    ],
+}
+
+
 class _Reader:
     """Collects the sections' values, where each was written (for errors), problems and notes."""
 
     def __init__(self, zoo_model: bool) -> None:
         self.zoo_model = zoo_model  # a Model Zoo model: its model and data keys go to params
-        self.sections: dict[str, dict[str, Any]] = {name: {} for name in SECTION_CLASSES}
-        self.sections["eval_data"] = {}
+        self.sections: dict[str, dict[str, Any]] = {name: {} for name in [*SECTION_CLASSES, "eval_data"]}
         self.written: dict[tuple[str, str], str] = {}
         self.errors: list[str] = []
         self.ignored: list[str] = []
@@ -265,14 +586,13 @@ class _Reader:
     def unknown(self, path: str, key: Any, allowed: Sequence[str]) -> None:
         if str(key) in CEREBRAS_ONLY:
             self.ignored.append(f"{path}.{key}")
-            return
-        hint = f" (did you mean {_HINTS[key]!r}?)" if key in _HINTS else did_you_mean(key, allowed)
-        self.errors.append(f"unknown key {path}.{key}{hint}; allowed keys: {', '.join(allowed)}")
+        else:
+            self.errors.append(_unknown(path, key, allowed))
 
     def section(self, section: str, body: Any, path: str, moved: Mapping[str, tuple[str, str]] = {}) -> None:
         """A section written as dls's fields (legacy layout); Model Zoo models' and readers' keys go to ``params``."""
         body = self.mapping(body, path)
-        fields = [k for k in SECTION_CLASSES["data" if section == "eval_data" else section].model_fields]
+        fields = list(SECTION_CLASSES["data" if section == "eval_data" else section].model_fields) if section else []
         zoo = self.zoo_model if section == "model" else self.zoo_model or "data_processor" in body
         zoo = zoo and section in ("model", "data", "eval_data")
         params = {}
@@ -287,49 +607,40 @@ class _Reader:
             elif key in fields and key != "params":
                 self.put(section, key, value, where)
             else:
-                self.unknown(path, key, [f for f in fields if f != "params"])
+                self.unknown(path, key, [f for f in fields if f != "params"] or list(moved))
         if params:
             self.put(section, "params", params, path)
 
     def legacy(self, raw: Mapping[Any, Any]) -> None:
-        names = {"train_input": "data", "data": "data", "eval_input": "eval_data", "model": "model"}
-        names.update({"optimizer": "optimizer", "runconfig": "runconfig", "precision": "precision"})
-        moved = {"mixed_precision": ("precision", "mixed_precision"), "fp16_type": ("precision", "fp16_type")}
-        alias = {"weight_decay_rate": ("optimizer", "weight_decay")}
         seen: dict[str, str] = {}
         for name, body in raw.items():
-            if name not in names:
-                self.errors.append(f"unknown section {name}{did_you_mean(name, names)}; allowed: {', '.join(names)}")
-                continue
-            section = names[name]
-            if section in seen:
+            section = _LEGACY.get(name)
+            if section is None:
+                self.errors.append(
+                    f"unknown section {name}{did_you_mean(name, _LEGACY)}; allowed: {', '.join(_LEGACY)}"
+                )
+            elif section in seen:
                 self.errors.append(f"give section {section!r} once: both {seen[section]!r} and {name!r} are present")
-                continue
-            seen[section] = str(name)
-            self.section(section, body, str(name), moved if section == "model" else alias)
+            else:
+                seen[section] = str(name)
+                self.section(section, body, str(name), _MOVED if section == "model" else _ALIAS)
 
     def current(self, raw: Mapping[Any, Any]) -> None:
-        for name in raw:
-            if name != "trainer":
-                self.errors.append(f"unknown section {name}: the current layout has trainer: alone")
+        self.errors += [
+            f"unknown section {name}: the current layout has trainer: alone" for name in raw if name != "trainer"
+        ]
         trainer = self.mapping(raw.get("trainer"), "trainer")
-        for name in trainer:
-            if name not in ("init", "fit", "validate", "validate_all"):
-                self.unknown("trainer", name, ["init", "fit", "validate", "validate_all"])
-        init = self.mapping(trainer.get("init"), "trainer.init")
-        allowed = ["model_dir", "seed", "backend", "model", "optimizer", "schedulers", "callbacks", *_INIT]
-        for key, value in init.items():
+        for name in [n for n in trainer if n not in ("init", "fit", "validate", "validate_all")]:
+            self.unknown("trainer", name, ["init", "fit", "validate", "validate_all"])
+        allowed = [*_RUN_KEYS, "backend", "model", "optimizer", "schedulers", "callbacks", *_INIT]
+        for key, value in self.mapping(trainer.get("init"), "trainer.init").items():
             path = f"trainer.init.{key}"
             if key in _RUN_KEYS:
                 self.put("runconfig", key, value, path)
             elif key == "model":
                 self.section("model", value, path)
-            elif key in _INIT:
-                for k, v in self.mapping(value, path).items():
-                    if k in _INIT[key]:
-                        self.put(*_INIT[key][k], v, f"{path}.{k}")
-                    else:
-                        self.unknown(path, k, list(_INIT[key]))
+            elif key in _INIT:  # keys that all move to dls's sections
+                self.section("", value, path, _INIT[key])
             elif key == "backend":
                 self.backend(self.mapping(value, path), path)
             elif key == "optimizer":
@@ -342,8 +653,7 @@ class _Reader:
                 self.unknown("trainer.init", key, allowed)
         if {"validate", "validate_all"} & trainer.keys():
             self.notes.append("trainer.validate / trainer.validate_all: dls train runs trainer.fit (not checked)")
-        fit = self.mapping(trainer.get("fit"), "trainer.fit")
-        for key, value in fit.items():
+        for key, value in self.mapping(trainer.get("fit"), "trainer.fit").items():
             if key in ("train_dataloader", "val_dataloader"):
                 self.section("data" if key == "train_dataloader" else "eval_data", value, f"trainer.fit.{key}")
             elif key == "ckpt_path":
@@ -353,11 +663,10 @@ class _Reader:
 
     def backend(self, backend: Mapping[Any, Any], path: str) -> None:
         kind = backend.get("backend_type")
-        if kind in ("CPU", "GPU"):
-            self.put("runconfig", "device", "cpu" if kind == "CPU" else "cuda", f"{path}.backend_type")
-        elif kind == "CSX":
-            self.notes.append(f"{path}.backend_type CSX: not this hardware; the run uses the best device here")
-            self.put("runconfig", "device", "auto", f"{path}.backend_type")
+        if kind in ("CPU", "GPU", "CSX"):
+            self.put("runconfig", "device", {"CPU": "cpu", "GPU": "cuda", "CSX": "auto"}[kind], f"{path}.backend_type")
+            if kind == "CSX":
+                self.notes.append(f"{path}.backend_type CSX: not this hardware; the run uses the best device here")
         elif kind is not None:
             self.errors.append(f"{path}.backend_type must be CSX, CPU or GPU; got {kind!r}{did_you_mean(kind, 'CPU')}")
         self.ignored.extend(f"{path}.{k}" for k in backend if k != "backend_type")
@@ -368,12 +677,7 @@ class _Reader:
             return
         ((name, args),) = body.items()
         self.put("optimizer", "optimizer_type", name, path)
-        for key, value in self.mapping(args, f"{path}.{name}").items():
-            fields = ["learning_rate", "momentum", "weight_decay", "betas", "eps", "correct_bias"]
-            if key in fields or key == "lr":
-                self.put("optimizer", "learning_rate" if key == "lr" else key, value, f"{path}.{name}.{key}")
-            else:
-                self.unknown(f"{path}.{name}", key, fields)
+        self.section("", args, f"{path}.{name}", _OPTIMIZER_ARGS)
 
     def callbacks(self, value: Any, path: str) -> None:
         for i, item in enumerate(value if isinstance(value, list) else [value]):
@@ -381,11 +685,12 @@ class _Reader:
                 self.errors.append(f"{path}[{i}] must be {{CallbackName: {{...}}}}; got {item!r}")
                 continue
             ((name, args),) = item.items()
+            where = f"{path}[{i}].{name}"
             if name == "LoadCheckpointStates":
-                states = self.mapping(args, f"{path}[{i}].LoadCheckpointStates").get("load_checkpoint_states")
-                self.put("runconfig", "load_checkpoint_states", states, f"{path}[{i}].LoadCheckpointStates")
+                states = self.mapping(args, where).get("load_checkpoint_states")
+                self.put("runconfig", "load_checkpoint_states", states, where)
             elif name in CEREBRAS_ONLY:
-                self.ignored.append(f"{path}[{i}].{name}")
+                self.ignored.append(where)
             else:
                 self.errors.append(f"{path}[{i}]: dls does not run the callback {name!r}; remove it")
 
@@ -409,152 +714,80 @@ def _schedule(value: Any, path: str, errors: list[str]) -> Any:
     for i, item in enumerate(items):
         name = next(iter(item)) if isinstance(item, Mapping) and len(item) == 1 else None
         if name not in _SCHEDULERS or not isinstance(item[name], (Mapping, type(None))):
-            errors.append(
-                f"{path}[{i}] must be one of {', '.join(_SCHEDULERS)}; got {item!r}{did_you_mean(name, _SCHEDULERS)}"
-            )
-            continue
-        pieces.append({"scheduler": _SCHEDULERS[name], **(item[name] or {})})
+            hint = did_you_mean(name, _SCHEDULERS)
+            errors.append(f"{path}[{i}] must be one of {', '.join(_SCHEDULERS)}; got {item!r}{hint}")
+        else:
+            pieces.append({"scheduler": _SCHEDULERS[name], **(item[name] or {})})
     return pieces
 
 
 # ---------------------------------------------------------------------- validation
-_MNIST = {"fc_mnist": "MNISTDataProcessor", "gpt2": "GptHDF5DataProcessor"}
-_MNIST.update({"gpt3": "GptHDF5DataProcessor", "llama": "GptHDF5DataProcessor"})
-_ZOO_PROCESSOR = {"data": _MNIST, "eval_data": _MNIST}  # the reader a legacy config's model implies
-
-
-def _get(raw: Any, *keys: str) -> Any:
-    for key in keys:
-        raw = raw.get(key) if isinstance(raw, Mapping) else None
-    return raw
-
-
 def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConfig:
     """Validate a config dict (the parsed YAML, either layout) and build the :class:`TrainConfig`. Raises
     :class:`ConfigError` listing every problem, each naming its key as written."""
-    if not isinstance(raw, Mapping):
-        raise ConfigError([f"the top level must be a mapping of sections; got {raw!r}"], source)
-    raw = apply_overrides(raw, (), source)
+    raw = apply_overrides(raw, (), source)  # a mapping, aliases expanded into copies
     layout = "current" if "trainer" in raw else "legacy"
-    model = raw.get("model") if layout == "legacy" else _get(raw, "trainer", "init", "model")
+    holder = raw if layout == "legacy" else (raw["trainer"] if isinstance(raw["trainer"], Mapping) else {}).get("init")
+    model = holder.get("model") if isinstance(holder, Mapping) else None
     r = _Reader(isinstance(model, Mapping) and model.get("name") in ZOO_MODELS)
     r.current(raw) if layout == "current" else r.legacy(raw)
     s = r.sections
     name = s["model"].get("name")
-    every = (*MODEL_NAMES, *ZOO_MODELS)
     if name is None:
         hint = "Model Zoo picks it by its run.py: name it, e.g. -o model.name=gpt2"
-        r.errors.append(f"model.name is required ({hint}); one of {', '.join(every)}")
-    elif name not in every:
-        hint = did_you_mean(name, every)
-        r.errors.append(f"model.name must be one of {', '.join(map(repr, every))}; got {name!r}{hint}")
-    zoo = layout == "current" or name in ZOO_MODELS or "data_processor" in s["data"]
-    if zoo:
-        for (section, key), defaults in _ZOO_DEFAULTS.items():
-            if (section, key) not in r.written and layout in defaults:
-                path, value = defaults[layout]
+        r.errors.append(f"model.name is required ({hint}); one of {', '.join(get_args(ModelName))}")
+    if layout == "current" or name in ZOO_MODELS or "data_processor" in s["data"]:
+        other = "legacy" if layout == "current" else "current"
+        theirs = {(section, key): value for section, key, _, value in _ZOO_DEFAULTS[other]}
+        for section, key, path, value in _ZOO_DEFAULTS[layout]:
+            if (section, key) not in r.written:
                 s[section][key] = value
-                other = defaults.get("legacy" if layout == "current" else "current", (None, value))[1]
-                differs = (
-                    f" ({'legacy' if layout == 'current' else 'current'} layout: {other!r})" if other != value else ""
-                )
-                prefix = "trainer.init." if layout == "current" else ""
-                r.notes.append(f"{prefix}{path}: {value!r}, Model Zoo's default in the {layout} layout{differs}")
+                their = theirs.get((section, key), value)
+                differs = f" ({other} layout: {their!r})" if their != value else ""
+                r.notes.append(f"{path}: {value!r}, Model Zoo's default in the {layout} layout{differs}")
     else:
         layout = "dls"
-    for key in ("data", "eval_data"):
-        proc = s[key].get("data_processor")
-        if proc is not None and proc not in ZOO_PROCESSORS:
-            r.errors.append(
-                f"{r.written.get((key, 'data_processor'))} must be one of {', '.join(ZOO_PROCESSORS)}; "
-                f"got {proc!r}{did_you_mean(proc, ZOO_PROCESSORS)}"
-            )
-    if name in MODEL_DATASETS and "data_processor" not in s["data"]:
-        s["data"].setdefault("dataset", MODEL_DATASETS[name])
-    for section, default in _ZOO_PROCESSOR.items():
-        given = {"dataset", "data_processor"} & s[section].keys()
-        if name in ZOO_MODELS and not given and (s[section] or section == "data"):
-            s[section]["data_processor"] = default[name]
+    if name in MODEL_NAMES and "data_processor" not in s["data"]:
+        s["data"].setdefault("dataset", MODEL_DATASETS[str(name)])
+    for section in ("data", "eval_data") if name in ZOO_MODELS else ():  # the reader the model implies (run.py's)
+        if not {"dataset", "data_processor"} & s[section].keys() and (s[section] or section == "data"):
+            s[section]["data_processor"] = "MNISTDataProcessor" if name == "fc_mnist" else "GptHDF5DataProcessor"
     kind = s["optimizer"].get("optimizer_type", "Adam")
-    kind = {k.lower(): k for k in OPTIMIZERS}.get(kind.lower(), kind) if isinstance(kind, str) else kind
-    selectors = {
-        "model": ("name", name),
-        "data": ("dataset", s["data"].get("dataset")),
-        "optimizer": ("optimizer_type", kind),
-    }
-    for section, (selector, value) in selectors.items():
-        for key in list(s[section]):
-            if key in ONLY and value is not None and value not in ONLY[key]:
-                only = " or ".join(map(repr, ONLY[key]))
-                r.errors.append(
-                    f"{r.written[section, key]} applies only when {section}.{selector} is {only}; it is {value!r}"
-                )
-                del s[section][key]
-    if s["runconfig"].get("load_checkpoint_states") is not None:
-        try:
-            s["runconfig"]["load_checkpoint_states"] = parse_checkpoint_states(s["runconfig"]["load_checkpoint_states"])
-        except ValueError as exc:
-            r.errors.append(f"{r.written['runconfig', 'load_checkpoint_states']}: {exc}")
-            del s["runconfig"]["load_checkpoint_states"]
-    built: dict[str, Any] = {}
-    for section, cls in SECTION_CLASSES.items():
-        built[section] = _build(cls, section, s[section], r)
-    if s["eval_data"]:
-        built["eval_data"] = _build(DataConfig, "eval_data", s["eval_data"], r)
-    factor = s["optimizer"].get("loss_scaling_factor")
-    if isinstance(factor, str) and factor != "dynamic":
-        hint = did_you_mean(factor, ["dynamic"])
-        where = r.written["optimizer", "loss_scaling_factor"]
-        r.errors.append(f"{where} must be 'dynamic' (lower case), a number or null; got {factor!r}{hint}")
-    if built["optimizer"] is not None and built["precision"] is not None:
+    kind = _CANONICAL.get(kind.lower(), kind) if isinstance(kind, str) else kind
+    for section, selector, value in [
+        ("model", "name", name),
+        ("data", "dataset", s["data"].get("dataset")),
+        ("optimizer", "optimizer_type", kind),
+    ]:
+        for key in [k for k in s[section] if k in ONLY and value is not None and value not in ONLY[k]]:
+            only = " or ".join(map(repr, ONLY[key]))
+            r.errors.append(
+                f"{r.written[section, key]} applies only when {section}.{selector} is {only}; it is {value!r}"
+            )
+            del s[section][key]
+    classes: dict[str, type[Section]] = {**SECTION_CLASSES, **({"eval_data": DataConfig} if s["eval_data"] else {})}
+    built = {section: _build(cls, section, s[section], r) for section, cls in classes.items()}
+    if built["optimizer"] is not None:
         _check_loss_scaling(built, r)
-    _check_numbers(s, r)
     if not r.errors:
         _check_combinations(built, r)
         _check_zoo(built, r)
     if not r.errors and built["precision"].fp8 is not None:
         built["precision"] = built["precision"].model_copy(update={"fp8": _fp8(built["precision"].fp8, r)})
     if r.errors:
-        raise ConfigError(r.errors, source)
+        raise ConfigError(list(dict.fromkeys(r.errors)), source)
     if r.ignored:
         r.notes.append(f"ignored on this hardware (Cerebras only): {', '.join(dict.fromkeys(r.ignored))}")
     sources = {f"{section}.{key}": path for (section, key), path in r.written.items()}
     return TrainConfig(**built, notes=tuple(r.notes), layout=layout, sources=sources)
 
 
-def _build(cls: type, section: str, values: dict[str, Any], r: _Reader) -> Any:
-    def where(loc: tuple[Any, ...]) -> str:
-        head = r.written.get((section, str(loc[0])), f"{section}.{loc[0]}") if loc else section
-        return head + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
-
-    if section == "optimizer" and isinstance(values.get("learning_rate"), dict):
-        values["learning_rate"] = [values["learning_rate"]]
+def _build(cls: type[Section], section: str, values: dict[str, Any], r: _Reader) -> Any:
     try:
         return cls(**values)
     except ValidationError as exc:
-        r.errors.extend(problems(exc, where, cls))
+        r.errors.extend(_problems(exc, cls, values, lambda key: r.written.get((section, key), f"{section}.{key}")))
         return None
-
-
-def _check_numbers(s: Mapping[str, Any], r: _Reader) -> None:
-    """Every number finite and at most float32's max in size (loss-scaling keys included)."""
-
-    def walk(value: Any, path: str) -> None:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not (math.isfinite(value) and abs(value) <= F32_MAX) and not any(e.startswith(path) for e in r.errors):
-                r.errors.append(f"{path} must be a finite number of at most float32's max (3.4e38); got {value!r}")
-        elif isinstance(value, Mapping):
-            for k, v in value.items():
-                walk(v, f"{path}.{k}")
-        elif isinstance(value, list):
-            for i, v in enumerate(value):
-                walk(v, f"{path}[{i}]")
-
-    for section in ("optimizer", "precision"):
-        for key, value in s[section].items():
-            if key in SCALER_KEYS or key == "fp8":
-                walk(value, r.written.get((section, key), f"{section}.{key}"))
-    r.errors[:] = list(dict.fromkeys(r.errors))
 
 
 def _fp8(recipe: Mapping[str, Any], r: _Reader) -> Any:
@@ -562,7 +795,7 @@ def _fp8(recipe: Mapping[str, Any], r: _Reader) -> Any:
     from dls.fp8 import RECIPE_NAMES, recipe_from_dict
 
     path = r.written.get(("precision", "fp8"), "precision.fp8")
-    cls = RECIPE_NAMES.get(recipe.get("recipe"))  # type: ignore[arg-type]
+    cls = RECIPE_NAMES.get(recipe["recipe"]) if isinstance(recipe.get("recipe"), str) else None
     if cls is None:
         got = repr(recipe["recipe"]) if "recipe" in recipe else "nothing"
         r.errors.append(f"{path}.recipe must be one of {', '.join(map(repr, RECIPE_NAMES))}; got {got}")
@@ -570,11 +803,10 @@ def _fp8(recipe: Mapping[str, Any], r: _Reader) -> Any:
     types = {f.name: f.type for f in dataclasses.fields(cls)}
     fields = {f: _integral(v) if types.get(f) == "int" else v for f, v in recipe.items() if f != "recipe"}
     for key, value in fields.items():
-        if key not in cls.__dataclass_fields__:
-            r.unknown(path, key, ["recipe", *cls.__dataclass_fields__])
-        elif key == "amax_history_len" and not (
-            isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65536
-        ):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key not in types:
+            r.errors.append(_unknown(path, key, ["recipe", *types]))
+        elif key == "amax_history_len" and not (number and isinstance(value, int) and 1 <= value <= 65536):
             r.errors.append(f"{path}.amax_history_len must be an integer in [1, 65536]; got {value!r}")
         else:
             try:
@@ -582,52 +814,39 @@ def _fp8(recipe: Mapping[str, Any], r: _Reader) -> Any:
             except (ValueError, TypeError) as exc:
                 message = str(exc)
                 r.errors.append(f"{path}.{message}" if message.startswith(f"{key} ") else f"{path}.{key}: {message}")
-    if r.errors:
-        return None
-    return recipe_from_dict({"recipe": recipe["recipe"], **fields}).to_dict()
+            else:
+                if number and abs(value) > F32_MAX:  # the recipe takes any finite float; the config, float32's
+                    r.errors.append(f"{path}.{key} must be at most float32's max 3.4e38 in size; got {value!r}")
+    return None if r.errors else recipe_from_dict({"recipe": recipe["recipe"], **fields}).to_dict()
 
 
 def _check_combinations(b: dict[str, Any], r: _Reader) -> None:
     model, data, prec, opt, run = b["model"], b["data"], b["precision"], b["optimizer"], b["runconfig"]
     at = lambda section, key: r.written.get((section, key), f"{section}.{key}")  # noqa: E731
     refuse, note = r.errors.append, r.notes.append
-    if model.name in MODEL_DATASETS and data.dataset != MODEL_DATASETS[model.name]:
-        refuse(
-            f"{at('data', 'dataset')} {data.dataset!r} does not fit model.name {model.name!r}; "
-            f"allowed: {MODEL_DATASETS[model.name]}"
-        )
+    builtin = MODEL_DATASETS.get(model.name)
+    if builtin and data.data_processor is not None:
+        refuse(f"{at('data', 'data_processor')}: model.name {model.name!r} trains on dls's built-in data ({builtin})")
+    elif builtin and data.dataset != builtin:
+        refuse(f"{at('data', 'dataset')} {data.dataset!r} does not fit model.name {model.name!r}; allowed: {builtin}")
     if model.name in ZOO_MODELS and data.data_processor is None and data.dataset is None:
         refuse(f"{model.name} reads Model Zoo data: set train_input.data_processor ({', '.join(ZOO_PROCESSORS)})")
-    if model.name in MODEL_NAMES and data.data_processor is not None:
-        refuse(
-            f"{at('data', 'data_processor')}: model.name {model.name!r} trains on dls's built-in data "
-            f"({MODEL_DATASETS[model.name]})"
-        )
     if data.dataset is not None and not data.drop_last_batch:
         refuse(f"{at('data', 'drop_last_batch')}: false is not supported for built-in data sets (they drop it)")
-    if model.name == "transformer_lm":
-        if model.hidden_size % model.num_heads:
-            refuse(
-                f"{at('model', 'num_heads')} ({model.num_heads}) must divide model.hidden_size ({model.hidden_size})"
-            )
-        if data.max_sequence_length > model.max_position_embeddings:
-            refuse(
-                f"{at('data', 'max_sequence_length')} ({data.max_sequence_length}) exceeds "
-                f"model.max_position_embeddings ({model.max_position_embeddings})"
-            )
+    if model.name == "transformer_lm" and model.hidden_size % model.num_heads:
+        refuse(f"{at('model', 'num_heads')} ({model.num_heads}) must divide model.hidden_size ({model.hidden_size})")
+    if model.name == "transformer_lm" and data.max_sequence_length > model.max_position_embeddings:
+        length, most = data.max_sequence_length, model.max_position_embeddings
+        refuse(f"{at('data', 'max_sequence_length')} ({length}) exceeds model.max_position_embeddings ({most})")
     if not prec.mixed_precision and ("precision", "fp16_type") in r.written and prec.fp16_type != "float32":
         note(f"{at('precision', 'fp16_type')} ({prec.fp16_type!r}) has no effect: mixed_precision is off")
     if prec.half_params and prec.compute_dtype == "float32":
-        refuse(
-            f"{at('precision', 'half_params')} needs a half-precision run (precision.mixed_precision: true and a half "
-            "fp16_type): float32 parameters are what it keeps without half_params"
-        )
+        why = "(precision.mixed_precision: true and a half fp16_type): without it the parameters are float32"
+        refuse(f"{at('precision', 'half_params')} needs a half-precision run {why}")
     if prec.half_params and prec.fp16_type == "cbfloat16" and not prec.master_weights:
         refuse(f"{at('precision', 'master_weights')}: false does not work with cbfloat16 half_params")
     if prec.fp8 is not None and prec.emulated:
-        refuse(
-            f"{at('precision', 'fp8')} cannot be combined with dls.emulate's rounding (cbfloat16 or precision.emulate)"
-        )
+        refuse(f"{at('precision', 'fp8')} cannot be combined with dls.emulate (cbfloat16 or precision.emulate)")
     if opt.max_gradient_norm is not None and opt.max_gradient_value is not None:
         refuse(f"give {at('optimizer', 'max_gradient_norm')} or {at('optimizer', 'max_gradient_value')}, not both")
     if "master_weights" in prec.model_fields_set and not prec.half_params:
@@ -637,7 +856,7 @@ def _check_combinations(b: dict[str, Any], r: _Reader) -> None:
         b["precision"] = prec = prec.model_copy(update={"emulate": False})
     if prec.fallback and prec.compute_dtype not in ("float16", "cbfloat16"):
         note(f"{at('precision', 'fallback')} has no effect: the run computes in {prec.compute_dtype}")
-    if run.eval_steps is not None and b.get("eval_data") is None and "eval_data" not in b:
+    if run.eval_steps is not None and b.get("eval_data") is None:
         note(f"{at('runconfig', 'eval_steps')}: no eval_input / val_dataloader: evaluation reads the training data")
 
 
@@ -647,9 +866,8 @@ def _check_zoo(b: dict[str, Any], r: _Reader) -> None:
 
     checks: list[tuple[Any, str, dict[str, Any], str]] = []
     if b["model"].name in ZOO_MODELS:
-        checks.append(
-            (parse_model, b["model"].name, dict(b["model"].params), r.written.get(("model", "params"), "model"))
-        )
+        where = r.written.get(("model", "params"), "model")
+        checks.append((parse_model, b["model"].name, dict(b["model"].params), where))
     for section, default in (("data", "train_input"), ("eval_data", "eval_input")):
         data = b.get(section)
         if data is not None and data.data_processor is not None:
@@ -662,39 +880,37 @@ def _check_zoo(b: dict[str, Any], r: _Reader) -> None:
             r.errors.extend(exc.errors)
 
 
-def _scaler_arguments(opt: Any) -> dict[str, Any]:
-    return {arg: getattr(opt, key) for key, arg in SCALER_KEYS.items() if getattr(opt, key) is not None}
-
-
-def _settings(opt: Any, fp16_type: str, **replace: Any) -> ScalerSettings:
-    half = "float16" if fp16_type == "float32" else fp16_type
-    args = {**_scaler_arguments(opt), **replace}
-    return ScalerSettings.cerebras(**args, half_dtype=half)
+# ---------------------------------------------------------------------- loss scaling
+def _settings(opt: OptimizerConfig, fp16_type: str, **replace: Any) -> ScalerSettings:
+    args = {arg: getattr(opt, key) for key, arg in SCALER_KEYS.items() if getattr(opt, key) is not None}
+    return ScalerSettings.cerebras(**{**args, **replace}, half_dtype="float16" if fp16_type == "float32" else fp16_type)
 
 
 def _check_loss_scaling(b: dict[str, Any], r: _Reader) -> None:
-    """``ScalerSettings`` judges every loss-scaling key given, each problem under its key as written."""
-    opt, prec = b["optimizer"], b["precision"]
-    factor = opt.loss_scaling_factor
+    """``ScalerSettings`` judges every loss-scaling key given, each problem under its key as written; the keys
+    without effect in the run's mode are noted and dropped."""
+    opt, prec, factor = b["optimizer"], b["precision"], b["optimizer"].loss_scaling_factor
     names = {arg: r.written.get(("optimizer", key), f"optimizer.{key}") for key, arg in SCALER_KEYS.items()}
     if isinstance(factor, str) and factor != "dynamic":
-        return  # said by parse_config
-    pattern = re.compile(r"\b(" + "|".join(sorted(names, key=len, reverse=True)) + r")\b")
+        hint = did_you_mean(factor, ["dynamic"])
+        r.errors.append(f"{names['loss_scale']} must be 'dynamic' (lower case), a number or null; got {factor!r}{hint}")
+        return
+    if prec is None:  # the precision section's own errors are said
+        return
     half = "float16" if prec.fp16_type == "float32" else prec.fp16_type
     try:
-        only = {"loss_scale": factor} if factor is not None else {}
-        mode = ScalerSettings.cerebras(**only, half_dtype=half).mode  # the scaler's own rule for the mode
-        _settings(opt, prec.fp16_type, loss_scale="dynamic")
+        mode = ScalerSettings.cerebras(factor, half_dtype=half).mode  # the scaler's own rule for the mode
+        _settings(opt, prec.fp16_type, loss_scale="dynamic")  # the other keys, as a dynamic scale takes them
     except SettingsError as exc:
-        given = _scaler_arguments(opt)
-        named = [(set(pattern.findall(m)), m) for _, m in exc.problems]
-        kept = [m for n, m in named if n & given.keys()] or [m for _, m in named]
+        pattern = re.compile(r"\b(" + "|".join(sorted(names, key=len, reverse=True)) + r")\b")
+        given = {arg for key, arg in SCALER_KEYS.items() if getattr(opt, key) is not None}
+        kept = [m for arg, m in exc.problems if arg in given] or [m for _, m in exc.problems]  # the keys written
         r.errors.extend(pattern.sub(lambda m: names[m.group(1)], m) for m in kept)
         return
-    except TypeError as exc:  # an argument this dls's GradScaler does not have yet
-        arg = next((a for a in names if f"'{a}'" in str(exc)), None)
-        r.errors.append(f"{names.get(arg or '', 'optimizer')}: not supported by this dls's GradScaler ({exc})")
-        return
+    if opt.max_gradient_norm is not None and opt.max_gradient_norm > F32_MAX:  # the scaler takes any finite norm
+        r.errors.append(
+            f"{names['max_gradient_norm']} must be at most float32's max 3.4e38; got {opt.max_gradient_norm!r}"
+        )
     if prec.compute_dtype == "float32":
         mode, why = "off", "the run computes in float32, without loss scaling"
     elif prec.fp16_type == "cbfloat16" and mode != "dynamic":
@@ -702,13 +918,13 @@ def _check_loss_scaling(b: dict[str, Any], r: _Reader) -> None:
         return
     else:
         why = f"loss_scaling_factor is a static {factor:g}" if mode == "static" else f"loss scaling is off for {half}"
-    if isinstance(factor, (int, float)) and not isinstance(factor, bool):
-        b["optimizer"] = opt = opt.model_copy(update={"loss_scaling_factor": float(factor)})
-    dynamic_only = [k for k, a in SCALER_KEYS.items() if a not in ("loss_scale", "max_gradient_norm")]
+    update: dict[str, Any] = {"loss_scaling_factor": float(factor)} if isinstance(factor, (int, float)) else {}
+    dynamic_only = [k for k, arg in SCALER_KEYS.items() if arg not in ("loss_scale", "max_gradient_norm")]
     ignored = [k for k in ["loss_scaling_factor"] * (mode == "off") + dynamic_only if getattr(opt, k) is not None]
-    if mode != "dynamic" and ignored:
-        r.notes.extend(f"{r.written.get(('optimizer', k), 'optimizer.' + k)} is ignored: {why}" for k in ignored)
-        b["optimizer"] = opt.model_copy(update=dict.fromkeys(ignored))
+    if mode != "dynamic":
+        r.notes.extend(f"{names[SCALER_KEYS[k]]} is ignored: {why}" for k in ignored)
+        update.update(dict.fromkeys(ignored))
+    b["optimizer"] = opt.model_copy(update=update)
 
 
 def scaler_settings(cfg: TrainConfig) -> ScalerSettings:
@@ -721,25 +937,45 @@ def loss_scaling_mode(cfg: TrainConfig) -> str:
     return "off" if cfg.precision.compute_dtype == "float32" else scaler_settings(cfg).mode
 
 
+# ---------------------------------------------------------------------- output
 def to_dict(cfg: TrainConfig) -> dict[str, Any]:
     """The config as plain data in dls's own layout, which :func:`parse_config` reads back to the same run."""
-    out: dict[str, Any] = {}
-    for name in SECTION_CLASSES:
-        section = getattr(cfg, name)
-        out[name] = section.model_dump(mode="json", exclude_defaults=name != "runconfig")
+    out = {k: getattr(cfg, k).model_dump(mode="json", exclude_defaults=k != "runconfig") for k in SECTION_CLASSES}
     if cfg.eval_data is not None:
         out["eval_input"] = cfg.eval_data.model_dump(mode="json", exclude_defaults=True)
-    out["data"] = {"dataset": cfg.data.dataset, **out["data"]} if cfg.data.dataset else out["data"]
     out["model"] = {"name": cfg.model.name, **out["model"]}
-    for section in ("model", "data", "eval_input"):
-        if section in out and "params" in out[section]:
-            out[section].update(out[section].pop("params"))
-    opt = out["optimizer"]
-    if cfg.layout != "dls":  # Model Zoo's default scaling factor differs from dls's null
-        opt.setdefault("loss_scaling_factor", cfg.optimizer.loss_scaling_factor)
+    out["data"] = {"dataset": cfg.data.dataset, **out["data"]} if cfg.data.dataset else out["data"]  # first
+    for body in (out["model"], out["data"], out.get("eval_input", {})):
+        body.update(body.pop("params", {}))
+    if cfg.layout != "dls":  # Model Zoo's defaults of these differ from dls's
+        out["optimizer"].setdefault("loss_scaling_factor", cfg.optimizer.loss_scaling_factor)
         out["precision"].setdefault("fp16_type", cfg.precision.fp16_type)
         out["precision"].setdefault("mixed_precision", cfg.precision.mixed_precision)
     return out
+
+
+def describe_keys() -> str:
+    """Every section and key with its default and help (``dls keys``); a loss-scaling key's default is the
+    scaler's (``null: 2^15``)."""
+    from dls.diagnostics.scales import pow2
+
+    def shown(value: Any, arg: str) -> str:
+        return "null" if value is None else pow2(value) if arg.endswith("scale") else f"{value:g}"
+
+    f16, cb16 = (ScalerSettings.cerebras(loss_scale="dynamic", half_dtype=h) for h in ("float16", "cbfloat16"))
+    lines = []
+    for name, cls in SECTION_CLASSES.items():
+        lines.append(f"{name}:")
+        for key, field in cls.model_fields.items():
+            default, text = field.default, field.description or ""
+            default = "null" if default is None else str(default).lower() if isinstance(default, bool) else default
+            arg = SCALER_KEYS.get(key, "") if name == "optimizer" else ""
+            if arg not in ("", "loss_scale", "max_gradient_norm"):
+                default, cb = f"null: {shown(getattr(f16, arg), arg)}", shown(getattr(cb16, arg), arg)
+                text += f" (cbfloat16: {cb})" if f"null: {cb}" != default else ""
+            only = f" [{'/'.join(ONLY[key])} only]" if key in ONLY else ""
+            lines.append(f"  {key:<32} {default!s:<19} {text}{only}")
+    return "\n".join(lines)
 
 
 def missing_paths(cfg: TrainConfig) -> list[str]:
@@ -756,9 +992,8 @@ def missing_paths(cfg: TrainConfig) -> list[str]:
         key = cfg.sources.get(f"{section}.params", "train_input" if section == "data" else "eval_input")
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            lines.append(
-                f"{key}.data_dir {missing[0]}{more} does not exist here (relative paths resolve against {Path.cwd()})"
-            )
+            where = f"relative paths resolve against {Path.cwd()}"
+            lines.append(f"{key}.data_dir {missing[0]}{more} does not exist here ({where})")
         else:
             split = "train" if section == "data" else "val"
             lines += check_data(data.data_processor, data.loader_params, split=split, prefix=key)
@@ -774,19 +1009,17 @@ def memory_problem(cfg: TrainConfig) -> str | None:
     """What of ``cfg`` will not fit this machine's free memory (the generated data set; the model with its
     gradients, Adam's two states and a checkpoint being written), naming the key as written; ``None`` when it
     fits. A note for ``validate``, exit status 3 for ``train``."""
-    m, d = cfg.model, cfg.data
+    m, d, p = cfg.model, cfg.data, cfg.model.params
     need: dict[str, float] = {}
     if d.dataset == "teacher_regression":
         need["data.num_samples"] = 4.0 * d.num_samples * (d.input_dim + d.output_dim)
-    p = m.params
     h = p.get("hidden_size", m.hidden_size)
     if m.name in ("gpt2", "gpt3", "llama") and all(isinstance(p.get(k), int) for k in ("hidden_size", "filter_size")):
-        layers, vocab = p.get("num_hidden_layers", 1), p.get("vocab_size", 1)
-        mlp = 3 if p.get("nonlinearity") == "swiglu" else 2
-        count = vocab * h * (1 if p.get("share_embedding_weights", True) else 2) + layers * h * (
-            4 * h + mlp * p["filter_size"]
+        embeddings = p.get("vocab_size", 1) * h * (1 if p.get("share_embedding_weights", True) else 2)
+        block = 4 * h + (3 if p.get("nonlinearity") == "swiglu" else 2) * p["filter_size"]  # attention and MLP
+        need[cfg.sources.get("model.params", "model") + ".hidden_size"] = BYTES_PER_PARAMETER * (
+            embeddings + p.get("num_hidden_layers", 1) * h * block
         )
-        need[cfg.sources.get("model.params", "model") + ".hidden_size"] = BYTES_PER_PARAMETER * count
     elif m.name == "mlp":
         need["model.hidden_size"] = BYTES_PER_PARAMETER * h * (d.input_dim + h * (m.depth - 1) + d.output_dim)
     try:
@@ -795,8 +1028,8 @@ def memory_problem(cfg: TrainConfig) -> str | None:
             free = next((int(line.split()[1]) * 1024 for line in f if line.startswith(b"MemAvailable:")), pages)
     except (OSError, ValueError):
         return None
-    key = max(need, key=need.__getitem__, default="")
     if sum(need.values()) <= free:
         return None
-    where = cfg.sources.get(key, key)
-    return f"{where}: this run needs about {sum(need.values()) / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free here"
+    key = max(need, key=need.__getitem__)
+    gib = f"about {sum(need.values()) / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free here"
+    return f"{cfg.sources.get(key, key)}: this run needs {gib}"

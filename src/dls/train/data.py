@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dls.train.schema import DataConfig
+from dls.train.config import DataConfig
 
 Batch = Any  # (inputs, targets) for the built-in data sets; what a Model Zoo model's loss takes otherwise
 

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dls.train.config import ZOO_MODELS, ModelConfig
 from dls.train.data import Batch, CharCorpus, DataInfo, Dataset, modelzoo
-from dls.train.schema import ZOO_MODELS, ModelConfig
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}
 

@@ -30,13 +30,20 @@ from dls.diagnostics.scales import module_label, pow2
 from dls.emulate import EmulationHandle
 from dls.train import checkpoint as ckpt
 from dls.train import reporting, rundir
-from dls.train.config import CHECKPOINT_STATES, TrainConfig, loss_scaling_mode, scaler_settings, to_dict
+from dls.train.config import (
+    CHECKPOINT_STATES,
+    ZOO_MODELS,
+    OptimizerConfig,
+    TrainConfig,
+    loss_scaling_mode,
+    scaler_settings,
+    to_dict,
+)
 from dls.train.data import Batch, BatchIterator, build_batches, modelzoo
 from dls.train.errors import MissingExtras, TrainingStopped
 from dls.train.launch import StopRequest, resolve_device, run_on_rank0, sum_over_ranks, wrap_data_parallel
 from dls.train.models import TrainModel, build_model, evaluate, evaluate_batches
 from dls.train.reporting import TrainResult, json_number
-from dls.train.schema import ZOO_MODELS, OptimizerConfig
 
 __all__ = ["TrainResult", "Trainer", "TrainingStopped"]
 

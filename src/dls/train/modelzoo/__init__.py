@@ -6,11 +6,11 @@
 * :func:`write_tiny_data` and :func:`main` (``dls data {mnist,gpt} DIR``): tiny data sets in those formats.
 """
 
+from dls.train.config import ZOO_MODELS as MODELS
+from dls.train.config import ZOO_PROCESSORS as PROCESSORS
 from dls.train.modelzoo.data import build_loader, check_data, fit_to_data
 from dls.train.modelzoo.models import build_model, check_model
 from dls.train.modelzoo.tiny import main, write_tiny_data
-from dls.train.schema import ZOO_MODELS as MODELS
-from dls.train.schema import ZOO_PROCESSORS as PROCESSORS
 
 __all__ = [
     "MODELS",

@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dls.train.config import ZOO_MODELS, ZOO_PROCESSORS, Finite
 from dls.train.errors import ConfigError
-from dls.train.schema import ZOO_MODELS, ZOO_PROCESSORS, Finite
 
 Positive = Annotated[int, Field(gt=0)]
 Number = Annotated[float, Finite()]  # finite, at most float32's max in size: as every float key of the config
