@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from dls.train.errors import ConfigError, MissingExtras
-from dls.train.modelzoo import build_loader, check_data, main, write_tiny_data
-from dls.train.modelzoo.data import read_idx
+from dls.train.modelzoo import build_loader, check_data, main, read_idx, write_tiny_data
 
 GPT, MAP, MNIST = "GptHDF5DataProcessor", "GptHDF5MapDataProcessor", "MNISTDataProcessor"
 
@@ -104,7 +103,7 @@ def test_loader_keys(tiny: Path) -> None:
         "train_input.prefetch_factor",
         "train_input.persistent_workers",
     ]
-    assert errors(GPT, gpt(tiny, batch_sise=8)) == ["train_input.batch_sise: unknown key; did you mean 'batch_size'?"]
+    assert errors(GPT, gpt(tiny, batch_sise=8)) == ["train_input.batch_sise: unknown key (did you mean 'batch_size'?)"]
     assert errors(GPT, {"data_dir": str(tiny), "batch_size": 8}) == [
         "train_input.shuffle: required by GptHDF5DataProcessor"
     ]

@@ -60,20 +60,15 @@ class TeacherRegression(Dataset):
         return self.x[indices], self.y[indices]
 
 
-def corpus_text() -> str:
-    """The character corpus shipped with dls."""
-    return resources.files("dls.train").joinpath("data/corpus.txt").read_text(encoding="utf-8")
-
-
 class CharCorpus(Dataset):
-    """Windows of ``max_sequence_length + 1`` characters; inputs are a window's first ``L`` characters, targets its
-    last ``L``."""
+    """Windows of ``max_sequence_length + 1`` characters of the corpus shipped with dls, at an offset that changes
+    every epoch; inputs are a window's first ``L`` characters, targets its last ``L``."""
 
     def __init__(self, cfg: DataConfig) -> None:
-        text = corpus_text()
+        text = resources.files("dls.train").joinpath("data/corpus.txt").read_text(encoding="utf-8")
         self.chars = sorted(set(text))
-        self.stoi = {c: i for i, c in enumerate(self.chars)}
-        self.tokens = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
+        index = {c: i for i, c in enumerate(self.chars)}
+        self.tokens = torch.tensor([index[c] for c in text], dtype=torch.long)
         self.length = cfg.max_sequence_length
         self.windows = (len(self.tokens) - self.length) // self.length  # fits at every offset < length
         if self.windows < 1:
@@ -86,14 +81,9 @@ class CharCorpus(Dataset):
         return self.windows
 
     def batch(self, indices: torch.Tensor, epoch: int) -> Batch:
-        offset = (epoch * 7919) % self.length
-        starts = offset + indices * self.length
-        rows = starts[:, None] + torch.arange(self.length + 1)[None, :]
-        seq = self.tokens[rows]
+        starts = (epoch * 7919) % self.length + indices * self.length
+        seq = self.tokens[starts[:, None] + torch.arange(self.length + 1)[None, :]]
         return seq[:, :-1], seq[:, 1:]
-
-    def decode(self, tokens: torch.Tensor) -> str:
-        return "".join(self.chars[int(t)] for t in tokens)
 
 
 def build_dataset(cfg: DataConfig) -> Dataset:
@@ -117,13 +107,8 @@ def build_batches(
 
 
 def modelzoo() -> Any:
-    """``dls.train.modelzoo`` (Model Zoo models and readers); a ``ValueError`` saying what is missing."""
-    try:
-        return importlib.import_module("dls.train.modelzoo")
-    except ImportError as exc:
-        raise ValueError(
-            f"Model Zoo models and data need dls.train.modelzoo and the 'modelzoo' extra ({exc})"
-        ) from None
+    """``dls.train.modelzoo`` (Model Zoo's models and readers), imported only when a config uses them."""
+    return importlib.import_module("dls.train.modelzoo")
 
 
 class BatchIterator:
@@ -142,17 +127,12 @@ class BatchIterator:
         world_size: int = 1,
         drop_last: bool = True,
     ) -> None:
-        if batch_size > len(dataset):
-            raise ValueError(
-                f"data.batch_size ({batch_size}) is larger than the data set ({len(dataset)} samples); "
-                "lower batch_size (or raise num_samples)"
-            )
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
-        if len(dataset) // batch_size < world_size:
+        if len(dataset) // batch_size < world_size:  # each rank takes at least one whole batch
             raise ValueError(
-                f"the data set ({len(dataset)} samples) has fewer than one batch of data.batch_size ({batch_size}) "
-                f"per rank for {world_size} ranks; lower batch_size (or raise num_samples)"
+                f"data.batch_size ({batch_size}){f' * {world_size} ranks' if world_size > 1 else ''} is larger than "
+                f"the data set ({len(dataset)} samples); lower batch_size (or raise num_samples)"
             )
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
         self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
@@ -162,26 +142,19 @@ class BatchIterator:
     @property
     def batches_per_epoch(self) -> int:
         """Batches this rank takes per epoch."""
-        return (
-            (len(self.dataset) + (0 if self.drop_last else self.batch_size - 1)) // self.batch_size // self.world_size
-        )
-
-    def _epoch_order(self) -> torch.Tensor:
-        if self._order is None:
-            if self.shuffle:
-                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-                self._order = torch.randperm(len(self.dataset), generator=gen)
-            else:
-                self._order = torch.arange(len(self.dataset))
-        return self._order
+        samples = len(self.dataset) + (0 if self.drop_last else self.batch_size - 1)
+        return samples // self.batch_size // self.world_size
 
     def next(self) -> Batch:
         if self.position >= self.batches_per_epoch:
             self.epoch, self.position, self._order = self.epoch + 1, 0, None
+        if self._order is None:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            n = len(self.dataset)
+            self._order = torch.randperm(n, generator=gen) if self.shuffle else torch.arange(n)
         start = (self.position * self.world_size + self.rank) * self.batch_size
-        indices = self._epoch_order()[start : start + self.batch_size]
         self.position += 1
-        return self.dataset.batch(indices, self.epoch)
+        return self.dataset.batch(self._order[start : start + self.batch_size], self.epoch)
 
     def state_dict(self) -> dict[str, Any]:
         # position: the batches of this epoch taken by all ranks

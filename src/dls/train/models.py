@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -90,14 +91,10 @@ class TransformerLM(TrainModel):
         )
         self.ln_f = nn.LayerNorm(cfg.hidden_size)
         self.head = nn.Linear(cfg.hidden_size, info.vocab_size)
-        for name, p in self.named_parameters():
+        for name, p in self.named_parameters():  # GPT-2's: the residual outputs scaled down by depth
             if p.dim() >= 2:
-                std = (
-                    0.02 / math.sqrt(2 * cfg.num_hidden_layers)
-                    if name.endswith(("proj.weight", "fc2.weight"))
-                    else 0.02
-                )
-                nn.init.normal_(p, std=std)
+                output = name.endswith(("proj.weight", "fc2.weight"))
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.num_hidden_layers) if output else 0.02)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
@@ -125,30 +122,29 @@ def build_model(cfg: ModelConfig, info: DataInfo | None) -> TrainModel:
 
 
 @torch.no_grad()
+def _mean_loss(model: TrainModel, weighted: Iterable[tuple[Batch, int]], device: torch.device) -> float:
+    """The mean loss over ``(batch, weight)`` pairs, in eval mode (no dropout); one read of the device at the end."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    for batch, weight in weighted:
+        total += model.loss(batch).double() * weight
+        count += weight
+    model.train(was_training)
+    return float(total) / max(count, 1)
+
+
 def evaluate_batches(model: TrainModel, batches: Any, steps: int, device: torch.device, prepare: Any) -> float:
     """Mean loss over ``steps`` batches of ``batches`` (``prepare`` puts one on the device), in eval mode."""
-    was_training = model.training
-    model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for _ in range(steps):
-        total += model.loss(prepare(batches.next())).double()
-    model.train(was_training)
-    return float(total) / steps
+    return _mean_loss(model, ((prepare(batches.next()), 1) for _ in range(steps)), device)
 
 
-@torch.no_grad()
 def evaluate(model: TrainModel, dataset: Dataset, device: torch.device, max_samples: int = 4096) -> float:
     """Mean loss in float32 over the first ``max_samples`` samples of ``dataset`` (64 sequences for the character
-    corpus), in eval mode (no dropout); one read of the device at the end."""
+    corpus), in eval mode (no dropout)."""
     if any(p.dtype != torch.float32 for p in model.parameters() if p.is_floating_point()):
         model = copy.deepcopy(model).float()
-    was_training = model.training
-    model.eval()
-    n = min(len(dataset) if not isinstance(dataset, CharCorpus) else min(len(dataset), 64), max_samples)
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for start in range(0, n, 512):
-        idx = torch.arange(start, min(n, start + 512))
-        x, y = dataset.batch(idx, epoch=0)
-        total += model.loss((x.to(device), y.to(device))).double() * len(idx)
-    model.train(was_training)
-    return float(total) / max(n, 1)
+    n = min(len(dataset), max_samples, 64 if isinstance(dataset, CharCorpus) else max_samples)
+    chunks = [(dataset.batch(idx, epoch=0), len(idx)) for idx in torch.arange(n).split(512)]
+    return _mean_loss(model, (((x.to(device), y.to(device)), size) for (x, y), size in chunks), device)

@@ -1,25 +1,520 @@
-"""Cerebras Model Zoo's models and data formats for ``dls train`` (needs the ``modelzoo`` extra: h5py, transformers).
+"""Cerebras Model Zoo's models and data formats for ``dls train`` (the ``modelzoo`` extra: h5py, transformers).
 
-* :func:`build_model` / :func:`check_model`: ``fc_mnist``, ``gpt2``, ``gpt3``, ``llama`` from a ``model`` section.
-* :func:`build_loader` / :func:`check_data`: ``GptHDF5DataProcessor``, ``GptHDF5MapDataProcessor``,
-  ``MNISTDataProcessor`` from a data loader section; :func:`fit_to_data`: can the model read it.
+* :func:`build_model`: ``fc_mnist``, and ``gpt2``/``gpt3``/``llama`` on Hugging Face transformers' GPT-2 and Llama
+  classes, configured from Model Zoo's keys (:mod:`dls.train.modelzoo.keys`) and initialised as Model Zoo does.
+* :func:`build_loader` / :func:`check_data`: ``GptHDF5DataProcessor``, ``GptHDF5MapDataProcessor`` and
+  ``MNISTDataProcessor`` as resumable batches (``dls.train.data.BatchIterator``); :func:`fit_to_data`: can the
+  model read them.
 * :func:`write_tiny_data` and :func:`main` (``dls data {mnist,gpt} DIR``): tiny data sets in those formats.
+
+Each model's ``loss(batch)`` is a float32 scalar: fc_mnist's NLL; for the GPT models Model Zoo's GPTLMHeadModelLoss,
+the summed token cross-entropy over the loss mask divided by the number of unmasked tokens (``loss_scaling:
+num_tokens``; NaN for a batch without one, as Model Zoo's) or by the batch size and multiplied by ``loss_weight``
+(``batch_size``).
 """
 
-from dls.train.modelzoo.data import build_loader, check_data, fit_to_data
-from dls.train.modelzoo.models import build_model, check_model
-from dls.train.modelzoo.tiny import main, write_tiny_data
-from dls.train.schema import ZOO_MODELS as MODELS
-from dls.train.schema import ZOO_PROCESSORS as PROCESSORS
+from __future__ import annotations
 
-__all__ = [
-    "MODELS",
-    "PROCESSORS",
-    "build_loader",
-    "build_model",
-    "check_data",
-    "check_model",
-    "fit_to_data",
-    "main",
-    "write_tiny_data",
-]
+import argparse
+import gzip
+import importlib
+import logging
+import math
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dls.train.data import BatchIterator, DataInfo, Dataset
+from dls.train.errors import ConfigError, MissingExtras
+from dls.train.modelzoo.keys import IGNORE_INDEX, FcMnistKeys, GptKeys, Initializer, LoaderKeys, parse_loader
+from dls.train.modelzoo.keys import parse_model as parse_model
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+MNIST_LAYOUT = "<data_dir>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte (plain or .gz)"
+GPT_LAYOUT = "*.h5 files with a dataset 'data' of shape [N, 3, max_sequence_length]"
+_WRITE_HINT = {"MNISTDataProcessor": "dls data mnist DIR", "GptHDF5DataProcessor": "dls data gpt DIR"}
+
+
+def require(module: str) -> ModuleType:
+    """Import ``module`` of the ``modelzoo`` extra, or ``MissingExtras`` naming the extra."""
+    # transformers' model classes import torchao, which logs warnings about its optional C extensions and pytree
+    # registrations at import: nothing about this run, so they are silenced while the classes load.
+    loggers = {logger: logger.level for logger in map(logging.getLogger, ("torchao", "torch.utils._pytree"))}
+    try:
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        imported = importlib.import_module(module)
+        for name in ("GPT2LMHeadModel", "LlamaForCausalLM") if module == "transformers" else ():
+            getattr(imported, name)  # transformers loads its classes on first use
+        return imported
+    except ImportError as exc:
+        raise MissingExtras(
+            f"{module} is not installed; Model Zoo models and data need the modelzoo extra: pip install 'dls[modelzoo]'"
+        ) from exc
+    finally:
+        for logger, level in loggers.items():
+            logger.setLevel(level)
+
+
+# ---------------------------------------------------------------------------------------------------------- models
+class FcMnist(nn.Module):
+    """Model Zoo's fc_mnist: Linear layers of ``hidden_sizes`` (each then ReLU when ``activation_fn: relu``, then
+    dropout), a Linear layer to 10 classes; the NLL loss of the log-softmax (of the raw logits with
+    ``disable_softmax``)."""
+
+    def __init__(self, k: FcMnistKeys) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = 784  # 28 x 28 pixels
+        for size in k.sizes:
+            layers += [nn.Linear(width, size, bias=k.use_bias), *([nn.ReLU()] if k.activation_fn else [])]
+            layers.append(nn.Dropout(k.dropout))
+            width = size
+        self.hidden = nn.Sequential(*layers)
+        self.last_layer = nn.Linear(width, 10, bias=k.use_bias)
+        self.disable_softmax = k.disable_softmax
+        self.ignored_keys: list[str] = []
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.last_layer(self.hidden(torch.flatten(images, 1)))
+        return out
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        images, labels = batch
+        logits = self(images).float()
+        return F.nll_loss(logits if self.disable_softmax else F.log_softmax(logits, dim=1), labels)
+
+
+class CausalLM(nn.Module):
+    """A Hugging Face causal LM (``hf``) with Model Zoo's loss. A batch is ``(input_ids, labels)``, with labels
+    ``IGNORE_INDEX`` where Model Zoo's ``attention_mask`` (a loss mask) is 0."""
+
+    def __init__(self, hf: nn.Module, k: GptKeys) -> None:
+        super().__init__()
+        self.hf = hf
+        self.loss_scaling = k.loss_scaling
+        self.loss_weight = k.loss_weight if k.loss_scaling == "batch_size" else 1.0
+        self.max_positions = k.max_position_embeddings
+        self.vocab_size = k.vocab_size
+        self.ignored_keys: list[str] = []
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] > self.max_positions:
+            raise ValueError(
+                f"sequences of {input_ids.shape[1]} tokens are longer than model.max_position_embeddings "
+                f"({self.max_positions})"
+            )
+        logits: torch.Tensor = self.hf(input_ids=input_ids).logits
+        return logits
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        input_ids, labels = batch
+        logits = self(input_ids).float()
+        total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        if self.loss_scaling == "num_tokens":
+            return total / (labels != IGNORE_INDEX).sum()
+        return total / labels.shape[0] * self.loss_weight
+
+
+def _hf_model(name: str, k: GptKeys) -> nn.Module:
+    """Hugging Face's LlamaForCausalLM (swiglu: its MLP gates with silu) or GPT2LMHeadModel, whose ``Conv1D`` layers
+    (``x @ W + b``) become ``nn.Linear`` (``W`` transposed, the same function): every matrix product is then an
+    ``nn.Linear``, what ``dls.fp8.emulate`` replaces."""
+    transformers = require("transformers")
+    common = dict(
+        vocab_size=k.vocab_size, initializer_range=k.initializer_range, tie_word_embeddings=k.share_embedding_weights,
+        use_cache=False, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    attention_dropout = k.dropout_rate if k.attention_dropout_rate is None else k.attention_dropout_rate
+    if name == "llama":
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": k.rope_theta}
+        if k.pos_scaling_type == "llama3":
+            assert k.pos_scaling_extra_args is not None  # parse_model requires them
+            rope.update(rope_type="llama3", factor=k.pos_scaling_factor, **k.pos_scaling_extra_args.model_dump())
+        elif k.pos_scaling_factor != 1.0:  # linear position interpolation: positions / factor
+            rope.update(rope_type="linear", factor=k.pos_scaling_factor)
+        llama: nn.Module = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=k.hidden_size, intermediate_size=k.filter_size, num_hidden_layers=k.num_hidden_layers,
+            num_attention_heads=k.num_heads, num_key_value_heads=k.kv_heads, hidden_act="silu",
+            max_position_embeddings=k.max_position_embeddings, rms_norm_eps=k.layer_norm_epsilon,
+            rope_parameters=rope, attention_bias=k.use_projection_bias_in_attention,
+            attention_dropout=attention_dropout, mlp_bias=k.use_ffn_bias, **common,
+        ))  # fmt: skip
+        return llama
+    model: nn.Module = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_positions=k.max_position_embeddings, n_embd=k.hidden_size, n_layer=k.num_hidden_layers,
+        n_head=k.num_heads, n_inner=k.filter_size,
+        activation_function=k.nonlinearity,  # Model Zoo's gelu is the exact GELU: transformers' "gelu"
+        resid_pdrop=k.dropout_rate, attn_pdrop=attention_dropout,
+        embd_pdrop=k.dropout_rate if k.embedding_dropout_rate is None else k.embedding_dropout_rate,
+        layer_norm_epsilon=k.layer_norm_epsilon, scale_attn_weights=k.attention_type == "scaled_dot_product",
+        scale_attn_by_inverse_layer_idx=k.scale_qk_dot_by_layer_idx, **common,
+    ))  # fmt: skip
+    conv1d = require("transformers.pytorch_utils").Conv1D
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, conv1d):
+                linear = nn.Linear(child.nx, child.nf)
+                with torch.no_grad():
+                    linear.weight.copy_(child.weight.T)
+                    linear.bias.copy_(child.bias)
+                setattr(parent, child_name, linear)
+    return model
+
+
+@torch.no_grad()
+def _initialize(hf: nn.Module, k: GptKeys) -> None:
+    """Model Zoo's initialisation: embeddings ``embedding_initializer``; attention ``initializer``; FFN
+    ``ffn_initializer`` (else ``initializer``); the output layers of attention and FFN ``output_layer_initializer``
+    (``ffn_output_layer_initializer``), by default truncated normal with std initializer_range / sqrt(2 layers)
+    unless ``initializer`` is set; an untied LM head normal(0, initializer_range); biases 0, norms 1."""
+    default = Initializer(name="truncated_normal", std=k.initializer_range)
+    ffn = k.ffn_initializer or k.initializer or default
+    output = k.output_layer_initializer
+    if output is None and k.initializer is None:
+        output = Initializer(name="truncated_normal", std=k.initializer_range / math.sqrt(2 * k.num_hidden_layers))
+    roles = {
+        **dict.fromkeys(("c_attn", "q_proj", "k_proj", "v_proj"), k.initializer or default),
+        **dict.fromkeys(("attn.c_proj", "o_proj"), output or k.initializer or default),
+        **dict.fromkeys(("c_fc", "gate_proj", "up_proj"), ffn),
+        **dict.fromkeys(("mlp.c_proj", "down_proj"), k.ffn_output_layer_initializer or output or ffn),
+        "lm_head": Initializer(name="normal", std=k.initializer_range),
+    }
+    for name, module in hf.named_modules():
+        if isinstance(module, nn.Embedding):
+            (k.embedding_initializer or default).fill_(module.weight)
+        elif isinstance(module, nn.Linear):
+            if not (k.share_embedding_weights and name == "lm_head"):
+                roles[next(r for r in roles if name == r or name.endswith("." + r))].fill_(module.weight)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif not list(module.children()):
+            for pname, param in module.named_parameters(recurse=False):
+                param.fill_(0.0 if pname == "bias" else 1.0)
+
+
+def build_model(name: str, params: dict[str, Any], *, prefix: str = "model") -> FcMnist | CausalLM:
+    """Model Zoo's model ``name`` (fc_mnist, gpt2, gpt3, llama) built from its ``params`` (the ``model`` section);
+    ``ConfigError`` listing every key it cannot honour (:func:`parse_model`: the same without building),
+    ``MissingExtras`` without transformers. The module's ``ignored_keys`` lists the keys that matter only on
+    Cerebras hardware."""
+    keys, ignored = parse_model(name, params, prefix)
+    model: FcMnist | CausalLM
+    if isinstance(keys, FcMnistKeys):
+        model = FcMnist(keys)
+    else:
+        hf = _hf_model(name, keys)
+        _initialize(hf, keys)
+        model = CausalLM(hf, keys)
+    model.ignored_keys = ignored
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------- data
+def read_idx(path: Path, magic: int) -> np.ndarray:
+    """An IDX file (big-endian magic and dimensions, then unsigned bytes), plain or gzip'd."""
+    raw = path.read_bytes()
+    if path.suffix == ".gz":
+        try:
+            raw = gzip.decompress(raw)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as exc:  # truncated, not gzip, corrupt
+            raise ValueError(f"{path}: not a readable gzip file ({exc})") from None
+    ndim = magic & 0xFF
+    if len(raw) < 4 + 4 * ndim or int.from_bytes(raw[:4], "big") != magic:
+        raise ValueError(f"{path}: not an IDX file with magic {magic}")
+    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+    if data.size != math.prod(dims):
+        raise ValueError(f"{path}: {data.size} bytes of data for dimensions {dims}")
+    return data.reshape(dims)
+
+
+class MnistDataset(Dataset):
+    """An images and a labels IDX file, normalised as Model Zoo does."""
+
+    def __init__(self, images_file: Path, labels_file: Path) -> None:
+        images, labels = read_idx(images_file, 2051), read_idx(labels_file, 2049)
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images = torch.from_numpy(images.copy())
+        self.labels = torch.from_numpy(labels.astype(np.int64))
+        self.info = DataInfo(task="classification", input_dim=images[0].size, output_dim=10)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def batch(self, indices: torch.Tensor, epoch: int) -> Batch:
+        images = (self.images[indices].float() / 255 - MNIST_MEAN) / MNIST_STD
+        return images.unsqueeze(1), self.labels[indices]
+
+
+class GptDataset(Dataset):
+    """Samples of ``[N, 3, msl]`` files (labels ``IGNORE_INDEX`` where the mask is 0), or windows of
+    ``msl + 1`` tokens of a flat token stream over all files (``msl`` tokens apart)."""
+
+    def __init__(self, files: list[Any], msl: int | None) -> None:
+        self.data = [data for _, data in files]
+        self.starts = np.cumsum([0, *(len(d) for d in self.data)])
+        self.flat = self.data[0].ndim == 1
+        self.msl = int(msl if self.flat else self.data[0].shape[2])  # type: ignore[arg-type]
+        self.count = (int(self.starts[-1]) - 1) // self.msl if self.flat else int(self.starts[-1])
+        self.info = DataInfo(task="language_model", sequence_length=self.msl)
+        self.vocab: tuple[int, str] | None = None  # (vocab_size, its key): fit_to_data
+
+    def _check_tokens(self, ids: np.ndarray) -> None:
+        if self.vocab is not None and ids.size and (ids.min() < 0 or ids.max() >= self.vocab[0]):
+            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+            size, key = self.vocab
+            raise ConfigError([f"{key}: {size}, but the data holds token id {bad} (ids must be in [0, {size}))"])
+
+    def __len__(self) -> int:
+        return self.count
+
+    def batch(self, indices: torch.Tensor, epoch: int) -> Batch:
+        idx = indices.numpy()
+        if self.flat:
+            tokens = np.stack([self._read(i * self.msl, (i + 1) * self.msl + 1) for i in idx])
+            self._check_tokens(tokens)
+            return torch.from_numpy(tokens[:, :-1]), torch.from_numpy(tokens[:, 1:])
+        order = np.argsort(idx)  # h5py reads increasing indices
+        rows = np.empty((len(idx), 3, self.msl), dtype=np.int64)
+        file_of = np.searchsorted(self.starts, idx[order], side="right") - 1
+        for f in np.unique(file_of):
+            take = order[file_of == f]
+            rows[take] = self.data[f][idx[take] - self.starts[f]]
+        labels = np.where(rows[:, 1] == 0, IGNORE_INDEX, rows[:, 2])
+        self._check_tokens(rows[:, 0])
+        self._check_tokens(labels[labels != IGNORE_INDEX])
+        return torch.from_numpy(rows[:, 0]), torch.from_numpy(labels)
+
+    def _read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``start:stop`` of the stream of all files."""
+        parts = []
+        for data, lo in zip(self.data, self.starts[:-1]):
+            a, b = max(start, lo), min(stop, lo + len(data))
+            if a < b:
+                parts.append(data[a - lo : b - lo])
+        return np.concatenate(parts).astype(np.int64)
+
+
+def fit_to_data(model: Any, dataset: Any, prefix: str = "model") -> None:
+    """``ConfigError`` naming ``prefix``'s key when a Model Zoo language model cannot read ``dataset``'s sequences
+    (longer than its positions, a larger vocabulary); a GPT data set then refuses a batch holding a token id outside
+    the model's vocabulary, as it reads it (the files are not scanned up front)."""
+    if not isinstance(model, CausalLM):
+        return
+    info = dataset.info
+    if info.sequence_length > model.max_positions:
+        raise ConfigError([
+            f"{prefix}.max_position_embeddings: {model.max_positions}, shorter than the data's sequences of "
+            f"{info.sequence_length} tokens"
+        ])  # fmt: skip
+    if info.vocab_size > model.vocab_size:
+        raise ConfigError([f"{prefix}.vocab_size: {model.vocab_size}, smaller than the data's {info.vocab_size}"])
+    if isinstance(dataset, GptDataset):
+        dataset.vocab = (model.vocab_size, f"{prefix}.vocab_size")
+
+
+def _files(processor: str, keys: LoaderKeys, split: str, first_only: bool) -> tuple[list[Any], list[str]]:
+    """A loader section's files, or the problems found: MNIST's images and labels files of ``split``; each GPT
+    ``*.h5`` file (each directory sorted, as Model Zoo reads them) as ``(path, its 'data' dataset)``, its header
+    checked (``first_only``: only the first file's)."""
+    if processor == "MNISTDataProcessor":
+        raw = Path(keys.data_dir if isinstance(keys.data_dir, str) else "./") / "MNIST" / "raw"
+        stem = "train" if (keys.split or split) == "train" else "t10k"
+        names = [f"{stem}-{kind}-ubyte" for kind in ("images-idx3", "labels-idx1")]
+        found = [next((p for p in (raw / n, raw / f"{n}.gz") if p.is_file()), None) for n in names]
+        missing = [str(raw / n) for n, path in zip(names, found) if path is None]
+        return found, [f"{' and '.join(missing)} missing"] if missing else []
+    h5py = require("h5py")
+    map_style, msl, dirs = processor == "GptHDF5MapDataProcessor", keys.max_sequence_length, keys.dirs
+    problems = [f"{d} is not a directory" for d in dirs if not Path(d).is_dir()]
+    paths = [p for d in dirs if Path(d).is_dir() for p in sorted(Path(d).glob("*.h5"))]
+    if not paths and not problems:
+        problems.append(f"no *.h5 files in {', '.join(dirs)}")
+    files, shape = [], None
+    for path in paths[:1] if first_only else paths:
+        try:
+            data = h5py.File(path, "r")["data"]
+        except (OSError, KeyError) as exc:
+            problems.append(f"{path}: cannot read its dataset 'data' ({exc})")
+            continue
+        flat = map_style and data.ndim == 1
+        if not (flat or (data.ndim == 3 and data.shape[1] == 3)) or data.dtype.kind not in "iu":
+            problems.append(f"{path}: 'data' is {data.dtype}{list(data.shape)}, not integers of shape [N, 3, msl]")
+        elif flat and msl is None:
+            problems.append(f"{path}: a flat token stream needs max_sequence_length")
+        elif not flat and msl not in (None, data.shape[2]):
+            problems.append(f"{path}: sequences of {data.shape[2]} tokens, but max_sequence_length is {msl}")
+        elif shape is not None and data.shape[1:] != shape:
+            problems.append(f"{path}: 'data' of shape {list(data.shape)} unlike {paths[0]}'s")
+        shape = data.shape[1:]
+        files.append((path, data))
+    return files, problems
+
+
+def _data_error(processor: str, keys: LoaderKeys, prefix: str, problems: list[str]) -> ConfigError:
+    """One line per problem, naming the section's data_dir and the layout expected."""
+    layout = MNIST_LAYOUT if processor == "MNISTDataProcessor" else GPT_LAYOUT
+    write = _WRITE_HINT.get(processor, "dls data gpt DIR --corpus")
+    where = f"{prefix}.data_dir ({keys.data_dir or './'})"
+    return ConfigError([f"{where}: {p}; {processor} reads {layout} (a tiny set: {write})" for p in problems])
+
+
+def check_data(processor: str, params: dict[str, Any], *, split: str = "train", prefix: str | None = None) -> list[str]:
+    """What is missing or malformed in the data a loader section names (one line each, naming the path and the
+    layout expected; empty when it looks right), reading only file headers; ``ConfigError`` for invalid keys."""
+    prefix = prefix or ("train_input" if split == "train" else "eval_input")
+    keys, _ = parse_loader(processor, params, prefix)
+    _, problems = _files(processor, keys, split, first_only=True)
+    return _data_error(processor, keys, prefix, problems).errors if problems else []
+
+
+def build_loader(
+    processor: str,
+    params: dict[str, Any],
+    *,
+    split: str,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+    prefix: str | None = None,
+) -> BatchIterator:
+    """Resumable batches of a Model Zoo loader section for ``split`` (an MNIST section's own ``split`` wins);
+    ``seed`` when ``shuffle_seed`` is not set; ``prefix`` names the section in errors. ``ConfigError`` for invalid
+    keys or data."""
+    prefix = prefix or ("train_input" if split == "train" else "eval_input")
+    keys, ignored = parse_loader(processor, params, prefix)
+    files, problems = _files(processor, keys, split, first_only=False)
+    dataset: Dataset | None = None
+    try:
+        if not problems:
+            mnist = processor == "MNISTDataProcessor"
+            dataset = MnistDataset(*files) if mnist else GptDataset(files, keys.max_sequence_length)
+    except (OSError, ValueError) as exc:
+        problems.append(str(exc))
+    if dataset is None:
+        raise _data_error(processor, keys, prefix, problems)
+    if len(dataset) // keys.batch_size < world_size:
+        samples = f"the {len(dataset)} samples in {prefix}.data_dir ({keys.data_dir})"
+        raise ConfigError([f"{prefix}.batch_size: {keys.batch_size} * {world_size} rank(s) is more than {samples}"])
+    seed = keys.shuffle_seed if keys.shuffle_seed is not None else seed
+    batches = BatchIterator(dataset, keys.batch_size, keys.shuffles(processor), seed, rank, world_size, keys.drops_last)
+    batches.ignored_keys = ignored
+    return batches
+
+
+# -------------------------------------------------------------------------------------------------- tiny data sets
+_SEGMENTS = ("abcdef", "bc", "abdeg", "abcdg", "bcfg", "acdfg", "acdefg", "abc", "abcdefg", "abcdfg")
+
+
+def _digits(count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` 28x28 seven-segment digits (random shift, stroke width and brightness, noise) and their labels."""
+    labels = rng.integers(0, 10, count).astype(np.uint8)
+    images = rng.integers(0, 40, (count, 28, 28)).astype(np.float32)
+    for image, label in zip(images, labels):
+        x, y, w = 8 + rng.integers(-3, 4), 4 + rng.integers(-3, 4), int(rng.integers(2, 4))
+        boxes = {  # (top, bottom, left, right) of each segment
+            "a": (y, y + w, x, x + 12), "b": (y, y + 10, x + 12 - w, x + 12), "c": (y + 10, y + 20, x + 12 - w, x + 12),
+            "d": (y + 20 - w, y + 20, x, x + 12), "e": (y + 10, y + 20, x, x + w), "f": (y, y + 10, x, x + w),
+            "g": (y + 10 - w // 2, y + 10 - w // 2 + w, x, x + 12),
+        }  # fmt: skip
+        for segment in _SEGMENTS[label]:
+            top, bottom, left, right = boxes[segment]
+            image[top:bottom, left:right] += rng.uniform(150, 215)
+    return np.clip(images, 0, 255).astype(np.uint8), labels
+
+
+def _sequences(count: int, msl: int, vocab: int, rng: np.random.Generator) -> np.ndarray:
+    """``[count, 3, msl]``: input_ids, attention_mask (a loss mask: some sequences end in masked padding), labels;
+    the tokens are arithmetic progressions modulo the vocabulary, so that a small model's loss falls within a few
+    dozen steps."""
+    steps = rng.choice([1, 2, 3, 5, 7], count)[:, None]
+    tokens = (rng.integers(0, vocab, count)[:, None] + steps * np.arange(msl + 1)) % vocab
+    mask = np.ones((count, msl), dtype=np.int32)
+    for row, pad in zip(mask, rng.integers(0, msl // 4, count) * (rng.random(count) < 0.25)):
+        row[msl - pad :] = 0
+    ids, labels = tokens[:, :-1] * mask, tokens[:, 1:] * mask
+    return np.stack([ids, mask, labels], axis=1).astype(np.int32)
+
+
+def write_tiny_data(
+    kind: str,
+    directory: str | Path,
+    *,
+    train_samples: int = 2048,
+    val_samples: int = 256,
+    msl: int = 128,
+    vocab: int = 512,
+    files: int = 2,
+    corpus: bool = False,
+    compress: bool = False,
+    seed: int = 0,
+) -> list[Path]:
+    """Write a tiny generated data set of ``kind`` (``mnist`` or ``gpt``) into ``directory``; the paths written.
+
+    mnist: ``directory/MNIST/raw/{train,t10k}-*-ubyte`` (``compress``: ``.gz``), for ``MNISTDataProcessor``.
+    gpt: ``directory/{train,val}/data_<i>.h5`` (``files`` files per split), each ``data`` of shape [N, 3, msl]
+    with the ``n_examples`` attribute Model Zoo's iterable reader reads; with ``corpus``, one flat token stream
+    per file instead (for ``GptHDF5MapDataProcessor`` with ``max_sequence_length``)."""
+    rng = np.random.default_rng(seed)
+    root, written = Path(directory), []
+    if kind == "mnist":
+        (root / "MNIST" / "raw").mkdir(parents=True, exist_ok=True)
+        for stem, count in (("train", train_samples), ("t10k", val_samples)):
+            for name, array in zip(("images-idx3", "labels-idx1"), _digits(count, rng)):
+                path = root / "MNIST" / "raw" / f"{stem}-{name}-ubyte{'.gz' if compress else ''}"
+                header = (0x800 + array.ndim).to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
+                path.write_bytes(gzip.compress(header + array.tobytes()) if compress else header + array.tobytes())
+                written.append(path)
+        return written
+    if kind != "gpt":
+        raise ValueError(f"kind must be 'mnist' or 'gpt'; got {kind!r}")
+    h5py = require("h5py")
+    for split, count in (("train", train_samples), ("val", val_samples)):
+        (root / split).mkdir(parents=True, exist_ok=True)
+        for i, part in enumerate(np.array_split(_sequences(count, msl, vocab, rng), files)):
+            written.append(root / split / f"data_{i}.h5")
+            with h5py.File(written[-1], "w") as f:
+                if corpus:  # the sequences' tokens back to back
+                    f.create_dataset("data", data=part[:, 0].ravel())
+                else:
+                    f.create_dataset("data", data=part)
+                    f.attrs["n_examples"] = len(part)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``dls data {mnist,gpt} DIR [options]``: write a tiny data set in a Model Zoo format, generated (nothing is
+    downloaded): seven-segment digits in torchvision's MNIST layout, or token sequences as HDF5 files in DIR/train
+    and DIR/val. Prints what it wrote."""
+    parser = argparse.ArgumentParser(prog="dls data", description=main.__doc__)
+    parser.add_argument("kind", choices=["mnist", "gpt"])
+    parser.add_argument("directory", help="where to write (created if missing)")
+    options = {  # option: (default, least, help)
+        "train": (2048, 1, "training samples"), "val": (256, 1, "validation samples"),
+        "msl": (128, 1, "gpt: tokens per sequence"), "vocab": (512, 2, "gpt: vocabulary size"),
+        "files": (2, 1, "gpt: .h5 files per split"), "seed": (0, 0, "random seed"),
+    }  # fmt: skip
+    for option, (default, _, text) in options.items():
+        parser.add_argument(f"--{option}", type=int, default=default, help=f"{text} (default {default})")
+    parser.add_argument("--corpus", action="store_true", help="gpt: flat token streams (GptHDF5MapDataProcessor)")
+    parser.add_argument("--gzip", action="store_true", help="mnist: write .gz files")
+    args = parser.parse_args(argv)
+    for option, (_, least, _) in options.items():
+        if getattr(args, option) < least:
+            parser.error(f"--{option} must be at least {least}; got {getattr(args, option)}")
+    paths = write_tiny_data(
+        args.kind, args.directory, train_samples=args.train, val_samples=args.val, msl=args.msl, vocab=args.vocab,
+        files=args.files, corpus=args.corpus, compress=args.gzip, seed=args.seed,
+    )  # fmt: skip
+    print("\n".join(f"wrote {p}" for p in paths))
+    return 0
