@@ -114,7 +114,9 @@ def test_loader_keys(tiny: Path) -> None:
     ]
     prefix = "trainer.fit.train_dataloader"
     assert errors(GPT, gpt(tiny, data_processor=MNIST), prefix=prefix)[0].startswith(f"{prefix}.data_processor")
-    assert errors(GPT, gpt(tiny, batch_size=51))[0].startswith("train_input.batch_size: 51 * 1 rank(s) is more than")
+    assert errors(GPT, gpt(tiny, batch_size=51)) == [
+        "train_input.batch_size (51) is larger than the data set (50 samples)"
+    ]
 
 
 def test_missing_or_malformed_data_dir_is_one_line(tiny: Path, tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from dls.train.errors import ConfigError
 from dls.train.schema import DataConfig
 
 Batch = Any  # (inputs, targets) for the built-in data sets; what a Model Zoo model's loss takes otherwise
@@ -113,7 +114,7 @@ def modelzoo() -> Any:
 
 class BatchIterator:
     """Batches of ``batch_size`` samples, epoch after epoch; an epoch's incomplete last batch is dropped unless
-    ``drop_last`` is false (Model Zoo's readers)."""
+    ``drop_last`` is false (Model Zoo's readers). ``ConfigError`` naming ``key`` when a rank has no whole batch."""
 
     ignored_keys: list[str]  # a Model Zoo reader's keys that matter only on Cerebras hardware
 
@@ -126,14 +127,13 @@ class BatchIterator:
         rank: int = 0,
         world_size: int = 1,
         drop_last: bool = True,
+        key: str = "data.batch_size",
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
         if len(dataset) // batch_size < world_size:  # each rank takes at least one whole batch
-            raise ValueError(
-                f"data.batch_size ({batch_size}){f' * {world_size} ranks' if world_size > 1 else ''} is larger than "
-                f"the data set ({len(dataset)} samples); lower batch_size (or raise num_samples)"
-            )
+            ranks = f" * {world_size} ranks" if world_size > 1 else ""
+            raise ConfigError([f"{key} ({batch_size}){ranks} is larger than the data set ({len(dataset)} samples)"])
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
         self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
         self.epoch = self.position = 0

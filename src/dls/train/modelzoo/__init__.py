@@ -1,16 +1,12 @@
-"""Cerebras Model Zoo's models and data formats for ``dls train`` (the ``modelzoo`` extra: h5py, transformers).
+"""Cerebras Model Zoo's models and data formats for ``dls train`` (the ``modelzoo`` extra: h5py, transformers):
+:func:`build_model` (``fc_mnist``; ``gpt2``/``gpt3``/``llama`` on Hugging Face's GPT-2 and Llama classes, configured
+from Model Zoo's keys, :mod:`dls.train.modelzoo.keys`, and initialised as Model Zoo does), :func:`build_loader`
+(``GptHDF5DataProcessor``, ``GptHDF5MapDataProcessor``, ``MNISTDataProcessor`` as resumable batches),
+:func:`check_data`, :func:`fit_to_data`, and :func:`write_tiny_data` / :func:`main` (``dls data {mnist,gpt} DIR``).
 
-* :func:`build_model`: ``fc_mnist``, and ``gpt2``/``gpt3``/``llama`` on Hugging Face transformers' GPT-2 and Llama
-  classes, configured from Model Zoo's keys (:mod:`dls.train.modelzoo.keys`) and initialised as Model Zoo does.
-* :func:`build_loader` / :func:`check_data`: ``GptHDF5DataProcessor``, ``GptHDF5MapDataProcessor`` and
-  ``MNISTDataProcessor`` as resumable batches (``dls.train.data.BatchIterator``); :func:`fit_to_data`: can the
-  model read them.
-* :func:`write_tiny_data` and :func:`main` (``dls data {mnist,gpt} DIR``): tiny data sets in those formats.
-
-Each model's ``loss(batch)`` is a float32 scalar: fc_mnist's NLL; for the GPT models Model Zoo's GPTLMHeadModelLoss,
-the summed token cross-entropy over the loss mask divided by the number of unmasked tokens (``loss_scaling:
-num_tokens``; NaN for a batch without one, as Model Zoo's) or by the batch size and multiplied by ``loss_weight``
-(``batch_size``).
+A GPT model's ``loss(batch)`` is Model Zoo's GPTLMHeadModelLoss in float32: the summed token cross-entropy over the
+loss mask divided by the number of unmasked tokens (``loss_scaling: num_tokens``; NaN for a batch without one, as
+Model Zoo's) or by the batch size and multiplied by ``loss_weight`` (``batch_size``).
 """
 
 from __future__ import annotations
@@ -37,10 +33,15 @@ from dls.train.modelzoo.keys import IGNORE_INDEX, FcMnistKeys, GptKeys, Initiali
 from dls.train.modelzoo.keys import parse_model as parse_model
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
-MNIST_LAYOUT = "<data_dir>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte (plain or .gz)"
-GPT_LAYOUT = "*.h5 files with a dataset 'data' of shape [N, 3, max_sequence_length]"
-_WRITE_HINT = {"MNISTDataProcessor": "dls data mnist DIR", "GptHDF5DataProcessor": "dls data gpt DIR"}
+_GPT_LAYOUT = "*.h5 files with a dataset 'data' of shape [N, 3, max_sequence_length]"
+_LAYOUTS = {  # what each reader reads, and the command that writes a tiny set of it
+    "MNISTDataProcessor": (
+        "<data_dir>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte (plain or .gz)",
+        "dls data mnist DIR",
+    ),
+    "GptHDF5DataProcessor": (_GPT_LAYOUT, "dls data gpt DIR"),
+    "GptHDF5MapDataProcessor": (_GPT_LAYOUT, "dls data gpt DIR --corpus"),
+}
 
 
 def require(module: str) -> ModuleType:
@@ -56,32 +57,31 @@ def require(module: str) -> ModuleType:
             getattr(imported, name)  # transformers loads its classes on first use
         return imported
     except ImportError as exc:
-        raise MissingExtras(
-            f"{module} is not installed; Model Zoo models and data need the modelzoo extra: pip install 'dls[modelzoo]'"
-        ) from exc
+        extra = "Model Zoo models and data need the modelzoo extra: pip install 'dls[modelzoo]'"
+        raise MissingExtras(f"{module} is not installed; {extra}") from exc
     finally:
         for logger, level in loggers.items():
             logger.setLevel(level)
 
 
-# ---------------------------------------------------------------------------------------------------------- models
 class FcMnist(nn.Module):
-    """Model Zoo's fc_mnist: Linear layers of ``hidden_sizes`` (each then ReLU when ``activation_fn: relu``, then
-    dropout), a Linear layer to 10 classes; the NLL loss of the log-softmax (of the raw logits with
-    ``disable_softmax``)."""
+    """Model Zoo's fc_mnist: Linear layers of ``hidden_sizes`` (else ``depth`` of ``hidden_size``), each then ReLU
+    when ``activation_fn: relu``, then dropout; a Linear layer to 10 classes; the NLL loss of the log-softmax (of
+    the raw logits with ``disable_softmax``)."""
+
+    ignored_keys: list[str]  # set by build_model
 
     def __init__(self, k: FcMnistKeys) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         width = 784  # 28 x 28 pixels
-        for size in k.sizes:
+        for size in k.hidden_sizes if k.hidden_sizes is not None else [k.hidden_size or 0] * (k.depth or 0):
             layers += [nn.Linear(width, size, bias=k.use_bias), *([nn.ReLU()] if k.activation_fn else [])]
             layers.append(nn.Dropout(k.dropout))
             width = size
         self.hidden = nn.Sequential(*layers)
         self.last_layer = nn.Linear(width, 10, bias=k.use_bias)
         self.disable_softmax = k.disable_softmax
-        self.ignored_keys: list[str] = []
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.last_layer(self.hidden(torch.flatten(images, 1)))
@@ -94,24 +94,21 @@ class FcMnist(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """A Hugging Face causal LM (``hf``) with Model Zoo's loss. A batch is ``(input_ids, labels)``, with labels
-    ``IGNORE_INDEX`` where Model Zoo's ``attention_mask`` (a loss mask) is 0."""
+    """Model Zoo's ``name`` (gpt2, gpt3, llama) as a Hugging Face causal LM (``hf``) with Model Zoo's loss. A batch
+    is ``(input_ids, labels)``, labels ``IGNORE_INDEX`` where Model Zoo's ``attention_mask`` (a loss mask) is 0."""
 
-    def __init__(self, hf: nn.Module, k: GptKeys) -> None:
+    ignored_keys: list[str]  # set by build_model
+
+    def __init__(self, name: str, k: GptKeys) -> None:
         super().__init__()
-        self.hf = hf
+        self.hf = _hf_model(name, k)
+        _initialize(self.hf, k)
         self.loss_scaling = k.loss_scaling
         self.loss_weight = k.loss_weight if k.loss_scaling == "batch_size" else 1.0
-        self.max_positions = k.max_position_embeddings
+        self.max_positions = k.max_position_embeddings  # fit_to_data checks the data against these two
         self.vocab_size = k.vocab_size
-        self.ignored_keys: list[str] = []
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if input_ids.shape[1] > self.max_positions:
-            raise ValueError(
-                f"sequences of {input_ids.shape[1]} tokens are longer than model.max_position_embeddings "
-                f"({self.max_positions})"
-            )
         logits: torch.Tensor = self.hf(input_ids=input_ids).logits
         return logits
 
@@ -126,7 +123,7 @@ class CausalLM(nn.Module):
 
 def _hf_model(name: str, k: GptKeys) -> nn.Module:
     """Hugging Face's LlamaForCausalLM (swiglu: its MLP gates with silu) or GPT2LMHeadModel, whose ``Conv1D`` layers
-    (``x @ W + b``) become ``nn.Linear`` (``W`` transposed, the same function): every matrix product is then an
+    (``x @ W + b``) become ``nn.Linear`` layers (initialised by :func:`_initialize`): every matrix product is then an
     ``nn.Linear``, what ``dls.fp8.emulate`` replaces."""
     transformers = require("transformers")
     common = dict(
@@ -143,8 +140,8 @@ def _hf_model(name: str, k: GptKeys) -> nn.Module:
             rope.update(rope_type="linear", factor=k.pos_scaling_factor)
         llama: nn.Module = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             hidden_size=k.hidden_size, intermediate_size=k.filter_size, num_hidden_layers=k.num_hidden_layers,
-            num_attention_heads=k.num_heads, num_key_value_heads=k.kv_heads, hidden_act="silu",
-            max_position_embeddings=k.max_position_embeddings, rms_norm_eps=k.layer_norm_epsilon,
+            num_attention_heads=k.num_heads, num_key_value_heads=k.extra_attention_params.num_kv_groups or k.num_heads,
+            hidden_act="silu", max_position_embeddings=k.max_position_embeddings, rms_norm_eps=k.layer_norm_epsilon,
             rope_parameters=rope, attention_bias=k.use_projection_bias_in_attention,
             attention_dropout=attention_dropout, mlp_bias=k.use_ffn_bias, **common,
         ))  # fmt: skip
@@ -162,11 +159,7 @@ def _hf_model(name: str, k: GptKeys) -> nn.Module:
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if isinstance(child, conv1d):
-                linear = nn.Linear(child.nx, child.nf)
-                with torch.no_grad():
-                    linear.weight.copy_(child.weight.T)
-                    linear.bias.copy_(child.bias)
-                setattr(parent, child_name, linear)
+                setattr(parent, child_name, nn.Linear(child.nx, child.nf))
     return model
 
 
@@ -203,22 +196,14 @@ def _initialize(hf: nn.Module, k: GptKeys) -> None:
 
 def build_model(name: str, params: dict[str, Any], *, prefix: str = "model") -> FcMnist | CausalLM:
     """Model Zoo's model ``name`` (fc_mnist, gpt2, gpt3, llama) built from its ``params`` (the ``model`` section);
-    ``ConfigError`` listing every key it cannot honour (:func:`parse_model`: the same without building),
-    ``MissingExtras`` without transformers. The module's ``ignored_keys`` lists the keys that matter only on
-    Cerebras hardware."""
+    ``ConfigError`` listing every key it cannot honour (as :func:`parse_model`, which builds nothing),
+    ``MissingExtras`` without transformers. Its ``ignored_keys``: the keys that matter only on Cerebras hardware."""
     keys, ignored = parse_model(name, params, prefix)
-    model: FcMnist | CausalLM
-    if isinstance(keys, FcMnistKeys):
-        model = FcMnist(keys)
-    else:
-        hf = _hf_model(name, keys)
-        _initialize(hf, keys)
-        model = CausalLM(hf, keys)
+    model = FcMnist(keys) if isinstance(keys, FcMnistKeys) else CausalLM(name, keys)
     model.ignored_keys = ignored
     return model
 
 
-# ----------------------------------------------------------------------------------------------------------- data
 def read_idx(path: Path, magic: int) -> np.ndarray:
     """An IDX file (big-endian magic and dimensions, then unsigned bytes), plain or gzip'd."""
     raw = path.read_bytes()
@@ -238,7 +223,7 @@ def read_idx(path: Path, magic: int) -> np.ndarray:
 
 
 class MnistDataset(Dataset):
-    """An images and a labels IDX file, normalised as Model Zoo does."""
+    """An images and a labels IDX file, normalised as Model Zoo does (mean 0.1307, std 0.3081)."""
 
     def __init__(self, images_file: Path, labels_file: Path) -> None:
         images, labels = read_idx(images_file, 2051), read_idx(labels_file, 2049)
@@ -252,13 +237,12 @@ class MnistDataset(Dataset):
         return len(self.labels)
 
     def batch(self, indices: torch.Tensor, epoch: int) -> Batch:
-        images = (self.images[indices].float() / 255 - MNIST_MEAN) / MNIST_STD
-        return images.unsqueeze(1), self.labels[indices]
+        return ((self.images[indices].float() / 255 - 0.1307) / 0.3081).unsqueeze(1), self.labels[indices]
 
 
 class GptDataset(Dataset):
-    """Samples of ``[N, 3, msl]`` files (labels ``IGNORE_INDEX`` where the mask is 0), or windows of
-    ``msl + 1`` tokens of a flat token stream over all files (``msl`` tokens apart)."""
+    """Samples of ``[N, 3, msl]`` files, or windows of ``msl + 1`` tokens of a flat token stream over all files
+    (``msl`` tokens apart). A batch holding a token id outside ``vocab`` (set by :func:`fit_to_data`) is refused."""
 
     def __init__(self, files: list[Any], msl: int | None) -> None:
         self.data = [data for _, data in files]
@@ -267,13 +251,7 @@ class GptDataset(Dataset):
         self.msl = int(msl if self.flat else self.data[0].shape[2])  # type: ignore[arg-type]
         self.count = (int(self.starts[-1]) - 1) // self.msl if self.flat else int(self.starts[-1])
         self.info = DataInfo(task="language_model", sequence_length=self.msl)
-        self.vocab: tuple[int, str] | None = None  # (vocab_size, its key): fit_to_data
-
-    def _check_tokens(self, ids: np.ndarray) -> None:
-        if self.vocab is not None and ids.size and (ids.min() < 0 or ids.max() >= self.vocab[0]):
-            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-            size, key = self.vocab
-            raise ConfigError([f"{key}: {size}, but the data holds token id {bad} (ids must be in [0, {size}))"])
+        self.vocab: tuple[int, str] | None = None  # (vocab_size, its key)
 
     def __len__(self) -> int:
         return self.count
@@ -282,18 +260,21 @@ class GptDataset(Dataset):
         idx = indices.numpy()
         if self.flat:
             tokens = np.stack([self._read(i * self.msl, (i + 1) * self.msl + 1) for i in idx])
-            self._check_tokens(tokens)
-            return torch.from_numpy(tokens[:, :-1]), torch.from_numpy(tokens[:, 1:])
-        order = np.argsort(idx)  # h5py reads increasing indices
-        rows = np.empty((len(idx), 3, self.msl), dtype=np.int64)
-        file_of = np.searchsorted(self.starts, idx[order], side="right") - 1
-        for f in np.unique(file_of):
-            take = order[file_of == f]
-            rows[take] = self.data[f][idx[take] - self.starts[f]]
-        labels = np.where(rows[:, 1] == 0, IGNORE_INDEX, rows[:, 2])
-        self._check_tokens(rows[:, 0])
-        self._check_tokens(labels[labels != IGNORE_INDEX])
-        return torch.from_numpy(rows[:, 0]), torch.from_numpy(labels)
+            ids, labels = tokens[:, :-1], tokens[:, 1:]
+        else:
+            order = np.argsort(idx)  # h5py reads increasing indices
+            rows = np.empty((len(idx), 3, self.msl), dtype=np.int64)
+            file_of = np.searchsorted(self.starts, idx[order], side="right") - 1
+            for f in np.unique(file_of):
+                take = order[file_of == f]
+                rows[take] = self.data[f][idx[take] - self.starts[f]]
+            ids, labels = rows[:, 0], np.where(rows[:, 1] == 0, IGNORE_INDEX, rows[:, 2])
+        seen = np.concatenate([ids.ravel(), labels[labels != IGNORE_INDEX]])
+        if self.vocab is not None and seen.size and (seen.min() < 0 or seen.max() >= self.vocab[0]):
+            size, key = self.vocab
+            bad = int(seen.min()) if seen.min() < 0 else int(seen.max())
+            raise ConfigError([f"{key}: {size}, but the data holds token id {bad} (ids must be in [0, {size}))"])
+        return torch.from_numpy(ids), torch.from_numpy(labels)
 
     def _read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``start:stop`` of the stream of all files."""
@@ -363,8 +344,7 @@ def _files(processor: str, keys: LoaderKeys, split: str, first_only: bool) -> tu
 
 def _data_error(processor: str, keys: LoaderKeys, prefix: str, problems: list[str]) -> ConfigError:
     """One line per problem, naming the section's data_dir and the layout expected."""
-    layout = MNIST_LAYOUT if processor == "MNISTDataProcessor" else GPT_LAYOUT
-    write = _WRITE_HINT.get(processor, "dls data gpt DIR --corpus")
+    layout, write = _LAYOUTS[processor]
     where = f"{prefix}.data_dir ({keys.data_dir or './'})"
     return ConfigError([f"{where}: {p}; {processor} reads {layout} (a tiny set: {write})" for p in problems])
 
@@ -394,25 +374,24 @@ def build_loader(
     prefix = prefix or ("train_input" if split == "train" else "eval_input")
     keys, ignored = parse_loader(processor, params, prefix)
     files, problems = _files(processor, keys, split, first_only=False)
-    dataset: Dataset | None = None
     try:
         if not problems:
             mnist = processor == "MNISTDataProcessor"
             dataset = MnistDataset(*files) if mnist else GptDataset(files, keys.max_sequence_length)
     except (OSError, ValueError) as exc:
         problems.append(str(exc))
-    if dataset is None:
+    if problems:
         raise _data_error(processor, keys, prefix, problems)
-    if len(dataset) // keys.batch_size < world_size:
-        samples = f"the {len(dataset)} samples in {prefix}.data_dir ({keys.data_dir})"
-        raise ConfigError([f"{prefix}.batch_size: {keys.batch_size} * {world_size} rank(s) is more than {samples}"])
+    shuffle = keys.shuffle if keys.shuffle is not None else processor == "MNISTDataProcessor"  # Model Zoo's defaults
+    drop_last = next((v for v in (keys.drop_last, keys.drop_last_batch) if v is not None), True)
     seed = keys.shuffle_seed if keys.shuffle_seed is not None else seed
-    batches = BatchIterator(dataset, keys.batch_size, keys.shuffles(processor), seed, rank, world_size, keys.drops_last)
+    batches = BatchIterator(
+        dataset, keys.batch_size, shuffle, seed, rank, world_size, drop_last, f"{prefix}.batch_size"
+    )
     batches.ignored_keys = ignored
     return batches
 
 
-# -------------------------------------------------------------------------------------------------- tiny data sets
 _SEGMENTS = ("abcdef", "bc", "abdeg", "abcdg", "bcfg", "acdfg", "acdefg", "abc", "abcdefg", "abcdfg")
 
 

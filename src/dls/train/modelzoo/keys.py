@@ -80,10 +80,6 @@ class FcMnistKeys(_Keys):
             raise ValueError("hidden_size and depth, or hidden_sizes, must be given")
         return self
 
-    @property
-    def sizes(self) -> list[int]:
-        return self.hidden_sizes if self.hidden_sizes is not None else [self.hidden_size or 0] * (self.depth or 0)
-
 
 class _AttentionParams(_Keys):
     num_kv_groups: Positive | None = None
@@ -137,14 +133,6 @@ class GptKeys(_Keys):
     mixed_precision: bool | None = None  # read by the trainer's precision set-up
     fp16_type: Literal["float16", "bfloat16", "cbfloat16"] | None = None
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.extra_attention_params.num_kv_groups or self.num_heads
-
 
 GPT2_ACTIVATIONS = ("gelu", "gelu_new", "relu", "silu", "tanh")  # transformers' names; Model Zoo's gelu is exact
 _GPT_DEFAULT_ONLY: dict[str, Any] = {
@@ -179,7 +167,6 @@ _LOADER_IGNORED = (
     "num_workers", "prefetch_factor", "persistent_workers", "use_worker_cache", "shuffle_buffer", "micro_batch_size",
     "to_float16", "fake_data_seed", "vocab_size", "repeat", "use_multiple_workers", "mixed_precision",
 )  # fmt: skip
-_SHUFFLE_DEFAULT = {"GptHDF5DataProcessor": None, "GptHDF5MapDataProcessor": False, "MNISTDataProcessor": True}
 
 
 class LoaderKeys(_Keys):
@@ -196,13 +183,6 @@ class LoaderKeys(_Keys):
     @property
     def dirs(self) -> list[str]:
         return [self.data_dir] if isinstance(self.data_dir, str) else list(self.data_dir or [])
-
-    def shuffles(self, processor: str) -> bool:
-        return bool(self.shuffle if self.shuffle is not None else _SHUFFLE_DEFAULT[processor])
-
-    @property
-    def drops_last(self) -> bool:
-        return next((v for v in (self.drop_last, self.drop_last_batch) if v is not None), True)
 
 
 def _validate(
@@ -250,15 +230,12 @@ def _gpt_problems(name: str, k: GptKeys, prefix: str) -> tuple[list[str], list[s
     """What the Hugging Face class for ``name`` cannot express (problems), and keys it does not use (ignored)."""
     llama = name == "llama"
     builds = _HF_BUILDS["llama" if llama else "gpt2"]
+    head = k.hidden_size // k.num_heads
     if llama:  # it rotates whole heads, and has one attention_bias for all four projections
-        builds = {
-            **builds,
-            "rotary_dim": (k.head_dim,),
-            "use_ffn_bias_in_attention": (k.use_projection_bias_in_attention,),
-        }
+        builds = {**builds, "rotary_dim": (head,), "use_ffn_bias_in_attention": (k.use_projection_bias_in_attention,)}
     values = dict(k)  # as Model Zoo reads them: the rates default to dropout_rate, rotary_dim to a quarter head
     values["embedding_dropout_rate"] = k.dropout_rate if k.embedding_dropout_rate is None else k.embedding_dropout_rate
-    values["rotary_dim"] = k.rotary_dim if k.rotary_dim is not None else int(k.head_dim * 0.25)
+    values["rotary_dim"] = k.rotary_dim if k.rotary_dim is not None else int(head * 0.25)
     hf = "LlamaForCausalLM" if llama else "GPT2LMHeadModel"
     problems = [
         f"{prefix}.{key}: {values[key]!r} cannot be built by Hugging Face's {hf} (only {' or '.join(map(repr, ok))})"
@@ -312,7 +289,7 @@ def parse_loader(processor: str, params: Any, prefix: str) -> tuple[LoaderKeys, 
             problems.append(f"{prefix}.data_processor: {keys.data_processor!r}, but {processor} is being built")
         if None not in (keys.drop_last, keys.drop_last_batch) and keys.drop_last != keys.drop_last_batch:
             problems.append(f"{prefix}.drop_last_batch: contradicts drop_last")
-        if keys.shuffle is None and _SHUFFLE_DEFAULT[processor] is None:
+        if keys.shuffle is None and processor == "GptHDF5DataProcessor":  # the others have a default
             problems.append(f"{prefix}.shuffle: required by {processor}")
         if processor == "MNISTDataProcessor" and isinstance(keys.data_dir, list):
             problems.append(f"{prefix}.data_dir: MNISTDataProcessor reads one directory, not a list")
