@@ -245,7 +245,7 @@ class GptDataset(Dataset):
     (``msl`` tokens apart). A batch holding a token id outside ``vocab`` (set by :func:`fit_to_data`) is refused."""
 
     def __init__(self, files: list[Any], msl: int | None) -> None:
-        self.data = [data for _, data in files]
+        self.data = files
         self.starts = np.cumsum([0, *(len(d) for d in self.data)])
         self.flat = self.data[0].ndim == 1
         self.msl = int(msl if self.flat else self.data[0].shape[2])  # type: ignore[arg-type]
@@ -304,58 +304,61 @@ def fit_to_data(model: Any, dataset: Any, prefix: str = "model") -> None:
         dataset.vocab = (model.vocab_size, f"{prefix}.vocab_size")
 
 
-def _files(processor: str, keys: LoaderKeys, split: str, first_only: bool) -> tuple[list[Any], list[str]]:
-    """A loader section's files, or the problems found: MNIST's images and labels files of ``split``; each GPT
-    ``*.h5`` file (each directory sorted, as Model Zoo reads them) as ``(path, its 'data' dataset)``, its header
-    checked (``first_only``: only the first file's)."""
-    if processor == "MNISTDataProcessor":
+def _open(processor: str, keys: LoaderKeys, split: str, prefix: str, headers_only: bool) -> tuple[Any, list[str]]:
+    """The data set of a loader section and the problems found (then no data set), one line each naming the
+    section's data_dir and the layout expected: MNIST's images and labels files of ``split``; each GPT ``*.h5`` file
+    (each directory sorted, as Model Zoo reads them), its header checked. ``headers_only``: the first GPT file's
+    header only, and no data set."""
+    files: list[Any] = []  # MNIST: the images and labels paths; GPT: each file's 'data'
+    problems, mnist = [], processor == "MNISTDataProcessor"
+    if mnist:
         raw = Path(keys.data_dir if isinstance(keys.data_dir, str) else "./") / "MNIST" / "raw"
         stem = "train" if (keys.split or split) == "train" else "t10k"
         names = [f"{stem}-{kind}-ubyte" for kind in ("images-idx3", "labels-idx1")]
-        found = [next((p for p in (raw / n, raw / f"{n}.gz") if p.is_file()), None) for n in names]
-        missing = [str(raw / n) for n, path in zip(names, found) if path is None]
-        return found, [f"{' and '.join(missing)} missing"] if missing else []
-    h5py = require("h5py")
-    map_style, msl, dirs = processor == "GptHDF5MapDataProcessor", keys.max_sequence_length, keys.dirs
-    problems = [f"{d} is not a directory" for d in dirs if not Path(d).is_dir()]
-    paths = [p for d in dirs if Path(d).is_dir() for p in sorted(Path(d).glob("*.h5"))]
-    if not paths and not problems:
-        problems.append(f"no *.h5 files in {', '.join(dirs)}")
-    files, shape = [], None
-    for path in paths[:1] if first_only else paths:
-        try:
-            data = h5py.File(path, "r")["data"]
-        except (OSError, KeyError) as exc:
-            problems.append(f"{path}: cannot read its dataset 'data' ({exc})")
-            continue
-        flat = map_style and data.ndim == 1
-        if not (flat or (data.ndim == 3 and data.shape[1] == 3)) or data.dtype.kind not in "iu":
-            problems.append(f"{path}: 'data' is {data.dtype}{list(data.shape)}, not integers of shape [N, 3, msl]")
-        elif flat and msl is None:
-            problems.append(f"{path}: a flat token stream needs max_sequence_length")
-        elif not flat and msl not in (None, data.shape[2]):
-            problems.append(f"{path}: sequences of {data.shape[2]} tokens, but max_sequence_length is {msl}")
-        elif shape is not None and data.shape[1:] != shape:
-            problems.append(f"{path}: 'data' of shape {list(data.shape)} unlike {paths[0]}'s")
-        shape = data.shape[1:]
-        files.append((path, data))
-    return files, problems
-
-
-def _data_error(processor: str, keys: LoaderKeys, prefix: str, problems: list[str]) -> ConfigError:
-    """One line per problem, naming the section's data_dir and the layout expected."""
+        files = [next((p for p in (raw / n, raw / f"{n}.gz") if p.is_file()), None) for n in names]
+        if missing := [str(raw / n) for n, path in zip(names, files) if path is None]:
+            problems.append(f"{' and '.join(missing)} missing")
+    else:
+        h5py = require("h5py")
+        map_style, msl, dirs = processor == "GptHDF5MapDataProcessor", keys.max_sequence_length, keys.dirs
+        problems = [f"{d} is not a directory" for d in dirs if not Path(d).is_dir()]
+        paths = [p for d in dirs if Path(d).is_dir() for p in sorted(Path(d).glob("*.h5"))]
+        if not paths and not problems:
+            problems.append(f"no *.h5 files in {', '.join(dirs)}")
+        shape = None
+        for path in paths[:1] if headers_only else paths:
+            try:
+                data = h5py.File(path, "r")["data"]
+            except (OSError, KeyError) as exc:
+                problems.append(f"{path}: cannot read its dataset 'data' ({exc})")
+                continue
+            flat = map_style and data.ndim == 1
+            if not (flat or (data.ndim == 3 and data.shape[1] == 3)) or data.dtype.kind not in "iu":
+                problems.append(f"{path}: 'data' is {data.dtype}{list(data.shape)}, not integers of shape [N, 3, msl]")
+            elif flat and msl is None:
+                problems.append(f"{path}: a flat token stream needs max_sequence_length")
+            elif not flat and msl not in (None, data.shape[2]):
+                problems.append(f"{path}: sequences of {data.shape[2]} tokens, but max_sequence_length is {msl}")
+            elif shape is not None and data.shape[1:] != shape:
+                problems.append(f"{path}: 'data' of shape {list(data.shape)} unlike {paths[0]}'s")
+            shape = data.shape[1:]
+            files.append(data)
+    dataset = None
+    try:
+        if not problems and not headers_only:
+            dataset = MnistDataset(*files) if mnist else GptDataset(files, keys.max_sequence_length)
+    except (OSError, ValueError) as exc:
+        problems.append(str(exc))
     layout, write = _LAYOUTS[processor]
     where = f"{prefix}.data_dir ({keys.data_dir or './'})"
-    return ConfigError([f"{where}: {p}; {processor} reads {layout} (a tiny set: {write})" for p in problems])
+    return dataset, [f"{where}: {p}; {processor} reads {layout} (a tiny set: {write})" for p in problems]
 
 
 def check_data(processor: str, params: dict[str, Any], *, split: str = "train", prefix: str | None = None) -> list[str]:
     """What is missing or malformed in the data a loader section names (one line each, naming the path and the
     layout expected; empty when it looks right), reading only file headers; ``ConfigError`` for invalid keys."""
     prefix = prefix or ("train_input" if split == "train" else "eval_input")
-    keys, _ = parse_loader(processor, params, prefix)
-    _, problems = _files(processor, keys, split, first_only=True)
-    return _data_error(processor, keys, prefix, problems).errors if problems else []
+    return _open(processor, parse_loader(processor, params, prefix)[0], split, prefix, headers_only=True)[1]
 
 
 def build_loader(
@@ -373,15 +376,9 @@ def build_loader(
     keys or data."""
     prefix = prefix or ("train_input" if split == "train" else "eval_input")
     keys, ignored = parse_loader(processor, params, prefix)
-    files, problems = _files(processor, keys, split, first_only=False)
-    try:
-        if not problems:
-            mnist = processor == "MNISTDataProcessor"
-            dataset = MnistDataset(*files) if mnist else GptDataset(files, keys.max_sequence_length)
-    except (OSError, ValueError) as exc:
-        problems.append(str(exc))
-    if problems:
-        raise _data_error(processor, keys, prefix, problems)
+    dataset, problems = _open(processor, keys, split, prefix, headers_only=False)
+    if dataset is None:
+        raise ConfigError(problems)
     shuffle = keys.shuffle if keys.shuffle is not None else processor == "MNISTDataProcessor"  # Model Zoo's defaults
     drop_last = next((v for v in (keys.drop_last, keys.drop_last_batch) if v is not None), True)
     seed = keys.shuffle_seed if keys.shuffle_seed is not None else seed
@@ -393,36 +390,6 @@ def build_loader(
 
 
 _SEGMENTS = ("abcdef", "bc", "abdeg", "abcdg", "bcfg", "acdfg", "acdefg", "abc", "abcdefg", "abcdfg")
-
-
-def _digits(count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """``count`` 28x28 seven-segment digits (random shift, stroke width and brightness, noise) and their labels."""
-    labels = rng.integers(0, 10, count).astype(np.uint8)
-    images = rng.integers(0, 40, (count, 28, 28)).astype(np.float32)
-    for image, label in zip(images, labels):
-        x, y, w = 8 + rng.integers(-3, 4), 4 + rng.integers(-3, 4), int(rng.integers(2, 4))
-        boxes = {  # (top, bottom, left, right) of each segment
-            "a": (y, y + w, x, x + 12), "b": (y, y + 10, x + 12 - w, x + 12), "c": (y + 10, y + 20, x + 12 - w, x + 12),
-            "d": (y + 20 - w, y + 20, x, x + 12), "e": (y + 10, y + 20, x, x + w), "f": (y, y + 10, x, x + w),
-            "g": (y + 10 - w // 2, y + 10 - w // 2 + w, x, x + 12),
-        }  # fmt: skip
-        for segment in _SEGMENTS[label]:
-            top, bottom, left, right = boxes[segment]
-            image[top:bottom, left:right] += rng.uniform(150, 215)
-    return np.clip(images, 0, 255).astype(np.uint8), labels
-
-
-def _sequences(count: int, msl: int, vocab: int, rng: np.random.Generator) -> np.ndarray:
-    """``[count, 3, msl]``: input_ids, attention_mask (a loss mask: some sequences end in masked padding), labels;
-    the tokens are arithmetic progressions modulo the vocabulary, so that a small model's loss falls within a few
-    dozen steps."""
-    steps = rng.choice([1, 2, 3, 5, 7], count)[:, None]
-    tokens = (rng.integers(0, vocab, count)[:, None] + steps * np.arange(msl + 1)) % vocab
-    mask = np.ones((count, msl), dtype=np.int32)
-    for row, pad in zip(mask, rng.integers(0, msl // 4, count) * (rng.random(count) < 0.25)):
-        row[msl - pad :] = 0
-    ids, labels = tokens[:, :-1] * mask, tokens[:, 1:] * mask
-    return np.stack([ids, mask, labels], axis=1).astype(np.int32)
 
 
 def write_tiny_data(
@@ -440,16 +407,31 @@ def write_tiny_data(
 ) -> list[Path]:
     """Write a tiny generated data set of ``kind`` (``mnist`` or ``gpt``) into ``directory``; the paths written.
 
-    mnist: ``directory/MNIST/raw/{train,t10k}-*-ubyte`` (``compress``: ``.gz``), for ``MNISTDataProcessor``.
+    mnist: 28x28 seven-segment digits (random shift, stroke width and brightness, noise) and their labels in
+    ``directory/MNIST/raw/{train,t10k}-*-ubyte`` (``compress``: ``.gz``), for ``MNISTDataProcessor``.
     gpt: ``directory/{train,val}/data_<i>.h5`` (``files`` files per split), each ``data`` of shape [N, 3, msl]
-    with the ``n_examples`` attribute Model Zoo's iterable reader reads; with ``corpus``, one flat token stream
-    per file instead (for ``GptHDF5MapDataProcessor`` with ``max_sequence_length``)."""
+    (input_ids, attention_mask, labels) with the ``n_examples`` attribute Model Zoo's iterable reader reads; with
+    ``corpus``, one flat token stream per file instead (for ``GptHDF5MapDataProcessor`` with
+    ``max_sequence_length``)."""
     rng = np.random.default_rng(seed)
     root, written = Path(directory), []
     if kind == "mnist":
         (root / "MNIST" / "raw").mkdir(parents=True, exist_ok=True)
         for stem, count in (("train", train_samples), ("t10k", val_samples)):
-            for name, array in zip(("images-idx3", "labels-idx1"), _digits(count, rng)):
+            labels = rng.integers(0, 10, count).astype(np.uint8)
+            images = rng.integers(0, 40, (count, 28, 28)).astype(np.float32)  # noise, then the lit segments
+            for image, label in zip(images, labels):
+                x, y, w = 8 + rng.integers(-3, 4), 4 + rng.integers(-3, 4), int(rng.integers(2, 4))
+                boxes = {  # (top, bottom, left, right) of each segment
+                    "a": (y, y + w, x, x + 12), "b": (y, y + 10, x + 12 - w, x + 12),
+                    "c": (y + 10, y + 20, x + 12 - w, x + 12), "d": (y + 20 - w, y + 20, x, x + 12),
+                    "e": (y + 10, y + 20, x, x + w), "f": (y, y + 10, x, x + w),
+                    "g": (y + 10 - w // 2, y + 10 - w // 2 + w, x, x + 12),
+                }  # fmt: skip
+                for segment in _SEGMENTS[label]:
+                    top, bottom, left, right = boxes[segment]
+                    image[top:bottom, left:right] += rng.uniform(150, 215)
+            for name, array in zip(("images-idx3", "labels-idx1"), (np.clip(images, 0, 255).astype(np.uint8), labels)):
                 path = root / "MNIST" / "raw" / f"{stem}-{name}-ubyte{'.gz' if compress else ''}"
                 header = (0x800 + array.ndim).to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
                 path.write_bytes(gzip.compress(header + array.tobytes()) if compress else header + array.tobytes())
@@ -460,7 +442,13 @@ def write_tiny_data(
     h5py = require("h5py")
     for split, count in (("train", train_samples), ("val", val_samples)):
         (root / split).mkdir(parents=True, exist_ok=True)
-        for i, part in enumerate(np.array_split(_sequences(count, msl, vocab, rng), files)):
+        steps = rng.choice([1, 2, 3, 5, 7], count)[:, None]  # arithmetic progressions: quickly learnt
+        tokens = (rng.integers(0, vocab, count)[:, None] + steps * np.arange(msl + 1)) % vocab
+        mask = np.ones((count, msl), dtype=np.int32)  # a loss mask: some sequences end in masked padding
+        for row, pad in zip(mask, rng.integers(0, msl // 4, count) * (rng.random(count) < 0.25)):
+            row[msl - pad :] = 0
+        sequences = np.stack([tokens[:, :-1] * mask, mask, tokens[:, 1:] * mask], axis=1).astype(np.int32)
+        for i, part in enumerate(np.array_split(sequences, files)):
             written.append(root / split / f"data_{i}.h5")
             with h5py.File(written[-1], "w") as f:
                 if corpus:  # the sequences' tokens back to back
