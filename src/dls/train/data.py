@@ -112,32 +112,30 @@ def modelzoo() -> Any:
     return importlib.import_module("dls.train.modelzoo")
 
 
+@dataclass(eq=False)
 class BatchIterator:
     """Batches of ``batch_size`` samples, epoch after epoch; an epoch's incomplete last batch is dropped unless
     ``drop_last`` is false (Model Zoo's readers). ``ConfigError`` naming ``key`` when a rank has no whole batch."""
 
-    ignored_keys: list[str]  # a Model Zoo reader's keys that matter only on Cerebras hardware
+    dataset: Dataset
+    batch_size: int
+    shuffle: bool
+    seed: int
+    rank: int = 0
+    world_size: int = 1
+    drop_last: bool = True
+    key: str = "data.batch_size"
 
-    def __init__(
-        self,
-        dataset: Dataset,
-        batch_size: int,
-        shuffle: bool,
-        seed: int,
-        rank: int = 0,
-        world_size: int = 1,
-        drop_last: bool = True,
-        key: str = "data.batch_size",
-    ) -> None:
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
-        if len(dataset) // batch_size < world_size:  # each rank takes at least one whole batch
-            ranks = f" * {world_size} ranks" if world_size > 1 else ""
-            raise ConfigError([f"{key} ({batch_size}){ranks} is larger than the data set ({len(dataset)} samples)"])
-        self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
-        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, world_size={self.world_size}); got {self.rank}")
+        if len(self.dataset) // self.batch_size < self.world_size:  # each rank takes at least one whole batch
+            ranks = f" * {self.world_size} ranks" if self.world_size > 1 else ""
+            size = f"({self.batch_size}){ranks} is larger than the data set ({len(self.dataset)} samples)"
+            raise ConfigError([f"{self.key} {size}"])
         self.epoch = self.position = 0
         self._order: torch.Tensor | None = None
+        self.ignored_keys: list[str] = []  # a Model Zoo reader's keys that matter only on Cerebras hardware
 
     @property
     def batches_per_epoch(self) -> int:
@@ -158,9 +156,10 @@ class BatchIterator:
 
     def state_dict(self) -> dict[str, Any]:
         # position: the batches of this epoch taken by all ranks
-        state = {"epoch": self.epoch, "position": self.position * self.world_size}
-        state.update(seed=self.seed, batch_size=self.batch_size)
-        return state | ({"world_size": self.world_size} if self.world_size > 1 else {})
+        state = {"epoch": self.epoch, "position": self.position * self.world_size, "seed": self.seed}
+        return (
+            state | {"batch_size": self.batch_size} | ({"world_size": self.world_size} if self.world_size > 1 else {})
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (:meth:`state_dict`); ``ValueError`` naming the field when it is not one."""

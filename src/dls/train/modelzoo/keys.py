@@ -1,11 +1,8 @@
-"""The keys of Model Zoo's ``model`` and data-loader sections, validated with pydantic (strict numbers: no ``True``
-as 1, no ``"1024"`` as 1024), defaults as Model Zoo's own config classes set them.
-
-Every key Model Zoo knows for these models is in one of three groups: honoured (a field below); ``_DEFAULT_ONLY``
-(a feature the Hugging Face classes cannot express: any value but Model Zoo's default is an error naming the key);
-``_IGNORED`` (matters only on Cerebras hardware or for inference: accepted and listed back to the caller). Anything
-else is a misspelling, reported with "did you mean".
-"""
+"""The keys of Model Zoo's ``model`` and data-loader sections, validated with pydantic (strict numbers), defaults as
+Model Zoo's own config classes set them. Every key Model Zoo knows for these models is honoured (a field below),
+``_DEFAULT_ONLY`` (a feature the Hugging Face classes cannot express: any value but Model Zoo's default is an error
+naming the key) or ``_IGNORED`` (for Cerebras hardware or inference only: accepted and listed back); anything else is
+a misspelling, reported with "did you mean"."""
 
 from __future__ import annotations
 
@@ -226,8 +223,8 @@ _HF_BUILDS: dict[str, dict[str, tuple[Any, ...]]] = {
 }  # fmt: skip
 
 
-def _gpt_problems(name: str, k: GptKeys, prefix: str) -> tuple[list[str], list[str]]:
-    """What the Hugging Face class for ``name`` cannot express (problems), and keys it does not use (ignored)."""
+def _gpt_problems(name: str, k: GptKeys, prefix: str, ignored: list[str]) -> list[str]:
+    """What the Hugging Face class for ``name`` cannot express; the keys it does not use are added to ``ignored``."""
     llama = name == "llama"
     builds = _HF_BUILDS["llama" if llama else "gpt2"]
     head = k.hidden_size // k.num_heads
@@ -244,12 +241,12 @@ def _gpt_problems(name: str, k: GptKeys, prefix: str) -> tuple[list[str], list[s
     ]
     if k.hidden_size % k.num_heads:
         problems.append(f"{prefix}.num_heads: {k.num_heads} does not divide hidden_size ({k.hidden_size})")
-    skipped = []
     if k.loss_scaling == "num_tokens" and k.loss_weight != 1.0:
-        skipped.append(f"{prefix}.loss_weight (Model Zoo uses 1.0 with loss_scaling: num_tokens)")
+        ignored.append(f"{prefix}.loss_weight (Model Zoo uses 1.0 with loss_scaling: num_tokens)")
     if not llama:
         fields = ("rotary_dim", "rope_theta", "pos_scaling_type", "pos_scaling_factor", "pos_scaling_extra_args")
-        return problems, skipped + [f"{prefix}.{f} (learned positions)" for f in fields if f in k.model_fields_set]
+        ignored += [f"{prefix}.{f} (learned positions)" for f in fields if f in k.model_fields_set]
+        return problems
     if k.pos_scaling_type == "llama3":
         args = k.pos_scaling_extra_args or _PosScalingArgs()
         missing = [f for f in _PosScalingArgs.model_fields if getattr(args, f) is None]
@@ -260,20 +257,20 @@ def _gpt_problems(name: str, k: GptKeys, prefix: str) -> tuple[list[str], list[s
         problems.append(f"{prefix}.extra_attention_params.num_kv_groups: {groups!r}; {why}")
     elif k.attention_module != "multiquery_attention" and groups is not None:
         problems.append(f"{prefix}.extra_attention_params.num_kv_groups: needs multiquery_attention")
-    return problems, skipped
+    return problems
 
 
 def parse_model(name: str, params: Any, prefix: str = "model") -> tuple[FcMnistKeys | GptKeys, list[str]]:
-    """The validated keys of model ``name`` and the key paths ignored here; ``ConfigError`` listing every problem."""
+    """The validated keys of model ``name`` and the key paths ignored here (for a GPT model, also the keys its Hugging
+    Face class does not use); ``ConfigError`` listing every problem, every key that class cannot express included."""
     if name == "fc_mnist":
         keys, ignored, problems = _validate(FcMnistKeys, params, prefix, _FC_DEFAULT_ONLY, _FC_IGNORED)
     elif name in GPT_NAMES:
         keys, ignored, problems = _validate(GptKeys, params, prefix, _GPT_DEFAULT_ONLY, _GPT_IGNORED)
-        if keys is not None:
-            more, skipped = _gpt_problems(name, keys, prefix)
-            problems, ignored = problems + more, ignored + skipped
     else:
         raise ConfigError([f"{prefix}.name: {name!r} is not a Model Zoo model dls builds ({', '.join(ZOO_MODELS)})"])
+    if isinstance(keys, GptKeys):
+        problems += _gpt_problems(name, keys, prefix, ignored)
     if problems:
         raise ConfigError(problems)
     return keys, ignored
