@@ -53,18 +53,17 @@ class MLP(TrainModel):
 class _Block(nn.Module):
     """Pre-LayerNorm transformer block: causal self-attention, then a GELU feed-forward layer."""
 
-    def __init__(self, hidden: int, heads: int, filter_size: int, dropout: float) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.heads = heads
-        self.dropout = dropout
+        hidden, self.heads, self.dropout = cfg.hidden_size, cfg.num_heads, cfg.dropout_rate
         self.ln1 = nn.LayerNorm(hidden)
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
         self.ln2 = nn.LayerNorm(hidden)
-        self.fc1 = nn.Linear(hidden, filter_size)
+        self.fc1 = nn.Linear(hidden, cfg.filter_size)
         self.act = nn.GELU()
-        self.fc2 = nn.Linear(filter_size, hidden)
-        self.drop = nn.Dropout(dropout)
+        self.fc2 = nn.Linear(cfg.filter_size, hidden)
+        self.drop = nn.Dropout(cfg.dropout_rate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -81,14 +80,10 @@ class TransformerLM(TrainModel):
 
     def __init__(self, cfg: ModelConfig, info: DataInfo) -> None:
         super().__init__()
-        self.vocab_size = info.vocab_size
         self.tok = nn.Embedding(info.vocab_size, cfg.hidden_size)
         self.pos = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.drop = nn.Dropout(cfg.dropout_rate)
-        self.blocks = nn.ModuleList(
-            _Block(cfg.hidden_size, cfg.num_heads, cfg.filter_size, cfg.dropout_rate)
-            for _ in range(cfg.num_hidden_layers)
-        )
+        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size)
         self.head = nn.Linear(cfg.hidden_size, info.vocab_size)
         for name, p in self.named_parameters():  # GPT-2's: the residual outputs scaled down by depth
@@ -109,7 +104,7 @@ class TransformerLM(TrainModel):
     def loss(self, batch: Batch) -> torch.Tensor:
         tokens, targets = batch
         logits = self(tokens).float()
-        return F.cross_entropy(logits.reshape(-1, self.vocab_size), targets.reshape(-1))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def build_model(cfg: ModelConfig, info: DataInfo | None) -> TrainModel:

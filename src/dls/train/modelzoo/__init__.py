@@ -47,11 +47,10 @@ _LAYOUTS = {  # what each reader reads, and the command that writes a tiny set o
 def require(module: str) -> ModuleType:
     """Import ``module`` of the ``modelzoo`` extra, or ``MissingExtras`` naming the extra."""
     # transformers' model classes import torchao, which logs warnings about its optional C extensions and pytree
-    # registrations at import: nothing about this run, so they are silenced while the classes load.
-    loggers = {logger: logger.level for logger in map(logging.getLogger, ("torchao", "torch.utils._pytree"))}
+    # registrations at import: nothing about this run, so logging is quiet while the classes load.
+    quiet = logging.root.manager.disable
+    logging.disable(logging.WARNING)
     try:
-        for logger in loggers:
-            logger.setLevel(logging.ERROR)
         imported = importlib.import_module(module)
         for name in ("GPT2LMHeadModel", "LlamaForCausalLM") if module == "transformers" else ():
             getattr(imported, name)  # transformers loads its classes on first use
@@ -60,8 +59,7 @@ def require(module: str) -> ModuleType:
         extra = "Model Zoo models and data need the modelzoo extra: pip install 'dls[modelzoo]'"
         raise MissingExtras(f"{module} is not installed; {extra}") from exc
     finally:
-        for logger, level in loggers.items():
-            logger.setLevel(level)
+        logging.disable(quiet)
 
 
 class FcMnist(nn.Module):
