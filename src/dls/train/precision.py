@@ -14,8 +14,7 @@ import dls
 import dls.fp8
 from dls.emulate import EmulationHandle
 from dls.train.config import TrainConfig
-from dls.train.data import Batch
-from dls.train.models import TrainModel
+from dls.train.data import Batch, TrainModel
 
 __all__ = ["HALF_DTYPES", "RunPrecision"]
 

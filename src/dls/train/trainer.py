@@ -25,10 +25,9 @@ from dls.diagnostics.fallback import apply_precision_fallback, fallback_note
 from dls.train import checkpoint as ckpt
 from dls.train import restore
 from dls.train.config import CHECKPOINT_STATES, TrainConfig, loss_scaling_mode, scaler_settings, to_dict
-from dls.train.data import BatchIterator, build_batches, modelzoo
+from dls.train.data import BatchIterator, build_batches, build_model, evaluate, evaluate_batches, modelzoo
 from dls.train.errors import TrainingStopped
 from dls.train.launch import StopRequest, resolve_device, run_on_rank0, sum_over_ranks, wrap_data_parallel
-from dls.train.models import build_model, evaluate, evaluate_batches
 from dls.train.optim import build_optimizer, build_scheduler
 from dls.train.outputs import RunOutputs, require_tensorboard
 from dls.train.precision import RunPrecision
