@@ -25,9 +25,8 @@ Batch = Any  # (inputs, targets) for the built-in data sets; what a Model Zoo mo
 
 @dataclass(frozen=True)
 class DataInfo:
-    """What a model needs to know about its data: ``task`` is ``"regression"`` or ``"language_model"``."""
+    """What a model needs to know about its data."""
 
-    task: str
     input_dim: int = 0
     output_dim: int = 0
     vocab_size: int = 0
@@ -58,7 +57,7 @@ class TeacherRegression(Dataset):
         self.y = torch.tanh(self.x @ w1) @ w2
         if cfg.noise_std > 0:
             self.y += cfg.noise_std * torch.randn(self.y.shape, generator=gen)
-        self.info = DataInfo(task="regression", input_dim=d_in, output_dim=d_out)
+        self.info = DataInfo(input_dim=d_in, output_dim=d_out)
 
     def __len__(self) -> int:
         return self.x.shape[0]
@@ -82,7 +81,7 @@ class CharCorpus(Dataset):
             raise ValueError(
                 f"data.max_sequence_length ({self.length}) is too long for the corpus ({len(self.tokens)} characters)"
             )
-        self.info = DataInfo(task="language_model", vocab_size=len(self.chars), sequence_length=self.length)
+        self.info = DataInfo(vocab_size=len(self.chars), sequence_length=self.length)
 
     def __len__(self) -> int:
         return self.windows

@@ -33,15 +33,6 @@ from dls.train.modelzoo.keys import IGNORE_INDEX, FcMnistKeys, GptKeys, Initiali
 from dls.train.modelzoo.keys import parse_model as parse_model
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-_GPT_LAYOUT = "*.h5 files with a dataset 'data' of shape [N, 3, max_sequence_length]"
-_LAYOUTS = {  # what each reader reads, and the command that writes a tiny set of it
-    "MNISTDataProcessor": (
-        "<data_dir>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte (plain or .gz)",
-        "dls data mnist DIR",
-    ),
-    "GptHDF5DataProcessor": (_GPT_LAYOUT, "dls data gpt DIR"),
-    "GptHDF5MapDataProcessor": (_GPT_LAYOUT, "dls data gpt DIR --corpus"),
-}
 
 
 def require(module: str) -> ModuleType:
@@ -229,7 +220,7 @@ class MnistDataset(Dataset):
             raise ValueError(f"{len(images)} images but {len(labels)} labels")
         self.images = torch.from_numpy(images.copy())
         self.labels = torch.from_numpy(labels.astype(np.int64))
-        self.info = DataInfo(task="classification", input_dim=images[0].size, output_dim=10)
+        self.info = DataInfo(input_dim=images[0].size, output_dim=10)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -248,7 +239,7 @@ class GptDataset(Dataset):
         self.flat = self.data[0].ndim == 1
         self.msl = int(msl if self.flat else self.data[0].shape[2])  # type: ignore[arg-type]
         self.count = (int(self.starts[-1]) - 1) // self.msl if self.flat else int(self.starts[-1])
-        self.info = DataInfo(task="language_model", sequence_length=self.msl)
+        self.info = DataInfo(sequence_length=self.msl)
         self.vocab: tuple[int, str] | None = None  # (vocab_size, its key)
 
     def __len__(self) -> int:
@@ -292,10 +283,8 @@ def fit_to_data(model: Any, dataset: Any, prefix: str = "model") -> None:
         return
     info = dataset.info
     if info.sequence_length > model.max_positions:
-        raise ConfigError([
-            f"{prefix}.max_position_embeddings: {model.max_positions}, shorter than the data's sequences of "
-            f"{info.sequence_length} tokens"
-        ])  # fmt: skip
+        data = f"shorter than the data's sequences of {info.sequence_length} tokens"
+        raise ConfigError([f"{prefix}.max_position_embeddings: {model.max_positions}, {data}"])
     if info.vocab_size > model.vocab_size:
         raise ConfigError([f"{prefix}.vocab_size: {model.vocab_size}, smaller than the data's {info.vocab_size}"])
     if isinstance(dataset, GptDataset):
@@ -308,7 +297,7 @@ def _open(processor: str, keys: LoaderKeys, split: str, prefix: str, headers_onl
     (each directory sorted, as Model Zoo reads them), its header checked. ``headers_only``: the first GPT file's
     header only, and no data set."""
     files: list[Any] = []  # MNIST: the images and labels paths; GPT: each file's 'data'
-    problems, mnist = [], processor == "MNISTDataProcessor"
+    problems, mnist, map_style = [], processor == "MNISTDataProcessor", processor == "GptHDF5MapDataProcessor"
     if mnist:
         raw = Path(keys.data_dir if isinstance(keys.data_dir, str) else "./") / "MNIST" / "raw"
         stem = "train" if (keys.split or split) == "train" else "t10k"
@@ -318,7 +307,7 @@ def _open(processor: str, keys: LoaderKeys, split: str, prefix: str, headers_onl
             problems.append(f"{' and '.join(missing)} missing")
     else:
         h5py = require("h5py")
-        map_style, msl, dirs = processor == "GptHDF5MapDataProcessor", keys.max_sequence_length, keys.dirs
+        msl, dirs = keys.max_sequence_length, keys.dirs
         problems = [f"{d} is not a directory" for d in dirs if not Path(d).is_dir()]
         paths = [p for d in dirs if Path(d).is_dir() for p in sorted(Path(d).glob("*.h5"))]
         if not paths and not problems:
@@ -347,7 +336,9 @@ def _open(processor: str, keys: LoaderKeys, split: str, prefix: str, headers_onl
             dataset = MnistDataset(*files) if mnist else GptDataset(files, keys.max_sequence_length)
     except (OSError, ValueError) as exc:
         problems.append(str(exc))
-    layout, write = _LAYOUTS[processor]
+    gpt_layout = "*.h5 files with a dataset 'data' of shape [N, 3, max_sequence_length]"
+    layout = "<data_dir>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte (plain or .gz)" if mnist else gpt_layout
+    write = "dls data " + ("mnist DIR" if mnist else "gpt DIR --corpus" if map_style else "gpt DIR")
     where = f"{prefix}.data_dir ({keys.data_dir or './'})"
     return dataset, [f"{where}: {p}; {processor} reads {layout} (a tiny set: {write})" for p in problems]
 
