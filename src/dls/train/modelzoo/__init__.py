@@ -83,14 +83,51 @@ class FcMnist(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Model Zoo's ``name`` (gpt2, gpt3, llama) as a Hugging Face causal LM (``hf``) with Model Zoo's loss. A batch
-    is ``(input_ids, labels)``, labels ``IGNORE_INDEX`` where Model Zoo's ``attention_mask`` (a loss mask) is 0."""
+    """Model Zoo's ``name``: llama as Hugging Face's LlamaForCausalLM (swiglu: its MLP gates with silu), gpt2 and
+    gpt3 as GPT2LMHeadModel, whose ``Conv1D`` layers (``x @ W + b``) become ``nn.Linear`` layers so that every matrix
+    product is an ``nn.Linear`` (what ``dls.fp8.emulate`` replaces); initialised by :func:`_initialize`, with Model
+    Zoo's loss. A batch is ``(input_ids, labels)``, labels ``IGNORE_INDEX`` where Model Zoo's ``attention_mask`` (a
+    loss mask) is 0."""
 
     ignored_keys: list[str]  # set by build_model
 
     def __init__(self, name: str, k: GptKeys) -> None:
         super().__init__()
-        self.hf = _hf_model(name, k)
+        transformers = require("transformers")
+        common = dict(
+            vocab_size=k.vocab_size, initializer_range=k.initializer_range, use_cache=False, bos_token_id=None,
+            eos_token_id=None, tie_word_embeddings=k.share_embedding_weights,
+        )  # fmt: skip
+        attention_dropout = k.dropout_rate if k.attention_dropout_rate is None else k.attention_dropout_rate
+        if name == "llama":
+            rope: dict[str, Any] = {"rope_type": "default", "rope_theta": k.rope_theta}
+            if k.pos_scaling_type == "llama3":
+                assert k.pos_scaling_extra_args is not None  # parse_model requires them
+                rope.update(rope_type="llama3", factor=k.pos_scaling_factor, **k.pos_scaling_extra_args.model_dump())
+            elif k.pos_scaling_factor != 1.0:  # linear position interpolation: positions / factor
+                rope.update(rope_type="linear", factor=k.pos_scaling_factor)
+            self.hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+                hidden_size=k.hidden_size, intermediate_size=k.filter_size, num_hidden_layers=k.num_hidden_layers,
+                num_attention_heads=k.num_heads, hidden_act="silu", max_position_embeddings=k.max_position_embeddings,
+                num_key_value_heads=k.extra_attention_params.num_kv_groups or k.num_heads, rope_parameters=rope,
+                rms_norm_eps=k.layer_norm_epsilon, attention_bias=k.use_projection_bias_in_attention,
+                attention_dropout=attention_dropout, mlp_bias=k.use_ffn_bias, **common,
+            ))  # fmt: skip
+        else:
+            self.hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+                n_positions=k.max_position_embeddings, n_embd=k.hidden_size, n_layer=k.num_hidden_layers,
+                n_head=k.num_heads, n_inner=k.filter_size,
+                activation_function=k.nonlinearity,  # Model Zoo's gelu is the exact GELU: transformers' "gelu"
+                resid_pdrop=k.dropout_rate, attn_pdrop=attention_dropout,
+                embd_pdrop=k.dropout_rate if k.embedding_dropout_rate is None else k.embedding_dropout_rate,
+                layer_norm_epsilon=k.layer_norm_epsilon, scale_attn_weights=k.attention_type == "scaled_dot_product",
+                scale_attn_by_inverse_layer_idx=k.scale_qk_dot_by_layer_idx, **common,
+            ))  # fmt: skip
+            conv1d = require("transformers.pytorch_utils").Conv1D
+            for parent in list(self.hf.modules()):
+                for child_name, child in list(parent.named_children()):
+                    if isinstance(child, conv1d):
+                        setattr(parent, child_name, nn.Linear(child.nx, child.nf))
         _initialize(self.hf, k)
         self.loss_scaling = k.loss_scaling
         self.loss_weight = k.loss_weight if k.loss_scaling == "batch_size" else 1.0
@@ -108,48 +145,6 @@ class CausalLM(nn.Module):
         if self.loss_scaling == "num_tokens":
             return total / (labels != IGNORE_INDEX).sum()
         return total / labels.shape[0] * self.loss_weight
-
-
-def _hf_model(name: str, k: GptKeys) -> nn.Module:
-    """Hugging Face's LlamaForCausalLM (swiglu: its MLP gates with silu) or GPT2LMHeadModel, whose ``Conv1D`` layers
-    (``x @ W + b``) become ``nn.Linear`` layers (initialised by :func:`_initialize`): every matrix product is then an
-    ``nn.Linear``, what ``dls.fp8.emulate`` replaces."""
-    transformers = require("transformers")
-    common = dict(
-        vocab_size=k.vocab_size, initializer_range=k.initializer_range, tie_word_embeddings=k.share_embedding_weights,
-        use_cache=False, bos_token_id=None, eos_token_id=None,
-    )  # fmt: skip
-    attention_dropout = k.dropout_rate if k.attention_dropout_rate is None else k.attention_dropout_rate
-    if name == "llama":
-        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": k.rope_theta}
-        if k.pos_scaling_type == "llama3":
-            assert k.pos_scaling_extra_args is not None  # parse_model requires them
-            rope.update(rope_type="llama3", factor=k.pos_scaling_factor, **k.pos_scaling_extra_args.model_dump())
-        elif k.pos_scaling_factor != 1.0:  # linear position interpolation: positions / factor
-            rope.update(rope_type="linear", factor=k.pos_scaling_factor)
-        llama: nn.Module = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            hidden_size=k.hidden_size, intermediate_size=k.filter_size, num_hidden_layers=k.num_hidden_layers,
-            num_attention_heads=k.num_heads, num_key_value_heads=k.extra_attention_params.num_kv_groups or k.num_heads,
-            hidden_act="silu", max_position_embeddings=k.max_position_embeddings, rms_norm_eps=k.layer_norm_epsilon,
-            rope_parameters=rope, attention_bias=k.use_projection_bias_in_attention,
-            attention_dropout=attention_dropout, mlp_bias=k.use_ffn_bias, **common,
-        ))  # fmt: skip
-        return llama
-    model: nn.Module = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_positions=k.max_position_embeddings, n_embd=k.hidden_size, n_layer=k.num_hidden_layers,
-        n_head=k.num_heads, n_inner=k.filter_size,
-        activation_function=k.nonlinearity,  # Model Zoo's gelu is the exact GELU: transformers' "gelu"
-        resid_pdrop=k.dropout_rate, attn_pdrop=attention_dropout,
-        embd_pdrop=k.dropout_rate if k.embedding_dropout_rate is None else k.embedding_dropout_rate,
-        layer_norm_epsilon=k.layer_norm_epsilon, scale_attn_weights=k.attention_type == "scaled_dot_product",
-        scale_attn_by_inverse_layer_idx=k.scale_qk_dot_by_layer_idx, **common,
-    ))  # fmt: skip
-    conv1d = require("transformers.pytorch_utils").Conv1D
-    for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            if isinstance(child, conv1d):
-                setattr(parent, child_name, nn.Linear(child.nx, child.nf))
-    return model
 
 
 @torch.no_grad()
