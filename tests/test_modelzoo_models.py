@@ -136,6 +136,15 @@ def test_loss_is_model_zoos_formula(scaling: str, weight: float) -> None:
     torch.testing.assert_close(loss, expected)
 
 
+def test_a_batch_without_unmasked_tokens_is_nan_under_num_tokens_as_in_model_zoo() -> None:
+    """GPTLMHeadModelLoss divides by sum(attention_mask), unclamped: a fully masked batch is 0/0 there too;
+    batch_size scaling gives 0."""
+    ids, labels = token_batch()
+    labels[:] = -100
+    assert build_model("gpt2", cerebras_gpt(loss_scaling="num_tokens", loss_weight=1.0)).loss((ids, labels)).isnan()
+    assert build_model("gpt2", cerebras_gpt()).loss((ids, labels)) == 0
+
+
 def test_loss_weight_with_num_tokens_is_reported_not_applied() -> None:
     model = build_model("gpt3", cerebras_gpt(loss_scaling="num_tokens", loss_weight=0.5))
     assert model.loss_weight == 1.0

@@ -56,12 +56,11 @@ def require(module: str) -> ModuleType:
 class FcMnist(nn.Module):
     """Model Zoo's fc_mnist: Linear layers of ``hidden_sizes`` (else ``depth`` of ``hidden_size``), each then ReLU
     when ``activation_fn: relu``, then dropout; a Linear layer to 10 classes; the NLL loss of the log-softmax (of
-    the raw logits with ``disable_softmax``)."""
+    the raw logits with ``disable_softmax``). ``ignored_keys``: the keys that matter only on Cerebras hardware."""
 
-    ignored_keys: list[str]  # set by build_model
-
-    def __init__(self, k: FcMnistKeys) -> None:
+    def __init__(self, k: FcMnistKeys, ignored_keys: list[str]) -> None:
         super().__init__()
+        self.ignored_keys = ignored_keys
         layers: list[nn.Module] = []
         width = 784  # 28 x 28 pixels
         for size in k.hidden_sizes if k.hidden_sizes is not None else [k.hidden_size or 0] * (k.depth or 0):
@@ -87,12 +86,11 @@ class CausalLM(nn.Module):
     gpt3 as GPT2LMHeadModel, whose ``Conv1D`` layers (``x @ W + b``) become ``nn.Linear`` layers so that every matrix
     product is an ``nn.Linear`` (what ``dls.fp8.emulate`` replaces); initialised by :func:`_initialize`, with Model
     Zoo's loss. A batch is ``(input_ids, labels)``, labels ``IGNORE_INDEX`` where Model Zoo's ``attention_mask`` (a
-    loss mask) is 0."""
+    loss mask) is 0. ``ignored_keys``: the keys that matter only on Cerebras hardware or for inference."""
 
-    ignored_keys: list[str]  # set by build_model
-
-    def __init__(self, name: str, k: GptKeys) -> None:
+    def __init__(self, name: str, k: GptKeys, ignored_keys: list[str]) -> None:
         super().__init__()
+        self.ignored_keys = ignored_keys
         transformers = require("transformers")
         common = dict(
             vocab_size=k.vocab_size, initializer_range=k.initializer_range, use_cache=False, bos_token_id=None,
@@ -181,11 +179,9 @@ def _initialize(hf: nn.Module, k: GptKeys) -> None:
 def build_model(name: str, params: dict[str, Any], *, prefix: str = "model") -> FcMnist | CausalLM:
     """Model Zoo's model ``name`` (fc_mnist, gpt2, gpt3, llama) built from its ``params`` (the ``model`` section);
     ``ConfigError`` listing every key it cannot honour (as :func:`parse_model`, which builds nothing),
-    ``MissingExtras`` without transformers. Its ``ignored_keys``: the keys that matter only on Cerebras hardware."""
+    ``MissingExtras`` without transformers."""
     keys, ignored = parse_model(name, params, prefix)
-    model = FcMnist(keys) if isinstance(keys, FcMnistKeys) else CausalLM(name, keys)
-    model.ignored_keys = ignored
-    return model
+    return FcMnist(keys, ignored) if isinstance(keys, FcMnistKeys) else CausalLM(name, keys, ignored)
 
 
 def read_idx(path: Path, magic: int) -> np.ndarray:
@@ -233,12 +229,11 @@ class GptDataset(Dataset):
         self.starts = np.cumsum([0, *(len(d) for d in self.data)])
         self.flat = self.data[0].ndim == 1
         self.msl = int(msl if self.flat else self.data[0].shape[2])  # type: ignore[arg-type]
-        self.count = (int(self.starts[-1]) - 1) // self.msl if self.flat else int(self.starts[-1])
         self.info = DataInfo(sequence_length=self.msl)
         self.vocab: tuple[int, str] | None = None  # (vocab_size, its key)
 
     def __len__(self) -> int:
-        return self.count
+        return (int(self.starts[-1]) - 1) // self.msl if self.flat else int(self.starts[-1])
 
     def batch(self, indices: torch.Tensor, epoch: int) -> Batch:
         idx = indices.numpy()
