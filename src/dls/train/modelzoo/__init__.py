@@ -37,18 +37,15 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 def require(module: str) -> ModuleType:
     """Import ``module`` of the ``modelzoo`` extra, or ``MissingExtras`` naming the extra."""
-    # transformers' model classes import torchao, which logs warnings about its optional C extensions and pytree
-    # registrations at import: nothing about this run, so logging is quiet while the classes load.
+    # transformers' model modules import torchao, which logs warnings about its optional C extensions and pytree
+    # registrations at import: nothing about this run, so logging is quiet while they load.
     quiet = logging.root.manager.disable
     logging.disable(logging.WARNING)
     try:
-        imported = importlib.import_module(module)
-        for name in ("GPT2LMHeadModel", "LlamaForCausalLM") if module == "transformers" else ():
-            getattr(imported, name)  # transformers loads its classes on first use
-        return imported
+        return importlib.import_module(module)
     except ImportError as exc:
         extra = "Model Zoo models and data need the modelzoo extra: pip install 'dls[modelzoo]'"
-        raise MissingExtras(f"{module} is not installed; {extra}") from exc
+        raise MissingExtras(f"{module.split('.')[0]} is not installed; {extra}") from exc
     finally:
         logging.disable(quiet)
 
@@ -91,7 +88,6 @@ class CausalLM(nn.Module):
     def __init__(self, name: str, k: GptKeys, ignored_keys: list[str]) -> None:
         super().__init__()
         self.ignored_keys = ignored_keys
-        transformers = require("transformers")
         common = dict(
             vocab_size=k.vocab_size, initializer_range=k.initializer_range, use_cache=False, bos_token_id=None,
             eos_token_id=None, tie_word_embeddings=k.share_embedding_weights,
@@ -104,7 +100,8 @@ class CausalLM(nn.Module):
                 rope.update(rope_type="llama3", factor=k.pos_scaling_factor, **k.pos_scaling_extra_args.model_dump())
             elif k.pos_scaling_factor != 1.0:  # linear position interpolation: positions / factor
                 rope.update(rope_type="linear", factor=k.pos_scaling_factor)
-            self.hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hf = require("transformers.models.llama.modeling_llama")
+            self.hf = hf.LlamaForCausalLM(hf.LlamaConfig(
                 hidden_size=k.hidden_size, intermediate_size=k.filter_size, num_hidden_layers=k.num_hidden_layers,
                 num_attention_heads=k.num_heads, hidden_act="silu", max_position_embeddings=k.max_position_embeddings,
                 num_key_value_heads=k.extra_attention_params.num_kv_groups or k.num_heads, rope_parameters=rope,
@@ -112,7 +109,8 @@ class CausalLM(nn.Module):
                 attention_dropout=attention_dropout, mlp_bias=k.use_ffn_bias, **common,
             ))  # fmt: skip
         else:
-            self.hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            hf = require("transformers.models.gpt2.modeling_gpt2")
+            self.hf = hf.GPT2LMHeadModel(hf.GPT2Config(
                 n_positions=k.max_position_embeddings, n_embd=k.hidden_size, n_layer=k.num_hidden_layers,
                 n_head=k.num_heads, n_inner=k.filter_size,
                 activation_function=k.nonlinearity,  # Model Zoo's gelu is the exact GELU: transformers' "gelu"
@@ -121,10 +119,9 @@ class CausalLM(nn.Module):
                 layer_norm_epsilon=k.layer_norm_epsilon, scale_attn_weights=k.attention_type == "scaled_dot_product",
                 scale_attn_by_inverse_layer_idx=k.scale_qk_dot_by_layer_idx, **common,
             ))  # fmt: skip
-            conv1d = require("transformers.pytorch_utils").Conv1D
             for parent in list(self.hf.modules()):
                 for child_name, child in list(parent.named_children()):
-                    if isinstance(child, conv1d):
+                    if isinstance(child, hf.Conv1D):
                         setattr(parent, child_name, nn.Linear(child.nx, child.nf))
         _initialize(self.hf, k)
         self.loss_scaling = k.loss_scaling
