@@ -94,7 +94,7 @@ def test_cerebras_gpt_keys_reach_gpt2() -> None:
     assert all(layer.mlp.c_proj.weight.abs().max() <= 0.0090 for layer in hf.transformer.h)
     assert not hf.transformer.h[0].attn.c_attn.bias.any()
     assert isinstance(hf.transformer.h[0].mlp.c_fc, torch.nn.Linear)  # Conv1D rebuilt as Linear (FP8-able)
-    assert model.ignored_keys == []
+    assert parse_model("gpt3", cerebras_gpt())[1] == []  # no key ignored
 
 
 def test_gpt2_untied_head_and_dropouts() -> None:
@@ -146,9 +146,9 @@ def test_a_batch_without_unmasked_tokens_is_nan_under_num_tokens_as_in_model_zoo
 
 
 def test_loss_weight_with_num_tokens_is_reported_not_applied() -> None:
-    model = build_model("gpt3", cerebras_gpt(loss_scaling="num_tokens", loss_weight=0.5))
-    assert model.loss_weight == 1.0
-    assert model.ignored_keys == ["model.loss_weight (Model Zoo uses 1.0 with loss_scaling: num_tokens)"]
+    params = cerebras_gpt(loss_scaling="num_tokens", loss_weight=0.5)
+    assert build_model("gpt3", params).loss_weight == 1.0
+    assert parse_model("gpt3", params)[1] == ["model.loss_weight (Model Zoo uses 1.0 with loss_scaling: num_tokens)"]
 
 
 def test_keys_gpt2_cannot_express_are_refused_by_name() -> None:

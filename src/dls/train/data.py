@@ -135,12 +135,11 @@ class BatchIterator:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, world_size={self.world_size}); got {self.rank}")
         if len(self.dataset) // self.batch_size < self.world_size:  # each rank takes at least one whole batch
-            ranks = f" * {self.world_size} ranks" if self.world_size > 1 else ""
+            ranks = f" per rank * {self.world_size} ranks" if self.world_size > 1 else ""
             size = f"({self.batch_size}){ranks} is larger than the data set ({len(self.dataset)} samples)"
             raise ConfigError([f"{self.key} {size}"])
         self.epoch = self.position = 0
         self._order: torch.Tensor | None = None
-        self.ignored_keys: list[str] = []  # a Model Zoo reader's keys that matter only on Cerebras hardware
 
     @property
     def batches_per_epoch(self) -> int:

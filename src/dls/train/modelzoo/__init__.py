@@ -53,11 +53,10 @@ def require(module: str) -> ModuleType:
 class FcMnist(nn.Module):
     """Model Zoo's fc_mnist: Linear layers of ``hidden_sizes`` (else ``depth`` of ``hidden_size``), each then ReLU
     when ``activation_fn: relu``, then dropout; a Linear layer to 10 classes; the NLL loss of the log-softmax (of
-    the raw logits with ``disable_softmax``). ``ignored_keys``: the keys that matter only on Cerebras hardware."""
+    the raw logits with ``disable_softmax``)."""
 
-    def __init__(self, k: FcMnistKeys, ignored_keys: list[str]) -> None:
+    def __init__(self, k: FcMnistKeys) -> None:
         super().__init__()
-        self.ignored_keys = ignored_keys
         layers: list[nn.Module] = []
         width = 784  # 28 x 28 pixels
         for size in k.hidden_sizes if k.hidden_sizes is not None else [k.hidden_size or 0] * (k.depth or 0):
@@ -83,11 +82,10 @@ class CausalLM(nn.Module):
     gpt3 as GPT2LMHeadModel, whose ``Conv1D`` layers (``x @ W + b``) become ``nn.Linear`` layers so that every matrix
     product is an ``nn.Linear`` (what ``dls.fp8.emulate`` replaces); initialised by :func:`_initialize`, with Model
     Zoo's loss. A batch is ``(input_ids, labels)``, labels ``IGNORE_INDEX`` where Model Zoo's ``attention_mask`` (a
-    loss mask) is 0. ``ignored_keys``: the keys that matter only on Cerebras hardware or for inference."""
+    loss mask) is 0."""
 
-    def __init__(self, name: str, k: GptKeys, ignored_keys: list[str]) -> None:
+    def __init__(self, name: str, k: GptKeys) -> None:
         super().__init__()
-        self.ignored_keys = ignored_keys
         common = dict(
             vocab_size=k.vocab_size, initializer_range=k.initializer_range, use_cache=False, bos_token_id=None,
             eos_token_id=None, tie_word_embeddings=k.share_embedding_weights,
@@ -175,10 +173,10 @@ def _initialize(hf: nn.Module, k: GptKeys) -> None:
 
 def build_model(name: str, params: dict[str, Any], *, prefix: str = "model") -> FcMnist | CausalLM:
     """Model Zoo's model ``name`` (fc_mnist, gpt2, gpt3, llama) built from its ``params`` (the ``model`` section);
-    ``ConfigError`` listing every key it cannot honour (as :func:`parse_model`, which builds nothing),
-    ``MissingExtras`` without transformers."""
-    keys, ignored = parse_model(name, params, prefix)
-    return FcMnist(keys, ignored) if isinstance(keys, FcMnistKeys) else CausalLM(name, keys, ignored)
+    ``ConfigError`` listing every key it cannot honour (as :func:`parse_model`, which builds nothing and says which
+    keys are ignored here), ``MissingExtras`` without transformers."""
+    keys = parse_model(name, params, prefix)[0]
+    return FcMnist(keys) if isinstance(keys, FcMnistKeys) else CausalLM(name, keys)
 
 
 def read_idx(path: Path, magic: int) -> np.ndarray:
@@ -349,20 +347,16 @@ def build_loader(
 ) -> BatchIterator:
     """Resumable batches of a Model Zoo loader section for ``split`` (an MNIST section's own ``split`` wins);
     ``seed`` when ``shuffle_seed`` is not set; ``prefix`` names the section in errors. ``ConfigError`` for invalid
-    keys or data."""
+    keys or data (the keys ignored here: ``keys.parse_loader``)."""
     prefix = prefix or ("train_input" if split == "train" else "eval_input")
-    keys, ignored = parse_loader(processor, params, prefix)
+    keys = parse_loader(processor, params, prefix)[0]
     dataset, problems = _open(processor, keys, split, prefix, headers_only=False)
     if dataset is None:
         raise ConfigError(problems)
     shuffle = keys.shuffle if keys.shuffle is not None else processor == "MNISTDataProcessor"  # Model Zoo's defaults
     drop_last = next((v for v in (keys.drop_last, keys.drop_last_batch) if v is not None), True)
     seed = keys.shuffle_seed if keys.shuffle_seed is not None else seed
-    batches = BatchIterator(
-        dataset, keys.batch_size, shuffle, seed, rank, world_size, drop_last, f"{prefix}.batch_size"
-    )
-    batches.ignored_keys = ignored
-    return batches
+    return BatchIterator(dataset, keys.batch_size, shuffle, seed, rank, world_size, drop_last, f"{prefix}.batch_size")
 
 
 _SEGMENTS = ("abcdef", "bc", "abdeg", "abcdg", "bcfg", "acdfg", "acdefg", "abc", "abcdefg", "abcdfg")
