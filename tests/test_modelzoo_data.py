@@ -171,8 +171,9 @@ def test_cli_writes_tiny_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert h5py.File(tmp_path / "g" / "val" / "data_1.h5", "r")["data"].shape == (2, 3, 8)
     assert main(["mnist", str(tmp_path / "m"), "--train", "10", "--val", "5", "--gzip"]) == 0
     assert read_idx(tmp_path / "m" / "MNIST" / "raw" / "train-labels-idx1-ubyte.gz", 2049).shape == (10,)
-    with pytest.raises(SystemExit):
-        main(["gpt", str(tmp_path / "g"), "--msl", "0"])
+    for bad in (["--msl", "0"], ["--seed", "-1"]):  # a usage error (exit 2), not numpy's ValueError
+        with pytest.raises(SystemExit, match="2"):
+            main(["gpt", str(tmp_path / "g"), *bad])
 
 
 def test_a_token_id_outside_the_models_vocabulary_is_refused_as_read(tiny: Path) -> None:

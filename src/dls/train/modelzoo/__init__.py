@@ -430,9 +430,8 @@ def write_tiny_data(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``dls data {mnist,gpt} DIR [options]``: write a tiny data set in a Model Zoo format, generated (nothing is
-    downloaded): seven-segment digits in torchvision's MNIST layout, or token sequences as HDF5 files in DIR/train
-    and DIR/val. Prints what it wrote."""
+    """Write a tiny data set in a Model Zoo format, generated (nothing is downloaded): mnist, seven-segment digits in
+    torchvision's MNIST layout; gpt, token sequences as HDF5 files in DIR/train and DIR/val. Prints what it wrote."""
     parser = argparse.ArgumentParser(prog="dls data", description=main.__doc__)
     parser.add_argument("kind", choices=["mnist", "gpt"])
     parser.add_argument("directory", help="where to write (created if missing)")
