@@ -251,13 +251,9 @@ class GptDataset(Dataset):
         return torch.from_numpy(ids), torch.from_numpy(labels)
 
     def _read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens ``start:stop`` of the stream of all files."""
-        parts = []
-        for data, lo in zip(self.data, self.starts[:-1]):
-            a, b = max(start, lo), min(stop, lo + len(data))
-            if a < b:
-                parts.append(data[a - lo : b - lo])
-        return np.concatenate(parts).astype(np.int64)
+        """Tokens ``start:stop`` of the stream of all files (a slice past a file's end stops at its end)."""
+        files = [(data, lo) for data, lo in zip(self.data, self.starts) if lo < stop and start < lo + len(data)]
+        return np.concatenate([data[max(start - lo, 0) : stop - lo] for data, lo in files]).astype(np.int64)
 
 
 def fit_to_data(model: Any, dataset: Any, prefix: str = "model") -> None:
