@@ -43,8 +43,7 @@ from typing import Any
 import torch
 
 import dls
-from dls.train.data import TeacherRegression
-from dls.train.models import MLP
+from dls.train.data import MLP, TeacherRegression
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 LOSS_WEIGHT = 1e-4

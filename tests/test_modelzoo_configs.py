@@ -12,6 +12,7 @@ import transformers
 import yaml
 
 from dls.train.modelzoo import build_loader, build_model, main
+from dls.train.modelzoo.keys import parse_loader, parse_model
 
 # transformers loads its model classes on first use: at collection, not inside the first test
 assert transformers.GPT2LMHeadModel and transformers.LlamaForCausalLM
@@ -36,9 +37,9 @@ def test_example_builds_on_the_data_its_header_writes(path: Path, tmp_path: Path
     for split, section in loaders.items():
         section = {**section, "data_dir": section["data_dir"].replace("./data", str(tmp_path))}
         batches = build_loader(section["data_processor"], section, split=split, seed=1)
-        assert set(batches.ignored_keys) <= {
-            f"{'train' if split == 'train' else 'eval'}_input.{key}"
-            for key in ("num_workers", "prefetch_factor", "persistent_workers", "to_float16")
+        prefix = f"{'train' if split == 'train' else 'eval'}_input"
+        assert set(parse_loader(section["data_processor"], section, prefix)[1]) <= {
+            f"{prefix}.{key}" for key in ("num_workers", "prefetch_factor", "persistent_workers", "to_float16")
         }
         assert math.isfinite(float(net.loss(batches.next()).detach()))
-    assert net.ignored_keys == []
+    assert parse_model(model["name"], model)[1] == []

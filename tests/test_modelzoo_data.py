@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dls.train.errors import ConfigError, MissingExtras
-from dls.train.modelzoo import build_loader, check_data, main, write_tiny_data
-from dls.train.modelzoo.data import read_idx
+from dls.train.modelzoo import build_loader, check_data, main, read_idx, write_tiny_data
+from dls.train.modelzoo.keys import parse_loader
 
 GPT, MAP, MNIST = "GptHDF5DataProcessor", "GptHDF5MapDataProcessor", "MNISTDataProcessor"
 
@@ -96,15 +96,14 @@ def test_batches_resume_exactly_and_keep_the_last_partial_batch(tiny: Path) -> N
 
 
 def test_loader_keys(tiny: Path) -> None:
-    loader = build_loader(
-        GPT, gpt(tiny, num_workers=8, prefetch_factor=10, persistent_workers=True), split="train", seed=0
-    )
-    assert loader.ignored_keys == [
+    hardware_only = gpt(tiny, num_workers=8, prefetch_factor=10, persistent_workers=True)
+    assert build_loader(GPT, hardware_only, split="train", seed=0).next()  # accepted
+    assert parse_loader(GPT, hardware_only, "train_input")[1] == [
         "train_input.num_workers",
         "train_input.prefetch_factor",
         "train_input.persistent_workers",
     ]
-    assert errors(GPT, gpt(tiny, batch_sise=8)) == ["train_input.batch_sise: unknown key; did you mean 'batch_size'?"]
+    assert errors(GPT, gpt(tiny, batch_sise=8)) == ["train_input.batch_sise: unknown key (did you mean 'batch_size'?)"]
     assert errors(GPT, {"data_dir": str(tiny), "batch_size": 8}) == [
         "train_input.shuffle: required by GptHDF5DataProcessor"
     ]
@@ -115,7 +114,9 @@ def test_loader_keys(tiny: Path) -> None:
     ]
     prefix = "trainer.fit.train_dataloader"
     assert errors(GPT, gpt(tiny, data_processor=MNIST), prefix=prefix)[0].startswith(f"{prefix}.data_processor")
-    assert errors(GPT, gpt(tiny, batch_size=51))[0].startswith("train_input.batch_size: 51 * 1 rank(s) is more than")
+    assert errors(GPT, gpt(tiny, batch_size=51)) == [
+        "train_input.batch_size (51) is larger than the data set (50 samples)"
+    ]
 
 
 def test_missing_or_malformed_data_dir_is_one_line(tiny: Path, tmp_path: Path) -> None:
@@ -170,8 +171,9 @@ def test_cli_writes_tiny_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert h5py.File(tmp_path / "g" / "val" / "data_1.h5", "r")["data"].shape == (2, 3, 8)
     assert main(["mnist", str(tmp_path / "m"), "--train", "10", "--val", "5", "--gzip"]) == 0
     assert read_idx(tmp_path / "m" / "MNIST" / "raw" / "train-labels-idx1-ubyte.gz", 2049).shape == (10,)
-    with pytest.raises(SystemExit):
-        main(["gpt", str(tmp_path / "g"), "--msl", "0"])
+    for bad in (["--msl", "0"], ["--seed", "-1"]):  # a usage error (exit 2), not numpy's ValueError
+        with pytest.raises(SystemExit, match="2"):
+            main(["gpt", str(tmp_path / "g"), *bad])
 
 
 def test_a_token_id_outside_the_models_vocabulary_is_refused_as_read(tiny: Path) -> None:

@@ -202,7 +202,7 @@ def test_a_model_that_cannot_read_the_data_is_exit_2_naming_its_key(
     cases = {  # the data: 16 tokens per sequence, token ids up to 31
         f"{GPT3}vocab_size=16": "trainer.init.model.vocab_size: 16, but the data holds token id",
         f"{GPT3}max_position_embeddings=8": "trainer.init.model.max_position_embeddings: 8, shorter than the data's",
-        "trainer.fit.train_dataloader.batch_size=65": "trainer.fit.train_dataloader.batch_size: 65 * 1 rank(s)",
+        "trainer.fit.train_dataloader.batch_size=65": "trainer.fit.train_dataloader.batch_size (65) is larger than the",
     }
     for override, message in cases.items():
         assert main(["train", config, "--no_progress", "-o", *base, override]) == 2, override

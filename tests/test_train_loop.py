@@ -259,7 +259,7 @@ def test_model_zoo_names_dispatch_to_dls_train_modelzoo(tmp_path: Path, monkeypa
     class Pairs(Dataset):
         def __init__(self, seed: int) -> None:
             self.x = torch.randn(32, 4, generator=torch.Generator().manual_seed(seed))
-            self.info = DataInfo(task="regression")
+            self.info = DataInfo()
 
         def __len__(self) -> int:
             return len(self.x)

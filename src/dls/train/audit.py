@@ -17,9 +17,8 @@ from dls.diagnostics import AuditResult, FormatAudit
 from dls.diagnostics.scales import percent, pow2
 from dls.train import checkpoint as ckpt
 from dls.train.config import TrainConfig, loss_scaling_mode, scaler_settings
-from dls.train.data import Batch, BatchIterator, build_dataset
+from dls.train.data import Batch, BatchIterator, TrainModel, build_dataset, build_model
 from dls.train.launch import resolve_device
-from dls.train.models import TrainModel, build_model
 from dls.train.reporting import describe_fp8
 from dls.train.rundir import RunDir, resolve_model_dir
 

@@ -1,26 +1,32 @@
-"""Resumable batches (from ``(epoch, position)``; data-parallel ranks take strided batches of one epoch order) of
-dls's built-in data sets (``teacher_regression``, ``char_corpus``) and Model Zoo's readers."""
+"""dls's built-in data sets (``teacher_regression``, ``char_corpus``) and models (``mlp``, ``transformer_lm``; a
+model's ``loss(batch)`` is the unweighted training loss as a float32 scalar), the dispatch to Model Zoo's readers and
+models (``dls.train.modelzoo``), and resumable batches (from ``(epoch, position)``; data-parallel ranks take strided
+batches of one epoch order)."""
 
 from __future__ import annotations
 
+import copy
 import importlib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 import torch
+from torch import nn
+from torch.nn import functional as F
 
-from dls.train.config import DataConfig
+from dls.train.config import ZOO_MODELS, DataConfig, ModelConfig
+from dls.train.errors import ConfigError
 
 Batch = Any  # (inputs, targets) for the built-in data sets; what a Model Zoo model's loss takes otherwise
 
 
 @dataclass(frozen=True)
 class DataInfo:
-    """What a model needs to know about its data: ``task`` is ``"regression"`` or ``"language_model"``."""
+    """What a model needs to know about its data."""
 
-    task: str
     input_dim: int = 0
     output_dim: int = 0
     vocab_size: int = 0
@@ -51,7 +57,7 @@ class TeacherRegression(Dataset):
         self.y = torch.tanh(self.x @ w1) @ w2
         if cfg.noise_std > 0:
             self.y += cfg.noise_std * torch.randn(self.y.shape, generator=gen)
-        self.info = DataInfo(task="regression", input_dim=d_in, output_dim=d_out)
+        self.info = DataInfo(input_dim=d_in, output_dim=d_out)
 
     def __len__(self) -> int:
         return self.x.shape[0]
@@ -60,40 +66,30 @@ class TeacherRegression(Dataset):
         return self.x[indices], self.y[indices]
 
 
-def corpus_text() -> str:
-    """The character corpus shipped with dls."""
-    return resources.files("dls.train").joinpath("data/corpus.txt").read_text(encoding="utf-8")
-
-
 class CharCorpus(Dataset):
-    """Windows of ``max_sequence_length + 1`` characters; inputs are a window's first ``L`` characters, targets its
-    last ``L``."""
+    """Windows of ``max_sequence_length + 1`` characters of the corpus shipped with dls, at an offset that changes
+    every epoch; inputs are a window's first ``L`` characters, targets its last ``L``."""
 
     def __init__(self, cfg: DataConfig) -> None:
-        text = corpus_text()
+        text = resources.files("dls.train").joinpath("data/corpus.txt").read_text(encoding="utf-8")
         self.chars = sorted(set(text))
-        self.stoi = {c: i for i, c in enumerate(self.chars)}
-        self.tokens = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
+        index = {c: i for i, c in enumerate(self.chars)}
+        self.tokens = torch.tensor([index[c] for c in text], dtype=torch.long)
         self.length = cfg.max_sequence_length
         self.windows = (len(self.tokens) - self.length) // self.length  # fits at every offset < length
         if self.windows < 1:
             raise ValueError(
                 f"data.max_sequence_length ({self.length}) is too long for the corpus ({len(self.tokens)} characters)"
             )
-        self.info = DataInfo(task="language_model", vocab_size=len(self.chars), sequence_length=self.length)
+        self.info = DataInfo(vocab_size=len(self.chars), sequence_length=self.length)
 
     def __len__(self) -> int:
         return self.windows
 
     def batch(self, indices: torch.Tensor, epoch: int) -> Batch:
-        offset = (epoch * 7919) % self.length
-        starts = offset + indices * self.length
-        rows = starts[:, None] + torch.arange(self.length + 1)[None, :]
-        seq = self.tokens[rows]
+        starts = (epoch * 7919) % self.length + indices * self.length
+        seq = self.tokens[starts[:, None] + torch.arange(self.length + 1)[None, :]]
         return seq[:, :-1], seq[:, 1:]
-
-    def decode(self, tokens: torch.Tensor) -> str:
-        return "".join(self.chars[int(t)] for t in tokens)
 
 
 def build_dataset(cfg: DataConfig) -> Dataset:
@@ -117,77 +113,57 @@ def build_batches(
 
 
 def modelzoo() -> Any:
-    """``dls.train.modelzoo`` (Model Zoo models and readers); a ``ValueError`` saying what is missing."""
-    try:
-        return importlib.import_module("dls.train.modelzoo")
-    except ImportError as exc:
-        raise ValueError(
-            f"Model Zoo models and data need dls.train.modelzoo and the 'modelzoo' extra ({exc})"
-        ) from None
+    """``dls.train.modelzoo`` (Model Zoo's models and readers), imported only when a config uses them."""
+    return importlib.import_module("dls.train.modelzoo")
 
 
+@dataclass(eq=False)
 class BatchIterator:
     """Batches of ``batch_size`` samples, epoch after epoch; an epoch's incomplete last batch is dropped unless
-    ``drop_last`` is false (Model Zoo's readers)."""
+    ``drop_last`` is false (Model Zoo's readers). ``ConfigError`` naming ``key`` when a rank has no whole batch."""
 
-    ignored_keys: list[str]  # a Model Zoo reader's keys that matter only on Cerebras hardware
+    dataset: Dataset
+    batch_size: int
+    shuffle: bool
+    seed: int
+    rank: int = 0
+    world_size: int = 1
+    drop_last: bool = True
+    key: str = "data.batch_size"
 
-    def __init__(
-        self,
-        dataset: Dataset,
-        batch_size: int,
-        shuffle: bool,
-        seed: int,
-        rank: int = 0,
-        world_size: int = 1,
-        drop_last: bool = True,
-    ) -> None:
-        if batch_size > len(dataset):
-            raise ValueError(
-                f"data.batch_size ({batch_size}) is larger than the data set ({len(dataset)} samples); "
-                "lower batch_size (or raise num_samples)"
-            )
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}); got {rank}")
-        if len(dataset) // batch_size < world_size:
-            raise ValueError(
-                f"the data set ({len(dataset)} samples) has fewer than one batch of data.batch_size ({batch_size}) "
-                f"per rank for {world_size} ranks; lower batch_size (or raise num_samples)"
-            )
-        self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
-        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, world_size={self.world_size}); got {self.rank}")
+        if len(self.dataset) // self.batch_size < self.world_size:  # each rank takes at least one whole batch
+            ranks = f" per rank * {self.world_size} ranks" if self.world_size > 1 else ""
+            size = f"({self.batch_size}){ranks} is larger than the data set ({len(self.dataset)} samples)"
+            raise ConfigError([f"{self.key} {size}"])
         self.epoch = self.position = 0
         self._order: torch.Tensor | None = None
 
     @property
     def batches_per_epoch(self) -> int:
         """Batches this rank takes per epoch."""
-        return (
-            (len(self.dataset) + (0 if self.drop_last else self.batch_size - 1)) // self.batch_size // self.world_size
-        )
-
-    def _epoch_order(self) -> torch.Tensor:
-        if self._order is None:
-            if self.shuffle:
-                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-                self._order = torch.randperm(len(self.dataset), generator=gen)
-            else:
-                self._order = torch.arange(len(self.dataset))
-        return self._order
+        samples = len(self.dataset) + (0 if self.drop_last else self.batch_size - 1)
+        return samples // self.batch_size // self.world_size
 
     def next(self) -> Batch:
         if self.position >= self.batches_per_epoch:
             self.epoch, self.position, self._order = self.epoch + 1, 0, None
+        if self._order is None:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            n = len(self.dataset)
+            self._order = torch.randperm(n, generator=gen) if self.shuffle else torch.arange(n)
         start = (self.position * self.world_size + self.rank) * self.batch_size
-        indices = self._epoch_order()[start : start + self.batch_size]
         self.position += 1
-        return self.dataset.batch(indices, self.epoch)
+        return self.dataset.batch(self._order[start : start + self.batch_size], self.epoch)
 
     def state_dict(self) -> dict[str, Any]:
         # position: the batches of this epoch taken by all ranks
-        state = {"epoch": self.epoch, "position": self.position * self.world_size}
-        state.update(seed=self.seed, batch_size=self.batch_size)
-        return state | ({"world_size": self.world_size} if self.world_size > 1 else {})
+        state = {"epoch": self.epoch, "position": self.position * self.world_size, "seed": self.seed}
+        return (
+            state | {"batch_size": self.batch_size} | ({"world_size": self.world_size} if self.world_size > 1 else {})
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (:meth:`state_dict`); ``ValueError`` naming the field when it is not one."""
@@ -200,3 +176,132 @@ class BatchIterator:
         self.epoch = state["epoch"]
         self.position = -(-state["position"] // self.world_size)  # rounded up: no batch slot is taken twice
         self._order = None
+
+
+_ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}
+
+
+class TrainModel(nn.Module):
+    """A model that knows its loss."""
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class MLP(TrainModel):
+    """``depth`` hidden layers of ``hidden_size`` with ``activation_fn``; mean squared error."""
+
+    def __init__(self, cfg: ModelConfig, info: DataInfo) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = info.input_dim
+        for _ in range(cfg.depth):
+            layers += [nn.Linear(width, cfg.hidden_size), _ACTIVATIONS[cfg.activation_fn]()]
+            if cfg.dropout > 0:
+                layers.append(nn.Dropout(cfg.dropout))
+            width = cfg.hidden_size
+        layers.append(nn.Linear(width, info.output_dim))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.net(x)
+        return out
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x).float(), y.float())
+
+
+class _Block(nn.Module):
+    """Pre-LayerNorm transformer block: causal self-attention, then a GELU feed-forward layer."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden, self.heads, self.dropout = cfg.hidden_size, cfg.num_heads, cfg.dropout_rate
+        self.ln1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, cfg.filter_size)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(cfg.filter_size, hidden)
+        self.drop = nn.Dropout(cfg.dropout_rate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, c)))
+        return x + self.drop(self.fc2(self.act(self.fc1(self.ln2(x)))))
+
+
+class TransformerLM(TrainModel):
+    """Token and position embeddings, ``num_hidden_layers`` blocks, a final LayerNorm and an untied head; cross-
+    entropy over every position."""
+
+    def __init__(self, cfg: ModelConfig, info: DataInfo) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(info.vocab_size, cfg.hidden_size)
+        self.pos = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.drop = nn.Dropout(cfg.dropout_rate)
+        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden_size)
+        self.head = nn.Linear(cfg.hidden_size, info.vocab_size)
+        for name, p in self.named_parameters():  # GPT-2's: the residual outputs scaled down by depth
+            if p.dim() >= 2:
+                output = name.endswith(("proj.weight", "fc2.weight"))
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.num_hidden_layers) if output else 0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.drop(self.tok(tokens) + self.pos(positions)[None])
+        for block in self.blocks:
+            x = block(x)
+        logits: torch.Tensor = self.head(self.ln_f(x))
+        return logits
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        tokens, targets = batch
+        logits = self(tokens).float()
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def build_model(cfg: ModelConfig, info: DataInfo | None) -> TrainModel:
+    """The model ``cfg`` names: built in (on ``info``'s data), or a Model Zoo model (``dls.train.modelzoo``)."""
+    if cfg.name in ZOO_MODELS:
+        model: TrainModel = modelzoo().build_model(cfg.name, dict(cfg.params))
+        return model
+    assert info is not None, "a built-in model is built on its data set"
+    return MLP(cfg, info) if cfg.name == "mlp" else TransformerLM(cfg, info)
+
+
+@torch.no_grad()
+def _mean_loss(model: TrainModel, weighted: Iterable[tuple[Batch, int]], device: torch.device) -> float:
+    """The mean loss over ``(batch, weight)`` pairs, in eval mode (no dropout); one read of the device at the end."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    for batch, weight in weighted:
+        total += model.loss(batch).double() * weight
+        count += weight
+    model.train(was_training)
+    return float(total) / max(count, 1)
+
+
+def evaluate_batches(model: TrainModel, batches: Any, steps: int, device: torch.device, prepare: Any) -> float:
+    """Mean loss over ``steps`` batches of ``batches`` (``prepare`` puts one on the device), in eval mode."""
+    return _mean_loss(model, ((prepare(batches.next()), 1) for _ in range(steps)), device)
+
+
+def evaluate(model: TrainModel, dataset: Dataset, device: torch.device, max_samples: int = 4096) -> float:
+    """Mean loss in float32 over the first ``max_samples`` samples of ``dataset`` (64 sequences for the character
+    corpus), in eval mode (no dropout)."""
+    if any(p.dtype != torch.float32 for p in model.parameters() if p.is_floating_point()):
+        model = copy.deepcopy(model).float()
+    n = min(len(dataset), max_samples, 64 if isinstance(dataset, CharCorpus) else max_samples)
+    chunks = [(dataset.batch(idx, epoch=0), len(idx)) for idx in torch.arange(n).split(512)]
+    return _mean_loss(model, (((x.to(device), y.to(device)), size) for (x, y), size in chunks), device)

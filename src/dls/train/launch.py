@@ -18,8 +18,7 @@ from dls.train.errors import RankError, Terminated, describe, exit_status
 from dls_entry import signals
 
 if TYPE_CHECKING:
-    from dls.train.data import Batch
-    from dls.train.models import TrainModel
+    from dls.train.data import Batch, TrainModel
 
 
 class TorchrunEnv(NamedTuple):

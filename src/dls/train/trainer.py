@@ -39,10 +39,18 @@ from dls.train.config import (
     scaler_settings,
     to_dict,
 )
-from dls.train.data import Batch, BatchIterator, build_batches, modelzoo
+from dls.train.data import (
+    Batch,
+    BatchIterator,
+    TrainModel,
+    build_batches,
+    build_model,
+    evaluate,
+    evaluate_batches,
+    modelzoo,
+)
 from dls.train.errors import MissingExtras, TrainingStopped
 from dls.train.launch import StopRequest, resolve_device, run_on_rank0, sum_over_ranks, wrap_data_parallel
-from dls.train.models import TrainModel, build_model, evaluate, evaluate_batches
 from dls.train.reporting import TrainResult, json_number
 
 __all__ = ["TrainResult", "Trainer", "TrainingStopped"]

@@ -1,20 +1,16 @@
-"""The keys of Model Zoo's ``model`` and data-loader sections, validated with pydantic (strict numbers: no ``True``
-as 1, no ``"1024"`` as 1024), defaults as Model Zoo's own config classes set them.
-
-Every key Model Zoo knows for these models is in one of three groups: honoured (a field below); ``_DEFAULT_ONLY``
-(a feature the Hugging Face classes cannot express: any value but Model Zoo's default is an error naming the key);
-``_IGNORED`` (matters only on Cerebras hardware or for inference: accepted and listed back to the caller). Anything
-else is a misspelling, reported with "did you mean".
-"""
+"""The keys of Model Zoo's ``model`` and data-loader sections, validated with pydantic (strict numbers), defaults as
+Model Zoo's own config classes set them. Every key Model Zoo knows for these models is honoured (a field below),
+``_DEFAULT_ONLY`` (a feature the Hugging Face classes cannot express: any value but Model Zoo's default is an error
+naming the key) or ``_IGNORED`` (for Cerebras hardware or inference only: accepted and listed back); anything else is
+a misspelling, reported with "did you mean"."""
 
 from __future__ import annotations
 
-import difflib
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dls.train.config import ZOO_MODELS, ZOO_PROCESSORS, Finite
+from dls.train.config import ZOO_MODELS, ZOO_PROCESSORS, Finite, did_you_mean
 from dls.train.errors import ConfigError
 
 Positive = Annotated[int, Field(gt=0)]
@@ -81,10 +77,6 @@ class FcMnistKeys(_Keys):
             raise ValueError("hidden_size and depth, or hidden_sizes, must be given")
         return self
 
-    @property
-    def sizes(self) -> list[int]:
-        return self.hidden_sizes if self.hidden_sizes is not None else [self.hidden_size or 0] * (self.depth or 0)
-
 
 class _AttentionParams(_Keys):
     num_kv_groups: Positive | None = None
@@ -138,16 +130,8 @@ class GptKeys(_Keys):
     mixed_precision: bool | None = None  # read by the trainer's precision set-up
     fp16_type: Literal["float16", "bfloat16", "cbfloat16"] | None = None
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
-    @property
-    def kv_heads(self) -> int:
-        return self.extra_attention_params.num_kv_groups or self.num_heads
-
-
-_GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_new", "relu": "relu", "silu": "silu", "tanh": "tanh"}
+GPT2_ACTIVATIONS = ("gelu", "gelu_new", "relu", "silu", "tanh")  # transformers' names; Model Zoo's gelu is exact
 _GPT_DEFAULT_ONLY: dict[str, Any] = {
     **dict.fromkeys((
         "constant_pos_embedding", "attention_inner_dim", "attention_sliding_window_length", "attention_sink_tokens",
@@ -180,7 +164,6 @@ _LOADER_IGNORED = (
     "num_workers", "prefetch_factor", "persistent_workers", "use_worker_cache", "shuffle_buffer", "micro_batch_size",
     "to_float16", "fake_data_seed", "vocab_size", "repeat", "use_multiple_workers", "mixed_precision",
 )  # fmt: skip
-_SHUFFLE_DEFAULT = {"GptHDF5DataProcessor": None, "GptHDF5MapDataProcessor": False, "MNISTDataProcessor": True}
 
 
 class LoaderKeys(_Keys):
@@ -198,112 +181,96 @@ class LoaderKeys(_Keys):
     def dirs(self) -> list[str]:
         return [self.data_dir] if isinstance(self.data_dir, str) else list(self.data_dir or [])
 
-    def shuffles(self, processor: str) -> bool:
-        return bool(self.shuffle if self.shuffle is not None else _SHUFFLE_DEFAULT[processor])
-
-    @property
-    def drops_last(self) -> bool:
-        return next((v for v in (self.drop_last, self.drop_last_batch) if v is not None), True)
-
 
 def _validate(
     cls: type[_Keys], params: Any, prefix: str, default_only: dict[str, Any], ignored: tuple[str, ...]
 ) -> tuple[Any, list[str], list[str]]:
-    """``(keys, ignored key paths, problems)``; ``keys`` is None when there are problems."""
+    """``(keys, ignored key paths, problems)``; ``keys`` is None when they do not validate."""
     if not isinstance(params, dict):
         return None, [], [f"{prefix}: a mapping of keys is expected; got {type(params).__name__}"]
-    problems, skipped, rest = [], [], {}
-    for key, value in params.items():
-        if key in default_only:
-            if value != default_only[key]:
-                why = f"cannot be expressed by dls's Model Zoo models (only the default {default_only[key]!r} can)"
-                problems.append(f"{prefix}.{key}: {value!r} {why}")
-        elif key in ignored:
-            skipped.append(f"{prefix}.{key}")
-        else:
-            rest[key] = value
+    why = "cannot be expressed by dls's Model Zoo models (only the default {!r} can)"
+    changed = [k for k in params if k in default_only and params[k] != default_only[k]]
+    problems = [f"{prefix}.{k}: {params[k]!r} {why.format(default_only[k])}" for k in changed]
     try:
-        keys = cls.model_validate(rest)
+        keys = cls.model_validate({k: v for k, v in params.items() if k not in default_only and k not in ignored})
     except ValidationError as exc:
-        keys = None
-        known = {*default_only, *ignored, *cls.model_fields, *Initializer.model_fields, *_PosScalingArgs.model_fields}
+        known = sorted(
+            {*default_only, *ignored, *cls.model_fields, *Initializer.model_fields, *_PosScalingArgs.model_fields}
+        )
         for err in exc.errors():
             path = ".".join([prefix, *(str(p) for p in err["loc"])])
             if err["type"] == "extra_forbidden":
-                close = difflib.get_close_matches(str(err["loc"][-1]), sorted(known), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                problems.append(f"{path}: unknown key{hint}")
+                problems.append(f"{path}: unknown key{did_you_mean(err['loc'][-1], known)}")
             else:
                 got = f" (got {err['input']!r})" if err["type"] != "missing" else ""
                 problems.append(f"{path}: {err['msg'].removeprefix('Value error, ')}{got}")
-    return keys, skipped, problems
+        return None, [], problems
+    return keys, [f"{prefix}.{k}" for k in params if k in ignored], problems
 
 
-def _gpt_problems(name: str, k: GptKeys, prefix: str) -> tuple[list[str], list[str]]:
-    """What the Hugging Face class for ``name`` cannot express (problems), and keys it does not use (ignored)."""
-    problems: list[str] = []
-    skipped: list[str] = []
+# The values Hugging Face's class builds, for the keys where it builds only some of Model Zoo's.
+_HF_BUILDS: dict[str, dict[str, tuple[Any, ...]]] = {
+    "llama": {
+        "position_embedding_type": ("rotary",), "norm_type": ("rmsnorm",), "nonlinearity": ("swiglu",),
+        "attention_type": ("scaled_dot_product",), "dropout_rate": (0.0,), "embedding_dropout_rate": (0.0,),
+        "pos_scaling_type": ("linear", "llama3"),
+    },
+    "gpt2": {
+        "position_embedding_type": ("learned",), "norm_type": ("layernorm",), "nonlinearity": GPT2_ACTIVATIONS,
+        "attention_module": ("aiayn_attention",), "use_projection_bias_in_attention": (True,),
+        "use_ffn_bias_in_attention": (True,), "use_ffn_bias": (True,), "use_bias_in_output": (False,),
+    },
+}  # fmt: skip
 
-    def need(key: str, ok: bool, why: str) -> None:
-        if not ok:
-            problems.append(f"{prefix}.{key}: {getattr(k, key)!r} {why}")
 
+def _gpt_problems(name: str, k: GptKeys, prefix: str, ignored: list[str]) -> list[str]:
+    """What the Hugging Face class for ``name`` cannot express; the keys it does not use are added to ``ignored``."""
+    llama = name == "llama"
+    builds = _HF_BUILDS["llama" if llama else "gpt2"]
+    head = k.hidden_size // k.num_heads
+    if llama:  # it rotates whole heads, and has one attention_bias for all four projections
+        builds = {**builds, "rotary_dim": (head,), "use_ffn_bias_in_attention": (k.use_projection_bias_in_attention,)}
+    values = dict(k)  # as Model Zoo reads them: the rates default to dropout_rate, rotary_dim to a quarter head
+    values["embedding_dropout_rate"] = k.dropout_rate if k.embedding_dropout_rate is None else k.embedding_dropout_rate
+    values["rotary_dim"] = k.rotary_dim if k.rotary_dim is not None else int(head * 0.25)
+    hf = "LlamaForCausalLM" if llama else "GPT2LMHeadModel"
+    problems = [
+        f"{prefix}.{key}: {values[key]!r} cannot be built by Hugging Face's {hf} (only {' or '.join(map(repr, ok))})"
+        for key, ok in builds.items()
+        if values[key] not in ok
+    ]
     if k.hidden_size % k.num_heads:
-        need("num_heads", False, f"does not divide hidden_size ({k.hidden_size})")
+        problems.append(f"{prefix}.num_heads: {k.num_heads} does not divide hidden_size ({k.hidden_size})")
     if k.loss_scaling == "num_tokens" and k.loss_weight != 1.0:
-        skipped.append(f"{prefix}.loss_weight (Model Zoo uses 1.0 with loss_scaling: num_tokens)")
-    if name == "llama":
-        hf = "by Hugging Face's LlamaForCausalLM"
-        need("position_embedding_type", k.position_embedding_type == "rotary", f"cannot be built {hf} (rotary)")
-        need("norm_type", k.norm_type == "rmsnorm", f"cannot be built {hf} (rmsnorm)")
-        need("nonlinearity", k.nonlinearity == "swiglu", f"cannot be built {hf} (swiglu)")
-        need("attention_type", k.attention_type == "scaled_dot_product", f"cannot be built {hf}")
-        need("dropout_rate", k.dropout_rate == 0, f"cannot be built {hf}, which has no residual dropout: set 0.0")
-        emb = k.dropout_rate if k.embedding_dropout_rate is None else k.embedding_dropout_rate
-        if emb != 0:
-            problems.append(f"{prefix}.embedding_dropout_rate: {emb!r} cannot be built {hf} (no embedding dropout)")
-        rotary = k.rotary_dim if k.rotary_dim is not None else int(k.head_dim * 0.25)  # Model Zoo's default
-        if rotary != k.head_dim:
-            why = f"is not the head size; {hf.removeprefix('by ')} rotates whole heads: set rotary_dim: {k.head_dim}"
-            problems.append(f"{prefix}.rotary_dim: {rotary} {why}")
-        same = k.use_ffn_bias_in_attention == k.use_projection_bias_in_attention
-        need("use_ffn_bias_in_attention", same, f"must equal use_projection_bias_in_attention {hf} (attention_bias)")
-        need("pos_scaling_type", k.pos_scaling_type in ("linear", "llama3"), "is not supported (linear, llama3)")
-        args = k.pos_scaling_extra_args or _PosScalingArgs()
-        if k.pos_scaling_type == "llama3":
-            missing = [f for f in _PosScalingArgs.model_fields if getattr(args, f) is None]
-            problems += [f"{prefix}.pos_scaling_extra_args.{f}: required with pos_scaling_type llama3" for f in missing]
-        groups = k.extra_attention_params.num_kv_groups
-        if k.attention_module == "multiquery_attention" and (groups is None or k.num_heads % groups):
-            why = f"multiquery_attention needs a number of key/value heads that divides num_heads ({k.num_heads})"
-            problems.append(f"{prefix}.extra_attention_params.num_kv_groups: {groups!r}; {why}")
-        elif k.attention_module != "multiquery_attention" and groups is not None:
-            problems.append(f"{prefix}.extra_attention_params.num_kv_groups: needs multiquery_attention")
-    else:
-        hf = "by Hugging Face's GPT2LMHeadModel"
-        need("position_embedding_type", k.position_embedding_type == "learned", f"cannot be built {hf} (learned)")
-        need("norm_type", k.norm_type == "layernorm", f"cannot be built {hf} (layernorm)")
-        need("nonlinearity", k.nonlinearity in _GPT2_ACTIVATIONS, f"is not supported ({', '.join(_GPT2_ACTIVATIONS)})")
-        need("attention_module", k.attention_module == "aiayn_attention", f"cannot be built {hf} (use llama)")
-        for key in ("use_projection_bias_in_attention", "use_ffn_bias_in_attention", "use_ffn_bias"):
-            need(key, getattr(k, key), f"cannot be built {hf}, whose layers always have biases")
-        need("use_bias_in_output", not k.use_bias_in_output, f"cannot be built {hf}, whose output has no bias")
+        ignored.append(f"{prefix}.loss_weight (Model Zoo uses 1.0 with loss_scaling: num_tokens)")
+    if not llama:
         fields = ("rotary_dim", "rope_theta", "pos_scaling_type", "pos_scaling_factor", "pos_scaling_extra_args")
-        skipped += [f"{prefix}.{f} (learned positions)" for f in fields if f in k.model_fields_set]
-    return problems, skipped
+        ignored += [f"{prefix}.{f} (learned positions)" for f in fields if f in k.model_fields_set]
+        return problems
+    if k.pos_scaling_type == "llama3":
+        args = k.pos_scaling_extra_args or _PosScalingArgs()
+        missing = [f for f in _PosScalingArgs.model_fields if getattr(args, f) is None]
+        problems += [f"{prefix}.pos_scaling_extra_args.{f}: required with pos_scaling_type llama3" for f in missing]
+    groups = k.extra_attention_params.num_kv_groups
+    if k.attention_module == "multiquery_attention" and (groups is None or k.num_heads % groups):
+        why = f"multiquery_attention needs a number of key/value heads that divides num_heads ({k.num_heads})"
+        problems.append(f"{prefix}.extra_attention_params.num_kv_groups: {groups!r}; {why}")
+    elif k.attention_module != "multiquery_attention" and groups is not None:
+        problems.append(f"{prefix}.extra_attention_params.num_kv_groups: needs multiquery_attention")
+    return problems
 
 
 def parse_model(name: str, params: Any, prefix: str = "model") -> tuple[FcMnistKeys | GptKeys, list[str]]:
-    """The validated keys of model ``name`` and the key paths ignored here; ``ConfigError`` listing every problem."""
+    """The validated keys of model ``name`` and the key paths ignored here (for a GPT model, also the keys its Hugging
+    Face class does not use); ``ConfigError`` listing every problem, every key that class cannot express included."""
     if name == "fc_mnist":
         keys, ignored, problems = _validate(FcMnistKeys, params, prefix, _FC_DEFAULT_ONLY, _FC_IGNORED)
     elif name in GPT_NAMES:
         keys, ignored, problems = _validate(GptKeys, params, prefix, _GPT_DEFAULT_ONLY, _GPT_IGNORED)
-        if keys is not None:
-            more, skipped = _gpt_problems(name, keys, prefix)
-            problems, ignored = problems + more, ignored + skipped
     else:
         raise ConfigError([f"{prefix}.name: {name!r} is not a Model Zoo model dls builds ({', '.join(ZOO_MODELS)})"])
+    if isinstance(keys, GptKeys):
+        problems += _gpt_problems(name, keys, prefix, ignored)
     if problems:
         raise ConfigError(problems)
     return keys, ignored
@@ -319,7 +286,7 @@ def parse_loader(processor: str, params: Any, prefix: str) -> tuple[LoaderKeys, 
             problems.append(f"{prefix}.data_processor: {keys.data_processor!r}, but {processor} is being built")
         if None not in (keys.drop_last, keys.drop_last_batch) and keys.drop_last != keys.drop_last_batch:
             problems.append(f"{prefix}.drop_last_batch: contradicts drop_last")
-        if keys.shuffle is None and _SHUFFLE_DEFAULT[processor] is None:
+        if keys.shuffle is None and processor == "GptHDF5DataProcessor":  # the others have a default
             problems.append(f"{prefix}.shuffle: required by {processor}")
         if processor == "MNISTDataProcessor" and isinstance(keys.data_dir, list):
             problems.append(f"{prefix}.data_dir: MNISTDataProcessor reads one directory, not a list")
