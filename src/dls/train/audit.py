@@ -3,8 +3,11 @@ which loss scale, and what FP8 recipes do to it. Nothing is trained; ``--out`` w
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
+import itertools
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -13,11 +16,14 @@ from torch import nn
 
 import dls
 import dls.fp8
+from dls import formats as half_formats
 from dls.diagnostics import AuditResult, FormatAudit
 from dls.diagnostics.scales import percent, pow2
 from dls.train import checkpoint as ckpt
-from dls.train.config import TrainConfig, loss_scaling_mode, scaler_settings
+from dls.train.cli import config_errors
+from dls.train.config import TrainConfig, load_config, loss_scaling_mode, scaler_settings
 from dls.train.data import Batch, BatchIterator, build_dataset
+from dls.train.errors import UsageError
 from dls.train.launch import resolve_device
 from dls.train.models import TrainModel, build_model
 from dls.train.reporting import describe_fp8
@@ -55,27 +61,19 @@ def build_inputs(cfg: TrainConfig, steps: int) -> tuple[TrainModel, Batches]:
     return build_model(cfg.model, dataset.info).to(device), Batches(make, steps, device)
 
 
-def _cycle(batches: Iterable[Batch]) -> Iterator[Batch]:
-    while True:  # not itertools.cycle, which keeps every batch
-        yield from batches
-
-
 def audit_formats(model: TrainModel, batches: Batches, formats: Sequence[str], loss_weight: float = 1.0) -> AuditResult:
-    stream = _cycle(batches)
-
-    def loss_fn(m: nn.Module) -> torch.Tensor:
-        loss: torch.Tensor = model.loss(next(stream)) * loss_weight
-        return loss
-
     audits: dict[str, FormatAudit] = {}
     keep: dict[str, list[str] | None] = {}
-    result = None
     for fmt in formats:  # one call per format, so that each starts at the first batch
-        stream = _cycle(batches)
+        stream = itertools.chain.from_iterable(itertools.repeat(batches))  # not itertools.cycle: it keeps every batch
+
+        def loss_fn(m: nn.Module, stream: Iterator[Batch] = stream) -> torch.Tensor:
+            loss: torch.Tensor = model.loss(next(stream)) * loss_weight
+            return loss
+
         result = dls.audit(model, loss_fn, formats=[fmt], steps=len(batches))
         audits.update(result.audits)
         keep.update(result.keep_in_float32)
-    assert result is not None, "formats is not empty"
     return dataclasses.replace(result, audits=audits, keep_in_float32=keep)
 
 
@@ -183,12 +181,43 @@ def recommendation_lines(cfg: TrainConfig, result: AuditResult) -> list[str]:
     return lines
 
 
-def write_plot(result: AuditResult, out: Path) -> Path:
-    """``out/audit.png``; ``save_plot`` takes a path only, so it draws into a private temporary directory first."""
-    import tempfile
-
-    directory = resolve_model_dir(out, "--out")
-    with tempfile.TemporaryDirectory(prefix="dls-audit-") as scratch:
-        png = result.save_plot(Path(scratch) / AUDIT_PLOT).read_bytes()
-    with RunDir(directory, "--out") as run_dir:
-        return run_dir.replace(AUDIT_PLOT, png)
+def command(args: argparse.Namespace) -> None:
+    """``dls audit``: the arguments checked, then the verdicts, the scales, the FP8 table and the plot."""
+    names = args.formats if args.formats is not None else list(DEFAULT_FORMATS)
+    if unknown := [name for name in names if name not in half_formats.names()]:
+        raise UsageError(f"--formats: unknown format {unknown[0]!r}; allowed: {', '.join(half_formats.names())}")
+    recipe_names = None if args.fp8_recipes is None else list(dict.fromkeys(args.fp8_recipes or dls.fp8.RECIPE_NAMES))
+    if unknown := [r for r in recipe_names or () if r not in dls.fp8.RECIPE_NAMES]:
+        allowed = ", ".join(dls.fp8.RECIPE_NAMES)
+        raise UsageError(f"--fp8-recipes: unknown recipe(s) {', '.join(map(repr, unknown))}; allowed: {allowed}")
+    cfg = load_config(args.config, args.override)
+    threads = torch.get_num_threads()
+    if cfg.runconfig.num_threads is not None:
+        torch.set_num_threads(cfg.runconfig.num_threads)
+    try:
+        with config_errors(args.config):
+            model, batches = build_inputs(cfg, args.steps)
+        weight = cfg.model.loss_weight
+        print(
+            f"dls audit {args.config}: {cfg.model.name} on {cfg.data.dataset}, the first {args.steps} batches of "
+            f"{cfg.data.batch_size}, float32 weights as dls train initialises them, loss x {weight:g} "
+            "(model.loss_weight)"
+        )
+        result = audit_formats(model, batches, names, weight)
+        print(result.to_text() + "\n\n" + "\n".join(recommendation_lines(cfg, result)))
+        if recipe_names is not None:
+            own = cfg.precision.fp8 or {"recipe": None}  # a recipe the config names keeps its fields
+            recipes = [
+                dls.fp8.recipe_from_dict(dict(own) if own["recipe"] == n else {"recipe": n}) for n in recipe_names
+            ]
+            scale = scaler_settings(cfg).init_scale if loss_scaling_mode(cfg) != "off" else 1.0
+            rows = compare_fp8(model, batches, recipes, weight, scale, seed=cfg.runconfig.seed)
+            print("\n" + fp8_table(rows, scale, args.steps))
+        if args.out is not None:  # save_plot takes a path only: drawn in a private temporary directory first
+            directory = resolve_model_dir(Path(args.out), "--out")
+            with tempfile.TemporaryDirectory(prefix="dls-audit-") as scratch:
+                png = result.save_plot(Path(scratch) / AUDIT_PLOT).read_bytes()
+            with RunDir(directory, "--out") as run_dir:
+                print(f"\nPlot: {run_dir.replace(AUDIT_PLOT, png)}")
+    finally:
+        torch.set_num_threads(threads)

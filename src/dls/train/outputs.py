@@ -15,7 +15,7 @@ import yaml
 
 from dls.train import checkpoint as ckpt
 from dls.train.errors import MissingExtras, ModelDirError
-from dls.train.plots import metrics_to_keep, plot_run, read_metrics
+from dls.train.reporting import metrics_to_keep, plot_run, read_metrics
 from dls.train.rundir import LOCK_FILE, RunDir, describe_holder, is_same_file, remove_temporaries, resolve_model_dir
 
 METRICS_FILE = "metrics.jsonl"
