@@ -112,15 +112,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     args.crash_dir = None  # where a crash report may go (dls train sets it)
-    commands: dict[str, Callable[[argparse.Namespace], int | None]] = {
-        "validate": _validate,
-        "train": _train,
-        "demo": _demo,
-        "audit": _audit,
-        "init": _init,
-        "data": _data,
-        "keys": _keys,
-    }
     try:
         with signals():  # Ctrl-C / SIGTERM raise from here on (dls_entry)
             missing = [package for module, package in TRAIN_EXTRA.items() if not _importable(module)]
@@ -131,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             if getattr(args, "steps", 1) < 1:  # dls demo and dls audit
                 raise UsageError(f"--steps must be >= 1; got {args.steps}")
-            return commands[args.command](args) or 0
+            command: Callable[[argparse.Namespace], int | None] = globals()[f"_{args.command}"]  # dls X runs _X
+            return command(args) or 0
     except (Exception, KeyboardInterrupt) as exc:
         return _report(exc, args.crash_dir)
 

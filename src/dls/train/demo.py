@@ -1,14 +1,11 @@
 """``dls demo``: one small MLP trained ten ways (:data:`RUNS`); its loss weight of 1e-4 pushes float16's gradients
 below its smallest subnormal, the case loss scaling exists for. The runs and columns: docs/guides/trainer.md.
 
-Then the float32 fallback's rows (:func:`run_fallback_rows`), a plain-PyTorch loop on a second model
-(:func:`amplifying_net`): ``Linear(16, 64)`` → ``amplify`` (``Linear(64, 64)``, weights 3e5 times their default, so
-its outputs reach ~5e5, beyond float16's 65504) → ``LayerNorm`` (back to order 1: float32 trains normally) → ``Tanh``
-→ ``Linear(64, 1)``, learning ``tanh(x0 * x1)`` (fresh Gaussian batches of 64; Adam, lr 1e-2 x 0.99 per applied
-step). From identical weights and batches, float16 under ``torch.autocast``: float32; float16 + DLS (every pass
-overflows in ``amplify``, every step is skipped, the run stops with the scale at its floor, as the trainer does);
-float16 + DLS + ``scaler.watch(model, fallback=True)`` (the first overflow arms the watch, the next pass finds
-``amplify``, which computes in float32 from then on). Loss: float32 MSE on 8 held-out batches after training.
+Then the float32 fallback's rows (:func:`run_fallback_rows`): a plain-PyTorch loop on :func:`amplifying_net`, whose
+layer ``amplify`` outputs ~5e5 (beyond float16's 65504) before a LayerNorm, learning ``tanh(x0 * x1)``; from identical
+weights and batches: float32; float16 + DLS under autocast (every step skipped, stopped with the scale at its floor, as
+the trainer does); the same with ``scaler.watch(model, fallback=True)``, which keeps ``amplify`` in float32 after the
+first overflows. Loss: float32 MSE on 8 held-out batches after training.
 """
 
 from __future__ import annotations
@@ -19,9 +16,8 @@ import os
 import time
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from rich import box
@@ -41,7 +37,8 @@ from dls.train.trainer import Trainer
 LOSS_WEIGHT = 1e-4
 STATIC_SCALE = 256.0
 # float16 + DLS starts this high, so that the demo shows the scaler backing off and probing above its scale later.
-DLS = {"loss_scaling_factor": "dynamic", "steps_per_increase": 100, "max_loss_scale": 2.0**40}
+DYNAMIC = {"loss_scaling_factor": "dynamic", "steps_per_increase": 100}
+DLS = {**DYNAMIC, "max_loss_scale": 2.0**40}
 FP16 = {"mixed_precision": True, "fp16_type": "float16"}
 FP8 = {"mixed_precision": False}  # FP8 Linear layers, everything else in float32 (no loss scaling)
 
@@ -64,31 +61,20 @@ def base_config(steps: int, model_dir: Path) -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True)
-class DemoRun:
-    slug: str
-    label: str
-    precision: dict[str, Any]
-    optimizer: dict[str, Any]
-
-
-RUNS = (
-    DemoRun("float32", "float32", {"mixed_precision": False}, {}),
-    DemoRun("float16_no_scaling", "fp16, no scaling", FP16, {"loss_scaling_factor": 1.0}),
-    DemoRun("float16_static", f"fp16, static {pow2(STATIC_SCALE)}", FP16, {"loss_scaling_factor": STATIC_SCALE}),
-    DemoRun("float16_dls", "fp16 + DLS", FP16, DLS),
-    DemoRun(
-        "cbfloat16_dls",
-        "cbfloat16 + DLS",
-        {"mixed_precision": True, "fp16_type": "cbfloat16"},
-        {"loss_scaling_factor": "dynamic", "steps_per_increase": 100},
-    ),
-    DemoRun("float16_params", "fp16 params, no masters", {**FP16, "half_params": True, "master_weights": False}, DLS),
-    DemoRun("float16_params_masters", "fp16 params + masters", {**FP16, "half_params": True}, DLS),
-    DemoRun("fp8_scale_1", "fp8, scale 1", {**FP8, "fp8": {"recipe": "static", "scale": 1.0}}, {}),
-    DemoRun("fp8_delayed", "fp8 delayed", {**FP8, "fp8": {"recipe": "delayed", "amax_history_len": 16}}, {}),
-    DemoRun("fp8_current", "fp8 current", {**FP8, "fp8": {"recipe": "current"}}, {}),
-)
+# slug (the run's directory below --out): label, precision and optimizer sections
+RUNS = {
+    "float32": ("float32", {"mixed_precision": False}, {}),
+    "float16_no_scaling": ("fp16, no scaling", FP16, {"loss_scaling_factor": 1.0}),
+    "float16_static": (f"fp16, static {pow2(STATIC_SCALE)}", FP16, {"loss_scaling_factor": STATIC_SCALE}),
+    "float16_dls": ("fp16 + DLS", FP16, DLS),
+    "cbfloat16_dls": ("cbfloat16 + DLS", {**FP16, "fp16_type": "cbfloat16"}, DYNAMIC),
+    "float16_params": ("fp16 params, no masters", {**FP16, "half_params": True, "master_weights": False}, DLS),
+    "float16_params_masters": ("fp16 params + masters", {**FP16, "half_params": True}, DLS),
+    "fp8_scale_1": ("fp8, scale 1", {**FP8, "fp8": {"recipe": "static", "scale": 1.0}}, {}),
+    "fp8_delayed": ("fp8 delayed", {**FP8, "fp8": {"recipe": "delayed", "amax_history_len": 16}}, {}),
+    "fp8_current": ("fp8 current", {**FP8, "fp8": {"recipe": "current"}}, {}),
+}
+Result = tuple[str, TrainResult, "int | None"]  # label, result, the step it stopped at because scaling cannot help
 
 
 def run_demo(out: Path, steps: int, progress: bool = True, console: Console | None = None) -> None:
@@ -100,33 +86,34 @@ def run_demo(out: Path, steps: int, progress: bool = True, console: Console | No
             f"steps; the loss is multiplied by {LOSS_WEIGHT:g} (model.loss_weight), so float16 flushes many gradients."
         )
         start = time.perf_counter()
-        results = {run.slug: (run, *_train_one(run, out, steps, progress, console)) for run in RUNS}
+        results = {slug: _train_one(slug, out, steps, progress, console) for slug in RUNS}
         total = time.perf_counter() - start
         reference = results["float32"][1].eval_loss
         rows = []
-        for run, r, stopped in results.values():
+        for slug, (label, r, stopped) in results.items():
             measured = r.grad_underflow if r.fp8_flushed is None else r.fp8_flushed
-            underflow = "-" if measured is None or run.slug == "float32" else f"{100 * measured:.1f}%"
-            cells = _cells(run.label, r.eval_loss, stopped, reference, r.loss_scale, r.skipped_steps)
+            underflow = "-" if measured is None or slug == "float32" else f"{100 * measured:.1f}%"
+            cells = _cells(label, r.eval_loss, stopped, reference, r.loss_scale, r.skipped_steps)
             rows.append([*cells, underflow, f"{r.wall_time:.1f}s"])
         _print_table(console, f"dls demo ({steps} steps each)", ["underflow", "time"], rows)
         console.print(
             "loss: final float32 loss (unweighted MSE over the data set); underflow: share of nonzero activation "
-            "gradients (fp8: grad_output values) flushed to zero at the scale in use; stopped@N: see the message above.",
+            "gradients (fp8: grad_output values) flushed to zero at the scale in use; stopped@N: see the message "
+            "above.",
             highlight=False,
         )
         _print_fallback_rows(console, run_fallback_rows(steps), steps)
         png = io.BytesIO()
-        metrics = [(run.label, read_metrics(r.metrics_path.read_bytes())) for run, r, _ in results.values()]
+        metrics = [(label, read_metrics(r.metrics_path.read_bytes())) for label, r, _ in results.values()]
         plot_comparison(metrics, png, title=f"dls demo: MLP regression, loss weight {LOSS_WEIGHT:g}, {steps} steps")
         plot = run_dir.replace("demo.png", png.getbuffer())
         _print_verdict(console, results)
         console.print(f"Total wall time {total:.1f} s. Plot: {plot}. Per-run metrics and checkpoints: {out}/<run>/")
 
 
-def _train_one(run: DemoRun, out: Path, steps: int, progress: bool, console: Console) -> tuple[TrainResult, int | None]:
-    """The run's result, and the step it stopped at because loss scaling could not help (or ``None``)."""
-    model_dir = out / run.slug
+def _train_one(slug: str, out: Path, steps: int, progress: bool, console: Console) -> Result:
+    label, precision, optimizer = RUNS[slug]
+    model_dir = out / slug
     if model_dir.exists():  # a previous demo's outputs (the trainer's names only; links removed, never followed)
         with RunDir(resolve_model_dir(model_dir)) as previous:
             for name in os.listdir(previous.fd):
@@ -135,17 +122,16 @@ def _train_one(run: DemoRun, out: Path, steps: int, progress: bool, console: Con
                 ):
                     os.unlink(name, dir_fd=previous.fd)
     raw = base_config(steps, model_dir)
-    raw["precision"].update(run.precision)
-    raw["optimizer"].update(run.optimizer)
-    console.print(f"\n[bold]{run.label}[/]")
-    trainer = Trainer(
-        parse_config(raw, source=f"demo run {run.slug}"), console=console, progress=progress, summary=False, plot=False
-    )
+    raw["precision"].update(precision)
+    raw["optimizer"].update(optimizer)
+    console.print(f"\n[bold]{label}[/]")
+    cfg = parse_config(raw, source=f"demo run {slug}")
+    trainer = Trainer(cfg, console=console, progress=progress, summary=False, plot=False)
     try:
-        return trainer.train(), None
+        return label, trainer.train(), None
     except TrainingStopped as stop:
         console.print(f"stopped: {stop}", highlight=False, markup=False)
-        return stop.result, trainer.global_step
+        return label, stop.result, trainer.global_step
 
 
 def _cells(
@@ -169,30 +155,23 @@ def _print_table(console: Console, title: str, extra: list[str], rows: list[list
     console.print(table)
 
 
-def _print_verdict(console: Console, results: dict[str, tuple[DemoRun, TrainResult, int | None]]) -> None:
+def _print_verdict(console: Console, results: dict[str, Result]) -> None:
     loss = {slug: r.eval_loss for slug, (_, r, _) in results.items()}
     ref, plain, dyn = loss["float32"], loss["float16_no_scaling"], loss["float16_dls"]
     if ref is None or plain is None or dyn is None:
         return
-    within = "(within 5%)." if abs(dyn - ref) <= 0.05 * ref else f"({dyn / ref:.2f}x: NOT within 5% this time)."
-    lines = [f"float16 + DLS ends at {dyn:.4g} vs float32's {ref:.4g} {within}"]
-    lines.append(
-        f"float16 without loss scaling ends at {plain:.4g}, "
-        + (
-            f"{plain / ref:.1f}x float32's: its flushed gradients never reach the weights."
-            if plain > 1.05 * ref
-            else "about as well as float32 in this run."
-        )
-    )
-    (_, bare, bare_stopped), masters = results["float16_params"], loss["float16_params_masters"]
+    within = "within 5%" if abs(dyn - ref) <= 0.05 * ref else f"{dyn / ref:.2f}x: NOT within 5% this time"
+    lines = [f"float16 + DLS ends at {dyn:.4g} vs float32's {ref:.4g} ({within})."]
+    how = f"{plain / ref:.1f}x float32's: its flushed gradients never reach the weights"
+    how = how if plain > 1.05 * ref else "about as well as float32 in this run"
+    lines.append(f"float16 without loss scaling ends at {plain:.4g}, {how}.")
+    (_, bare, stopped), masters = results["float16_params"], loss["float16_params_masters"]
     if results["float16_params_masters"][2] is None and masters is not None:
+        without = f"the run stopped at step {stopped}: its float16 weights became inf/NaN"
+        without = without if stopped is not None else f"at {bare.eval_loss:.4g}"
         lines.append(
             f"float16 parameters with float32 master weights end at {masters:.4g} ({masters / ref:.2f}x float32's); "
-            + (
-                f"without masters the run stopped at step {bare_stopped}: its float16 weights became inf/NaN."
-                if bare_stopped is not None
-                else f"without masters at {bare.eval_loss:.4g}."
-            )
+            f"without masters {without}."
         )
     fixed, delayed, current = (results[slug][1] for slug in ("fp8_scale_1", "fp8_delayed", "fp8_current"))
     if all(r.eval_loss is not None and r.fp8_flushed is not None for r in (fixed, delayed, current)):
@@ -218,19 +197,14 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tanh(x[:, :1] * x[:, 1:2])
 
 
-@dataclass(frozen=True)
-class FallbackRow:
-    """One run: ``loss`` (``None`` when stopped), ``stopped`` (the step it stopped at), ``skipped`` (steps
-    skipped), ``skipped_before_kept`` (steps skipped before the fallback's last addition), ``kept`` (module
-    names), ``scale`` (final loss scale; ``None`` for float32)."""
-
+class FallbackRow(NamedTuple):
     label: str
-    loss: float | None
-    stopped: int | None
-    skipped: int
-    skipped_before_kept: int | None
-    kept: tuple[str, ...]
-    scale: float | None
+    loss: float | None  # None when stopped
+    stopped: int | None  # the step it stopped at
+    skipped: int  # steps skipped
+    skipped_before_kept: int | None  # steps skipped before the fallback's last addition
+    kept: tuple[str, ...]  # the modules kept in float32
+    scale: float | None  # the final loss scale; None for float32
 
 
 def _train_fallback_row(label: str, steps: int, half: bool, fallback: bool, seed: int) -> FallbackRow:
@@ -274,14 +248,8 @@ def run_fallback_rows(steps: int = 600, seed: int = 0) -> list[FallbackRow]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: one thread is as fast as two, and far faster on shared cores
     try:
-        return [
-            _train_fallback_row(label, steps, half, fallback, seed)
-            for label, half, fallback in [
-                ("float32", False, False),
-                ("fp16 + DLS", True, False),
-                ("fp16 + DLS + fallback", True, True),
-            ]
-        ]
+        runs = [("float32", False, False), ("fp16 + DLS", True, False), ("fp16 + DLS + fallback", True, True)]
+        return [_train_fallback_row(label, steps, half, fallback, seed) for label, half, fallback in runs]
     finally:
         torch.set_num_threads(threads)
 
@@ -289,16 +257,12 @@ def run_fallback_rows(steps: int = 600, seed: int = 0) -> list[FallbackRow]:
 def _print_fallback_rows(console: Console, rows: list[FallbackRow], steps: int) -> None:
     """The runs as a table in the style of the demo's, then one sentence on what the fallback did."""
     reference, plain, healed = rows[0].loss, rows[1], rows[2]
-    cells = [
-        [
-            *_cells(r.label, r.loss, r.stopped, reference, r.scale, r.skipped),
-            (", ".join(r.kept) or "-") + ("" if r.skipped_before_kept is None else f" after {r.skipped_before_kept}"),
-        ]
-        for r in rows
-    ]
-    _print_table(
-        console, f"float16 that heals itself: one layer outputs ~5e5 ({steps} steps each)", ["kept in float32"], cells
-    )
+    cells = []
+    for r in rows:
+        kept = (", ".join(r.kept) or "-") + ("" if r.skipped_before_kept is None else f" after {r.skipped_before_kept}")
+        cells.append([*_cells(r.label, r.loss, r.stopped, reference, r.scale, r.skipped), kept])
+    title = f"float16 that heals itself: one layer outputs ~5e5 ({steps} steps each)"
+    _print_table(console, title, ["kept in float32"], cells)
     console.print(
         "kept in float32: after N = after N skipped steps. A second model: its layer 'amplify' outputs ~5e5, "
         "beyond float16's 65504, followed by a LayerNorm (dls.train.demo). Plain float16 + DLS skips every step"
