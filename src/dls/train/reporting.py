@@ -45,12 +45,9 @@ def json_number(value: float | None) -> float | None:
 
 
 def describe_scaling(cfg: TrainConfig) -> str:
-    mode = loss_scaling_mode(cfg)
-    if mode == "off":
-        return "no loss scaling"
-    s = scaler_settings(cfg)
-    if mode == "static":
-        return f"static loss scale {pow2(s.init_scale)}"
+    mode, s = loss_scaling_mode(cfg), scaler_settings(cfg)
+    if mode != "dynamic":
+        return "no loss scaling" if mode == "off" else f"static loss scale {pow2(s.init_scale)}"
     return (
         f"dynamic loss scaling (start {pow2(s.init_scale)}, x{s.growth_factor:g} after {s.growth_interval} "
         f"clean steps, range {pow2(s.min_loss_scale)}..{pow2(s.max_loss_scale)})"
@@ -58,16 +55,12 @@ def describe_scaling(cfg: TrainConfig) -> str:
 
 
 def describe_precision(cfg: TrainConfig) -> str:
-    prec = cfg.precision
-    dtype = prec.compute_dtype
-    if dtype == "float32":
-        text = "float32"
-    elif prec.half_params:
+    prec, dtype = cfg.precision, cfg.precision.compute_dtype
+    text = dtype if dtype == "float32" else f"{dtype} ({'dls.emulate' if prec.emulated else 'torch.autocast'})"
+    if dtype != "float32" and prec.half_params:
         how = "dls.emulate, parameters on its grid" if dtype == "cbfloat16" else "parameters, no autocast"
         masters = "float32 master weights" if prec.master_weights else "no master weights"
         text = f"{dtype} ({how}; {masters})"
-    else:
-        text = f"{dtype} ({'dls.emulate' if prec.emulated else 'torch.autocast'})"
     if prec.fp8 is not None:
         text += f", FP8 Linear layers ({describe_fp8(prec.fp8)})"
     return text
@@ -77,10 +70,9 @@ def describe_fp8(recipe: Mapping[str, Any]) -> str:
     """``delayed scaling, margin 2``: the recipe's name and the fields that differ from its defaults."""
     from dls.fp8 import RECIPE_NAMES
 
-    name = recipe["recipe"]
-    defaults = RECIPE_NAMES[name]().to_dict()
+    defaults = RECIPE_NAMES[recipe["recipe"]]().to_dict()
     changed = [f"{k} {v}" for k, v in recipe.items() if k != "recipe" and defaults.get(k) != v]
-    return ", ".join([f"{name} scaling", *changed])
+    return ", ".join([f"{recipe['recipe']} scaling", *changed])
 
 
 def describe_run(
@@ -90,10 +82,8 @@ def describe_run(
         f"{cfg.model.name} on {cfg.data.dataset or cfg.data.data_processor}, {describe_precision(cfg)}, "
         f"{describe_scaling(cfg)}; steps {start_step}->{max_steps}; output in {model_dir}"
     )
-    if world_size > 1:
-        text += f"; data-parallel on {world_size} ranks ({device_type}), global batch {world_size} x "
-        text += str(cfg.data.batch_size)
-    return text
+    batch = f"; data-parallel on {world_size} ranks ({device_type}), global batch {world_size} x {cfg.data.batch_size}"
+    return text + (batch if world_size > 1 else "")
 
 
 class ProgressDisplay:
@@ -221,41 +211,39 @@ def comparison_figure(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], titl
         for ax in shared[1:]:
             ax.sharey(shared[0])
 
-    def points(rows: Sequence[dict[str, Any]], key: str) -> list[tuple[Any, Any]]:  # for log axes: finite, > 0
-        return [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and 0 < r[key] < math.inf]
+    def points(rows: Sequence[dict[str, Any]], key: str) -> tuple[list[Any], list[Any]]:  # log axes: finite, > 0
+        kept = [r for r in rows if isinstance(r.get(key), (int, float)) and 0 < r[key] < math.inf]
+        return [r["step"] for r in kept], [r[key] for r in kept]
 
     reference = points(runs[0][1], "loss")
     for i, (label, rows) in enumerate(runs):
         ax_loss, ax_scale = loss_axes[i], scale_axes[i]
-        losses, scales = points(rows, "loss"), points(rows, "loss_scale")
+        (steps, losses), scales = points(rows, "loss"), points(rows, "loss_scale")
         skipped = [r for r in rows if r.get("skipped")]
-        if reference and i > 0:
-            ax_loss.plot(*zip(*reference), "--", color="0.55", lw=1.2)
-        if losses:
-            ax_loss.plot(*zip(*losses), color="black" if i == 0 and len(runs) > 1 else "tab:blue", lw=1.4)
-        if rows and (not losses or losses[-1][0] < rows[-1]["step"]):  # the loss became inf/NaN: say so, not a gap
-            text = f"loss inf/NaN after step {losses[-1][0] if losses else 0}\nlast row: step {rows[-1]['step']}"
+        if reference[0] and i > 0:
+            ax_loss.plot(*reference, "--", color="0.55", lw=1.2)
+        if steps:
+            ax_loss.plot(steps, losses, color="black" if i == 0 and len(runs) > 1 else "tab:blue", lw=1.4)
+        if rows and (not steps or steps[-1] < rows[-1]["step"]):  # the loss became inf/NaN: say so, not a gap
+            text = f"loss inf/NaN after step {steps[-1] if steps else 0}\nlast row: step {rows[-1]['step']}"
             ax_loss.text(
                 0.97, 0.95, text, ha="right", va="top", fontsize=7, color="tab:red", transform=ax_loss.transAxes
             )
-        if scales:
-            ax_scale.step(*zip(*scales), where="post", color="tab:green", lw=1.4)
+        ax_loss.scatter(*points(skipped, "loss"), marker="x", s=16, color="tab:red", zorder=3)
+        if scales[0]:
+            ax_scale.step(*scales, where="post", color="tab:green", lw=1.4)
+            ax_scale.scatter(*points(skipped, "loss_scale"), marker="x", s=16, color="tab:red", zorder=3)
         else:
             ax_scale.text(
                 0.5, 0.5, "no loss scale", ha="center", va="center", color="0.4", transform=ax_scale.transAxes
             )
-        for ax, marks in (
-            (ax_loss, points(skipped, "loss")),
-            (ax_scale, points(skipped, "loss_scale") if scales else []),
-        ):
-            if marks:
-                ax.scatter(*zip(*marks), marker="x", s=16, color="tab:red", zorder=3)
-            ax.grid(True, which="both", alpha=0.3)
         ax_loss.set_title(label, fontsize=9)
         ax_loss.set_yscale("log")
+        for ax in (ax_loss, ax_scale):
+            ax.grid(True, which="both", alpha=0.3)
     for ax in [*loss_axes[len(runs) :], *scale_axes[len(runs) :]]:
         ax.set_axis_off()
-    if any(points(rows, "loss_scale") for _, rows in runs):
+    if any(points(rows, "loss_scale")[0] for _, rows in runs):
         scale_axes[0].set_yscale("log", base=2)
         scale_axes[0].yaxis.set_major_formatter(FuncFormatter(_scale_tick))
     for row in range(groups):
