@@ -203,12 +203,10 @@ def _train(args: argparse.Namespace) -> None:
     from dls.train.config import memory_problem, parse_checkpoint_states, parse_config, read_config
     from dls.train.trainer import Trainer
 
-    states = None
-    if args.load_checkpoint_states is not None:
-        try:
-            states = parse_checkpoint_states(args.load_checkpoint_states)
-        except ValueError as exc:
-            raise UsageError(f"--load_checkpoint_states: {exc}") from None
+    try:
+        states = None if args.load_checkpoint_states is None else parse_checkpoint_states(args.load_checkpoint_states)
+    except ValueError as exc:
+        raise UsageError(f"--load_checkpoint_states: {exc}") from None
     if args.config is not None:
         raw, source = read_config(args.config, args.override), args.config
     elif args.resume is not None:
@@ -280,14 +278,10 @@ def _data(args: argparse.Namespace) -> int:
     return write_data(args.args)
 
 
-def shipped_configs() -> dict[str, Any]:
+def shipped_configs() -> dict[str, Path]:
     """The shipped configs by name (their path below ``configs/`` without ``.yaml``)."""
-    found = {}
-    for entry in (importlib.resources.files("dls.train") / "configs").iterdir():
-        for child in entry.iterdir() if entry.is_dir() else [entry]:
-            if child.name.endswith(".yaml"):
-                found[(f"{entry.name}/" if entry.is_dir() else "") + child.name.removesuffix(".yaml")] = child
-    return dict(sorted(found.items()))
+    root = Path(str(importlib.resources.files("dls.train") / "configs"))  # pip unpacks wheels: a directory
+    return dict(sorted((p.relative_to(root).with_suffix("").as_posix(), p) for p in root.rglob("*.yaml")))
 
 
 def _extras(name: str, text: str) -> str:

@@ -210,8 +210,8 @@ class FallbackRow(NamedTuple):
 def _train_fallback_row(label: str, steps: int, half: bool, fallback: bool, seed: int) -> FallbackRow:
     model = amplifying_net(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.99)
     scaler = dls.GradScaler("cpu", init_scale=2.0**16, enabled=half)
+    schedule = dls.skip_aware(torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.99), scaler)
     watch = scaler.watch(model, fallback=True) if fallback else None
     skipped, before_kept, stopped = 0, None, None
     with warnings.catch_warnings():
@@ -225,6 +225,7 @@ def _train_fallback_row(label: str, steps: int, half: bool, fallback: bool, seed
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
+            schedule.step()  # skip_aware: after applied steps only
             if watch is not None and len(watch.kept_in_float32) > kept_before:
                 before_kept = skipped + 1  # this step was skipped too
             if half and scaler.step_was_skipped(optimizer):
@@ -232,8 +233,6 @@ def _train_fallback_row(label: str, steps: int, half: bool, fallback: bool, seed
                 if scaler.get_non_clamped_scale() < scaler.get_scale():  # pinned at the floor: the trainer stops
                     stopped = step
                     break
-            else:
-                schedule.step()
     with torch.no_grad():
         final = sum(nn.functional.mse_loss(model(x), y).item() for x, y in map(_batch, range(10_000, 10_008))) / 8
     kept = watch.kept_in_float32 if watch is not None else ()
