@@ -117,9 +117,8 @@ def _train_one(slug: str, out: Path, steps: int, progress: bool, console: Consol
     if model_dir.exists():  # a previous demo's outputs (the trainer's names only; links removed, never followed)
         with RunDir(resolve_model_dir(model_dir)) as previous:
             for name in os.listdir(previous.fd):
-                if name in (METRICS_FILE, PLOT_FILE, CONFIG_FILE) or (
-                    name.startswith("checkpoint_") and ".mdl" in name
-                ):
+                checkpoint = name.startswith("checkpoint_") and ".mdl" in name
+                if checkpoint or name in (METRICS_FILE, PLOT_FILE, CONFIG_FILE):
                     os.unlink(name, dir_fd=previous.fd)
     raw = base_config(steps, model_dir)
     raw["precision"].update(precision)
