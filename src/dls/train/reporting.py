@@ -229,17 +229,18 @@ def comparison_figure(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], titl
             ax_loss.text(
                 0.97, 0.95, text, ha="right", va="top", fontsize=7, color="tab:red", transform=ax_loss.transAxes
             )
-        ax_loss.scatter(*points(skipped, "loss"), marker="x", s=16, color="tab:red", zorder=3)
         if scales[0]:
             ax_scale.step(*scales, where="post", color="tab:green", lw=1.4)
-            ax_scale.scatter(*points(skipped, "loss_scale"), marker="x", s=16, color="tab:red", zorder=3)
         else:
             ax_scale.text(
                 0.5, 0.5, "no loss scale", ha="center", va="center", color="0.4", transform=ax_scale.transAxes
             )
         ax_loss.set_title(label, fontsize=9)
         ax_loss.set_yscale("log")
-        for ax in (ax_loss, ax_scale):
+        for ax, key in ((ax_loss, "loss"), (ax_scale, "loss_scale")):
+            marks = points(skipped, key)
+            if marks[0]:  # (an empty scatter breaks a log axis that has no data)
+                ax.scatter(*marks, marker="x", s=16, color="tab:red", zorder=3)
             ax.grid(True, which="both", alpha=0.3)
     for ax in [*loss_axes[len(runs) :], *scale_axes[len(runs) :]]:
         ax.set_axis_off()
