@@ -95,13 +95,11 @@ def run_demo(out: Path, steps: int, progress: bool = True, console: Console | No
             underflow = "-" if measured is None or slug == "float32" else f"{100 * measured:.1f}%"
             cells = _cells(label, r.eval_loss, stopped, reference, r.loss_scale, r.skipped_steps)
             rows.append([*cells, underflow, f"{r.wall_time:.1f}s"])
-        _print_table(console, f"dls demo ({steps} steps each)", ["underflow", "time"], rows)
-        console.print(
+        note = (
             "loss: final float32 loss (unweighted MSE over the data set); underflow: share of nonzero activation "
-            "gradients (fp8: grad_output values) flushed to zero at the scale in use; stopped@N: see the message "
-            "above.",
-            highlight=False,
+            "gradients (fp8: grad_output values) flushed to zero at the scale in use; stopped@N: see the message above."
         )
+        _print_table(console, f"dls demo ({steps} steps each)", ["underflow", "time"], rows, note)
         _print_fallback_rows(console, run_fallback_rows(steps), steps)
         png = io.BytesIO()
         metrics = [(label, read_metrics(r.metrics_path.read_bytes())) for label, r, _ in results.values()]
@@ -143,7 +141,7 @@ def _cells(
     return [label, shown, ratio, "-" if scale is None else str(skipped), "-" if scale is None else pow2(scale)]
 
 
-def _print_table(console: Console, title: str, extra: list[str], rows: list[list[str]]) -> None:
+def _print_table(console: Console, title: str, extra: list[str], rows: list[list[str]], note: str) -> None:
     # collapse_padding: fits 80 columns (a console that is no terminal)
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for column in ["run", "loss", "vs fp32", "skipped", "scale", *extra]:
@@ -152,6 +150,7 @@ def _print_table(console: Console, title: str, extra: list[str], rows: list[list
         table.add_row(*row)
     console.print()
     console.print(table)
+    console.print(note, highlight=False)
 
 
 def _print_verdict(console: Console, results: dict[str, Result]) -> None:
@@ -259,15 +258,14 @@ def _print_fallback_rows(console: Console, rows: list[FallbackRow], steps: int) 
     for r in rows:
         kept = (", ".join(r.kept) or "-") + ("" if r.skipped_before_kept is None else f" after {r.skipped_before_kept}")
         cells.append([*_cells(r.label, r.loss, r.stopped, reference, r.scale, r.skipped), kept])
-    title = f"float16 that heals itself: one layer outputs ~5e5 ({steps} steps each)"
-    _print_table(console, title, ["kept in float32"], cells)
-    console.print(
+    note = (
         "kept in float32: after N = after N skipped steps. A second model: its layer 'amplify' outputs ~5e5, "
         "beyond float16's 65504, followed by a LayerNorm (dls.train.demo). Plain float16 + DLS skips every step"
         + (f" and stops at step {plain.stopped}, the scale at its floor" if plain.stopped is not None else "")
         + "; loss scaling cannot fix a forward overflow. With scaler.watch(model, fallback=True) the watch keeps "
         f"{', '.join(repr(n) for n in healed.kept) or 'nothing'} in float32 after {healed.skipped_before_kept} "
         "skipped steps"
-        + (f" and ends at {healed.loss / reference:.2f}x float32's loss." if healed.loss and reference else "."),
-        highlight=False,
+        + (f" and ends at {healed.loss / reference:.2f}x float32's loss." if healed.loss and reference else ".")
     )
+    title = f"float16 that heals itself: one layer outputs ~5e5 ({steps} steps each)"
+    _print_table(console, title, ["kept in float32"], cells, note)
