@@ -175,8 +175,6 @@ def _keys(args: argparse.Namespace) -> None:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    import io
-
     import yaml
     from rich.console import Console
 
@@ -188,7 +186,7 @@ def _validate(args: argparse.Namespace) -> None:
     here = [*missing_paths(cfg), *filter(None, [memory_problem(cfg)])]
     if not here and cfg.data.data_processor is None and (cfg.eval_data is None or cfg.eval_data.data_processor is None):
         with config_errors(args.config):
-            Trainer(cfg, console=Console(file=io.StringIO()), progress=False, summary=False, plot=False)
+            Trainer(cfg, console=Console(quiet=True), progress=False, summary=False, plot=False)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
     if loss_scaling_mode(cfg) == "off":
         print(f"# loss scaling: off ({cfg.precision.compute_dtype})")

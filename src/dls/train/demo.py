@@ -77,9 +77,9 @@ RUNS = {
 Result = tuple[str, TrainResult, "int | None"]  # label, result, the step it stopped at because scaling cannot help
 
 
-def run_demo(out: Path, steps: int, progress: bool = True, console: Console | None = None) -> None:
+def run_demo(out: Path, steps: int, progress: bool = True) -> None:
     """Train every run into ``out/<slug>/`` (``out`` locked like a model_dir), print the tables, write demo.png."""
-    console = console if console is not None else Console()
+    console = Console()
     with RunDir(resolve_model_dir(out, "--out"), "--out") as run_dir:
         console.print(
             f"[bold]dls demo[/]: a 3-layer tanh MLP learns a random teacher network; Adam, lr 1e-3, batch 128, {steps} "
