@@ -1,6 +1,6 @@
 """float16 that heals itself: a layer whose float16 output overflows is found and kept in float32, automatically.
 
-The model (``amplifying_net``, that of ``dls demo``'s fallback rows) has one amplifying layer (``amplify``) whose
+The model (that of ``dls demo``'s fallback rows) has one amplifying layer (``amplify``) whose
 outputs reach about 5e5, beyond float16's largest value (65504), followed by a LayerNorm that brings them back to
 order 1: in float32 it trains normally. Under ``torch.autocast(dtype=torch.float16)`` every forward pass overflows,
 every step is skipped, and the loss scale falls to its floor: loss scaling rescues gradients, not a forward pass.
@@ -22,19 +22,25 @@ from __future__ import annotations
 
 import argparse
 import warnings
+from collections import OrderedDict
 from typing import Any
 
 import torch
 from torch import nn
 
 import dls
-from dls.train.fallback_demo import amplifying_net
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_model(seed: int) -> nn.Sequential:
-    return amplifying_net(seed).to(DEVICE)  # embed, amplify (weights x3e5), LayerNorm, Tanh, head
+    """``dls demo``'s (``dls.train.demo.amplifying_net``): embed, amplify (weights x3e5), LayerNorm, Tanh, head."""
+    torch.manual_seed(seed)
+    embed, amplify = nn.Linear(16, 64), nn.Linear(64, 64)
+    with torch.no_grad():
+        amplify.weight.mul_(3e5)
+    layers = OrderedDict(embed=embed, amplify=amplify, norm=nn.LayerNorm(64), act=nn.Tanh(), head=nn.Linear(64, 1))
+    return nn.Sequential(layers).to(DEVICE)
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

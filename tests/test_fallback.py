@@ -353,7 +353,7 @@ def test_the_trainers_wiring_keeps_the_configs_modules() -> None:
 
 
 def test_the_demo_rows() -> None:
-    from dls.train.fallback_demo import run_fallback_rows
+    from dls.train.demo import run_fallback_rows
 
     reference, plain, healed = run_fallback_rows(steps=150)
     assert reference.loss is not None and reference.skipped == 0

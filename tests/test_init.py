@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dls.train import init
-from dls.train.cli import main
+from dls.train.cli import main, shipped_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,7 +20,7 @@ def test_lists_every_config_in_the_repository_with_its_extras(capsys: pytest.Cap
     assert main(["init"]) == 0
     out = capsys.readouterr().out
     in_repo = sorted(p.relative_to(ROOT / "configs").with_suffix("").as_posix() for p in ROOT.glob("configs/**/*.yaml"))
-    assert in_repo and sorted(init.shipped_configs()) == in_repo
+    assert in_repo and sorted(shipped_configs()) == in_repo
     for name in in_repo:
         assert f"  {name} " in out
     assert "dls[train]" in out

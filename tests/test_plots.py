@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from dls.train.plots import comparison_figure, plot_comparison
+from dls.train.reporting import comparison_figure, plot_comparison
 
 
 def rows(losses: list[float], scale: float | None = None, skipped: tuple[int, ...] = ()) -> list[dict]:

@@ -3,8 +3,11 @@ which loss scale, and what FP8 recipes do to it. Nothing is trained; ``--out`` w
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
+import itertools
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -13,11 +16,14 @@ from torch import nn
 
 import dls
 import dls.fp8
+from dls import formats as half_formats
 from dls.diagnostics import AuditResult, FormatAudit
 from dls.diagnostics.scales import percent, pow2
 from dls.train import checkpoint as ckpt
-from dls.train.config import TrainConfig, loss_scaling_mode, scaler_settings
+from dls.train.cli import config_errors
+from dls.train.config import TrainConfig, load_config, loss_scaling_mode, scaler_settings
 from dls.train.data import Batch, BatchIterator, TrainModel, build_dataset, build_model
+from dls.train.errors import UsageError
 from dls.train.launch import resolve_device
 from dls.train.reporting import describe_fp8
 from dls.train.rundir import RunDir, resolve_model_dir
@@ -54,27 +60,19 @@ def build_inputs(cfg: TrainConfig, steps: int) -> tuple[TrainModel, Batches]:
     return build_model(cfg.model, dataset.info).to(device), Batches(make, steps, device)
 
 
-def _cycle(batches: Iterable[Batch]) -> Iterator[Batch]:
-    while True:  # not itertools.cycle, which keeps every batch
-        yield from batches
-
-
 def audit_formats(model: TrainModel, batches: Batches, formats: Sequence[str], loss_weight: float = 1.0) -> AuditResult:
-    stream = _cycle(batches)
-
-    def loss_fn(m: nn.Module) -> torch.Tensor:
-        loss: torch.Tensor = model.loss(next(stream)) * loss_weight
-        return loss
-
     audits: dict[str, FormatAudit] = {}
     keep: dict[str, list[str] | None] = {}
-    result = None
     for fmt in formats:  # one call per format, so that each starts at the first batch
-        stream = _cycle(batches)
+        stream = itertools.chain.from_iterable(itertools.repeat(batches))  # not itertools.cycle: it keeps every batch
+
+        def loss_fn(m: nn.Module, stream: Iterator[Batch] = stream) -> torch.Tensor:
+            loss: torch.Tensor = model.loss(next(stream)) * loss_weight
+            return loss
+
         result = dls.audit(model, loss_fn, formats=[fmt], steps=len(batches))
         audits.update(result.audits)
         keep.update(result.keep_in_float32)
-    assert result is not None, "formats is not empty"
     return dataclasses.replace(result, audits=audits, keep_in_float32=keep)
 
 
@@ -104,39 +102,29 @@ def compare_fp8(
     grads = [p.grad for p in params]
     devices = [torch.cuda.current_device()] if params and params[0].is_cuda else []
 
-    def passes(backward: bool) -> list[torch.Tensor]:
+    def mean_loss(backward: bool) -> float:
         losses = []
         for i, batch in enumerate(batches):
-            with torch.random.fork_rng(devices=devices):
+            with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(backward):
                 torch.manual_seed(seed + i)
-                with torch.set_grad_enabled(backward):
-                    loss = model.loss(batch)
+                loss = model.loss(batch)
                 if backward:
                     (loss * (loss_weight * loss_scale)).backward()
-                    for p in params:
-                        p.grad = None
+                    model.zero_grad(set_to_none=True)
             losses.append(loss.detach())
-        return losses
-
-    def mean(losses: list[torch.Tensor]) -> float:
         return float(torch.stack(losses).double().mean())
 
     rows = []
     try:
-        reference = mean(passes(backward=False))
+        reference = mean_loss(backward=False)
         for recipe in recipes:
-            handle = dls.fp8.emulate(model, recipe)
-            try:
-                loss = mean(passes(backward=True))
-                totals = handle.stats.totals()
-            finally:
-                handle.remove()
+            with dls.fp8.emulate(model, recipe) as handle:
+                loss, totals = mean_loss(backward=True), handle.stats.totals()
             grad, inp, weight = totals["grad_output"], totals["input"], totals["weight"]
             values = inp["values"] + weight["values"]
             flushed = inp["flushed_fraction"] * inp["values"] + weight["flushed_fraction"] * weight["values"]
-            saturated, grad_flushed = float(grad["saturated_fraction"]), float(grad["flushed_fraction"])
-            forward = float(flushed / values if values else 0.0)
-            rows.append(Fp8Comparison(recipe.to_dict(), saturated, grad_flushed, forward, loss, reference))
+            shares = float(grad["saturated_fraction"]), float(grad["flushed_fraction"]), float(flushed / (values or 1))
+            rows.append(Fp8Comparison(recipe.to_dict(), *shares, loss, reference))
     finally:
         for p, g in zip(params, grads):
             p.grad = g
@@ -144,50 +132,69 @@ def compare_fp8(
 
 
 def fp8_table(rows: Sequence[Fp8Comparison], loss_scale: float, passes: int) -> str:
-    header = ["recipe", "grad_output saturated", "grad_output flushed", "forward flushed", "loss", "vs fp32"]
-    body = [["float32", "-", "-", "-", f"{rows[0].reference:.5g}" if rows else "-", "1.0000x"]]
+    body = [["recipe", "grad_output saturated", "grad_output flushed", "forward flushed", "loss", "vs fp32"]]
+    body.append(["float32", "-", "-", "-", f"{rows[0].reference:.5g}" if rows else "-", "1.0000x"])
     for r in rows:
         shares = [percent(v) for v in (r.grad_saturated, r.grad_flushed, r.forward_flushed)]
         ratio = f"{r.loss / r.reference:.4f}x" if r.reference else "-"
         body.append([describe_fp8(r.recipe), *shares, f"{r.loss:.5g}", ratio])
-    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
-    lines = [
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
-        for row in [header, *body]
-    ]
-    lines.append(
-        f"{passes} forward/backward passes per recipe, gradients at loss scale {pow2(loss_scale)}. saturated / "
+    widths = [max(map(len, column)) for column in zip(*body)]
+    lines = ["  ".join([row[0].ljust(widths[0]), *map(str.rjust, row[1:], widths[1:])]).rstrip() for row in body]
+    return "\n".join(lines) + (
+        f"\n{passes} forward/backward passes per recipe, gradients at loss scale {pow2(loss_scale)}. saturated / "
         "flushed: shares of nonzero values clamped to the format's max / rounded to zero (grad_output: into each "
         "Linear layer; forward: its inputs and weights). Delayed scaling's first pass is at scale 1, as a run's."
     )
-    return "\n".join(lines)
 
 
-def recommendation_lines(cfg: TrainConfig, result: AuditResult) -> list[str]:
-    """The recommended scales, and the override that starts this config at the audit's."""
-    lines = ["Recommended initial loss scales (optimizer.initial_loss_scale; loss_scaling_factor: dynamic):"]
-    for name, scale in result.recommended_init_scale.items():
-        lines.append(
-            f"  {name:<10} " + ("none: loss scaling cannot help (see the verdict)" if scale is None else pow2(scale))
+def command(args: argparse.Namespace) -> None:
+    """``dls audit``: the arguments checked, then the verdicts, the scales, the FP8 table and the plot."""
+    names = args.formats if args.formats is not None else list(DEFAULT_FORMATS)
+    if unknown := [name for name in names if name not in half_formats.names()]:
+        raise UsageError(f"--formats: unknown format {unknown[0]!r}; allowed: {', '.join(half_formats.names())}")
+    recipe_names = None if args.fp8_recipes is None else list(dict.fromkeys(args.fp8_recipes or dls.fp8.RECIPE_NAMES))
+    if unknown := [r for r in recipe_names or () if r not in dls.fp8.RECIPE_NAMES]:
+        allowed = ", ".join(dls.fp8.RECIPE_NAMES)
+        raise UsageError(f"--fp8-recipes: unknown recipe(s) {', '.join(map(repr, unknown))}; allowed: {allowed}")
+    cfg = load_config(args.config, args.override)
+    threads = torch.get_num_threads()
+    if cfg.runconfig.num_threads is not None:
+        torch.set_num_threads(cfg.runconfig.num_threads)
+    try:
+        with config_errors(args.config):
+            model, batches = build_inputs(cfg, args.steps)
+        weight, half = cfg.model.loss_weight, cfg.precision.fp16_type
+        print(
+            f"dls audit {args.config}: {cfg.model.name} on {cfg.data.dataset}, the first {args.steps} batches of "
+            f"{cfg.data.batch_size}, float32 weights as dls train initialises them, loss x {weight:g} "
+            "(model.loss_weight)"
         )
-    half = cfg.precision.fp16_type
-    if loss_scaling_mode(cfg) == "dynamic" and half in result.audits:
-        scale = result.recommended_init_scale[half]
-        given = scaler_settings(cfg).init_scale
-        if scale is not None and scale != given:
-            lines.append(
+        result = audit_formats(model, batches, names, weight)
+        print(
+            f"{result.to_text()}\n\nRecommended initial loss scales (optimizer.initial_loss_scale; "
+            "loss_scaling_factor: dynamic):"
+        )
+        for name, scale in result.recommended_init_scale.items():
+            print(f"  {name:<10} {pow2(scale) if scale else 'none: loss scaling cannot help (see the verdict)'}")
+        given, scale = scaler_settings(cfg).init_scale, result.recommended_init_scale.get(half)
+        if loss_scaling_mode(cfg) == "dynamic" and scale is not None and scale != given:
+            print(
                 f"This config starts {half} at {pow2(given)}; to start at the audit's scale: "
                 f"-o optimizer.initial_loss_scale={scale:g}"
             )
-    return lines
-
-
-def write_plot(result: AuditResult, out: Path) -> Path:
-    """``out/audit.png``; ``save_plot`` takes a path only, so it draws into a private temporary directory first."""
-    import tempfile
-
-    directory = resolve_model_dir(out, "--out")
-    with tempfile.TemporaryDirectory(prefix="dls-audit-") as scratch:
-        png = result.save_plot(Path(scratch) / AUDIT_PLOT).read_bytes()
-    with RunDir(directory, "--out") as run_dir:
-        return run_dir.replace(AUDIT_PLOT, png)
+        if recipe_names is not None:
+            own = cfg.precision.fp8 or {"recipe": None}  # a recipe the config names keeps its fields
+            recipes = [
+                dls.fp8.recipe_from_dict(dict(own) if own["recipe"] == r else {"recipe": r}) for r in recipe_names
+            ]
+            at = given if loss_scaling_mode(cfg) != "off" else 1.0
+            rows = compare_fp8(model, batches, recipes, weight, at, cfg.runconfig.seed)
+            print("\n" + fp8_table(rows, at, args.steps))
+        if args.out is not None:  # save_plot takes a path only: drawn in a private temporary directory first
+            directory = resolve_model_dir(Path(args.out), "--out")
+            with tempfile.TemporaryDirectory(prefix="dls-audit-") as scratch:
+                png = result.save_plot(Path(scratch) / AUDIT_PLOT).read_bytes()
+            with RunDir(directory, "--out") as run_dir:
+                print(f"\nPlot: {run_dir.replace(AUDIT_PLOT, png)}")
+    finally:
+        torch.set_num_threads(threads)

@@ -1,17 +1,21 @@
 """The ``dls`` command (entry ``dls_entry.main``): one ``dls: ...`` line per failure, exit status by
-``errors.exit_status``; rank 0 alone prints. What needs the ``train`` extra is imported inside the commands."""
+``errors.exit_status``; rank 0 alone prints. What needs the ``train`` extra is imported inside the commands.
+``dls init`` is here: it lists the configs shipped in the wheel, or copies one into a directory (a Model Zoo config
+with a tiny data set in its format, its ``data_dir`` pointed there)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.resources
 import importlib.util
+import re
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from dls.train import init as init_command
 from dls.train.errors import (
     CheckpointError,
     ConfigError,
@@ -54,6 +58,11 @@ Per format: whether the forward pass overflows, how the gradients fit, the initi
 exit status: 0 done (whatever the verdicts); 2 bad config or arguments."""
 RAW = argparse.RawDescriptionHelpFormatter  # keeps the line breaks of the texts above
 
+_DATA_PROCESSOR = re.compile(r"^\s*data_processor:\s*[\"']?(\w+)", re.MULTILINE)
+# The shipped Model Zoo configs keep their data under ./data/<kind>/ (as the `dls data` line in their header writes it)
+_DATA_DIR = re.compile(r"^(?P<key>[ \t]*data_dir:[ \t]*)[\"']?\./data/(?P<rest>[^\"'\n]*)[\"']?[ \t]*$", re.MULTILINE)
+_KIND = {"MNISTDataProcessor": "mnist", "GptHDF5DataProcessor": "gpt", "GptHDF5MapDataProcessor": "gpt"}
+
 
 def _config_args(parser: argparse.ArgumentParser, **config: Any) -> None:
     parser.add_argument("config", help="YAML config file", **config)
@@ -61,12 +70,6 @@ def _config_args(parser: argparse.ArgumentParser, **config: Any) -> None:
         "--override", "-o", nargs="+", action="extend", default=[], metavar="SECTION.KEY=VALUE",
         help="change config values; VALUE is read as YAML (20, 1e-3, dynamic, null, [0.9, 0.99])",
     )  # fmt: skip
-
-
-def _data(args: argparse.Namespace, run: Any) -> int:
-    from dls.train.modelzoo import main as write_data  # parses its own arguments
-
-    return write_data(args.args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     demo = sub.add_parser("demo", help="float32 / float16 / loss scaling / master weights / FP8 on a small model")
     demo.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
-    demo.add_argument("--steps", type=int, default=None, help="training steps per run (default: 600)")
+    demo.add_argument("--steps", type=int, default=600, help="training steps per run (default: 600)")
     for command in (train, demo):
         command.add_argument("--no_progress", action="store_true", help="no progress bars")
     audit = sub.add_parser("audit", help="which formats fit a config's model", epilog=AUDIT_EPILOG, formatter_class=RAW)
@@ -95,17 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     # dls.train.modelzoo.main parses its own arguments (--help included: no option of this parser's own)
     data = sub.add_parser("data", help="write a tiny data set in a Model Zoo format", add_help=False, prefix_chars="\0")
     data.add_argument("args", nargs=argparse.REMAINDER)
-    init_command.add_parser(sub)
+    init = sub.add_parser("init", help="list the shipped configs, or copy one (and the data it needs) into DIR")
+    init.add_argument("name", nargs="?", metavar="NAME", help="a shipped config, as listed by dls init")
+    init.add_argument("directory", nargs="?", metavar="DIR", help="where to write the config (and its data)")
     return parser
-
-
-def _quiet_rank() -> bool:
-    env = torchrun_env()  # ranks other than 0 print nothing: every rank meets the same errors
-    return env.world_size > 1 and env.rank != 0
-
-
-class _Run:
-    crash_dir: Path | None = None  # where a crash report may go
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -115,29 +111,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    run = _Run()
+    args.crash_dir = None  # where a crash report may go (dls train sets it)
     try:
         with signals():  # Ctrl-C / SIGTERM raise from here on (dls_entry)
-            _require_train_extra()
-            if args.command == "keys":
-                from dls.train.config import describe_keys
-
-                print(describe_keys())
-                return 0
-            commands = {"validate": _validate, "train": _train, "demo": _demo, "audit": _audit}
-            commands |= {"init": init_command.command, "data": _data}
-            return commands[args.command](args, run)
+            missing = [package for module, package in TRAIN_EXTRA.items() if not _importable(module)]
+            if missing:
+                raise MissingExtras(
+                    f"the dls command needs the 'train' extra ({', '.join(TRAIN_EXTRA.values())}); missing: "
+                    f"{', '.join(missing)}. Install it with: {INSTALL_HINT}"
+                )
+            if getattr(args, "steps", 1) < 1:  # dls demo and dls audit
+                raise UsageError(f"--steps must be >= 1; got {args.steps}")
+            command: Callable[[argparse.Namespace], int | None] = globals()[f"_{args.command}"]  # dls X runs _X
+            return command(args) or 0
     except (Exception, KeyboardInterrupt) as exc:
-        return _report(exc, run)
-
-
-def _require_train_extra() -> None:
-    missing = [package for module, package in TRAIN_EXTRA.items() if not _importable(module)]
-    if missing:
-        raise MissingExtras(
-            f"the dls command needs the 'train' extra ({', '.join(TRAIN_EXTRA.values())}); missing: "
-            f"{', '.join(missing)}. Install it with: {INSTALL_HINT}"
-        )
+        return _report(exc, args.crash_dir)
 
 
 def _importable(module: str) -> bool:
@@ -147,15 +135,18 @@ def _importable(module: str) -> bool:
         return False
 
 
-def _report(exc: BaseException, run: _Run) -> int:
-    """Print one line for ``exc`` (unless this is a quiet rank); its exit status."""
+def _report(exc: BaseException, crash_dir: Path | None) -> int:
+    """Print one line for ``exc`` (ranks other than 0 print nothing: every rank meets the same errors); its exit
+    status. An internal error's traceback goes to a crash report in ``crash_dir`` (or the temporary directory)."""
+    env = torchrun_env()
+    quiet = env.world_size > 1 and env.rank != 0
     if isinstance(exc, ImportError) and not isinstance(exc, MissingExtras):
         root = (exc.name or "").split(".")[0]
         if root in TRAIN_EXTRA:  # installed but broken
             exc = MissingExtras(f"cannot import {root} ({exc}); reinstall the 'train' extra: {INSTALL_HINT}")
     status = exit_status(exc)
     if status == ExitStatus.INTERNAL:
-        report = write_crash_report(exc, None if _quiet_rank() else run.crash_dir)
+        report = write_crash_report(exc, None if quiet else crash_dir)
         where = f"the traceback is in {report}" if report else "no file could be written for the traceback"
         message = f"dls: internal error: {type(exc).__name__}: {exc} ({where}; please report it)"
         if report is None:
@@ -163,34 +154,39 @@ def _report(exc: BaseException, run: _Run) -> int:
     else:
         ended = {ExitStatus.INTERRUPTED: "interrupted", ExitStatus.TERMINATED: "terminated (SIGTERM)"}
         message = "dls: " + ended.get(status, f"training stopped: {exc}" if status == 1 else f"error: {describe(exc)}")
-    if not _quiet_rank():
+    if not quiet:
         print(message, file=sys.stderr)
     return int(status)
 
 
-def _build(cfg: Any, source: str, **kwargs: Any) -> Any:
-    """The ``Trainer`` of ``cfg``; what it rejects (the device, a batch larger than the data) is a config error."""
-    from dls.train.trainer import Trainer
-
+@contextlib.contextmanager
+def config_errors(source: str) -> Iterator[None]:
+    """What a run's set-up rejects (the device, a batch larger than the data) is an error of the config ``source``."""
     try:
-        return Trainer(cfg, **kwargs)
+        yield
     except ValueError as exc:
         raise ConfigError(exc.errors if isinstance(exc, ConfigError) else [str(exc)], source) from None
 
 
-def _validate(args: argparse.Namespace, run: _Run) -> int:
-    import io
+def _keys(args: argparse.Namespace) -> None:
+    from dls.train.config import describe_keys
 
+    print(describe_keys())
+
+
+def _validate(args: argparse.Namespace) -> None:
     import yaml
     from rich.console import Console
 
     from dls.train.config import load_config, loss_scaling_mode, memory_problem, missing_paths, scaler_settings, to_dict
+    from dls.train.trainer import Trainer
 
     cfg = load_config(args.config, args.override)
     # The config is judged, not this machine: a data directory or memory this machine lacks is a note.
     here = [*missing_paths(cfg), *filter(None, [memory_problem(cfg)])]
     if not here and cfg.data.data_processor is None and (cfg.eval_data is None or cfg.eval_data.data_processor is None):
-        _build(cfg, args.config, console=Console(file=io.StringIO()), progress=False, summary=False, plot=False)
+        with config_errors(args.config):
+            Trainer(cfg, console=Console(quiet=True), progress=False, summary=False, plot=False)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
     if loss_scaling_mode(cfg) == "off":
         print(f"# loss scaling: off ({cfg.precision.compute_dtype})")
@@ -199,18 +195,16 @@ def _validate(args: argparse.Namespace, run: _Run) -> int:
     for note in [*cfg.notes, *(f"on this machine: {line}" for line in here)]:
         print(f"# note: {note}")
     print(f"# {args.config}: OK")
-    return 0
 
 
-def _train(args: argparse.Namespace, run: _Run) -> int:
+def _train(args: argparse.Namespace) -> None:
     from dls.train.config import memory_problem, parse_checkpoint_states, parse_config, read_config
+    from dls.train.trainer import Trainer
 
-    states = None
-    if args.load_checkpoint_states is not None:
-        try:
-            states = parse_checkpoint_states(args.load_checkpoint_states)
-        except ValueError as exc:
-            raise UsageError(f"--load_checkpoint_states: {exc}") from None
+    try:
+        states = None if args.load_checkpoint_states is None else parse_checkpoint_states(args.load_checkpoint_states)
+    except ValueError as exc:
+        raise UsageError(f"--load_checkpoint_states: {exc}") from None
     if args.config is not None:
         raw, source = read_config(args.config, args.override), args.config
     elif args.resume is not None:
@@ -231,21 +225,19 @@ def _train(args: argparse.Namespace, run: _Run) -> int:
         )
     if (problem := memory_problem(cfg)) is not None:
         raise MemoryError(problem)
+    with config_errors(source):
+        owns_group = init_distributed(rc.device)  # under torchrun (WORLD_SIZE > 1)
     try:
-        owns_group = init_distributed(cfg.runconfig.device)  # under torchrun (WORLD_SIZE > 1)
-    except ValueError as exc:  # the device
-        raise ConfigError([str(exc)], source) from None
-    try:
-        trainer = _build(cfg, source, progress=not args.no_progress, config_file=args.config)
+        with config_errors(source):
+            trainer = Trainer(cfg, progress=not args.no_progress, config_file=args.config)
         try:
             trainer.train(resume=args.resume, load_states=states)
         finally:
-            run.crash_dir = trainer.crash_dir
+            args.crash_dir = trainer.crash_dir
             trainer.close()  # data-parallel: every rank waits for rank 0's outputs; DDP released
     finally:
         if owns_group:
             shutdown_distributed()
-    return 0
 
 
 def _saved_config(resume: str, overrides: Sequence[str]) -> tuple[dict[str, Any], str]:
@@ -266,69 +258,79 @@ def _saved_config(resume: str, overrides: Sequence[str]) -> tuple[dict[str, Any]
     return apply_overrides(saved, overrides, source=source), source
 
 
-def _audit(args: argparse.Namespace, run: _Run) -> int:
-    import torch
+def _audit(args: argparse.Namespace) -> None:
+    from dls.train.audit import command
 
-    import dls.fp8
-    from dls import formats
-    from dls.train import audit
-    from dls.train.config import load_config, loss_scaling_mode, scaler_settings
+    command(args)
 
-    _check_steps(args.steps)
-    names = args.formats if args.formats is not None else list(audit.DEFAULT_FORMATS)
-    for name in names:
+
+def _demo(args: argparse.Namespace) -> None:
+    from dls.train.demo import run_demo
+
+    run_demo(Path(args.out), steps=args.steps, progress=not args.no_progress)
+
+
+def _data(args: argparse.Namespace) -> int:
+    from dls.train.modelzoo import main as write_data  # parses its own arguments
+
+    return write_data(args.args)
+
+
+def shipped_configs() -> dict[str, Path]:
+    """The shipped configs by name (their path below ``configs/`` without ``.yaml``)."""
+    root = Path(str(importlib.resources.files("dls.train") / "configs"))  # pip unpacks wheels: a directory
+    return dict(sorted((p.relative_to(root).with_suffix("").as_posix(), p) for p in root.rglob("*.yaml")))
+
+
+def _extras(name: str, text: str) -> str:
+    """The extras a shipped config needs, as ``dls[train,...]``."""
+    needed = ["train", *(["modelzoo"] if name.startswith("modelzoo/") else [])]
+    needed += ["tensorboard"] if re.search(r"^\s*tensorboard:\s*true\b", text, re.MULTILINE) else []
+    return f"dls[{','.join(needed)}]"
+
+
+def _init(args: argparse.Namespace) -> None:
+    configs = shipped_configs()
+    if args.name is None:
+        print("Configs shipped with dls (dls init NAME DIR copies one into DIR, with the data it needs):")
+        for name, path in configs.items():
+            text = path.read_text()
+            summary = next((line.lstrip("# ") for line in text.splitlines() if line.startswith("#")), "")
+            print(f"  {name:32} {_extras(name, text)}  {summary}")
+        return
+    if args.name not in configs:
+        raise UsageError(f"no shipped config {args.name!r}; shipped: {', '.join(configs)}")
+    if args.directory is None:
+        raise UsageError(f"give the directory to write it into (dls init {args.name} DIR)")
+    directory = Path(args.directory)
+    target = directory / (args.name.rsplit("/", 1)[-1] + ".yaml")
+    if target.exists() or target.is_symlink():
+        raise UsageError(f"{target} exists; choose another directory (nothing was written)")
+    text = configs[args.name].read_text()
+    processor = _DATA_PROCESSOR.search(text)
+    if processor is not None:  # everything checked before anything is written
         try:
-            formats.get(name)
-        except ValueError:
-            raise UsageError(f"--formats: unknown format {name!r}; allowed: {', '.join(formats.names())}") from None
-    recipe_names = None if args.fp8_recipes is None else list(dict.fromkeys(args.fp8_recipes or dls.fp8.RECIPE_NAMES))
-    if unknown := [r for r in recipe_names or () if r not in dls.fp8.RECIPE_NAMES]:
-        allowed = ", ".join(dls.fp8.RECIPE_NAMES)
-        raise UsageError(f"--fp8-recipes: unknown recipe(s) {', '.join(map(repr, unknown))}; allowed: {allowed}")
-    cfg = load_config(args.config, args.override)
-    threads = torch.get_num_threads()
-    if cfg.runconfig.num_threads is not None:
-        torch.set_num_threads(cfg.runconfig.num_threads)
-    try:
-        try:
-            model, batches = audit.build_inputs(cfg, args.steps)
-        except ValueError as exc:  # the device, a batch larger than the data set
-            raise ConfigError(exc.errors if isinstance(exc, ConfigError) else [str(exc)], args.config) from None
-        weight = cfg.model.loss_weight
-        print(
-            f"dls audit {args.config}: {cfg.model.name} on {cfg.data.dataset}, the first {args.steps} batches of "
-            f"{cfg.data.batch_size}, float32 weights as dls train initialises them, loss x {weight:g} "
-            "(model.loss_weight)"
-        )
-        result = audit.audit_formats(model, batches, names, weight)
-        print(result.to_text() + "\n\n" + "\n".join(audit.recommendation_lines(cfg, result)))
-        if recipe_names is not None:
-            own = cfg.precision.fp8 or {"recipe": None}  # a recipe the config names keeps its fields
-            recipes = [
-                dls.fp8.recipe_from_dict(dict(own) if own["recipe"] == n else {"recipe": n}) for n in recipe_names
-            ]
-            scale = scaler_settings(cfg).init_scale if loss_scaling_mode(cfg) != "off" else 1.0
-            rows = audit.compare_fp8(model, batches, recipes, weight, scale, seed=cfg.runconfig.seed)
-            print("\n" + audit.fp8_table(rows, scale, args.steps))
-        if args.out is not None:
-            print(f"\nPlot: {audit.write_plot(result, Path(args.out))}")
-    finally:
-        torch.set_num_threads(threads)
-    return 0
-
-
-def _demo(args: argparse.Namespace, run: _Run) -> int:
-    from dls.train.demo import DEFAULT_STEPS, run_demo
-
-    steps = _check_steps(args.steps if args.steps is not None else DEFAULT_STEPS)
-    run_demo(Path(args.out), steps=steps, progress=not args.no_progress)
-    return 0
-
-
-def _check_steps(steps: int) -> int:
-    if steps < 1:
-        raise UsageError(f"--steps must be >= 1; got {steps}")
-    return steps
+            from dls.train.modelzoo import write_tiny_data  # type: ignore[attr-defined,unused-ignore]
+        except ImportError as exc:
+            if exc.name in ("h5py", "transformers"):
+                raise MissingExtras(
+                    f"Model Zoo data needs the 'modelzoo' extra: pip install 'dls[modelzoo]' ({exc})"
+                ) from None
+            raise UsageError(
+                "this dls cannot write Model Zoo data (dls.train.modelzoo.write_tiny_data is missing); "
+                "copy the config by hand and point its data_dir at your data"
+            ) from None
+        if processor.group(1) not in _KIND:
+            raise UsageError(f"dls init cannot write data for {processor.group(1)} (it writes {', '.join(_KIND)})")
+    directory.mkdir(parents=True, exist_ok=True)
+    if processor is not None:
+        kind = _KIND[processor.group(1)]
+        write_tiny_data(kind, directory / "data" / kind)
+        text = _DATA_DIR.sub(lambda m: f"{m.group('key')}{str(directory / 'data' / m.group('rest'))!r}", text)
+        print(f"Wrote a tiny {processor.group(1)} data set into {directory / 'data' / kind}")
+    with open(target, "x") as file:  # never over an existing file or through a link
+        file.write(text)
+    print(f"Wrote {target} (needs {_extras(args.name, text)}). Next: dls train {target}")
 
 
 if __name__ == "__main__":

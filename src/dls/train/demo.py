@@ -1,5 +1,12 @@
 """``dls demo``: one small MLP trained ten ways (:data:`RUNS`); its loss weight of 1e-4 pushes float16's gradients
-below its smallest subnormal, the case loss scaling exists for. The runs and columns: docs/guides/trainer.md."""
+below its smallest subnormal, the case loss scaling exists for. The runs and columns: docs/guides/trainer.md.
+
+Then the float32 fallback's rows (:func:`run_fallback_rows`): a plain-PyTorch loop on :func:`amplifying_net`, whose
+layer ``amplify`` outputs ~5e5 (beyond float16's 65504) before a LayerNorm, learning ``tanh(x0 * x1)``; from identical
+weights and batches: float32; float16 + DLS under autocast (every step skipped, stopped with the scale at its floor, as
+the trainer does); the same with ``scaler.watch(model, fallback=True)``, which keeps ``amplify`` in float32 after the
+first overflows. Loss: float32 MSE on 8 held-out batches after training.
+"""
 
 from __future__ import annotations
 
@@ -7,28 +14,32 @@ import io
 import math
 import os
 import time
-from dataclasses import dataclass
+import warnings
+from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import torch
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from torch import nn
 
+import dls
 from dls.diagnostics.scales import pow2
 from dls.train.config import parse_config
 from dls.train.errors import TrainingStopped
-from dls.train.fallback_demo import print_fallback_rows, run_fallback_rows
-from dls.train.plots import plot_comparison, read_metrics
-from dls.train.reporting import TrainResult
+from dls.train.reporting import TrainResult, plot_comparison, read_metrics
 from dls.train.rundir import CONFIG_FILE, METRICS_FILE, PLOT_FILE, RunDir, resolve_model_dir
 from dls.train.trainer import Trainer
 
-DEFAULT_STEPS = 600
 LOSS_WEIGHT = 1e-4
 STATIC_SCALE = 256.0
 # float16 + DLS starts this high, so that the demo shows the scaler backing off and probing above its scale later.
-DLS_MAX_SCALE = 2.0**40
+DYNAMIC = {"loss_scaling_factor": "dynamic", "steps_per_increase": 100}
+DLS = {**DYNAMIC, "max_loss_scale": 2.0**40}
+FP16 = {"mixed_precision": True, "fp16_type": "float16"}
+FP8 = {"mixed_precision": False}  # FP8 Linear layers, everything else in float32 (no loss scaling)
 
 
 def base_config(steps: int, model_dir: Path) -> dict[str, Any]:
@@ -49,74 +60,57 @@ def base_config(steps: int, model_dir: Path) -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True)
-class DemoRun:
-    slug: str
-    label: str
-    precision: dict[str, Any]
-    optimizer: dict[str, Any]
+# slug (the run's directory below --out): label, precision and optimizer sections
+RUNS = {
+    "float32": ("float32", {"mixed_precision": False}, {}),
+    "float16_no_scaling": ("fp16, no scaling", FP16, {"loss_scaling_factor": 1.0}),
+    "float16_static": (f"fp16, static {pow2(STATIC_SCALE)}", FP16, {"loss_scaling_factor": STATIC_SCALE}),
+    "float16_dls": ("fp16 + DLS", FP16, DLS),
+    "cbfloat16_dls": ("cbfloat16 + DLS", {**FP16, "fp16_type": "cbfloat16"}, DYNAMIC),
+    "float16_params": ("fp16 params, no masters", {**FP16, "half_params": True, "master_weights": False}, DLS),
+    "float16_params_masters": ("fp16 params + masters", {**FP16, "half_params": True}, DLS),
+    "fp8_scale_1": ("fp8, scale 1", {**FP8, "fp8": {"recipe": "static", "scale": 1.0}}, {}),
+    "fp8_delayed": ("fp8 delayed", {**FP8, "fp8": {"recipe": "delayed", "amax_history_len": 16}}, {}),
+    "fp8_current": ("fp8 current", {**FP8, "fp8": {"recipe": "current"}}, {}),
+}
+Result = tuple[str, TrainResult, "int | None"]  # label, result, the step it stopped at because scaling cannot help
 
 
-DLS = {"loss_scaling_factor": "dynamic", "steps_per_increase": 100, "max_loss_scale": DLS_MAX_SCALE}
-FP16 = {"mixed_precision": True, "fp16_type": "float16"}
-FP8 = {"mixed_precision": False}  # FP8 Linear layers, everything else in float32 (no loss scaling)
-
-RUNS = (
-    DemoRun("float32", "float32", {"mixed_precision": False}, {}),
-    DemoRun("float16_no_scaling", "fp16, no scaling", FP16, {"loss_scaling_factor": 1.0}),
-    DemoRun("float16_static", f"fp16, static {pow2(STATIC_SCALE)}", FP16, {"loss_scaling_factor": STATIC_SCALE}),
-    DemoRun("float16_dls", "fp16 + DLS", FP16, DLS),
-    DemoRun(
-        "cbfloat16_dls",
-        "cbfloat16 + DLS",
-        {"mixed_precision": True, "fp16_type": "cbfloat16"},
-        {"loss_scaling_factor": "dynamic", "steps_per_increase": 100},
-    ),
-    DemoRun("float16_params", "fp16 params, no masters", {**FP16, "half_params": True, "master_weights": False}, DLS),
-    DemoRun("float16_params_masters", "fp16 params + masters", {**FP16, "half_params": True}, DLS),
-    DemoRun("fp8_scale_1", "fp8, scale 1", {**FP8, "fp8": {"recipe": "static", "scale": 1.0}}, {}),
-    DemoRun("fp8_delayed", "fp8 delayed", {**FP8, "fp8": {"recipe": "delayed", "amax_history_len": 16}}, {}),
-    DemoRun("fp8_current", "fp8 current", {**FP8, "fp8": {"recipe": "current"}}, {}),
-)
-
-
-@dataclass(frozen=True)
-class DemoResult:
-    """A run's result; ``stopped``: the step it stopped at because loss scaling could not help, or ``None``."""
-
-    result: TrainResult
-    stopped: int | None = None
-
-
-def run_demo(
-    out: Path, steps: int = DEFAULT_STEPS, progress: bool = True, console: Console | None = None
-) -> list[tuple[DemoRun, DemoResult]]:
-    """Train every run into ``out/<slug>/`` (``out`` locked like a model_dir), print the table, write demo.png."""
-    console = console if console is not None else Console()
+def run_demo(out: Path, steps: int, progress: bool = True) -> None:
+    """Train every run into ``out/<slug>/`` (``out`` locked like a model_dir), print the tables, write demo.png."""
+    console = Console()
     with RunDir(resolve_model_dir(out, "--out"), "--out") as run_dir:
         console.print(
             f"[bold]dls demo[/]: a 3-layer tanh MLP learns a random teacher network; Adam, lr 1e-3, batch 128, {steps} "
             f"steps; the loss is multiplied by {LOSS_WEIGHT:g} (model.loss_weight), so float16 flushes many gradients."
         )
         start = time.perf_counter()
-        results = [(run, _train_one(run, out, steps, progress, console)) for run in RUNS]
+        results = {slug: _train_one(slug, out, steps, progress, console) for slug in RUNS}
         total = time.perf_counter() - start
-        _print_table(console, results, steps)
-        print_fallback_rows(console, run_fallback_rows(steps), steps)  # its own model: one amplifying layer
-        png = io.BytesIO()
-        plot_comparison(
-            [(run.label, read_metrics(r.result.metrics_path.read_bytes())) for run, r in results],
-            png,
-            title=f"dls demo: MLP regression, loss weight {LOSS_WEIGHT:g}, {steps} steps",
+        reference = results["float32"][1].eval_loss
+        rows = []
+        for slug, (label, r, stopped) in results.items():
+            measured = r.grad_underflow if r.fp8_flushed is None else r.fp8_flushed
+            underflow = "-" if measured is None or slug == "float32" else f"{100 * measured:.1f}%"
+            cells = _cells(label, r.eval_loss, stopped, reference, r.loss_scale, r.skipped_steps)
+            rows.append([*cells, underflow, f"{r.wall_time:.1f}s"])
+        note = (
+            "loss: final float32 loss (unweighted MSE over the data set); underflow: share of nonzero activation "
+            "gradients (fp8: grad_output values) flushed to zero at the scale in use; stopped@N: see the message above."
         )
+        _print_table(console, f"dls demo ({steps} steps each)", ["underflow", "time"], rows, note)
+        _print_fallback_rows(console, run_fallback_rows(steps), steps)
+        png = io.BytesIO()
+        metrics = [(label, read_metrics(r.metrics_path.read_bytes())) for label, r, _ in results.values()]
+        plot_comparison(metrics, png, title=f"dls demo: MLP regression, loss weight {LOSS_WEIGHT:g}, {steps} steps")
         plot = run_dir.replace("demo.png", png.getbuffer())
         _print_verdict(console, results)
         console.print(f"Total wall time {total:.1f} s. Plot: {plot}. Per-run metrics and checkpoints: {out}/<run>/")
-    return results
 
 
-def _train_one(run: DemoRun, out: Path, steps: int, progress: bool, console: Console) -> DemoResult:
-    model_dir = out / run.slug
+def _train_one(slug: str, out: Path, steps: int, progress: bool, console: Console) -> Result:
+    label, precision, optimizer = RUNS[slug]
+    model_dir = out / slug
     if model_dir.exists():  # a previous demo's outputs (the trainer's names only; links removed, never followed)
         with RunDir(resolve_model_dir(model_dir)) as previous:
             for name in os.listdir(previous.fd):
@@ -124,75 +118,59 @@ def _train_one(run: DemoRun, out: Path, steps: int, progress: bool, console: Con
                 if checkpoint or name in (METRICS_FILE, PLOT_FILE, CONFIG_FILE):
                     os.unlink(name, dir_fd=previous.fd)
     raw = base_config(steps, model_dir)
-    raw["precision"].update(run.precision)
-    raw["optimizer"].update(run.optimizer)
-    cfg = parse_config(raw, source=f"demo run {run.slug}")
-    console.print(f"\n[bold]{run.label}[/]")
+    raw["precision"].update(precision)
+    raw["optimizer"].update(optimizer)
+    console.print(f"\n[bold]{label}[/]")
+    cfg = parse_config(raw, source=f"demo run {slug}")
     trainer = Trainer(cfg, console=console, progress=progress, summary=False, plot=False)
     try:
-        return DemoResult(trainer.train())
+        return label, trainer.train(), None
     except TrainingStopped as stop:
         console.print(f"stopped: {stop}", highlight=False, markup=False)
-        return DemoResult(stop.result, stopped=trainer.global_step)
+        return label, stop.result, trainer.global_step
 
 
-def _print_table(console: Console, results: list[tuple[DemoRun, DemoResult]], steps: int) -> None:
-    reference = results[0][1].result.eval_loss
-    title = f"dls demo ({steps} steps each)"  # collapse_padding: fits 80 columns (a console that is no terminal)
+def _cells(
+    label: str, loss: float | None, stopped: int | None, reference: float | None, scale: float | None, skipped: int
+) -> list[str]:
+    """A table row's first columns: run, loss (or stopped@N), vs fp32, skipped, scale (the last two: with scaling)."""
+    finished = stopped is None and loss is not None and math.isfinite(loss)
+    shown = f"stopped@{stopped}" if stopped is not None else "-" if loss is None else f"{loss:.4g}"
+    ratio = f"{loss / reference:.2f}x" if finished and loss is not None and reference else "-"
+    return [label, shown, ratio, "-" if scale is None else str(skipped), "-" if scale is None else pow2(scale)]
+
+
+def _print_table(console: Console, title: str, extra: list[str], rows: list[list[str]], note: str) -> None:
+    # collapse_padding: fits 80 columns (a console that is no terminal)
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    for i, column in enumerate(("run", "loss", "vs fp32", "skipped", "scale", "underflow", "time")):
-        table.add_column(column, justify="right" if i else "left", no_wrap=True)
-    for run, outcome in results:
-        r = outcome.result
-        finished = outcome.stopped is None and r.eval_loss is not None and math.isfinite(r.eval_loss)
-        ratio = f"{r.eval_loss / reference:.2f}x" if finished and r.eval_loss is not None and reference else "-"
-        measured = r.grad_underflow if r.fp8_flushed is None else r.fp8_flushed
-        underflow = "-" if measured is None or run.slug == "float32" else f"{100 * measured:.1f}%"
-        loss = "-" if r.eval_loss is None else f"{r.eval_loss:.4g}"
-        table.add_row(
-            run.label,
-            loss if outcome.stopped is None else f"stopped@{outcome.stopped}",
-            ratio,
-            str(r.skipped_steps) if r.loss_scale is not None else "-",
-            "-" if r.loss_scale is None else pow2(r.loss_scale),
-            underflow,
-            f"{r.wall_time:.1f}s",
-        )
+    for column in ["run", "loss", "vs fp32", "skipped", "scale", *extra]:
+        table.add_column(column, justify="left" if column in ("run", "kept in float32") else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
     console.print()
     console.print(table)
-    console.print(
-        "loss: final float32 loss (unweighted MSE over the data set); underflow: share of nonzero activation "
-        "gradients (fp8: grad_output values) flushed to zero at the scale in use; stopped@N: see the message above.",
-        highlight=False,
-    )
+    console.print(note, highlight=False)
 
 
-def _print_verdict(console: Console, results: list[tuple[DemoRun, DemoResult]]) -> None:
-    outcomes = {run.slug: r for run, r in results}
-    loss = {slug: r.result.eval_loss for slug, r in outcomes.items()}
+def _print_verdict(console: Console, results: dict[str, Result]) -> None:
+    loss = {slug: r.eval_loss for slug, (_, r, _) in results.items()}
     ref, plain, dyn = loss["float32"], loss["float16_no_scaling"], loss["float16_dls"]
     if ref is None or plain is None or dyn is None:
         return
-    within = "(within 5%)." if abs(dyn - ref) <= 0.05 * ref else f"({dyn / ref:.2f}x: NOT within 5% this time)."
-    lines = [f"float16 + DLS ends at {dyn:.4g} vs float32's {ref:.4g} {within}"]
-    lines.append(
-        f"float16 without loss scaling ends at {plain:.4g}, {plain / ref:.1f}x float32's: its flushed gradients "
-        "never reach the weights."
-        if plain > 1.05 * ref
-        else f"float16 without loss scaling ends at {plain:.4g}, about as well as float32 in this run."
-    )
-    bare, masters = outcomes["float16_params"], loss["float16_params_masters"]
-    if outcomes["float16_params_masters"].stopped is None and masters is not None:
-        without = (
-            f"without masters the run stopped at step {bare.stopped}: its float16 weights became inf/NaN."
-            if bare.stopped is not None
-            else f"without masters at {bare.result.eval_loss:.4g}."
-        )
+    within = "within 5%" if abs(dyn - ref) <= 0.05 * ref else f"{dyn / ref:.2f}x: NOT within 5% this time"
+    lines = [f"float16 + DLS ends at {dyn:.4g} vs float32's {ref:.4g} ({within})."]
+    how = f"{plain / ref:.1f}x float32's: its flushed gradients never reach the weights"
+    how = how if plain > 1.05 * ref else "about as well as float32 in this run"
+    lines.append(f"float16 without loss scaling ends at {plain:.4g}, {how}.")
+    (_, bare, stopped), masters = results["float16_params"], loss["float16_params_masters"]
+    if results["float16_params_masters"][2] is None and masters is not None:
+        without = f"the run stopped at step {stopped}: its float16 weights became inf/NaN"
+        without = without if stopped is not None else f"at {bare.eval_loss:.4g}"
         lines.append(
             f"float16 parameters with float32 master weights end at {masters:.4g} ({masters / ref:.2f}x float32's); "
-            + without
+            f"without masters {without}."
         )
-    fixed, delayed, current = (outcomes[slug].result for slug in ("fp8_scale_1", "fp8_delayed", "fp8_current"))
+    fixed, delayed, current = (results[slug][1] for slug in ("fp8_scale_1", "fp8_delayed", "fp8_current"))
     if all(r.eval_loss is not None and r.fp8_flushed is not None for r in (fixed, delayed, current)):
         lines.append(
             f"FP8 at scale 1 flushes {100 * (fixed.fp8_flushed or 0):.0f}% of the gradients and ends at "
@@ -200,3 +178,93 @@ def _print_verdict(console: Console, results: list[tuple[DemoRun, DemoResult]]) 
             f"current at {current.eval_loss:.4g} (float32: {ref:.4g})."
         )
     console.print("\n".join(lines), highlight=False)
+
+
+def amplifying_net(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    embed, amplify = nn.Linear(16, 64), nn.Linear(64, 64)
+    with torch.no_grad():
+        amplify.weight.mul_(3e5)
+    layers = OrderedDict(embed=embed, amplify=amplify, norm=nn.LayerNorm(64), act=nn.Tanh(), head=nn.Linear(64, 1))
+    return nn.Sequential(layers)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(step))
+    return x, torch.tanh(x[:, :1] * x[:, 1:2])
+
+
+class FallbackRow(NamedTuple):
+    label: str
+    loss: float | None  # None when stopped
+    stopped: int | None  # the step it stopped at
+    skipped: int  # steps skipped
+    skipped_before_kept: int | None  # steps skipped before the fallback's last addition
+    kept: tuple[str, ...]  # the modules kept in float32
+    scale: float | None  # the final loss scale; None for float32
+
+
+def _train_fallback_row(label: str, steps: int, half: bool, fallback: bool, seed: int) -> FallbackRow:
+    model = amplifying_net(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = dls.GradScaler("cpu", init_scale=2.0**16, enabled=half)
+    schedule = dls.skip_aware(torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.99), scaler)
+    watch = scaler.watch(model, fallback=True) if fallback else None
+    skipped, before_kept, stopped = 0, None, None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning is what the row reports
+        for step in range(steps):
+            x, y = _batch(step)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=half):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            optimizer.zero_grad()
+            kept_before = len(watch.kept_in_float32) if watch is not None else 0
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            schedule.step()  # skip_aware: after applied steps only
+            if watch is not None and len(watch.kept_in_float32) > kept_before:
+                before_kept = skipped + 1  # this step was skipped too
+            if half and scaler.step_was_skipped(optimizer):
+                skipped += 1
+                if scaler.get_non_clamped_scale() < scaler.get_scale():  # pinned at the floor: the trainer stops
+                    stopped = step
+                    break
+    with torch.no_grad():
+        final = sum(nn.functional.mse_loss(model(x), y).item() for x, y in map(_batch, range(10_000, 10_008))) / 8
+    kept = watch.kept_in_float32 if watch is not None else ()
+    if watch is not None:
+        watch.remove()
+    loss_shown = None if stopped is not None or not math.isfinite(final) else final
+    return FallbackRow(label, loss_shown, stopped, skipped, before_kept, kept, scaler.get_scale() if half else None)
+
+
+def run_fallback_rows(steps: int = 600, seed: int = 0) -> list[FallbackRow]:
+    """The three runs of the module docstring, in order: float32, float16 + DLS, float16 + DLS + fallback."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is as fast as two, and far faster on shared cores
+    try:
+        runs = [("float32", False, False), ("fp16 + DLS", True, False), ("fp16 + DLS + fallback", True, True)]
+        return [_train_fallback_row(label, steps, half, fallback, seed) for label, half, fallback in runs]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _print_fallback_rows(console: Console, rows: list[FallbackRow], steps: int) -> None:
+    """The runs as a table in the style of the demo's, then one sentence on what the fallback did."""
+    reference, plain, healed = rows[0].loss, rows[1], rows[2]
+    cells = []
+    for r in rows:
+        kept = (", ".join(r.kept) or "-") + ("" if r.skipped_before_kept is None else f" after {r.skipped_before_kept}")
+        cells.append([*_cells(r.label, r.loss, r.stopped, reference, r.scale, r.skipped), kept])
+    note = (
+        "kept in float32: after N = after N skipped steps. A second model: its layer 'amplify' outputs ~5e5, "
+        "beyond float16's 65504, followed by a LayerNorm (dls.train.demo). Plain float16 + DLS skips every step"
+        + (f" and stops at step {plain.stopped}, the scale at its floor" if plain.stopped is not None else "")
+        + "; loss scaling cannot fix a forward overflow. With scaler.watch(model, fallback=True) the watch keeps "
+        f"{', '.join(repr(n) for n in healed.kept) or 'nothing'} in float32 after {healed.skipped_before_kept} "
+        "skipped steps"
+        + (f" and ends at {healed.loss / reference:.2f}x float32's loss." if healed.loss and reference else ".")
+    )
+    title = f"float16 that heals itself: one layer outputs ~5e5 ({steps} steps each)"
+    _print_table(console, title, ["kept in float32"], cells, note)

@@ -1,12 +1,14 @@
-"""What a run shows (progress, one-line descriptions, the summary), from values the loop has already read."""
+"""What a run shows (progress, one-line descriptions, the summary), from values the loop has already read; reading
+``metrics.jsonl``, and PNG plots of it (matplotlib's Agg canvas, imported only when plotting)."""
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -14,6 +16,7 @@ from rich.table import Table
 
 from dls.diagnostics.scales import pow2
 from dls.train.config import TrainConfig, loss_scaling_mode, scaler_settings
+from dls.train.errors import ModelDirError
 
 
 @dataclass
@@ -42,12 +45,9 @@ def json_number(value: float | None) -> float | None:
 
 
 def describe_scaling(cfg: TrainConfig) -> str:
-    mode = loss_scaling_mode(cfg)
-    if mode == "off":
-        return "no loss scaling"
-    s = scaler_settings(cfg)
-    if mode == "static":
-        return f"static loss scale {pow2(s.init_scale)}"
+    mode, s = loss_scaling_mode(cfg), scaler_settings(cfg)
+    if mode != "dynamic":
+        return "no loss scaling" if mode == "off" else f"static loss scale {pow2(s.init_scale)}"
     return (
         f"dynamic loss scaling (start {pow2(s.init_scale)}, x{s.growth_factor:g} after {s.growth_interval} "
         f"clean steps, range {pow2(s.min_loss_scale)}..{pow2(s.max_loss_scale)})"
@@ -55,16 +55,12 @@ def describe_scaling(cfg: TrainConfig) -> str:
 
 
 def describe_precision(cfg: TrainConfig) -> str:
-    prec = cfg.precision
-    dtype = prec.compute_dtype
-    if dtype == "float32":
-        text = "float32"
-    elif prec.half_params:
+    prec, dtype = cfg.precision, cfg.precision.compute_dtype
+    text = dtype if dtype == "float32" else f"{dtype} ({'dls.emulate' if prec.emulated else 'torch.autocast'})"
+    if dtype != "float32" and prec.half_params:
         how = "dls.emulate, parameters on its grid" if dtype == "cbfloat16" else "parameters, no autocast"
         masters = "float32 master weights" if prec.master_weights else "no master weights"
         text = f"{dtype} ({how}; {masters})"
-    else:
-        text = f"{dtype} ({'dls.emulate' if prec.emulated else 'torch.autocast'})"
     if prec.fp8 is not None:
         text += f", FP8 Linear layers ({describe_fp8(prec.fp8)})"
     return text
@@ -74,10 +70,9 @@ def describe_fp8(recipe: Mapping[str, Any]) -> str:
     """``delayed scaling, margin 2``: the recipe's name and the fields that differ from its defaults."""
     from dls.fp8 import RECIPE_NAMES
 
-    name = recipe["recipe"]
-    defaults = RECIPE_NAMES[name]().to_dict()
+    defaults = RECIPE_NAMES[recipe["recipe"]]().to_dict()
     changed = [f"{k} {v}" for k, v in recipe.items() if k != "recipe" and defaults.get(k) != v]
-    return ", ".join([f"{name} scaling", *changed])
+    return ", ".join([f"{recipe['recipe']} scaling", *changed])
 
 
 def describe_run(
@@ -87,21 +82,16 @@ def describe_run(
         f"{cfg.model.name} on {cfg.data.dataset or cfg.data.data_processor}, {describe_precision(cfg)}, "
         f"{describe_scaling(cfg)}; steps {start_step}->{max_steps}; output in {model_dir}"
     )
-    if world_size > 1:
-        text += f"; data-parallel on {world_size} ranks ({device_type}), global batch {world_size} x "
-        text += str(cfg.data.batch_size)
-    return text
+    batch = f"; data-parallel on {world_size} ranks ({device_type}), global batch {world_size} x {cfg.data.batch_size}"
+    return text + (batch if world_size > 1 else "")
 
 
 class ProgressDisplay:
     """A rich progress bar on a terminal; otherwise a plain line about every 10% of the steps."""
 
     def __init__(self, console: Console, enabled: bool, total: int, start: int, label: str) -> None:
-        self.console = console
-        self.total = total
-        self.every = max(1, (total - start) // 10)
+        self.console, self.enabled, self.total, self.every = console, enabled, total, max(1, (total - start) // 10)
         self.progress: Progress | None = None
-        self.enabled = enabled
         if enabled and console.is_terminal:
             bar = (TextColumn("[bold]{task.fields[label]}"), BarColumn(), MofNCompleteColumn())
             times = (TextColumn("{task.description}"), TimeElapsedColumn(), TimeRemainingColumn())
@@ -112,13 +102,10 @@ class ProgressDisplay:
     def update(self, row: dict[str, Any], skipped_total: int | None) -> None:
         if not self.enabled:
             return
-        step = row["step"]
+        step, scale = row["step"], row["loss_scale"]
         parts = [f"loss {row['loss']:.4g}" if row["loss"] is not None else "loss nan"]
-        if row["loss_scale"] is not None:
-            parts.append(f"scale {pow2(row['loss_scale'])}")
-        if skipped_total is not None:
-            parts.append(f"skipped {skipped_total}")
-        text = "  ".join(parts)
+        parts += [] if scale is None else [f"scale {pow2(scale)}"]
+        text = "  ".join(parts + ([] if skipped_total is None else [f"skipped {skipped_total}"]))
         if self.progress is not None:
             self.progress.update(self.task, completed=step, description=text)
         elif step % self.every == 0 or step == self.total:
@@ -157,3 +144,123 @@ def print_summary(console: Console, cfg: TrainConfig, result: TrainResult) -> No
     if result.plot_path is not None:
         table.add_row("plot", str(result.plot_path))
     console.print(table)
+
+
+def _row(line: bytes) -> dict[str, Any] | str:
+    """A metrics row (a mapping with a step >= 0), or what is wrong with ``line``."""
+    try:
+        row = json.loads(line)
+    except ValueError as exc:  # not JSON or not UTF-8
+        return str(exc).splitlines()[0]
+    step = row.get("step") if isinstance(row, dict) else None
+    return row if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else str(row)
+
+
+def read_metrics(data: bytes) -> list[dict[str, Any]]:
+    return [row for line in data.splitlines() if isinstance(row := _row(line), dict)]
+
+
+def metrics_to_keep(data: bytes | None, path: Path, step: int) -> bytes:
+    """The rows of ``data`` (the file ``path``) a run resumed at ``step`` keeps; an unfinished last line is
+    dropped, any other line that is not a metrics row refused (:class:`ModelDirError`: the file is kept)."""
+    kept = []
+    for number, line in enumerate((data or b"").split(b"\n")[:-1], start=1):  # [-1]: b"" or an unfinished line
+        if not line.strip():
+            continue
+        row = _row(line)
+        if isinstance(row, str):
+            raise ModelDirError(
+                f"{path} line {number} is not a metrics row ({row[:80]}); a resumed run rewrites that file "
+                "and would lose it: move the file away (resuming does not need it) and run again"
+            )
+        if row["step"] <= step:
+            kept.append(line + b"\n")
+    return b"".join(kept)
+
+
+def _scale_tick(value: float, _pos: Any = None) -> str:
+    """A loss-scale axis label: ``pow2``'s ``2^k`` as a mathtext exponent."""
+    text = pow2(value) if value > 0 else ""
+    return f"$2^{{{text[2:]}}}$" if text.startswith("2^") else text
+
+
+def plot_run(rows: Sequence[dict[str, Any]], out: IO[bytes], title: str = "") -> None:
+    """plots.png: the run's loss over steps and its loss scale below, skipped steps as red crosses."""
+    plot_comparison([("training loss", rows)], out, title)
+
+
+def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: IO[bytes], title: str = "") -> None:
+    comparison_figure(runs, title).savefig(out, format="png", dpi=110)
+
+
+def comparison_figure(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], title: str = "") -> Any:
+    """Small multiples (``runs``: one at least): per run its loss over the first run's (dashed grey) and its loss
+    scale below, skipped steps as red crosses; shared axes, so runs compare by position and no curve hides another."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter
+
+    columns = min(len(runs), 5)
+    groups = -(-len(runs) // columns)
+    fig = Figure(figsize=((8.4 if columns == 1 else 3.1) * columns + 0.6, 3.5 * groups + 0.9), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2 * groups, columns, sharex=True, squeeze=False, height_ratios=[3, 1.3] * groups)
+    loss_axes, scale_axes = axes[0::2].ravel(), axes[1::2].ravel()
+    for shared in (loss_axes, scale_axes):
+        for ax in shared[1:]:
+            ax.sharey(shared[0])
+
+    def points(rows: Sequence[dict[str, Any]], key: str) -> tuple[list[Any], list[Any]]:  # log axes: finite, > 0
+        kept = [r for r in rows if isinstance(r.get(key), (int, float)) and 0 < r[key] < math.inf]
+        return [r["step"] for r in kept], [r[key] for r in kept]
+
+    reference = points(runs[0][1], "loss")
+    for i, (label, rows) in enumerate(runs):
+        ax_loss, ax_scale = loss_axes[i], scale_axes[i]
+        (steps, losses), scales = points(rows, "loss"), points(rows, "loss_scale")
+        skipped = [r for r in rows if r.get("skipped")]
+        if reference[0] and i > 0:
+            ax_loss.plot(*reference, "--", color="0.55", lw=1.2)
+        if steps:
+            ax_loss.plot(steps, losses, color="black" if i == 0 and len(runs) > 1 else "tab:blue", lw=1.4)
+        if rows and (not steps or steps[-1] < rows[-1]["step"]):  # the loss became inf/NaN: say so, not a gap
+            text = f"loss inf/NaN after step {steps[-1] if steps else 0}\nlast row: step {rows[-1]['step']}"
+            ax_loss.text(
+                0.97, 0.95, text, ha="right", va="top", fontsize=7, color="tab:red", transform=ax_loss.transAxes
+            )
+        if scales[0]:
+            ax_scale.step(*scales, where="post", color="tab:green", lw=1.4)
+        else:
+            ax_scale.text(
+                0.5, 0.5, "no loss scale", ha="center", va="center", color="0.4", transform=ax_scale.transAxes
+            )
+        ax_loss.set_title(label, fontsize=9)
+        ax_loss.set_yscale("log")
+        for ax, key in ((ax_loss, "loss"), (ax_scale, "loss_scale")):
+            marks = points(skipped, key)
+            if marks[0]:  # (an empty scatter breaks a log axis that has no data)
+                ax.scatter(*marks, marker="x", s=16, color="tab:red", zorder=3)
+            ax.grid(True, which="both", alpha=0.3)
+    for ax in [*loss_axes[len(runs) :], *scale_axes[len(runs) :]]:
+        ax.set_axis_off()
+    if any(points(rows, "loss_scale")[0] for _, rows in runs):
+        scale_axes[0].set_yscale("log", base=2)
+        scale_axes[0].yaxis.set_major_formatter(FuncFormatter(_scale_tick))
+    for row in range(groups):
+        loss_axes[row * columns].set_ylabel("loss (unweighted)")
+        scale_axes[row * columns].set_ylabel("loss scale")
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    handles = [
+        Line2D([], [], color="tab:blue", lw=1.4, label="the run's loss"),
+        Line2D([], [], color="0.55", ls="--", lw=1.2, label=f"{runs[0][0]} (reference)"),
+        Line2D([], [], color="tab:green", lw=1.4, label="loss scale"),
+        Line2D([], [], color="tab:red", marker="x", ls="", label="skipped step"),
+    ]
+    if len(runs) == 1:
+        del handles[1]  # one run: no reference
+    fig.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=9, frameon=False)
+    if title:
+        fig.suptitle(title)
+    return fig

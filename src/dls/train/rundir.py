@@ -24,7 +24,7 @@ import yaml
 
 from dls.train.checkpoint import FORMAT, FORMAT_VERSION, checkpoint_step, list_checkpoints
 from dls.train.errors import ModelDirError
-from dls.train.plots import metrics_to_keep, plot_run, read_metrics
+from dls.train.reporting import metrics_to_keep, plot_run, read_metrics
 
 LOCK_FILE = ".dls.lock"
 METRICS_FILE = "metrics.jsonl"
