@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dls.fp8
-from dls.train.audit import audit_formats, build_inputs, compare_fp8
+from dls.train.audit import audit_formats, build_inputs
 from dls.train.cli import main
 from dls.train.config import load_config, parse_config
 from dls.train.data import BatchIterator
@@ -96,7 +96,8 @@ def test_the_audit_sees_the_runs_first_batches_and_changes_nothing(tmp_path: Pat
     assert seen[:per_format] == seen[per_format:] and seen[:3] == [0, 1, 2]
     assert set(result.audits) == {"float16", "cbfloat16"}
     seen.clear()
-    rows = compare_fp8(model, batches, [dls.fp8.StaticScaling(), dls.fp8.CurrentScaling()], loss_weight=1e-4)
+    recipes = [dls.fp8.StaticScaling(), dls.fp8.CurrentScaling()]
+    rows = dls.fp8.compare_recipes(model, model.loss, batches, recipes, loss_weight=1e-4)
     assert seen == [0, 1, 2] * 3  # float32, then each recipe
     assert rows[0].grad_flushed > 0.99 and rows[1].grad_flushed < 0.01  # 1e-4 x the gradients: below E5M2 at scale 1
     assert rows[0].reference == rows[1].reference and abs(rows[1].loss / rows[1].reference - 1) < 0.02

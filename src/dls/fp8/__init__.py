@@ -13,7 +13,9 @@ which recipe?" can be answered before renting an FP8 GPU:
 * :func:`emulate`: every ``nn.Linear`` computes its three GEMMs on FP8 operands per the recipe, with
   ``handle.stats``, ``handle.state_dict()`` for exact resume, DDP-consistent delayed scaling, and
   ``dls.GradScaler`` on top;
-* :func:`mx_quantize`: an MXFP8 cast, byte-compatible with torchao.
+* :func:`mx_quantize`: an MXFP8 cast, byte-compatible with torchao;
+* :func:`compare_recipes`: one model under each recipe on the same batches, without training: the shares of
+  gradients saturated and flushed, and the loss beside float32's (``dls audit --fp8-recipes`` prints it).
 
 ::
 
@@ -24,6 +26,7 @@ which recipe?" can be answered before renting an FP8 GPU:
     print(handle.stats.as_dict()["net.0"]["grad_output"])   # amax, scale, saturated / flushed fractions
 """
 
+from dls.fp8.compare import RecipeComparison, compare_recipes
 from dls.fp8.emulate import Fp8Handle, Fp8Stats, emulate
 from dls.fp8.recipes import (
     MXFP8,
@@ -46,7 +49,9 @@ __all__ = [
     "Fp8Handle",
     "Fp8Stats",
     "Recipe",
+    "RecipeComparison",
     "StaticScaling",
+    "compare_recipes",
     "emulate",
     "mx_quantize",
     "recipe_from_dict",

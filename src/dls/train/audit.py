@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import itertools
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -76,62 +76,7 @@ def audit_formats(model: TrainModel, batches: Batches, formats: Sequence[str], l
     return dataclasses.replace(result, audits=audits, keep_in_float32=keep)
 
 
-@dataclasses.dataclass(frozen=True)
-class Fp8Comparison:
-    """One FP8 recipe: shares of nonzero values saturated / flushed over every cast; mean loss vs float32's."""
-
-    recipe: dict[str, object]
-    grad_saturated: float
-    grad_flushed: float
-    forward_flushed: float
-    loss: float
-    reference: float
-
-
-def compare_fp8(
-    model: TrainModel,
-    batches: Iterable[Batch],
-    recipes: Sequence[dls.fp8.Recipe],
-    loss_weight: float = 1.0,
-    loss_scale: float = 1.0,
-    seed: int = 0,
-) -> list[Fp8Comparison]:
-    """``model`` on ``batches`` in float32 and under each recipe (backward of ``loss * loss_weight * loss_scale``,
-    each pass seeded alike, no optimizer step); parameters are never written and every ``.grad`` is put back."""
-    params = list(model.parameters())
-    grads = [p.grad for p in params]
-    devices = [torch.cuda.current_device()] if params and params[0].is_cuda else []
-
-    def mean_loss(backward: bool) -> float:
-        losses = []
-        for i, batch in enumerate(batches):
-            with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(backward):
-                torch.manual_seed(seed + i)
-                loss = model.loss(batch)
-                if backward:
-                    (loss * (loss_weight * loss_scale)).backward()
-                    model.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
-        return float(torch.stack(losses).double().mean())
-
-    rows = []
-    try:
-        reference = mean_loss(backward=False)
-        for recipe in recipes:
-            with dls.fp8.emulate(model, recipe) as handle:
-                loss, totals = mean_loss(backward=True), handle.stats.totals()
-            grad, inp, weight = totals["grad_output"], totals["input"], totals["weight"]
-            values = inp["values"] + weight["values"]
-            flushed = inp["flushed_fraction"] * inp["values"] + weight["flushed_fraction"] * weight["values"]
-            shares = float(grad["saturated_fraction"]), float(grad["flushed_fraction"]), float(flushed / (values or 1))
-            rows.append(Fp8Comparison(recipe.to_dict(), *shares, loss, reference))
-    finally:
-        for p, g in zip(params, grads):
-            p.grad = g
-    return rows
-
-
-def fp8_table(rows: Sequence[Fp8Comparison], loss_scale: float, passes: int) -> str:
+def fp8_table(rows: Sequence[dls.fp8.RecipeComparison], loss_scale: float, passes: int) -> str:
     body = [["recipe", "grad_output saturated", "grad_output flushed", "forward flushed", "loss", "vs fp32"]]
     body.append(["float32", "-", "-", "-", f"{rows[0].reference:.5g}" if rows else "-", "1.0000x"])
     for r in rows:
@@ -188,7 +133,9 @@ def command(args: argparse.Namespace) -> None:
                 dls.fp8.recipe_from_dict(dict(own) if own["recipe"] == r else {"recipe": r}) for r in recipe_names
             ]
             at = given if loss_scaling_mode(cfg) != "off" else 1.0
-            rows = compare_fp8(model, batches, recipes, weight, at, cfg.runconfig.seed)
+            rows = dls.fp8.compare_recipes(
+                model, model.loss, batches, recipes, loss_weight=weight, loss_scale=at, seed=cfg.runconfig.seed
+            )
             print("\n" + fp8_table(rows, at, args.steps))
         if args.out is not None:  # save_plot takes a path only: drawn in a private temporary directory first
             directory = resolve_model_dir(Path(args.out), "--out")
