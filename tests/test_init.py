@@ -77,6 +77,15 @@ def test_without_a_data_writer_nothing_is_written(
     assert not (tmp_path / "other").exists()  # nothing written before the error
 
 
+def test_without_h5py_nothing_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "h5py", None)  # import h5py fails
+    assert main(["init", "modelzoo/cerebras_gpt", str(tmp_path / "other")]) == 2
+    assert "pip install 'dls[modelzoo]'" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()  # checked before anything is written, the directory included
+
+
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git to list the tracked files")
 def test_wheel_carries_the_configs(tmp_path: Path) -> None:
     pytest.importorskip("setuptools")  # the dev extra installs it: the build runs without network

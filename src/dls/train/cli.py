@@ -310,21 +310,19 @@ def _init(args: argparse.Namespace) -> None:
     processor = _DATA_PROCESSOR.search(text)
     if processor is not None:  # everything checked before anything is written
         try:
-            from dls.train.modelzoo import write_tiny_data  # type: ignore[attr-defined,unused-ignore]
-        except ImportError as exc:
-            if exc.name in ("h5py", "transformers"):
-                raise MissingExtras(
-                    f"Model Zoo data needs the 'modelzoo' extra: pip install 'dls[modelzoo]' ({exc})"
-                ) from None
+            from dls.train.modelzoo import require, write_tiny_data  # type: ignore[attr-defined,unused-ignore]
+        except ImportError:
             raise UsageError(
                 "this dls cannot write Model Zoo data (dls.train.modelzoo.write_tiny_data is missing); "
                 "copy the config by hand and point its data_dir at your data"
             ) from None
         if processor.group(1) not in _KIND:
             raise UsageError(f"dls init cannot write data for {processor.group(1)} (it writes {', '.join(_KIND)})")
+        kind = _KIND[processor.group(1)]
+        if kind == "gpt":
+            require("h5py")  # MissingExtras, naming the modelzoo extra
     directory.mkdir(parents=True, exist_ok=True)
     if processor is not None:
-        kind = _KIND[processor.group(1)]
         write_tiny_data(kind, directory / "data" / kind)
         text = _DATA_DIR.sub(lambda m: f"{m.group('key')}{str(directory / 'data' / m.group('rest'))!r}", text)
         print(f"Wrote a tiny {processor.group(1)} data set into {directory / 'data' / kind}")

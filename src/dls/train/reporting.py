@@ -184,12 +184,8 @@ def _scale_tick(value: float, _pos: Any = None) -> str:
     return f"$2^{{{text[2:]}}}$" if text.startswith("2^") else text
 
 
-def plot_run(rows: Sequence[dict[str, Any]], out: IO[bytes], title: str = "") -> None:
-    """plots.png: the run's loss over steps and its loss scale below, skipped steps as red crosses."""
-    plot_comparison([("training loss", rows)], out, title)
-
-
 def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: IO[bytes], title: str = "") -> None:
+    """:func:`comparison_figure` as a PNG (a run's plots.png: one run, ``[("training loss", rows)]``)."""
     comparison_figure(runs, title).savefig(out, format="png", dpi=110)
 
 

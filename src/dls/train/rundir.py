@@ -24,7 +24,7 @@ import yaml
 
 from dls.train.checkpoint import FORMAT, FORMAT_VERSION, checkpoint_step, list_checkpoints
 from dls.train.errors import ModelDirError
-from dls.train.reporting import metrics_to_keep, plot_run, read_metrics
+from dls.train.reporting import metrics_to_keep, plot_comparison, read_metrics
 
 LOCK_FILE = ".dls.lock"
 METRICS_FILE = "metrics.jsonl"
@@ -326,7 +326,7 @@ class RunDir:
     def plot(self, title: str) -> Path:
         """Write plots.png from metrics.jsonl; its path."""
         png = io.BytesIO()
-        plot_run(read_metrics(self.read(METRICS_FILE) or b""), png, title=title)
+        plot_comparison([("training loss", read_metrics(self.read(METRICS_FILE) or b""))], png, title)
         return self.replace(PLOT_FILE, png.getbuffer())
 
     def close(self) -> None:
