@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from dls.train.reporting import comparison_figure, plot_comparison
+from dls.train.reporting import plot_comparison
 
 
 def rows(losses: list[float], scale: float | None = None, skipped: tuple[int, ...] = ()) -> list[dict]:
@@ -30,7 +30,7 @@ RUNS = [
 
 
 def test_every_run_has_its_own_loss_and_scale_panels() -> None:
-    fig = comparison_figure(RUNS, title="t")
+    fig = plot_comparison(RUNS, io.BytesIO(), title="t")
     visible = [ax for ax in fig.axes if ax.axison]
     assert len(visible) == 2 * len(RUNS)  # two runs with the same scale curve cannot hide each other
     titles = [ax.get_title() for ax in visible if ax.get_title()]

@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dls.diagnostics.scales import pow2
+from dls.fp8 import RECIPE_NAMES
 from dls.train.config import TrainConfig, loss_scaling_mode, scaler_settings
 from dls.train.errors import ModelDirError
 
@@ -68,8 +69,6 @@ def describe_precision(cfg: TrainConfig) -> str:
 
 def describe_fp8(recipe: Mapping[str, Any]) -> str:
     """``delayed scaling, margin 2``: the recipe's name and the fields that differ from its defaults."""
-    from dls.fp8 import RECIPE_NAMES
-
     defaults = RECIPE_NAMES[recipe["recipe"]]().to_dict()
     changed = [f"{k} {v}" for k, v in recipe.items() if k != "recipe" and defaults.get(k) != v]
     return ", ".join([f"{recipe['recipe']} scaling", *changed])
@@ -184,14 +183,10 @@ def _scale_tick(value: float, _pos: Any = None) -> str:
     return f"$2^{{{text[2:]}}}$" if text.startswith("2^") else text
 
 
-def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: IO[bytes], title: str = "") -> None:
-    """:func:`comparison_figure` as a PNG (a run's plots.png: one run, ``[("training loss", rows)]``)."""
-    comparison_figure(runs, title).savefig(out, format="png", dpi=110)
-
-
-def comparison_figure(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], title: str = "") -> Any:
-    """Small multiples (``runs``: one at least): per run its loss over the first run's (dashed grey) and its loss
-    scale below, skipped steps as red crosses; shared axes, so runs compare by position and no curve hides another."""
+def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: IO[bytes], title: str = "") -> Any:
+    """Small multiples (``runs``: one at least) as a PNG into ``out``; the figure. Per run its loss over the first
+    run's (dashed grey) and its loss scale below, skipped steps as red crosses; shared axes, so runs compare by
+    position and no curve hides another. A run's plots.png is ``[("training loss", rows)]``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -248,15 +243,14 @@ def comparison_figure(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], titl
         scale_axes[row * columns].set_ylabel("loss scale")
     for ax in axes[-1]:
         ax.set_xlabel("step")
-    handles = [
+    handles = [  # (one run: no reference)
         Line2D([], [], color="tab:blue", lw=1.4, label="the run's loss"),
-        Line2D([], [], color="0.55", ls="--", lw=1.2, label=f"{runs[0][0]} (reference)"),
+        *[Line2D([], [], color="0.55", ls="--", lw=1.2, label=f"{runs[0][0]} (reference)")][: len(runs) - 1],
         Line2D([], [], color="tab:green", lw=1.4, label="loss scale"),
         Line2D([], [], color="tab:red", marker="x", ls="", label="skipped step"),
     ]
-    if len(runs) == 1:
-        del handles[1]  # one run: no reference
     fig.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=9, frameon=False)
     if title:
         fig.suptitle(title)
+    fig.savefig(out, format="png", dpi=110)
     return fig
