@@ -211,6 +211,7 @@ def _train_fallback_row(label: str, steps: int, half: bool, fallback: bool, seed
     schedule = dls.skip_aware(torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.99), scaler)
     watch = scaler.watch(model, fallback=True) if fallback else None
     skipped, before_kept, stopped = 0, None, None
+    kept: tuple[str, ...] = ()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fallback's warning is what the row reports
         for step in range(steps):
@@ -218,13 +219,12 @@ def _train_fallback_row(label: str, steps: int, half: bool, fallback: bool, seed
             with torch.autocast("cpu", dtype=torch.float16, enabled=half):
                 loss = nn.functional.mse_loss(model(x).float(), y)
             optimizer.zero_grad()
-            kept_before = len(watch.kept_in_float32) if watch is not None else 0
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
             schedule.step()  # skip_aware: after applied steps only
-            if watch is not None and len(watch.kept_in_float32) > kept_before:
-                before_kept = skipped + 1  # this step was skipped too
+            if watch is not None and watch.kept_in_float32 != kept:
+                kept, before_kept = watch.kept_in_float32, skipped + 1  # this step was skipped too
             if half and scaler.step_was_skipped(optimizer):
                 skipped += 1
                 if scaler.get_non_clamped_scale() < scaler.get_scale():  # pinned at the floor: the trainer stops
@@ -232,7 +232,6 @@ def _train_fallback_row(label: str, steps: int, half: bool, fallback: bool, seed
                     break
     with torch.no_grad():
         final = sum(nn.functional.mse_loss(model(x), y).item() for x, y in map(_batch, range(10_000, 10_008))) / 8
-    kept = watch.kept_in_float32 if watch is not None else ()
     if watch is not None:
         watch.remove()
     loss_shown = None if stopped is not None or not math.isfinite(final) else final
