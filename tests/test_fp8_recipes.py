@@ -88,3 +88,10 @@ def test_recipes_are_frozen_and_hashable() -> None:
     with pytest.raises(AttributeError):
         recipe.margin = 1  # type: ignore[misc]
     assert len({CurrentScaling(), CurrentScaling(), MXFP8()}) == 2
+
+
+def test_describe_names_the_recipe_and_the_fields_that_differ_from_its_defaults() -> None:
+    assert CurrentScaling().describe() == "current scaling"
+    assert DelayedScaling(margin=2, amax_history_len=16).describe() == "delayed scaling, margin 2, amax_history_len 16"
+    assert StaticScaling(scale=2).describe() == "static scaling, scale 2.0"
+    assert MXFP8(fp8_format="e4m3").describe() == "mxfp8 scaling, fp8_format e4m3"

@@ -15,7 +15,8 @@ which recipe?" can be answered before renting an FP8 GPU:
   ``dls.GradScaler`` on top;
 * :func:`mx_quantize`: an MXFP8 cast, byte-compatible with torchao;
 * :func:`compare_recipes`: one model under each recipe on the same batches, without training: the shares of
-  gradients saturated and flushed, and the loss beside float32's (``dls audit --fp8-recipes`` prints it).
+  gradients saturated and flushed, and the loss beside float32's, as a table by ``to_text()`` (what
+  ``dls audit --fp8-recipes`` prints).
 
 ::
 
@@ -26,7 +27,7 @@ which recipe?" can be answered before renting an FP8 GPU:
     print(handle.stats.as_dict()["net.0"]["grad_output"])   # amax, scale, saturated / flushed fractions
 """
 
-from dls.fp8.compare import RecipeComparison, compare_recipes
+from dls.fp8.compare import RecipeComparison, RecipeResult, compare_recipes
 from dls.fp8.emulate import Fp8Handle, Fp8Stats, emulate
 from dls.fp8.recipes import (
     MXFP8,
@@ -50,6 +51,7 @@ __all__ = [
     "Fp8Stats",
     "Recipe",
     "RecipeComparison",
+    "RecipeResult",
     "StaticScaling",
     "compare_recipes",
     "emulate",

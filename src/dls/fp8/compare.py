@@ -10,32 +10,60 @@ from typing import Any
 import torch
 from torch import nn
 
+from dls.diagnostics.scales import percent, pow2
 from dls.fp8.emulate import emulate
 from dls.fp8.recipes import RECIPE_NAMES, Recipe
 
-__all__ = ["RecipeComparison", "compare_recipes"]
+__all__ = ["RecipeComparison", "RecipeResult", "compare_recipes"]
 
 
 @dataclasses.dataclass(frozen=True)
-class RecipeComparison:
+class RecipeResult:
     """One recipe, over every cast of every pass: the shares of nonzero values saturated (clamped to the format's
-    max) and flushed (rounded to zero), and the mean loss beside float32's.
+    max) and flushed (rounded to zero), and the mean loss.
 
     Attributes:
-        recipe: the recipe as ``Recipe.to_dict()`` writes it.
+        recipe: the recipe.
         grad_saturated: share of nonzero ``grad_output`` values (the gradients into each Linear layer) saturated.
         grad_flushed: share of nonzero ``grad_output`` values flushed to zero.
         forward_flushed: share of nonzero forward operands (inputs and weights) flushed to zero.
         loss: the mean of ``loss_fn`` over the passes under the recipe.
-        reference: the same mean in float32 (no FP8), equal in every row.
     """
 
-    recipe: dict[str, Any]
+    recipe: Recipe
     grad_saturated: float
     grad_flushed: float
     forward_flushed: float
     loss: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeComparison:
+    """What :func:`compare_recipes` returns: ``results`` (one :class:`RecipeResult` per recipe, in order), the
+    float32 ``reference`` loss (the mean over the same passes, no FP8), the ``loss_scale`` the gradients were cast
+    at and the number of ``passes`` per recipe; ``to_text()`` renders them as a table."""
+
+    results: tuple[RecipeResult, ...]
     reference: float
+    loss_scale: float
+    passes: int
+
+    def to_text(self) -> str:
+        """A table: per recipe (``Recipe.describe()``) the three shares, the loss and its ratio to float32's."""
+        body = [["recipe", "grad_output saturated", "grad_output flushed", "forward flushed", "loss", "vs fp32"]]
+        body.append(["float32", "-", "-", "-", f"{self.reference:.5g}", "1.0000x"])
+        for r in self.results:
+            shares = [percent(v) for v in (r.grad_saturated, r.grad_flushed, r.forward_flushed)]
+            ratio = f"{r.loss / self.reference:.4f}x" if self.reference else "-"
+            body.append([r.recipe.describe(), *shares, f"{r.loss:.5g}", ratio])
+        widths = [max(map(len, column)) for column in zip(*body)]
+        lines = ["  ".join([row[0].ljust(widths[0]), *map(str.rjust, row[1:], widths[1:])]).rstrip() for row in body]
+        return "\n".join(lines) + (
+            f"\n{self.passes} forward/backward passes per recipe, gradients at loss scale {pow2(self.loss_scale)}. "
+            "saturated / flushed: shares of nonzero values clamped to the format's max / rounded to zero "
+            "(grad_output: into each Linear layer; forward: its inputs and weights). Delayed scaling's first pass is "
+            "at scale 1, as a run's."
+        )
 
 
 def compare_recipes(
@@ -47,7 +75,7 @@ def compare_recipes(
     loss_weight: float = 1.0,
     loss_scale: float = 1.0,
     seed: int = 0,
-) -> list[RecipeComparison]:
+) -> RecipeComparison:
     """Run ``loss_fn(batch)`` (``model``'s loss on ``batch``) for every batch of ``batches`` in float32 (no backward),
     then with ``model`` under :func:`dls.fp8.emulate` with each recipe in turn (forward and backward), and compare.
 
@@ -60,12 +88,13 @@ def compare_recipes(
     and every parameter's ``.grad`` (the tensor object itself) is put back.
 
     Returns:
-        One :class:`RecipeComparison` per recipe, in order. A delayed-scaling recipe starts from fresh amax
-        histories: its first pass casts at scale 1, as a run's first step does.
+        A :class:`RecipeComparison`: ``results[i]`` for ``recipes[i]``, the float32 ``reference`` loss, ``to_text()``.
+        A delayed-scaling recipe starts from fresh amax histories: its first pass casts at scale 1, as a run's first
+        step does.
 
     Raises:
         ValueError: a recipe that is not a ``dls.fp8`` recipe, or a ``loss_weight`` / ``loss_scale`` that is not a
-            finite number (nothing has run then).
+            finite number (nothing has run then); ``batches`` yielded nothing.
     """
     if bad := [r for r in recipes if not isinstance(r, tuple(RECIPE_NAMES.values()))]:
         raise ValueError(f"recipes must be dls.fp8 recipes; got {bad[0]!r}")
@@ -76,8 +105,8 @@ def compare_recipes(
     grads = [p.grad for p in params]
     devices = [torch.cuda.current_device()] if params and params[0].is_cuda else []
 
-    def mean_loss(backward: bool) -> float:
-        losses = []
+    def losses(backward: bool) -> list[torch.Tensor]:
+        out = []
         for i, batch in enumerate(batches):
             with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(backward):
                 torch.manual_seed(seed + i)
@@ -85,21 +114,27 @@ def compare_recipes(
                 if backward:
                     (loss * (loss_weight * loss_scale)).backward()
                     model.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
-        return float(torch.stack(losses).double().mean())
+            out.append(loss.detach())
+        return out
 
-    rows = []
+    results = []
     try:
-        reference = mean_loss(backward=False)
+        float32 = losses(backward=False)
+        if not float32:
+            raise ValueError("batches yielded no batch")
         for recipe in recipes:
             with emulate(model, recipe) as handle:
-                loss, totals = mean_loss(backward=True), handle.stats.totals()
+                loss, totals = _mean(losses(backward=True)), handle.stats.totals()
             grad, inp, weight = totals["grad_output"], totals["input"], totals["weight"]
             values = inp["values"] + weight["values"]
             flushed = inp["flushed_fraction"] * inp["values"] + weight["flushed_fraction"] * weight["values"]
             shares = float(grad["saturated_fraction"]), float(grad["flushed_fraction"]), float(flushed / (values or 1))
-            rows.append(RecipeComparison(recipe.to_dict(), *shares, loss, reference))
+            results.append(RecipeResult(recipe, *shares, loss))
     finally:
         for p, g in zip(params, grads):
             p.grad = g
-    return rows
+    return RecipeComparison(tuple(results), _mean(float32), loss_scale, len(float32))
+
+
+def _mean(losses: list[torch.Tensor]) -> float:
+    return float(torch.stack(losses).double().mean())

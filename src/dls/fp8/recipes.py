@@ -67,6 +67,12 @@ class _Recipe:
         name = next(n for n, cls in RECIPE_NAMES.items() if cls is type(self))
         return {"recipe": name, **dataclasses.asdict(self)}  # type: ignore[call-overload]
 
+    def describe(self) -> str:
+        """``"delayed scaling, margin 2"``: the short name, then the fields that differ from the defaults."""
+        fields, defaults = self.to_dict(), type(self)().to_dict()
+        changed = [f"{key} {value}" for key, value in fields.items() if defaults[key] != value]
+        return ", ".join([f"{fields['recipe']} scaling", *changed])
+
 
 @dataclasses.dataclass(frozen=True)
 class CurrentScaling(_Recipe):

@@ -18,14 +18,13 @@ import dls
 import dls.fp8
 from dls import formats as half_formats
 from dls.diagnostics import AuditResult, FormatAudit
-from dls.diagnostics.scales import percent, pow2
+from dls.diagnostics.scales import pow2
 from dls.train import checkpoint as ckpt
 from dls.train.cli import config_errors
 from dls.train.config import TrainConfig, load_config, loss_scaling_mode, scaler_settings
 from dls.train.data import Batch, BatchIterator, TrainModel, build_dataset, build_model
 from dls.train.errors import UsageError
 from dls.train.launch import resolve_device
-from dls.train.reporting import describe_fp8
 from dls.train.rundir import RunDir, resolve_model_dir
 
 DEFAULT_FORMATS = ("float16", "bfloat16", "cbfloat16")
@@ -76,22 +75,6 @@ def audit_formats(model: TrainModel, batches: Batches, formats: Sequence[str], l
     return dataclasses.replace(result, audits=audits, keep_in_float32=keep)
 
 
-def fp8_table(rows: Sequence[dls.fp8.RecipeComparison], loss_scale: float, passes: int) -> str:
-    body = [["recipe", "grad_output saturated", "grad_output flushed", "forward flushed", "loss", "vs fp32"]]
-    body.append(["float32", "-", "-", "-", f"{rows[0].reference:.5g}" if rows else "-", "1.0000x"])
-    for r in rows:
-        shares = [percent(v) for v in (r.grad_saturated, r.grad_flushed, r.forward_flushed)]
-        ratio = f"{r.loss / r.reference:.4f}x" if r.reference else "-"
-        body.append([describe_fp8(r.recipe), *shares, f"{r.loss:.5g}", ratio])
-    widths = [max(map(len, column)) for column in zip(*body)]
-    lines = ["  ".join([row[0].ljust(widths[0]), *map(str.rjust, row[1:], widths[1:])]).rstrip() for row in body]
-    return "\n".join(lines) + (
-        f"\n{passes} forward/backward passes per recipe, gradients at loss scale {pow2(loss_scale)}. saturated / "
-        "flushed: shares of nonzero values clamped to the format's max / rounded to zero (grad_output: into each "
-        "Linear layer; forward: its inputs and weights). Delayed scaling's first pass is at scale 1, as a run's."
-    )
-
-
 def command(args: argparse.Namespace) -> None:
     """``dls audit``: the arguments checked, then the verdicts, the scales, the FP8 table and the plot."""
     names = args.formats if args.formats is not None else list(DEFAULT_FORMATS)
@@ -133,10 +116,10 @@ def command(args: argparse.Namespace) -> None:
                 dls.fp8.recipe_from_dict(dict(own) if own["recipe"] == r else {"recipe": r}) for r in recipe_names
             ]
             at = given if loss_scaling_mode(cfg) != "off" else 1.0
-            rows = dls.fp8.compare_recipes(
+            fp8 = dls.fp8.compare_recipes(
                 model, model.loss, batches, recipes, loss_weight=weight, loss_scale=at, seed=cfg.runconfig.seed
             )
-            print("\n" + fp8_table(rows, at, args.steps))
+            print("\n" + fp8.to_text())
         if args.out is not None:  # save_plot takes a path only: drawn in a private temporary directory first
             directory = resolve_model_dir(Path(args.out), "--out")
             with tempfile.TemporaryDirectory(prefix="dls-audit-") as scratch:

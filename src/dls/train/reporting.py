@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dls.diagnostics.scales import pow2
-from dls.fp8 import RECIPE_NAMES
+from dls.fp8 import recipe_from_dict
 from dls.train.config import TrainConfig, loss_scaling_mode, scaler_settings
 from dls.train.errors import ModelDirError
 
@@ -63,15 +63,8 @@ def describe_precision(cfg: TrainConfig) -> str:
         masters = "float32 master weights" if prec.master_weights else "no master weights"
         text = f"{dtype} ({how}; {masters})"
     if prec.fp8 is not None:
-        text += f", FP8 Linear layers ({describe_fp8(prec.fp8)})"
+        text += f", FP8 Linear layers ({recipe_from_dict(dict(prec.fp8)).describe()})"
     return text
-
-
-def describe_fp8(recipe: Mapping[str, Any]) -> str:
-    """``delayed scaling, margin 2``: the recipe's name and the fields that differ from its defaults."""
-    defaults = RECIPE_NAMES[recipe["recipe"]]().to_dict()
-    changed = [f"{k} {v}" for k, v in recipe.items() if k != "recipe" and defaults.get(k) != v]
-    return ", ".join([f"{recipe['recipe']} scaling", *changed])
 
 
 def describe_run(
