@@ -68,8 +68,7 @@ class FcMnist(nn.Module):
         self.disable_softmax = k.disable_softmax
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.last_layer(self.hidden(torch.flatten(images, 1)))
-        return out
+        return self.last_layer(self.hidden(torch.flatten(images, 1)))
 
     def loss(self, batch: Batch) -> torch.Tensor:
         images, labels = batch
@@ -128,8 +127,7 @@ class CausalLM(nn.Module):
         self.vocab_size = k.vocab_size
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.hf(input_ids=input_ids).logits
-        return logits
+        return self.hf(input_ids=input_ids).logits
 
     def loss(self, batch: Batch) -> torch.Tensor:
         input_ids, labels = batch
@@ -204,15 +202,11 @@ class MnistDataset(Dataset):
         images, labels = read_idx(images_file, 2051), read_idx(labels_file, 2049)
         if len(images) != len(labels):
             raise ValueError(f"{len(images)} images but {len(labels)} labels")
-        self.images = torch.from_numpy(images.copy())
-        self.labels = torch.from_numpy(labels.astype(np.int64))
+        self.x, self.y = torch.from_numpy(images.copy()), torch.from_numpy(labels.astype(np.int64))
         self.info = DataInfo(input_dim=images[0].size, output_dim=10)
 
-    def __len__(self) -> int:
-        return len(self.labels)
-
     def batch(self, indices: torch.Tensor, epoch: int) -> Batch:
-        return ((self.images[indices].float() / 255 - 0.1307) / 0.3081).unsqueeze(1), self.labels[indices]
+        return ((self.x[indices].float() / 255 - 0.1307) / 0.3081).unsqueeze(1), self.y[indices]
 
 
 class GptDataset(Dataset):
@@ -243,11 +237,10 @@ class GptDataset(Dataset):
                 take = order[file_of == f]
                 rows[take] = self.data[f][idx[take] - self.starts[f]]
             ids, labels = rows[:, 0], np.where(rows[:, 1] == 0, IGNORE_INDEX, rows[:, 2])
-        seen = np.concatenate([ids.ravel(), labels[labels != IGNORE_INDEX]])
-        if self.vocab is not None and seen.size and (seen.min() < 0 or seen.max() >= self.vocab[0]):
-            size, key = self.vocab
-            bad = int(seen.min()) if seen.min() < 0 else int(seen.max())
-            raise ConfigError([f"{key}: {size}, but the data holds token id {bad} (ids must be in [0, {size}))"])
+        if self.vocab is not None:
+            (size, key), seen = self.vocab, np.concatenate([ids.ravel(), labels[labels != IGNORE_INDEX]])
+            if (bad := seen[(seen < 0) | (seen >= size)]).size:
+                raise ConfigError([f"{key}: {size}, but the data holds token id {bad[0]} (ids must be in [0, {size}))"])
         return torch.from_numpy(ids), torch.from_numpy(labels)
 
     def _read(self, start: int, stop: int) -> np.ndarray:

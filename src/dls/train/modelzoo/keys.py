@@ -6,6 +6,8 @@ a misspelling, reported with "did you mean"."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -18,7 +20,6 @@ Number = Annotated[float, Finite()]  # finite, at most float32's max in size: as
 PositiveFloat = Annotated[float, Finite(gt=0)]
 Rate = Annotated[float, Finite(ge=0, le=1)]
 IGNORE_INDEX = -100  # a label that the loss skips: where Model Zoo's attention_mask (a loss mask) is 0
-GPT_NAMES = tuple(n for n in ZOO_MODELS if n != "fc_mnist")
 
 
 class _Keys(BaseModel):
@@ -131,7 +132,6 @@ class GptKeys(_Keys):
     fp16_type: Literal["float16", "bfloat16", "cbfloat16"] | None = None
 
 
-GPT2_ACTIVATIONS = ("gelu", "gelu_new", "relu", "silu", "tanh")  # transformers' names; Model Zoo's gelu is exact
 _GPT_DEFAULT_ONLY: dict[str, Any] = {
     **dict.fromkeys((
         "constant_pos_embedding", "attention_inner_dim", "attention_sliding_window_length", "attention_sink_tokens",
@@ -183,16 +183,19 @@ class LoaderKeys(_Keys):
 
 
 def _validate(
-    cls: type[_Keys], params: Any, prefix: str, default_only: dict[str, Any], ignored: tuple[str, ...]
-) -> tuple[Any, list[str], list[str]]:
-    """``(keys, ignored key paths, problems)``; ``keys`` is None when they do not validate."""
+    cls: type[_Keys], params: Any, prefix: str, default_only: dict[str, Any], ignored: tuple[str, ...], more: Callable
+) -> tuple[Any, list[str]]:
+    """``(keys, ignored key paths)``; ``ConfigError`` listing every problem, with those ``more(keys, ignored)``
+    finds in keys that validate (it may add to ``ignored``)."""
     if not isinstance(params, dict):
-        return None, [], [f"{prefix}: a mapping of keys is expected; got {type(params).__name__}"]
+        raise ConfigError([f"{prefix}: a mapping of keys is expected; got {type(params).__name__}"])
     why = "cannot be expressed by dls's Model Zoo models (only the default {!r} can)"
     changed = [k for k in params if k in default_only and params[k] != default_only[k]]
     problems = [f"{prefix}.{k}: {params[k]!r} {why.format(default_only[k])}" for k in changed]
+    skipped = [f"{prefix}.{k}" for k in params if k in ignored]
     try:
         keys = cls.model_validate({k: v for k, v in params.items() if k not in default_only and k not in ignored})
+        problems += more(keys, skipped)
     except ValidationError as exc:
         known = sorted(
             {*default_only, *ignored, *cls.model_fields, *Initializer.model_fields, *_PosScalingArgs.model_fields}
@@ -204,8 +207,9 @@ def _validate(
             else:
                 got = f" (got {err['input']!r})" if err["type"] != "missing" else ""
                 problems.append(f"{path}: {err['msg'].removeprefix('Value error, ')}{got}")
-        return None, [], problems
-    return keys, [f"{prefix}.{k}" for k in params if k in ignored], problems
+    if problems:
+        raise ConfigError(problems)
+    return keys, skipped
 
 
 # The values Hugging Face's class builds, for the keys where it builds only some of Model Zoo's.
@@ -216,14 +220,15 @@ _HF_BUILDS: dict[str, dict[str, tuple[Any, ...]]] = {
         "pos_scaling_type": ("linear", "llama3"),
     },
     "gpt2": {
-        "position_embedding_type": ("learned",), "norm_type": ("layernorm",), "nonlinearity": GPT2_ACTIVATIONS,
+        "position_embedding_type": ("learned",), "norm_type": ("layernorm",),
+        "nonlinearity": ("gelu", "gelu_new", "relu", "silu", "tanh"),  # transformers' names; Model Zoo's gelu is exact
         "attention_module": ("aiayn_attention",), "use_projection_bias_in_attention": (True,),
         "use_ffn_bias_in_attention": (True,), "use_ffn_bias": (True,), "use_bias_in_output": (False,),
     },
 }  # fmt: skip
 
 
-def _gpt_problems(name: str, k: GptKeys, prefix: str, ignored: list[str]) -> list[str]:
+def _gpt_problems(name: str, prefix: str, k: GptKeys, ignored: list[str]) -> list[str]:
     """What the Hugging Face class for ``name`` cannot express; the keys it does not use are added to ``ignored``."""
     llama = name == "llama"
     builds = _HF_BUILDS["llama" if llama else "gpt2"]
@@ -264,36 +269,31 @@ def parse_model(name: str, params: Any, prefix: str = "model") -> tuple[FcMnistK
     """The validated keys of model ``name`` and the key paths ignored here (for a GPT model, also the keys its Hugging
     Face class does not use); ``ConfigError`` listing every problem, every key that class cannot express included."""
     if name == "fc_mnist":
-        keys, ignored, problems = _validate(FcMnistKeys, params, prefix, _FC_DEFAULT_ONLY, _FC_IGNORED)
-    elif name in GPT_NAMES:
-        keys, ignored, problems = _validate(GptKeys, params, prefix, _GPT_DEFAULT_ONLY, _GPT_IGNORED)
-    else:
+        return _validate(FcMnistKeys, params, prefix, _FC_DEFAULT_ONLY, _FC_IGNORED, lambda keys, ignored: [])
+    if name not in ZOO_MODELS:
         raise ConfigError([f"{prefix}.name: {name!r} is not a Model Zoo model dls builds ({', '.join(ZOO_MODELS)})"])
-    if isinstance(keys, GptKeys):
-        problems += _gpt_problems(name, keys, prefix, ignored)
-    if problems:
-        raise ConfigError(problems)
-    return keys, ignored
+    return _validate(GptKeys, params, prefix, _GPT_DEFAULT_ONLY, _GPT_IGNORED, partial(_gpt_problems, name, prefix))
 
 
 def parse_loader(processor: str, params: Any, prefix: str) -> tuple[LoaderKeys, list[str]]:
     """The validated keys of a data loader section and the key paths ignored here; ``ConfigError`` otherwise."""
     if processor not in ZOO_PROCESSORS:
         raise ConfigError([f"{prefix}.data_processor: {processor!r} is not one of {', '.join(ZOO_PROCESSORS)}"])
-    keys, ignored, problems = _validate(LoaderKeys, params, prefix, _LOADER_DEFAULT_ONLY, _LOADER_IGNORED)
-    if keys is not None:
+
+    def problems(keys: LoaderKeys, ignored: list[str]) -> list[str]:
+        out = []
         if keys.data_processor not in (None, processor):
-            problems.append(f"{prefix}.data_processor: {keys.data_processor!r}, but {processor} is being built")
+            out.append(f"{prefix}.data_processor: {keys.data_processor!r}, but {processor} is being built")
         if None not in (keys.drop_last, keys.drop_last_batch) and keys.drop_last != keys.drop_last_batch:
-            problems.append(f"{prefix}.drop_last_batch: contradicts drop_last")
+            out.append(f"{prefix}.drop_last_batch: contradicts drop_last")
         if keys.shuffle is None and processor == "GptHDF5DataProcessor":  # the others have a default
-            problems.append(f"{prefix}.shuffle: required by {processor}")
+            out.append(f"{prefix}.shuffle: required by {processor}")
         if processor == "MNISTDataProcessor" and isinstance(keys.data_dir, list):
-            problems.append(f"{prefix}.data_dir: MNISTDataProcessor reads one directory, not a list")
+            out.append(f"{prefix}.data_dir: MNISTDataProcessor reads one directory, not a list")
         if processor != "MNISTDataProcessor" and not keys.dirs:
-            problems.append(f"{prefix}.data_dir: required by {processor}")
+            out.append(f"{prefix}.data_dir: required by {processor}")
         if processor == "GptHDF5DataProcessor" and keys.max_sequence_length is not None:
             ignored.append(f"{prefix}.max_sequence_length (GptHDF5DataProcessor reads it from the data)")
-    if problems:
-        raise ConfigError(problems)
-    return keys, ignored
+        return out
+
+    return _validate(LoaderKeys, params, prefix, _LOADER_DEFAULT_ONLY, _LOADER_IGNORED, problems)
