@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import importlib
+import inspect
 import logging
 import math
 import zlib
@@ -409,11 +410,9 @@ def write_tiny_data(
         sequences = np.stack([tokens[:, :-1] * mask, mask, tokens[:, 1:] * mask], axis=1).astype(np.int32)
         for i, part in enumerate(np.array_split(sequences, files)):
             written.append(root / split / f"data_{i}.h5")
-            with h5py.File(written[-1], "w") as f:
-                if corpus:  # the sequences' tokens back to back
-                    f.create_dataset("data", data=part[:, 0].ravel())
-                else:
-                    f.create_dataset("data", data=part)
+            with h5py.File(written[-1], "w") as f:  # a corpus: the sequences' tokens back to back
+                f.create_dataset("data", data=part[:, 0].ravel() if corpus else part)
+                if not corpus:
                     f.attrs["n_examples"] = len(part)
     return written
 
@@ -424,22 +423,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dls data", description=main.__doc__)
     parser.add_argument("kind", choices=["mnist", "gpt"])
     parser.add_argument("directory", help="where to write (created if missing)")
-    options = {  # option: (default, least, help)
-        "train": (2048, 1, "training samples"), "val": (256, 1, "validation samples"),
-        "msl": (128, 1, "gpt: tokens per sequence"), "vocab": (512, 2, "gpt: vocabulary size"),
-        "files": (2, 1, "gpt: .h5 files per split"), "seed": (0, 0, "random seed"),
+    options = {  # write_tiny_data's argument (its default is the option's): (option, least, help)
+        "train_samples": ("train", 1, "training samples"), "val_samples": ("val", 1, "validation samples"),
+        "msl": ("msl", 1, "gpt: tokens per sequence"), "vocab": ("vocab", 2, "gpt: vocabulary size"),
+        "files": ("files", 1, "gpt: .h5 files per split"), "seed": ("seed", 0, "random seed"),
     }  # fmt: skip
-    for option, (default, _, text) in options.items():
-        parser.add_argument(f"--{option}", type=int, default=default, help=f"{text} (default {default})")
+    for name, (option, _, text) in options.items():
+        default = inspect.signature(write_tiny_data).parameters[name].default
+        parser.add_argument(f"--{option}", dest=name, type=int, default=default, help=f"{text} (default {default})")
     parser.add_argument("--corpus", action="store_true", help="gpt: flat token streams (GptHDF5MapDataProcessor)")
-    parser.add_argument("--gzip", action="store_true", help="mnist: write .gz files")
+    parser.add_argument("--gzip", dest="compress", action="store_true", help="mnist: write .gz files")
     args = parser.parse_args(argv)
-    for option, (_, least, _) in options.items():
-        if getattr(args, option) < least:
-            parser.error(f"--{option} must be at least {least}; got {getattr(args, option)}")
-    paths = write_tiny_data(
-        args.kind, args.directory, train_samples=args.train, val_samples=args.val, msl=args.msl, vocab=args.vocab,
-        files=args.files, corpus=args.corpus, compress=args.gzip, seed=args.seed,
-    )  # fmt: skip
-    print("\n".join(f"wrote {p}" for p in paths))
+    for name, (option, least, _) in options.items():
+        if getattr(args, name) < least:
+            parser.error(f"--{option} must be at least {least}; got {getattr(args, name)}")
+    print("\n".join(f"wrote {p}" for p in write_tiny_data(**vars(args))))
     return 0

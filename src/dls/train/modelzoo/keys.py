@@ -217,7 +217,7 @@ _HF_BUILDS: dict[str, dict[str, tuple[Any, ...]]] = {
     "llama": {
         "position_embedding_type": ("rotary",), "norm_type": ("rmsnorm",), "nonlinearity": ("swiglu",),
         "attention_type": ("scaled_dot_product",), "dropout_rate": (0.0,), "embedding_dropout_rate": (0.0,),
-        "pos_scaling_type": ("linear", "llama3"),
+        "pos_scaling_type": ("linear", "llama3"), "scale_qk_dot_by_layer_idx": (False,), "use_bias_in_output": (False,),
     },
     "gpt2": {
         "position_embedding_type": ("learned",), "norm_type": ("layernorm",),
@@ -248,20 +248,19 @@ def _gpt_problems(name: str, prefix: str, k: GptKeys, ignored: list[str]) -> lis
         problems.append(f"{prefix}.num_heads: {k.num_heads} does not divide hidden_size ({k.hidden_size})")
     if k.loss_scaling == "num_tokens" and k.loss_weight != 1.0:
         ignored.append(f"{prefix}.loss_weight (Model Zoo uses 1.0 with loss_scaling: num_tokens)")
-    if not llama:
-        fields = ("rotary_dim", "rope_theta", "pos_scaling_type", "pos_scaling_factor", "pos_scaling_extra_args")
-        ignored += [f"{prefix}.{f} (learned positions)" for f in fields if f in k.model_fields_set]
-        return problems
-    if k.pos_scaling_type == "llama3":
-        args = k.pos_scaling_extra_args or _PosScalingArgs()
-        missing = [f for f in _PosScalingArgs.model_fields if getattr(args, f) is None]
-        problems += [f"{prefix}.pos_scaling_extra_args.{f}: required with pos_scaling_type llama3" for f in missing]
     groups = k.extra_attention_params.num_kv_groups
     if k.attention_module == "multiquery_attention" and (groups is None or k.num_heads % groups):
         why = f"multiquery_attention needs a number of key/value heads that divides num_heads ({k.num_heads})"
         problems.append(f"{prefix}.extra_attention_params.num_kv_groups: {groups!r}; {why}")
     elif k.attention_module != "multiquery_attention" and groups is not None:
         problems.append(f"{prefix}.extra_attention_params.num_kv_groups: needs multiquery_attention")
+    if not llama:
+        fields = ("rotary_dim", "rope_theta", "pos_scaling_type", "pos_scaling_factor", "pos_scaling_extra_args")
+        ignored += [f"{prefix}.{f} (learned positions)" for f in fields if f in k.model_fields_set]
+    elif k.pos_scaling_type == "llama3":
+        args = k.pos_scaling_extra_args or _PosScalingArgs()
+        missing = [f for f in _PosScalingArgs.model_fields if getattr(args, f) is None]
+        problems += [f"{prefix}.pos_scaling_extra_args.{f}: required with pos_scaling_type llama3" for f in missing]
     return problems
 
 
