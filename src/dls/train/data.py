@@ -75,9 +75,8 @@ class CharCorpus(Dataset):
         self.length = cfg.max_sequence_length
         self.windows = (len(self.tokens) - self.length) // self.length  # fits at every offset < length
         if self.windows < 1:
-            raise ValueError(
-                f"data.max_sequence_length ({self.length}) is too long for the corpus ({len(self.tokens)} characters)"
-            )
+            corpus = f"the corpus ({len(self.tokens)} characters)"
+            raise ValueError(f"data.max_sequence_length ({self.length}) is too long for {corpus}")
         self.info = DataInfo(vocab_size=len(self.chars), sequence_length=self.length)
 
     def __len__(self) -> int:
@@ -272,8 +271,7 @@ def _mean_loss(model: TrainModel, weighted: Iterable[tuple[Batch, int]], device:
     """The mean loss over ``(batch, weight)`` pairs, in eval mode (no dropout); one read of the device at the end."""
     was_training = model.training
     model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    count = 0
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
     for batch, weight in weighted:
         total += model.loss(batch).double() * weight
         count += weight

@@ -124,8 +124,6 @@ class CausalLM(nn.Module):
         _initialize(self.hf, k)
         self.loss_scaling = k.loss_scaling
         self.loss_weight = k.loss_weight if k.loss_scaling == "batch_size" else 1.0
-        self.max_positions = k.max_position_embeddings  # fit_to_data checks the data against these two
-        self.vocab_size = k.vocab_size
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.hf(input_ids=input_ids).logits
@@ -256,14 +254,14 @@ def fit_to_data(model: Any, dataset: Any, prefix: str = "model") -> None:
     the model's vocabulary, as it reads it (the files are not scanned up front)."""
     if not isinstance(model, CausalLM):
         return
-    info = dataset.info
-    if info.sequence_length > model.max_positions:
+    info, positions, vocab = dataset.info, model.hf.config.max_position_embeddings, model.hf.config.vocab_size
+    if info.sequence_length > positions:
         data = f"shorter than the data's sequences of {info.sequence_length} tokens"
-        raise ConfigError([f"{prefix}.max_position_embeddings: {model.max_positions}, {data}"])
-    if info.vocab_size > model.vocab_size:
-        raise ConfigError([f"{prefix}.vocab_size: {model.vocab_size}, smaller than the data's {info.vocab_size}"])
+        raise ConfigError([f"{prefix}.max_position_embeddings: {positions}, {data}"])
+    if info.vocab_size > vocab:
+        raise ConfigError([f"{prefix}.vocab_size: {vocab}, smaller than the data's {info.vocab_size}"])
     if isinstance(dataset, GptDataset):
-        dataset.vocab = (model.vocab_size, f"{prefix}.vocab_size")
+        dataset.vocab = (vocab, f"{prefix}.vocab_size")
 
 
 def _open(processor: str, keys: LoaderKeys, split: str, prefix: str, headers_only: bool) -> tuple[Any, list[str]]:
@@ -382,15 +380,13 @@ def write_tiny_data(
             images = rng.integers(0, 40, (count, 28, 28)).astype(np.float32)  # noise, then the lit segments
             for image, label in zip(images, labels):
                 x, y, w = 8 + rng.integers(-3, 4), 4 + rng.integers(-3, 4), int(rng.integers(2, 4))
-                boxes = {  # (top, bottom, left, right) of each segment
-                    "a": (y, y + w, x, x + 12), "b": (y, y + 10, x + 12 - w, x + 12),
-                    "c": (y + 10, y + 20, x + 12 - w, x + 12), "d": (y + 20 - w, y + 20, x, x + 12),
-                    "e": (y + 10, y + 20, x, x + w), "f": (y, y + 10, x, x + w),
-                    "g": (y + 10 - w // 2, y + 10 - w // 2 + w, x, x + 12),
+                boxes = {  # (top, height, left, width) of each segment, from the digit's top left corner (x, y)
+                    "a": (0, w, 0, 12), "b": (0, 10, 12 - w, w), "c": (10, 10, 12 - w, w), "d": (20 - w, w, 0, 12),
+                    "e": (10, 10, 0, w), "f": (0, 10, 0, w), "g": (10 - w // 2, w, 0, 12),
                 }  # fmt: skip
                 for segment in _SEGMENTS[label]:
-                    top, bottom, left, right = boxes[segment]
-                    image[top:bottom, left:right] += rng.uniform(150, 215)
+                    top, height, left, width = boxes[segment]
+                    image[y + top : y + top + height, x + left : x + left + width] += rng.uniform(150, 215)
             for name, array in zip(("images-idx3", "labels-idx1"), (np.clip(images, 0, 255).astype(np.uint8), labels)):
                 path = root / "MNIST" / "raw" / f"{stem}-{name}-ubyte{'.gz' if compress else ''}"
                 header = (0x800 + array.ndim).to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
