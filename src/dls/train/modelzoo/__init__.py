@@ -400,9 +400,8 @@ def write_tiny_data(
         (root / split).mkdir(parents=True, exist_ok=True)
         steps = rng.choice([1, 2, 3, 5, 7], count)[:, None]  # arithmetic progressions: quickly learnt
         tokens = (rng.integers(0, vocab, count)[:, None] + steps * np.arange(msl + 1)) % vocab
-        mask = np.ones((count, msl), dtype=np.int32)  # a loss mask: some sequences end in masked padding
-        for row, pad in zip(mask, rng.integers(0, msl // 4, count) * (rng.random(count) < 0.25)):
-            row[msl - pad :] = 0
+        pads = rng.integers(0, max(msl // 4, 1), count) * (rng.random(count) < 0.25)  # a quarter end in padding
+        mask = (np.arange(msl) < msl - pads[:, None]).astype(np.int32)  # a loss mask: 0 on the padding
         sequences = np.stack([tokens[:, :-1] * mask, mask, tokens[:, 1:] * mask], axis=1).astype(np.int32)
         for i, part in enumerate(np.array_split(sequences, files)):
             written.append(root / split / f"data_{i}.h5")

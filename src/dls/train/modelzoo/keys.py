@@ -197,9 +197,7 @@ def _validate(
         keys = cls.model_validate({k: v for k, v in params.items() if k not in default_only and k not in ignored})
         problems += more(keys, skipped)
     except ValidationError as exc:
-        known = sorted(
-            {*default_only, *ignored, *cls.model_fields, *Initializer.model_fields, *_PosScalingArgs.model_fields}
-        )
+        known = [*default_only, *ignored, *cls.model_fields, *Initializer.model_fields, *_PosScalingArgs.model_fields]
         for err in exc.errors():
             path = ".".join([prefix, *(str(p) for p in err["loc"])])
             if err["type"] == "extra_forbidden":
