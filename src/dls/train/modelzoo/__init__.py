@@ -6,8 +6,7 @@ from Model Zoo's keys, :mod:`dls.train.modelzoo.keys`, and initialised as Model 
 
 A GPT model's ``loss(batch)`` is Model Zoo's GPTLMHeadModelLoss in float32: the summed token cross-entropy over the
 loss mask divided by the number of unmasked tokens (``loss_scaling: num_tokens``; NaN for a batch without one, as
-Model Zoo's) or by the batch size and multiplied by ``loss_weight`` (``batch_size``).
-"""
+Model Zoo's) or by the batch size and multiplied by ``loss_weight`` (``batch_size``)."""
 
 from __future__ import annotations
 
@@ -280,7 +279,7 @@ def _open(processor: str, keys: LoaderKeys, split: str, prefix: str, headers_onl
             problems.append(f"{' and '.join(missing)} missing")
     else:
         h5py = require("h5py")
-        msl, dirs = keys.max_sequence_length, keys.dirs
+        msl, dirs = keys.max_sequence_length, [keys.data_dir] if isinstance(keys.data_dir, str) else keys.data_dir or []
         problems = [f"{d} is not a directory" for d in dirs if not Path(d).is_dir()]
         paths = [p for d in dirs if Path(d).is_dir() for p in sorted(Path(d).glob("*.h5"))]
         if not paths and not problems:

@@ -177,10 +177,6 @@ class LoaderKeys(_Keys):
     split: Literal["train", "val"] | None = None  # MNISTDataProcessor
     max_sequence_length: Positive | None = None  # GptHDF5MapDataProcessor, corpus (1-D) layout
 
-    @property
-    def dirs(self) -> list[str]:
-        return [self.data_dir] if isinstance(self.data_dir, str) else list(self.data_dir or [])
-
 
 def _validate(
     cls: type[_Keys], params: Any, prefix: str, default_only: dict[str, Any], ignored: tuple[str, ...], more: Callable
@@ -287,7 +283,7 @@ def parse_loader(processor: str, params: Any, prefix: str) -> tuple[LoaderKeys, 
             out.append(f"{prefix}.shuffle: required by {processor}")
         if processor == "MNISTDataProcessor" and isinstance(keys.data_dir, list):
             out.append(f"{prefix}.data_dir: MNISTDataProcessor reads one directory, not a list")
-        if processor != "MNISTDataProcessor" and not keys.dirs:
+        if processor != "MNISTDataProcessor" and not keys.data_dir:
             out.append(f"{prefix}.data_dir: required by {processor}")
         if processor == "GptHDF5DataProcessor" and keys.max_sequence_length is not None:
             ignored.append(f"{prefix}.max_sequence_length (GptHDF5DataProcessor reads it from the data)")
