@@ -206,33 +206,28 @@ def _validate(
     return keys, skipped
 
 
-# The values Hugging Face's class builds, for the keys where it builds only some of Model Zoo's.
-_HF_BUILDS: dict[str, dict[str, tuple[Any, ...]]] = {
-    "llama": {
-        "position_embedding_type": ("rotary",), "norm_type": ("rmsnorm",), "nonlinearity": ("swiglu",),
-        "attention_type": ("scaled_dot_product",), "dropout_rate": (0.0,), "embedding_dropout_rate": (0.0,),
-        "pos_scaling_type": ("linear", "llama3"), "scale_qk_dot_by_layer_idx": (False,), "use_bias_in_output": (False,),
-    },
-    "gpt2": {
-        "position_embedding_type": ("learned",), "norm_type": ("layernorm",),
-        "nonlinearity": ("gelu", "gelu_new", "relu", "silu", "tanh"),  # transformers' names; Model Zoo's gelu is exact
-        "attention_module": ("aiayn_attention",), "use_projection_bias_in_attention": (True,),
-        "use_ffn_bias_in_attention": (True,), "use_ffn_bias": (True,), "use_bias_in_output": (False,),
-    },
-}  # fmt: skip
-
-
 def _gpt_problems(name: str, prefix: str, k: GptKeys, ignored: list[str]) -> list[str]:
-    """What the Hugging Face class for ``name`` cannot express; the keys it does not use are added to ``ignored``."""
-    llama = name == "llama"
-    builds = _HF_BUILDS["llama" if llama else "gpt2"]
-    head = k.hidden_size // k.num_heads
+    """What the Hugging Face class for ``name`` cannot express (``builds``: the values it builds, for the keys where
+    it builds only some of Model Zoo's); the keys it does not use are added to ``ignored``."""
+    llama, head = name == "llama", k.hidden_size // k.num_heads
+    builds: dict[str, tuple[Any, ...]]
     if llama:  # it rotates whole heads, and has one attention_bias for all four projections
-        builds = {**builds, "rotary_dim": (head,), "use_ffn_bias_in_attention": (k.use_projection_bias_in_attention,)}
+        hf, builds = "LlamaForCausalLM", {
+            "position_embedding_type": ("rotary",), "norm_type": ("rmsnorm",), "nonlinearity": ("swiglu",),
+            "attention_type": ("scaled_dot_product",), "dropout_rate": (0.0,), "embedding_dropout_rate": (0.0,),
+            "pos_scaling_type": ("linear", "llama3"), "scale_qk_dot_by_layer_idx": (False,), "rotary_dim": (head,),
+            "use_ffn_bias_in_attention": (k.use_projection_bias_in_attention,), "use_bias_in_output": (False,),
+        }  # fmt: skip
+    else:
+        hf, builds = "GPT2LMHeadModel", {
+            "position_embedding_type": ("learned",), "norm_type": ("layernorm",),
+            "nonlinearity": ("gelu", "gelu_new", "relu", "silu", "tanh"),  # transformers' (gelu: the exact GELU)
+            "attention_module": ("aiayn_attention",), "use_projection_bias_in_attention": (True,),
+            "use_ffn_bias_in_attention": (True,), "use_ffn_bias": (True,), "use_bias_in_output": (False,),
+        }  # fmt: skip
     values = dict(k)  # as Model Zoo reads them: the rates default to dropout_rate, rotary_dim to a quarter head
     values["embedding_dropout_rate"] = k.dropout_rate if k.embedding_dropout_rate is None else k.embedding_dropout_rate
     values["rotary_dim"] = k.rotary_dim if k.rotary_dim is not None else int(head * 0.25)
-    hf = "LlamaForCausalLM" if llama else "GPT2LMHeadModel"
     problems = [
         f"{prefix}.{key}: {values[key]!r} cannot be built by Hugging Face's {hf} (only {' or '.join(map(repr, ok))})"
         for key, ok in builds.items()
