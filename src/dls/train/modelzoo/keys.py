@@ -6,7 +6,7 @@ a misspelling, reported with "did you mean"."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Annotated, Any, Literal
 
@@ -206,7 +206,7 @@ def _validate(
     return keys, skipped
 
 
-def _gpt_problems(name: str, prefix: str, k: GptKeys, ignored: list[str]) -> list[str]:
+def _gpt_problems(name: str, prefix: str, k: GptKeys, ignored: list[str]) -> Iterator[str]:
     """What the Hugging Face class for ``name`` cannot express (``builds``: the values it builds, for the keys where
     it builds only some of Model Zoo's); the keys it does not use are added to ``ignored``."""
     llama, head = name == "llama", k.hidden_size // k.num_heads
@@ -228,29 +228,28 @@ def _gpt_problems(name: str, prefix: str, k: GptKeys, ignored: list[str]) -> lis
     values = dict(k)  # as Model Zoo reads them: the rates default to dropout_rate, rotary_dim to a quarter head
     values["embedding_dropout_rate"] = k.dropout_rate if k.embedding_dropout_rate is None else k.embedding_dropout_rate
     values["rotary_dim"] = k.rotary_dim if k.rotary_dim is not None else int(head * 0.25)
-    problems = [
+    yield from (
         f"{prefix}.{key}: {values[key]!r} cannot be built by Hugging Face's {hf} (only {' or '.join(map(repr, ok))})"
         for key, ok in builds.items()
         if values[key] not in ok
-    ]
+    )
     if k.hidden_size % k.num_heads:
-        problems.append(f"{prefix}.num_heads: {k.num_heads} does not divide hidden_size ({k.hidden_size})")
+        yield f"{prefix}.num_heads: {k.num_heads} does not divide hidden_size ({k.hidden_size})"
     if k.loss_scaling == "num_tokens" and k.loss_weight != 1.0:
         ignored.append(f"{prefix}.loss_weight (Model Zoo uses 1.0 with loss_scaling: num_tokens)")
     groups = k.extra_attention_params.num_kv_groups
     if k.attention_module == "multiquery_attention" and (groups is None or k.num_heads % groups):
         why = f"multiquery_attention needs a number of key/value heads that divides num_heads ({k.num_heads})"
-        problems.append(f"{prefix}.extra_attention_params.num_kv_groups: {groups!r}; {why}")
+        yield f"{prefix}.extra_attention_params.num_kv_groups: {groups!r}; {why}"
     elif k.attention_module != "multiquery_attention" and groups is not None:
-        problems.append(f"{prefix}.extra_attention_params.num_kv_groups: needs multiquery_attention")
+        yield f"{prefix}.extra_attention_params.num_kv_groups: needs multiquery_attention"
     if not llama:
         fields = ("rotary_dim", "rope_theta", "pos_scaling_type", "pos_scaling_factor", "pos_scaling_extra_args")
         ignored += [f"{prefix}.{f} (learned positions)" for f in fields if f in k.model_fields_set]
     elif k.pos_scaling_type == "llama3":
         args = k.pos_scaling_extra_args or _PosScalingArgs()
         missing = [f for f in _PosScalingArgs.model_fields if getattr(args, f) is None]
-        problems += [f"{prefix}.pos_scaling_extra_args.{f}: required with pos_scaling_type llama3" for f in missing]
-    return problems
+        yield from (f"{prefix}.pos_scaling_extra_args.{f}: required with pos_scaling_type llama3" for f in missing)
 
 
 def parse_model(name: str, params: Any, prefix: str = "model") -> tuple[FcMnistKeys | GptKeys, list[str]]:
@@ -268,20 +267,18 @@ def parse_loader(processor: str, params: Any, prefix: str) -> tuple[LoaderKeys, 
     if processor not in ZOO_PROCESSORS:
         raise ConfigError([f"{prefix}.data_processor: {processor!r} is not one of {', '.join(ZOO_PROCESSORS)}"])
 
-    def problems(keys: LoaderKeys, ignored: list[str]) -> list[str]:
-        out = []
-        if keys.data_processor not in (None, processor):
-            out.append(f"{prefix}.data_processor: {keys.data_processor!r}, but {processor} is being built")
-        if None not in (keys.drop_last, keys.drop_last_batch) and keys.drop_last != keys.drop_last_batch:
-            out.append(f"{prefix}.drop_last_batch: contradicts drop_last")
-        if keys.shuffle is None and processor == "GptHDF5DataProcessor":  # the others have a default
-            out.append(f"{prefix}.shuffle: required by {processor}")
-        if processor == "MNISTDataProcessor" and isinstance(keys.data_dir, list):
-            out.append(f"{prefix}.data_dir: MNISTDataProcessor reads one directory, not a list")
-        if processor != "MNISTDataProcessor" and not keys.data_dir:
-            out.append(f"{prefix}.data_dir: required by {processor}")
+    def problems(keys: LoaderKeys, ignored: list[str]) -> Iterator[str]:
         if processor == "GptHDF5DataProcessor" and keys.max_sequence_length is not None:
             ignored.append(f"{prefix}.max_sequence_length (GptHDF5DataProcessor reads it from the data)")
-        return out
+        if keys.data_processor not in (None, processor):
+            yield f"{prefix}.data_processor: {keys.data_processor!r}, but {processor} is being built"
+        if None not in (keys.drop_last, keys.drop_last_batch) and keys.drop_last != keys.drop_last_batch:
+            yield f"{prefix}.drop_last_batch: contradicts drop_last"
+        if keys.shuffle is None and processor == "GptHDF5DataProcessor":  # the others have a default
+            yield f"{prefix}.shuffle: required by {processor}"
+        if processor == "MNISTDataProcessor" and isinstance(keys.data_dir, list):
+            yield f"{prefix}.data_dir: MNISTDataProcessor reads one directory, not a list"
+        if processor != "MNISTDataProcessor" and not keys.data_dir:
+            yield f"{prefix}.data_dir: required by {processor}"
 
     return _validate(LoaderKeys, params, prefix, _LOADER_DEFAULT_ONLY, _LOADER_IGNORED, problems)
