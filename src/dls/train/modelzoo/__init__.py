@@ -346,9 +346,6 @@ def build_loader(
     return BatchIterator(dataset, keys.batch_size, shuffle, seed, rank, world_size, drop_last, f"{prefix}.batch_size")
 
 
-_SEGMENTS = ("abcdef", "bc", "abdeg", "abcdg", "bcfg", "acdfg", "acdefg", "abc", "abcdefg", "abcdfg")
-
-
 def write_tiny_data(
     kind: str,
     directory: str | Path,
@@ -372,7 +369,8 @@ def write_tiny_data(
     ``max_sequence_length``)."""
     rng = np.random.default_rng(seed)
     root, written = Path(directory), []
-    if kind == "mnist":
+    if kind == "mnist":  # each digit's lit segments, as on a seven-segment display
+        segments = ("abcdef", "bc", "abdeg", "abcdg", "bcfg", "acdfg", "acdefg", "abc", "abcdefg", "abcdfg")
         (root / "MNIST" / "raw").mkdir(parents=True, exist_ok=True)
         for stem, count in (("train", train_samples), ("t10k", val_samples)):
             labels = rng.integers(0, 10, count).astype(np.uint8)
@@ -383,7 +381,7 @@ def write_tiny_data(
                     "a": (0, w, 0, 12), "b": (0, 10, 12 - w, w), "c": (10, 10, 12 - w, w), "d": (20 - w, w, 0, 12),
                     "e": (10, 10, 0, w), "f": (0, 10, 0, w), "g": (10 - w // 2, w, 0, 12),
                 }  # fmt: skip
-                for segment in _SEGMENTS[label]:
+                for segment in segments[label]:
                     top, height, left, width = boxes[segment]
                     image[y + top : y + top + height, x + left : x + left + width] += rng.uniform(150, 215)
             for name, array in zip(("images-idx3", "labels-idx1"), (np.clip(images, 0, 255).astype(np.uint8), labels)):
