@@ -169,6 +169,7 @@ def test_cli_writes_tiny_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main(["gpt", str(tmp_path / "g"), "--msl", "8", "--vocab", "32", "--train", "12", "--val", "4"]) == 0
     assert "wrote" in capsys.readouterr().out
     assert h5py.File(tmp_path / "g" / "val" / "data_1.h5", "r")["data"].shape == (2, 3, 8)
+    assert main(["gpt", str(tmp_path / "short"), "--msl", "1", "--train", "4", "--val", "2"]) == 0  # no padding
     assert main(["mnist", str(tmp_path / "m"), "--train", "10", "--val", "5", "--gzip"]) == 0
     assert read_idx(tmp_path / "m" / "MNIST" / "raw" / "train-labels-idx1-ubyte.gz", 2049).shape == (10,)
     for bad in (["--msl", "0"], ["--seed", "-1"]):  # a usage error (exit 2), not numpy's ValueError

@@ -158,6 +158,9 @@ def test_keys_gpt2_cannot_express_are_refused_by_name() -> None:
     ]  # fmt: skip
     assert "model.position_embedding_type" in problems("gpt2", cerebras_gpt(position_embedding_type="rotary"))[0]
     assert "model.nonlinearity" in problems("gpt2", cerebras_gpt(nonlinearity="swiglu"))[0]
+    assert problems("gpt2", cerebras_gpt(extra_attention_params={"num_kv_groups": 4})) == [
+        "model.extra_attention_params.num_kv_groups: needs multiquery_attention"
+    ]
 
 
 def test_keys_llama_cannot_express_are_refused_by_name() -> None:
@@ -174,6 +177,8 @@ def test_keys_llama_cannot_express_are_refused_by_name() -> None:
         "model.pos_scaling_extra_args.original_max_position_embeddings",
     ]
     assert problems("llama", llama(pos_scaling_type="yarn"))[0].startswith("model.pos_scaling_type")
+    for key in ("use_bias_in_output", "scale_qk_dot_by_layer_idx"):  # LlamaForCausalLM has neither
+        assert problems("llama", llama(**{key: True}))[0].startswith(f"model.{key}: True cannot be built")
 
 
 def test_misspelt_and_loose_values_are_errors() -> None:

@@ -34,15 +34,18 @@ class DataInfo:
 
 
 class Dataset:
-    """Samples indexed ``0..len-1``; ``batch(indices)`` stacks them into ``(inputs, targets)``."""
+    """Samples indexed ``0..len-1``; ``batch(indices)`` stacks them into ``(inputs, targets)``: by default the
+    samples ``x[indices]`` and targets ``y[indices]``."""
 
     info: DataInfo
+    x: torch.Tensor
+    y: torch.Tensor
 
     def __len__(self) -> int:
-        raise NotImplementedError
+        return len(self.y)
 
     def batch(self, indices: torch.Tensor, epoch: int) -> Batch:
-        raise NotImplementedError
+        return self.x[indices], self.y[indices]
 
 
 class TeacherRegression(Dataset):
@@ -59,12 +62,6 @@ class TeacherRegression(Dataset):
             self.y += cfg.noise_std * torch.randn(self.y.shape, generator=gen)
         self.info = DataInfo(input_dim=d_in, output_dim=d_out)
 
-    def __len__(self) -> int:
-        return self.x.shape[0]
-
-    def batch(self, indices: torch.Tensor, epoch: int) -> Batch:
-        return self.x[indices], self.y[indices]
-
 
 class CharCorpus(Dataset):
     """Windows of ``max_sequence_length + 1`` characters of the corpus shipped with dls, at an offset that changes
@@ -78,9 +75,8 @@ class CharCorpus(Dataset):
         self.length = cfg.max_sequence_length
         self.windows = (len(self.tokens) - self.length) // self.length  # fits at every offset < length
         if self.windows < 1:
-            raise ValueError(
-                f"data.max_sequence_length ({self.length}) is too long for the corpus ({len(self.tokens)} characters)"
-            )
+            corpus = f"the corpus ({len(self.tokens)} characters)"
+            raise ValueError(f"data.max_sequence_length ({self.length}) is too long for {corpus}")
         self.info = DataInfo(vocab_size=len(self.chars), sequence_length=self.length)
 
     def __len__(self) -> int:
@@ -101,15 +97,12 @@ def build_batches(
 ) -> BatchIterator:
     """The resumable batches of a data section: a built-in data set, or a Model Zoo reader
     (``dls.train.modelzoo.build_loader``, itself a :class:`BatchIterator`; ``prefix``: the section as written)."""
-    shuffle_seed = cfg.shuffle_seed if cfg.shuffle_seed is not None else seed
     if cfg.data_processor is None:
+        shuffle_seed = cfg.shuffle_seed if cfg.shuffle_seed is not None else seed
         return BatchIterator(build_dataset(cfg), cfg.batch_size, cfg.shuffle, shuffle_seed, rank, world_size)
-    params = {**cfg.loader_params, "shuffle_seed": shuffle_seed}
-    split = params.pop("split", split)
-    batches: BatchIterator = modelzoo().build_loader(
-        cfg.data_processor, params, split=split, seed=shuffle_seed, rank=rank, world_size=world_size, prefix=prefix
+    return modelzoo().build_loader(
+        cfg.data_processor, cfg.loader_params, split=split, seed=seed, rank=rank, world_size=world_size, prefix=prefix
     )
-    return batches
 
 
 def modelzoo() -> Any:
@@ -159,11 +152,9 @@ class BatchIterator:
         return self.dataset.batch(self._order[start : start + self.batch_size], self.epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        # position: the batches of this epoch taken by all ranks
-        state = {"epoch": self.epoch, "position": self.position * self.world_size, "seed": self.seed}
-        return (
-            state | {"batch_size": self.batch_size} | ({"world_size": self.world_size} if self.world_size > 1 else {})
-        )
+        position = self.position * self.world_size  # the batches of this epoch taken by all ranks
+        state = {"epoch": self.epoch, "position": position, "seed": self.seed, "batch_size": self.batch_size}
+        return state | ({"world_size": self.world_size} if self.world_size > 1 else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (:meth:`state_dict`); ``ValueError`` naming the field when it is not one."""
@@ -173,9 +164,8 @@ class BatchIterator:
             value = state.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
                 raise ValueError(f"{key} must be an integer >= 0; got {value!r}")
-        self.epoch = state["epoch"]
-        self.position = -(-state["position"] // self.world_size)  # rounded up: no batch slot is taken twice
-        self._order = None
+        # position rounded up: no batch slot is taken twice
+        self.epoch, self.position, self._order = state["epoch"], -(-state["position"] // self.world_size), None
 
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}
@@ -204,8 +194,7 @@ class MLP(TrainModel):
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.net(x)
-        return out
+        return self.net(x)
 
     def loss(self, batch: Batch) -> torch.Tensor:
         x, y = batch
@@ -260,8 +249,7 @@ class TransformerLM(TrainModel):
         x = self.drop(self.tok(tokens) + self.pos(positions)[None])
         for block in self.blocks:
             x = block(x)
-        logits: torch.Tensor = self.head(self.ln_f(x))
-        return logits
+        return self.head(self.ln_f(x))
 
     def loss(self, batch: Batch) -> torch.Tensor:
         tokens, targets = batch
@@ -272,8 +260,7 @@ class TransformerLM(TrainModel):
 def build_model(cfg: ModelConfig, info: DataInfo | None) -> TrainModel:
     """The model ``cfg`` names: built in (on ``info``'s data), or a Model Zoo model (``dls.train.modelzoo``)."""
     if cfg.name in ZOO_MODELS:
-        model: TrainModel = modelzoo().build_model(cfg.name, dict(cfg.params))
-        return model
+        return modelzoo().build_model(cfg.name, dict(cfg.params))
     assert info is not None, "a built-in model is built on its data set"
     return MLP(cfg, info) if cfg.name == "mlp" else TransformerLM(cfg, info)
 
@@ -283,8 +270,7 @@ def _mean_loss(model: TrainModel, weighted: Iterable[tuple[Batch, int]], device:
     """The mean loss over ``(batch, weight)`` pairs, in eval mode (no dropout); one read of the device at the end."""
     was_training = model.training
     model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    count = 0
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
     for batch, weight in weighted:
         total += model.loss(batch).double() * weight
         count += weight

@@ -6,14 +6,14 @@ from Model Zoo's keys, :mod:`dls.train.modelzoo.keys`, and initialised as Model 
 
 A GPT model's ``loss(batch)`` is Model Zoo's GPTLMHeadModelLoss in float32: the summed token cross-entropy over the
 loss mask divided by the number of unmasked tokens (``loss_scaling: num_tokens``; NaN for a batch without one, as
-Model Zoo's) or by the batch size and multiplied by ``loss_weight`` (``batch_size``).
-"""
+Model Zoo's) or by the batch size and multiplied by ``loss_weight`` (``batch_size``)."""
 
 from __future__ import annotations
 
 import argparse
 import gzip
 import importlib
+import inspect
 import logging
 import math
 import zlib
@@ -68,8 +68,7 @@ class FcMnist(nn.Module):
         self.disable_softmax = k.disable_softmax
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.last_layer(self.hidden(torch.flatten(images, 1)))
-        return out
+        return self.last_layer(self.hidden(torch.flatten(images, 1)))
 
     def loss(self, batch: Batch) -> torch.Tensor:
         images, labels = batch
@@ -124,12 +123,9 @@ class CausalLM(nn.Module):
         _initialize(self.hf, k)
         self.loss_scaling = k.loss_scaling
         self.loss_weight = k.loss_weight if k.loss_scaling == "batch_size" else 1.0
-        self.max_positions = k.max_position_embeddings  # fit_to_data checks the data against these two
-        self.vocab_size = k.vocab_size
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.hf(input_ids=input_ids).logits
-        return logits
+        return self.hf(input_ids=input_ids).logits
 
     def loss(self, batch: Batch) -> torch.Tensor:
         input_ids, labels = batch
@@ -204,15 +200,11 @@ class MnistDataset(Dataset):
         images, labels = read_idx(images_file, 2051), read_idx(labels_file, 2049)
         if len(images) != len(labels):
             raise ValueError(f"{len(images)} images but {len(labels)} labels")
-        self.images = torch.from_numpy(images.copy())
-        self.labels = torch.from_numpy(labels.astype(np.int64))
+        self.x, self.y = torch.from_numpy(images.copy()), torch.from_numpy(labels.astype(np.int64))
         self.info = DataInfo(input_dim=images[0].size, output_dim=10)
 
-    def __len__(self) -> int:
-        return len(self.labels)
-
     def batch(self, indices: torch.Tensor, epoch: int) -> Batch:
-        return ((self.images[indices].float() / 255 - 0.1307) / 0.3081).unsqueeze(1), self.labels[indices]
+        return ((self.x[indices].float() / 255 - 0.1307) / 0.3081).unsqueeze(1), self.y[indices]
 
 
 class GptDataset(Dataset):
@@ -243,11 +235,10 @@ class GptDataset(Dataset):
                 take = order[file_of == f]
                 rows[take] = self.data[f][idx[take] - self.starts[f]]
             ids, labels = rows[:, 0], np.where(rows[:, 1] == 0, IGNORE_INDEX, rows[:, 2])
-        seen = np.concatenate([ids.ravel(), labels[labels != IGNORE_INDEX]])
-        if self.vocab is not None and seen.size and (seen.min() < 0 or seen.max() >= self.vocab[0]):
-            size, key = self.vocab
-            bad = int(seen.min()) if seen.min() < 0 else int(seen.max())
-            raise ConfigError([f"{key}: {size}, but the data holds token id {bad} (ids must be in [0, {size}))"])
+        if self.vocab is not None:
+            (size, key), seen = self.vocab, np.concatenate([ids.ravel(), labels[labels != IGNORE_INDEX]])
+            if (bad := seen[(seen < 0) | (seen >= size)]).size:
+                raise ConfigError([f"{key}: {size}, but the data holds token id {bad[0]} (ids must be in [0, {size}))"])
         return torch.from_numpy(ids), torch.from_numpy(labels)
 
     def _read(self, start: int, stop: int) -> np.ndarray:
@@ -262,14 +253,14 @@ def fit_to_data(model: Any, dataset: Any, prefix: str = "model") -> None:
     the model's vocabulary, as it reads it (the files are not scanned up front)."""
     if not isinstance(model, CausalLM):
         return
-    info = dataset.info
-    if info.sequence_length > model.max_positions:
+    info, positions, vocab = dataset.info, model.hf.config.max_position_embeddings, model.hf.config.vocab_size
+    if info.sequence_length > positions:
         data = f"shorter than the data's sequences of {info.sequence_length} tokens"
-        raise ConfigError([f"{prefix}.max_position_embeddings: {model.max_positions}, {data}"])
-    if info.vocab_size > model.vocab_size:
-        raise ConfigError([f"{prefix}.vocab_size: {model.vocab_size}, smaller than the data's {info.vocab_size}"])
+        raise ConfigError([f"{prefix}.max_position_embeddings: {positions}, {data}"])
+    if info.vocab_size > vocab:
+        raise ConfigError([f"{prefix}.vocab_size: {vocab}, smaller than the data's {info.vocab_size}"])
     if isinstance(dataset, GptDataset):
-        dataset.vocab = (model.vocab_size, f"{prefix}.vocab_size")
+        dataset.vocab = (vocab, f"{prefix}.vocab_size")
 
 
 def _open(processor: str, keys: LoaderKeys, split: str, prefix: str, headers_only: bool) -> tuple[Any, list[str]]:
@@ -288,7 +279,7 @@ def _open(processor: str, keys: LoaderKeys, split: str, prefix: str, headers_onl
             problems.append(f"{' and '.join(missing)} missing")
     else:
         h5py = require("h5py")
-        msl, dirs = keys.max_sequence_length, keys.dirs
+        msl, dirs = keys.max_sequence_length, [keys.data_dir] if isinstance(keys.data_dir, str) else keys.data_dir or []
         problems = [f"{d} is not a directory" for d in dirs if not Path(d).is_dir()]
         paths = [p for d in dirs if Path(d).is_dir() for p in sorted(Path(d).glob("*.h5"))]
         if not paths and not problems:
@@ -355,9 +346,6 @@ def build_loader(
     return BatchIterator(dataset, keys.batch_size, shuffle, seed, rank, world_size, drop_last, f"{prefix}.batch_size")
 
 
-_SEGMENTS = ("abcdef", "bc", "abdeg", "abcdg", "bcfg", "acdfg", "acdefg", "abc", "abcdefg", "abcdfg")
-
-
 def write_tiny_data(
     kind: str,
     directory: str | Path,
@@ -381,22 +369,21 @@ def write_tiny_data(
     ``max_sequence_length``)."""
     rng = np.random.default_rng(seed)
     root, written = Path(directory), []
-    if kind == "mnist":
+    if kind == "mnist":  # each digit's lit segments, as on a seven-segment display
+        segments = ("abcdef", "bc", "abdeg", "abcdg", "bcfg", "acdfg", "acdefg", "abc", "abcdefg", "abcdfg")
         (root / "MNIST" / "raw").mkdir(parents=True, exist_ok=True)
         for stem, count in (("train", train_samples), ("t10k", val_samples)):
             labels = rng.integers(0, 10, count).astype(np.uint8)
             images = rng.integers(0, 40, (count, 28, 28)).astype(np.float32)  # noise, then the lit segments
             for image, label in zip(images, labels):
                 x, y, w = 8 + rng.integers(-3, 4), 4 + rng.integers(-3, 4), int(rng.integers(2, 4))
-                boxes = {  # (top, bottom, left, right) of each segment
-                    "a": (y, y + w, x, x + 12), "b": (y, y + 10, x + 12 - w, x + 12),
-                    "c": (y + 10, y + 20, x + 12 - w, x + 12), "d": (y + 20 - w, y + 20, x, x + 12),
-                    "e": (y + 10, y + 20, x, x + w), "f": (y, y + 10, x, x + w),
-                    "g": (y + 10 - w // 2, y + 10 - w // 2 + w, x, x + 12),
+                boxes = {  # (top, height, left, width) of each segment, from the digit's top left corner (x, y)
+                    "a": (0, w, 0, 12), "b": (0, 10, 12 - w, w), "c": (10, 10, 12 - w, w), "d": (20 - w, w, 0, 12),
+                    "e": (10, 10, 0, w), "f": (0, 10, 0, w), "g": (10 - w // 2, w, 0, 12),
                 }  # fmt: skip
-                for segment in _SEGMENTS[label]:
-                    top, bottom, left, right = boxes[segment]
-                    image[top:bottom, left:right] += rng.uniform(150, 215)
+                for segment in segments[label]:
+                    top, height, left, width = boxes[segment]
+                    image[y + top : y + top + height, x + left : x + left + width] += rng.uniform(150, 215)
             for name, array in zip(("images-idx3", "labels-idx1"), (np.clip(images, 0, 255).astype(np.uint8), labels)):
                 path = root / "MNIST" / "raw" / f"{stem}-{name}-ubyte{'.gz' if compress else ''}"
                 header = (0x800 + array.ndim).to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
@@ -410,17 +397,14 @@ def write_tiny_data(
         (root / split).mkdir(parents=True, exist_ok=True)
         steps = rng.choice([1, 2, 3, 5, 7], count)[:, None]  # arithmetic progressions: quickly learnt
         tokens = (rng.integers(0, vocab, count)[:, None] + steps * np.arange(msl + 1)) % vocab
-        mask = np.ones((count, msl), dtype=np.int32)  # a loss mask: some sequences end in masked padding
-        for row, pad in zip(mask, rng.integers(0, msl // 4, count) * (rng.random(count) < 0.25)):
-            row[msl - pad :] = 0
+        pads = rng.integers(0, max(msl // 4, 1), count) * (rng.random(count) < 0.25)  # a quarter end in padding
+        mask = (np.arange(msl) < msl - pads[:, None]).astype(np.int32)  # a loss mask: 0 on the padding
         sequences = np.stack([tokens[:, :-1] * mask, mask, tokens[:, 1:] * mask], axis=1).astype(np.int32)
         for i, part in enumerate(np.array_split(sequences, files)):
             written.append(root / split / f"data_{i}.h5")
-            with h5py.File(written[-1], "w") as f:
-                if corpus:  # the sequences' tokens back to back
-                    f.create_dataset("data", data=part[:, 0].ravel())
-                else:
-                    f.create_dataset("data", data=part)
+            with h5py.File(written[-1], "w") as f:  # a corpus: the sequences' tokens back to back
+                f.create_dataset("data", data=part[:, 0].ravel() if corpus else part)
+                if not corpus:
                     f.attrs["n_examples"] = len(part)
     return written
 
@@ -431,22 +415,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dls data", description=main.__doc__)
     parser.add_argument("kind", choices=["mnist", "gpt"])
     parser.add_argument("directory", help="where to write (created if missing)")
-    options = {  # option: (default, least, help)
-        "train": (2048, 1, "training samples"), "val": (256, 1, "validation samples"),
-        "msl": (128, 1, "gpt: tokens per sequence"), "vocab": (512, 2, "gpt: vocabulary size"),
-        "files": (2, 1, "gpt: .h5 files per split"), "seed": (0, 0, "random seed"),
+    options = {  # write_tiny_data's argument (its default is the option's): (option, least, help)
+        "train_samples": ("train", 1, "training samples"), "val_samples": ("val", 1, "validation samples"),
+        "msl": ("msl", 1, "gpt: tokens per sequence"), "vocab": ("vocab", 2, "gpt: vocabulary size"),
+        "files": ("files", 1, "gpt: .h5 files per split"), "seed": ("seed", 0, "random seed"),
     }  # fmt: skip
-    for option, (default, _, text) in options.items():
-        parser.add_argument(f"--{option}", type=int, default=default, help=f"{text} (default {default})")
+    for name, (option, _, text) in options.items():
+        default = inspect.signature(write_tiny_data).parameters[name].default
+        parser.add_argument(f"--{option}", dest=name, type=int, default=default, help=f"{text} (default {default})")
     parser.add_argument("--corpus", action="store_true", help="gpt: flat token streams (GptHDF5MapDataProcessor)")
-    parser.add_argument("--gzip", action="store_true", help="mnist: write .gz files")
+    parser.add_argument("--gzip", dest="compress", action="store_true", help="mnist: write .gz files")
     args = parser.parse_args(argv)
-    for option, (_, least, _) in options.items():
-        if getattr(args, option) < least:
-            parser.error(f"--{option} must be at least {least}; got {getattr(args, option)}")
-    paths = write_tiny_data(
-        args.kind, args.directory, train_samples=args.train, val_samples=args.val, msl=args.msl, vocab=args.vocab,
-        files=args.files, corpus=args.corpus, compress=args.gzip, seed=args.seed,
-    )  # fmt: skip
-    print("\n".join(f"wrote {p}" for p in paths))
+    for name, (option, least, _) in options.items():
+        if getattr(args, name) < least:
+            parser.error(f"--{option} must be at least {least}; got {getattr(args, name)}")
+    print("\n".join(f"wrote {p}" for p in write_tiny_data(**vars(args))))
     return 0

@@ -6,6 +6,8 @@ a misspelling, reported with "did you mean"."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -18,7 +20,6 @@ Number = Annotated[float, Finite()]  # finite, at most float32's max in size: as
 PositiveFloat = Annotated[float, Finite(gt=0)]
 Rate = Annotated[float, Finite(ge=0, le=1)]
 IGNORE_INDEX = -100  # a label that the loss skips: where Model Zoo's attention_mask (a loss mask) is 0
-GPT_NAMES = tuple(n for n in ZOO_MODELS if n != "fc_mnist")
 
 
 class _Keys(BaseModel):
@@ -131,7 +132,6 @@ class GptKeys(_Keys):
     fp16_type: Literal["float16", "bfloat16", "cbfloat16"] | None = None
 
 
-GPT2_ACTIVATIONS = ("gelu", "gelu_new", "relu", "silu", "tanh")  # transformers' names; Model Zoo's gelu is exact
 _GPT_DEFAULT_ONLY: dict[str, Any] = {
     **dict.fromkeys((
         "constant_pos_embedding", "attention_inner_dim", "attention_sliding_window_length", "attention_sink_tokens",
@@ -177,26 +177,23 @@ class LoaderKeys(_Keys):
     split: Literal["train", "val"] | None = None  # MNISTDataProcessor
     max_sequence_length: Positive | None = None  # GptHDF5MapDataProcessor, corpus (1-D) layout
 
-    @property
-    def dirs(self) -> list[str]:
-        return [self.data_dir] if isinstance(self.data_dir, str) else list(self.data_dir or [])
-
 
 def _validate(
-    cls: type[_Keys], params: Any, prefix: str, default_only: dict[str, Any], ignored: tuple[str, ...]
-) -> tuple[Any, list[str], list[str]]:
-    """``(keys, ignored key paths, problems)``; ``keys`` is None when they do not validate."""
+    cls: type[_Keys], params: Any, prefix: str, default_only: dict[str, Any], ignored: tuple[str, ...], more: Callable
+) -> tuple[Any, list[str]]:
+    """``(keys, ignored key paths)``; ``ConfigError`` listing every problem, with those ``more(keys, ignored)``
+    finds in keys that validate (it may add to ``ignored``)."""
     if not isinstance(params, dict):
-        return None, [], [f"{prefix}: a mapping of keys is expected; got {type(params).__name__}"]
+        raise ConfigError([f"{prefix}: a mapping of keys is expected; got {type(params).__name__}"])
     why = "cannot be expressed by dls's Model Zoo models (only the default {!r} can)"
     changed = [k for k in params if k in default_only and params[k] != default_only[k]]
     problems = [f"{prefix}.{k}: {params[k]!r} {why.format(default_only[k])}" for k in changed]
+    skipped = [f"{prefix}.{k}" for k in params if k in ignored]
     try:
         keys = cls.model_validate({k: v for k, v in params.items() if k not in default_only and k not in ignored})
+        problems += more(keys, skipped)
     except ValidationError as exc:
-        known = sorted(
-            {*default_only, *ignored, *cls.model_fields, *Initializer.model_fields, *_PosScalingArgs.model_fields}
-        )
+        known = [*default_only, *ignored, *cls.model_fields, *Initializer.model_fields, *_PosScalingArgs.model_fields]
         for err in exc.errors():
             path = ".".join([prefix, *(str(p) for p in err["loc"])])
             if err["type"] == "extra_forbidden":
@@ -204,96 +201,84 @@ def _validate(
             else:
                 got = f" (got {err['input']!r})" if err["type"] != "missing" else ""
                 problems.append(f"{path}: {err['msg'].removeprefix('Value error, ')}{got}")
-        return None, [], problems
-    return keys, [f"{prefix}.{k}" for k in params if k in ignored], problems
+    if problems:
+        raise ConfigError(problems)
+    return keys, skipped
 
 
-# The values Hugging Face's class builds, for the keys where it builds only some of Model Zoo's.
-_HF_BUILDS: dict[str, dict[str, tuple[Any, ...]]] = {
-    "llama": {
-        "position_embedding_type": ("rotary",), "norm_type": ("rmsnorm",), "nonlinearity": ("swiglu",),
-        "attention_type": ("scaled_dot_product",), "dropout_rate": (0.0,), "embedding_dropout_rate": (0.0,),
-        "pos_scaling_type": ("linear", "llama3"),
-    },
-    "gpt2": {
-        "position_embedding_type": ("learned",), "norm_type": ("layernorm",), "nonlinearity": GPT2_ACTIVATIONS,
-        "attention_module": ("aiayn_attention",), "use_projection_bias_in_attention": (True,),
-        "use_ffn_bias_in_attention": (True,), "use_ffn_bias": (True,), "use_bias_in_output": (False,),
-    },
-}  # fmt: skip
-
-
-def _gpt_problems(name: str, k: GptKeys, prefix: str, ignored: list[str]) -> list[str]:
-    """What the Hugging Face class for ``name`` cannot express; the keys it does not use are added to ``ignored``."""
-    llama = name == "llama"
-    builds = _HF_BUILDS["llama" if llama else "gpt2"]
-    head = k.hidden_size // k.num_heads
+def _gpt_problems(name: str, prefix: str, k: GptKeys, ignored: list[str]) -> Iterator[str]:
+    """What the Hugging Face class for ``name`` cannot express (``builds``: the values it builds, for the keys where
+    it builds only some of Model Zoo's); the keys it does not use are added to ``ignored``."""
+    llama, head = name == "llama", k.hidden_size // k.num_heads
+    builds: dict[str, tuple[Any, ...]]
     if llama:  # it rotates whole heads, and has one attention_bias for all four projections
-        builds = {**builds, "rotary_dim": (head,), "use_ffn_bias_in_attention": (k.use_projection_bias_in_attention,)}
+        hf, builds = "LlamaForCausalLM", {
+            "position_embedding_type": ("rotary",), "norm_type": ("rmsnorm",), "nonlinearity": ("swiglu",),
+            "attention_type": ("scaled_dot_product",), "dropout_rate": (0.0,), "embedding_dropout_rate": (0.0,),
+            "pos_scaling_type": ("linear", "llama3"), "scale_qk_dot_by_layer_idx": (False,), "rotary_dim": (head,),
+            "use_ffn_bias_in_attention": (k.use_projection_bias_in_attention,), "use_bias_in_output": (False,),
+        }  # fmt: skip
+    else:
+        hf, builds = "GPT2LMHeadModel", {
+            "position_embedding_type": ("learned",), "norm_type": ("layernorm",),
+            "nonlinearity": ("gelu", "gelu_new", "relu", "silu", "tanh"),  # transformers' (gelu: the exact GELU)
+            "attention_module": ("aiayn_attention",), "use_projection_bias_in_attention": (True,),
+            "use_ffn_bias_in_attention": (True,), "use_ffn_bias": (True,), "use_bias_in_output": (False,),
+        }  # fmt: skip
     values = dict(k)  # as Model Zoo reads them: the rates default to dropout_rate, rotary_dim to a quarter head
     values["embedding_dropout_rate"] = k.dropout_rate if k.embedding_dropout_rate is None else k.embedding_dropout_rate
     values["rotary_dim"] = k.rotary_dim if k.rotary_dim is not None else int(head * 0.25)
-    hf = "LlamaForCausalLM" if llama else "GPT2LMHeadModel"
-    problems = [
+    yield from (
         f"{prefix}.{key}: {values[key]!r} cannot be built by Hugging Face's {hf} (only {' or '.join(map(repr, ok))})"
         for key, ok in builds.items()
         if values[key] not in ok
-    ]
+    )
     if k.hidden_size % k.num_heads:
-        problems.append(f"{prefix}.num_heads: {k.num_heads} does not divide hidden_size ({k.hidden_size})")
+        yield f"{prefix}.num_heads: {k.num_heads} does not divide hidden_size ({k.hidden_size})"
     if k.loss_scaling == "num_tokens" and k.loss_weight != 1.0:
         ignored.append(f"{prefix}.loss_weight (Model Zoo uses 1.0 with loss_scaling: num_tokens)")
-    if not llama:
-        fields = ("rotary_dim", "rope_theta", "pos_scaling_type", "pos_scaling_factor", "pos_scaling_extra_args")
-        ignored += [f"{prefix}.{f} (learned positions)" for f in fields if f in k.model_fields_set]
-        return problems
-    if k.pos_scaling_type == "llama3":
-        args = k.pos_scaling_extra_args or _PosScalingArgs()
-        missing = [f for f in _PosScalingArgs.model_fields if getattr(args, f) is None]
-        problems += [f"{prefix}.pos_scaling_extra_args.{f}: required with pos_scaling_type llama3" for f in missing]
     groups = k.extra_attention_params.num_kv_groups
     if k.attention_module == "multiquery_attention" and (groups is None or k.num_heads % groups):
         why = f"multiquery_attention needs a number of key/value heads that divides num_heads ({k.num_heads})"
-        problems.append(f"{prefix}.extra_attention_params.num_kv_groups: {groups!r}; {why}")
+        yield f"{prefix}.extra_attention_params.num_kv_groups: {groups!r}; {why}"
     elif k.attention_module != "multiquery_attention" and groups is not None:
-        problems.append(f"{prefix}.extra_attention_params.num_kv_groups: needs multiquery_attention")
-    return problems
+        yield f"{prefix}.extra_attention_params.num_kv_groups: needs multiquery_attention"
+    if not llama:
+        fields = ("rotary_dim", "rope_theta", "pos_scaling_type", "pos_scaling_factor", "pos_scaling_extra_args")
+        ignored += [f"{prefix}.{f} (learned positions)" for f in fields if f in k.model_fields_set]
+    elif k.pos_scaling_type == "llama3":
+        args = k.pos_scaling_extra_args or _PosScalingArgs()
+        missing = [f for f in _PosScalingArgs.model_fields if getattr(args, f) is None]
+        yield from (f"{prefix}.pos_scaling_extra_args.{f}: required with pos_scaling_type llama3" for f in missing)
 
 
 def parse_model(name: str, params: Any, prefix: str = "model") -> tuple[FcMnistKeys | GptKeys, list[str]]:
     """The validated keys of model ``name`` and the key paths ignored here (for a GPT model, also the keys its Hugging
     Face class does not use); ``ConfigError`` listing every problem, every key that class cannot express included."""
     if name == "fc_mnist":
-        keys, ignored, problems = _validate(FcMnistKeys, params, prefix, _FC_DEFAULT_ONLY, _FC_IGNORED)
-    elif name in GPT_NAMES:
-        keys, ignored, problems = _validate(GptKeys, params, prefix, _GPT_DEFAULT_ONLY, _GPT_IGNORED)
-    else:
+        return _validate(FcMnistKeys, params, prefix, _FC_DEFAULT_ONLY, _FC_IGNORED, lambda keys, ignored: [])
+    if name not in ZOO_MODELS:
         raise ConfigError([f"{prefix}.name: {name!r} is not a Model Zoo model dls builds ({', '.join(ZOO_MODELS)})"])
-    if isinstance(keys, GptKeys):
-        problems += _gpt_problems(name, keys, prefix, ignored)
-    if problems:
-        raise ConfigError(problems)
-    return keys, ignored
+    return _validate(GptKeys, params, prefix, _GPT_DEFAULT_ONLY, _GPT_IGNORED, partial(_gpt_problems, name, prefix))
 
 
 def parse_loader(processor: str, params: Any, prefix: str) -> tuple[LoaderKeys, list[str]]:
     """The validated keys of a data loader section and the key paths ignored here; ``ConfigError`` otherwise."""
     if processor not in ZOO_PROCESSORS:
         raise ConfigError([f"{prefix}.data_processor: {processor!r} is not one of {', '.join(ZOO_PROCESSORS)}"])
-    keys, ignored, problems = _validate(LoaderKeys, params, prefix, _LOADER_DEFAULT_ONLY, _LOADER_IGNORED)
-    if keys is not None:
-        if keys.data_processor not in (None, processor):
-            problems.append(f"{prefix}.data_processor: {keys.data_processor!r}, but {processor} is being built")
-        if None not in (keys.drop_last, keys.drop_last_batch) and keys.drop_last != keys.drop_last_batch:
-            problems.append(f"{prefix}.drop_last_batch: contradicts drop_last")
-        if keys.shuffle is None and processor == "GptHDF5DataProcessor":  # the others have a default
-            problems.append(f"{prefix}.shuffle: required by {processor}")
-        if processor == "MNISTDataProcessor" and isinstance(keys.data_dir, list):
-            problems.append(f"{prefix}.data_dir: MNISTDataProcessor reads one directory, not a list")
-        if processor != "MNISTDataProcessor" and not keys.dirs:
-            problems.append(f"{prefix}.data_dir: required by {processor}")
+
+    def problems(keys: LoaderKeys, ignored: list[str]) -> Iterator[str]:
         if processor == "GptHDF5DataProcessor" and keys.max_sequence_length is not None:
             ignored.append(f"{prefix}.max_sequence_length (GptHDF5DataProcessor reads it from the data)")
-    if problems:
-        raise ConfigError(problems)
-    return keys, ignored
+        if keys.data_processor not in (None, processor):
+            yield f"{prefix}.data_processor: {keys.data_processor!r}, but {processor} is being built"
+        if None not in (keys.drop_last, keys.drop_last_batch) and keys.drop_last != keys.drop_last_batch:
+            yield f"{prefix}.drop_last_batch: contradicts drop_last"
+        if keys.shuffle is None and processor == "GptHDF5DataProcessor":  # the others have a default
+            yield f"{prefix}.shuffle: required by {processor}"
+        if processor == "MNISTDataProcessor" and isinstance(keys.data_dir, list):
+            yield f"{prefix}.data_dir: MNISTDataProcessor reads one directory, not a list"
+        if processor != "MNISTDataProcessor" and not keys.data_dir:
+            yield f"{prefix}.data_dir: required by {processor}"
+
+    return _validate(LoaderKeys, params, prefix, _LOADER_DEFAULT_ONLY, _LOADER_IGNORED, problems)
