@@ -10,9 +10,10 @@ import contextlib
 import copy
 import gc
 import math
+import signal
 import time
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +51,9 @@ from dls.train.data import (
     modelzoo,
 )
 from dls.train.errors import MissingExtras, TrainingStopped
-from dls.train.launch import StopRequest, resolve_device, run_on_rank0, sum_over_ranks, wrap_data_parallel
+from dls.train.launch import resolve_device, run_on_rank0, sum_over_ranks, wrap_data_parallel
 from dls.train.reporting import TrainResult, json_number
+from dls_entry import Terminated, signals
 
 __all__ = ["TrainResult", "Trainer", "TrainingStopped"]
 
@@ -99,17 +101,17 @@ class Trainer:
         where = cfg.sources.get
         self.batches = build_batches(cfg.data, rc.seed, "train", self.rank, self.world_size, where("data.params"))
         self.dataset = self.batches.dataset if cfg.data.data_processor is None else None  # a built-in data set
-        self.eval_batches = None
+        self.eval_batches: BatchIterator | None = None  # without eval_input: Model Zoo's training data, at evaluation
         if cfg.eval_data is not None:
             self.eval_batches = build_batches(cfg.eval_data, rc.seed, "val", prefix=where("eval_data.params"))
-        self._train_data_eval: BatchIterator | None = None  # Model Zoo training data, for evaluation without eval_input
         prec = cfg.precision
         self.model = build_model(cfg.model, getattr(self.dataset, "info", None))
         if cfg.model.name in ZOO_MODELS:  # can it read the data (positions, token ids)
             for batches in (self.batches, self.eval_batches):
                 if batches is not None:
                     modelzoo().fit_to_data(self.model, batches.dataset, where("model.params", "model"))
-        self.model = self.model.to(self.device)
+        self.param_dtype: torch.dtype = getattr(torch, prec.param_dtype)  # float32, float16 or bfloat16
+        self.model = self.model.to(self.device, self.param_dtype)
         self.max_steps = rc.max_steps
         if rc.num_epochs is not None and "max_steps" not in rc.model_fields_set:
             per_epoch = rc.steps_per_epoch or max(1, self.batches.batches_per_epoch // rc.grad_accum_steps)
@@ -117,8 +119,6 @@ class Trainer:
         freq = rc.eval_frequency
         self.eval_every = freq if isinstance(freq, int) else max(1, round(freq * self.max_steps)) if freq else None
         self.eval_loss: float | None = None
-        self.param_dtype = HALF_DTYPES.get(prec.param_dtype, torch.float32)
-        self.model.to(self.param_dtype)
         self.fp8: dls.fp8.Fp8Handle | None = None  # FP8 Linear layers (precision.fp8)
         if prec.fp8 is not None:  # before DDP: FP8's delayed scaling reduces its amaxes over the same ranks
             group = dist.group.WORLD if self.world_size > 1 else None
@@ -151,10 +151,9 @@ class Trainer:
         self.watch = apply_precision_fallback(self.model, self.scaler, keep, fallback)
         self.global_step, self.elapsed = 0, 0.0
         self.overflows_at_floor = 0  # consecutive overflowing steps at the scale's floor (checkpointed), and the
-        self._floor_reports: list[OverflowReport | None] = []  # overflow reports of those in this session
+        # overflow reports of the last of them in this session
+        self._floor_reports: deque[OverflowReport | None] = deque(maxlen=rc.max_overflows_at_min_loss_scale)
         self._last_checkpoint: Path | None = None
-        self._skipped_total: int | None = None  # as last read, on a logged step
-        self._tail = (0, torch.zeros((), device=self.device), 0)  # (first step, loss sum, count): the final loss
         self._ended_together = False  # data-parallel: train() ended at the same point on every rank
 
     # ------------------------------------------------------------------ logging, data-parallel
@@ -237,57 +236,56 @@ class Trainer:
             self.log(f"note: {note}")
         self.log(reporting.describe_run(cfg, start_step, self.model_dir, self.world_size, self.device.type, max_steps))
         tail = max(1, (max_steps - start_step) // 10)  # the final loss: mean over the last 10% of the session
-        self._tail = (max_steps - tail + 1, torch.zeros((), device=self.device), 0)
+        self._tail_from, self._tail_sum = max(max_steps - tail, start_step) + 1, torch.zeros((), device=self.device)
         if cfg.precision.emulated:
             self.emulation = dls.emulate(
                 self.model, cfg.precision.compute_dtype, track_stats=cfg.optimizer.log_summaries
             )
         shown = self.show_progress and self.is_main
-        display = reporting.ProgressDisplay(self.console, shown, max_steps, start_step, cfg.model.name)
+        self._display = reporting.ProgressDisplay(self.console, shown, max_steps, start_step, cfg.model.name)
         if rc.save_initial_checkpoint and start_step == 0:
             self._save()
         self.model.train()
-        stop_request = StopRequest(self.log, distributed=self.world_size > 1)
+        self._stop_signal: int | None = None  # the first Ctrl-C or SIGTERM of this session (see _request_stop)
+        self._stop_due = False
         stopped: TrainingStopped | None = None
         try:
-            with stop_request:
-                while self.global_step < max_steps:
-                    if stop_request.due:
-                        raise stop_request.interrupt()
-                    row = self._step(stop_request)
+            with signals(self._request_stop):
+                while self.global_step < max_steps and not self._stop_due:
+                    self._step()
                     step = self.global_step
                     last = step == max_steps and (self.eval_every or self.eval_batches is not None)
                     if last or (self.eval_every and step % self.eval_every == 0):  # an eval loader: at the end too
                         self._evaluate(step)
                     if rc.checkpoint_steps and step % rc.checkpoint_steps == 0 and step < max_steps:
                         self._save()
-                    if row is not None:
-                        display.update(row, self._skipped_total)
                 if self._last_checkpoint != ckpt.checkpoint_path(self.model_dir, self.global_step):  # not saved yet
                     self._save()
+                if self._stop_due and self.global_step < max_steps:  # asked to stop: saved between two steps
+                    self._display.close()
+                    self.log(
+                        f"Interrupted at step {self.global_step}; saved {self._last_checkpoint}. Continue with "
+                        f"--resume {self.model_dir}"
+                    )
+                    self._ended_together = True
+                    raise Terminated() if self._stop_signal == signal.SIGTERM else KeyboardInterrupt()
         except KeyboardInterrupt:
-            display.close()
-            if stop_request.due and not stop_request.forced:  # between two steps: consistent
-                path = self._save()
-                self._ended_together = True
-                self.log(
-                    f"Interrupted at step {self.global_step}; saved {path}. Continue with --resume {self.model_dir}"
-                )
-            else:
+            self._display.close()
+            if not self._ended_together:  # a second Ctrl-C, in the middle of a step
                 self.log(f"Interrupted; the last checkpoint is {self._last_checkpoint or 'none (nothing saved)'}")
             raise
         except TrainingStopped as exc:
             stopped, self._ended_together = exc, True  # decided alike on every rank: the scaler state agrees
         finally:
-            display.close()
+            self._display.close()
             if self.emulation is not None:
                 self.emulation.remove()
                 self.emulation = None
             if self.fp8 is not None:  # its state stays for the final checkpoint
                 self.fp8.remove()
         # What the session did (finished or stopped), with the plot written and the model evaluated.
-        wall_time, (_, loss_sum, count) = time.perf_counter() - self._session_start, self._tail
-        final_loss = float(loss_sum) / count if count else None
+        wall_time, count = time.perf_counter() - self._session_start, self.global_step - self._tail_from + 1
+        final_loss = float(self._tail_sum) / count if count > 0 else None
         if final_loss is not None and self.world_size > 1:
             final_loss = sum_over_ranks([final_loss], self.device)[0] / self.world_size
         self._ended_together = True
@@ -315,32 +313,39 @@ class Trainer:
             reporting.print_summary(self.console, cfg, result)
         return result
 
+    def _request_stop(self, signum: int) -> bool:
+        """The first Ctrl-C or SIGTERM asks the loop to stop after the current step (data-parallel: at the next
+        logged step, where the ranks agree), checkpointed; a second one is not taken (``False``): it interrupts."""
+        if self._stop_signal is not None:
+            return False
+        self._stop_signal, self._stop_due, term = signum, self.world_size == 1, signum == signal.SIGTERM
+        when = "at the next logged step (all ranks together)" if self.world_size > 1 else "after this step"
+        again = "" if term else " (press Ctrl-C again to quit at once)"
+        self.log(f"{'SIGTERM' if term else 'Ctrl-C'}: stopping {when} and saving a checkpoint{again}")
+        return True
+
     def _evaluate(self, step: int) -> None:
         """``eval_steps`` batches of the eval loader (the training data's without one), as a metrics row."""
         rc = self.cfg.runconfig
-        source = self.eval_batches
-        if source is None and self.dataset is None:  # built at the first evaluation, read again at the next
-            if self._train_data_eval is None:
-                prefix = self.cfg.sources.get("data.params")
-                self._train_data_eval = build_batches(self.cfg.data, rc.seed, "train", prefix=prefix)
-            source = self._train_data_eval
-        if source is None:
-            assert self.dataset is not None
+        if self.eval_batches is None and self.dataset is not None:  # a built-in data set: its first samples
             self.eval_loss = evaluate(self.model, self.dataset, self.device)
         else:
-            steps = rc.eval_steps or max(1, source.batches_per_epoch)
+            if self.eval_batches is None:  # Model Zoo training data: built at the first evaluation, read at each
+                prefix = self.cfg.sources.get("data.params")
+                self.eval_batches = build_batches(self.cfg.data, rc.seed, "train", prefix=prefix)
+            steps = rc.eval_steps or max(1, self.eval_batches.batches_per_epoch)
             with self._autocast():
-                self.eval_loss = evaluate_batches(self.model, source, steps, self.device, self._to_device)
-            source.load_state_dict({"epoch": 0, "position": 0})  # every evaluation reads the same batches
+                self.eval_loss = evaluate_batches(self.model, self.eval_batches, steps, self.device, self._to_device)
+            self.eval_batches.load_state_dict({"epoch": 0, "position": 0})  # every evaluation reads the same batches
         if self.run_dir is not None:
             self.run_dir.write_row({"step": step, "eval_loss": json_number(self.eval_loss)})
 
     # ------------------------------------------------------------------ how a step computes
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """``torch.autocast`` for float16/bfloat16 without emulation or half parameters, else nothing."""
-        dtype = HALF_DTYPES.get(self.cfg.precision.compute_dtype)
-        if dtype is not None and self.emulation is None and not self.cfg.precision.half_params:
-            return torch.autocast(self.device.type, dtype=dtype)
+        prec = self.cfg.precision
+        if prec.compute_dtype in ("float16", "bfloat16") and self.emulation is None and not prec.half_params:
+            return torch.autocast(self.device.type, dtype=getattr(torch, prec.compute_dtype))
         return contextlib.nullcontext()
 
     def _to_device(self, batch: Batch, dtype: torch.dtype | None = None) -> Batch:
@@ -372,8 +377,8 @@ class Trainer:
         return float(handle.stats.underflow_fraction)
 
     # ------------------------------------------------------------------ one step
-    def _step(self, stop_request: StopRequest) -> dict[str, Any] | None:
-        """One training step; its metrics row when the step is logged (see the module docstring), else ``None``."""
+    def _step(self) -> None:
+        """One training step; on a logged step (see the module docstring) its metrics row, written and shown."""
         cfg, rc, opt_cfg = self.cfg, self.cfg.runconfig, self.cfg.optimizer
         step = self.global_step + 1
         log_now = step % rc.log_steps == 0 or step == self.max_steps or step == 1
@@ -402,39 +407,27 @@ class Trainer:
                 max_gradient_value=opt_cfg.max_gradient_value, gradient_norm=log_now,
             )  # fmt: skip
         except NonFiniteGradients:  # no loss scaling: stop before applying them
-            where = self.watch.build_report(loss.detach())  # the stop path: reads are fine here
+            located = self.watch.build_report(loss.detach())  # the stop path: reads are fine here
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.update()  # ends the iteration the refused step began
-            path = self._save()
-            compute, located = cfg.precision.compute_dtype, ""
-            if where is not None and where.first_module is not None:
-                located = (
-                    f" The first module with inf/NaN gradients, in backward order, is "
-                    f"{module_label(where.first_module)} ({where.first_module_type}); modules with inf/NaN gradients: "
-                    f"{_listed(where.modules)}."
-                )
-            scaling = ", or optimizer.loss_scaling_factor: dynamic." if compute != "float32" else "."
-            raise TrainingStopped(
-                f"Step {step}: the gradients are inf/NaN (loss {float(loss.detach())}) and loss scaling is off "
-                f"({compute}), so nothing can skip this step.{located} Training stopped before applying it; the model "
-                f"as of step {self.global_step} is saved in {path}. Try a lower optimizer.learning_rate, "
-                f"optimizer.max_gradient_norm (e.g. 1.0){scaling}",
-                path,
-            ) from None
+            compute = cfg.precision.compute_dtype
+            what = f"the gradients are inf/NaN (loss {float(loss.detach())}) and loss scaling is off ({compute}), so "
+            what += "nothing can skip this step: it was not applied"
+            dynamic = ", or optimizer.loss_scaling_factor: dynamic" if compute != "float32" else ""
+            raise self._stop(step, what, _DIVERGED + dynamic, [located], 1) from None
         skipped = self.scaler.step_was_skipped(self.optimizer)
         report = self.scaler.overflow_report() if skipped else None  # built by step() on overflow only
         self.scheduler.step()  # skip-aware: advances only when the step was applied
         self.global_step = step
-        first, loss_sum, count = self._tail
-        if step >= first:
-            self._tail = (first, loss_sum + loss.detach().float(), count + 1)
+        if step >= self._tail_from:
+            self._tail_sum += loss.detach().float()
+        stop = self._at_floor(skipped, report)
         stats = self.emulation.stats if self.emulation is not None and opt_cfg.log_summaries else None
         if log_now and stats is not None:  # under dls.emulate: the underflow counted since the last logged step
             underflow = stats.underflow_fraction
             stats.reset()
         if not (log_now or skipped):
-            self._at_floor(skipped)  # a clean step
-            return None
+            return
         fp8: list[float] = []  # flushed and saturated fractions of FP8 grad_output casts since the previous row
         if self.fp8 is not None:
             totals = self.fp8.stats.totals()["grad_output"]
@@ -446,39 +439,35 @@ class Trainer:
         ).tolist()
         if self.world_size > 1:  # alike on every rank (skipping is agreed): one all-reduce of the means over the
             # ranks (loss, underflow, FP8 fractions) and of whether any rank got Ctrl-C
-            sums = sum_over_ranks([loss_value, underflow or 0.0, float(stop_request.requested), *fp8], self.device)
+            sums = sum_over_ranks(
+                [loss_value, underflow or 0.0, float(self._stop_signal is not None), *fp8], self.device
+            )
             loss_value, mean_underflow, asked, *fp8 = (v / self.world_size for v in sums)
             underflow = mean_underflow if underflow is not None else None
-            stop_request.agreed = stop_request.agreed or asked > 0
+            self._stop_due = self._stop_due or asked > 0
         for values, value in zip(self._recorded, (underflow, *(fp8 or (None, None)))):  # for the session's means
             if value is not None:
                 values.append(value)
         enabled = self.scaler.is_enabled()
-        self._skipped_total = self.scaler.get_num_skipped_steps() if enabled else None
+        skipped_total = self.scaler.get_num_skipped_steps() if enabled else None
         row: dict[str, Any] = {
             "step": step, "loss": json_number(loss_value), "loss_scale": scale_used if enabled else None,
             "skipped": skipped, "grad_norm": json_number(grad_norm), "lr": lr,
             "time": round(self.elapsed + time.perf_counter() - self._session_start, 4),
         }  # fmt: skip
         if opt_cfg.log_summaries:
-            row["skipped_total"] = self._skipped_total
-            row["grad_underflow"] = underflow
+            row.update(skipped_total=skipped_total, grad_underflow=underflow)
         if fp8:
             row["fp8_grad_output_flushed"], row["fp8_grad_output_saturated"] = fp8
         if skipped:  # where the overflow started
-            row["overflow_module"], row["forward_overflow"] = (
-                (report.first_module, report.forward) if report else (None, None)
+            row.update(
+                overflow_module=getattr(report, "first_module", None), forward_overflow=getattr(report, "forward", None)
             )
         if self.run_dir is not None:
             self.run_dir.write_row(row)
-        if problem := self._at_floor(skipped, report):  # loss scaling cannot help: stop
-            path = self._save()
-            raise TrainingStopped(
-                f"Stopped at step {step}: {problem}{fallback_note(self.watch)}. Nothing is lost: the state is saved in "
-                f"{path}; after changing the config, continue with --resume {self.model_dir}",
-                path,
-            )
-        return row
+        self._display.update(row, skipped_total)
+        if stop is not None:  # loss scaling cannot help
+            raise self._stop(step, *stop, self._floor_reports, self.overflows_at_floor)
 
     def _refuse_nonfinite_gradients(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The optimizer's step pre-hook in a run without loss scaling: :class:`NonFiniteGradients` when a gradient of
@@ -490,13 +479,12 @@ class Trainer:
         if found and bool(kernels.gather_flags(found, self.device) > 0):
             raise NonFiniteGradients
 
-    def _at_floor(self, skipped: bool, report: OverflowReport | None = None) -> str | None:
+    def _at_floor(self, skipped: bool, report: OverflowReport | None) -> tuple[str, str] | None:
         """Count a step at the scale's floor (Model Zoo's test: ``get_non_clamped_scale() < get_scale()``; static
         scaling: every overflowing step; reading the scaler only when skipped); at
-        ``runconfig.max_overflows_at_min_loss_scale`` of them without a clean step between, the stop message naming
-        where the counted overflows of this session started and what to try; else ``None``."""
+        ``runconfig.max_overflows_at_min_loss_scale`` of them without a clean step between, what happened and what
+        to try (for :meth:`_stop`); else ``None``."""
         scaler, limit = self.scaler, self.cfg.runconfig.max_overflows_at_min_loss_scale
-        half = self.cfg.precision.fp16_type
         if not scaler.is_enabled():
             return None
         if not skipped:
@@ -506,53 +494,53 @@ class Trainer:
         scale, static = scaler.get_scale(), scaler.mode == "static"
         if static or scaler.get_non_clamped_scale() < scale:
             self.overflows_at_floor += 1
-            self._floor_reports = [*self._floor_reports[-(limit - 1) :], report] if limit > 1 else [report]
+            self._floor_reports.append(report)
         if self.overflows_at_floor < limit:
             return None
         if static:
-            what = (
-                f"the static loss scale {pow2(scale)} made the gradients overflow on {limit} consecutive steps, "
-                "and a static scale never comes down"
+            return (
+                f"the static loss scale {pow2(scale)} made the gradients overflow on {limit} consecutive steps, and a "
+                "static scale never comes down: skipping more steps cannot help",
+                "use optimizer.loss_scaling_factor: dynamic (it finds the largest scale that does not overflow), or a "
+                "smaller static scale",
             )
-            advice = "use optimizer.loss_scaling_factor: dynamic (it finds the largest scale that does not overflow), "
-            advice += "or a smaller static scale"
-        else:
-            what = (
-                f"the loss scale is pinned at min_loss_scale ({pow2(scale)}) and the gradients still overflowed on "
-                f"{limit} steps without a clean step between (Model Zoo: 'Minimum loss scale threshold was "
-                "reached but gradient norms are still encountering NaN or inf values')"
-            )
-            advice = (
-                f"{_DIVERGED}; check the data for inf/NaN; switch to bfloat16 (precision.fp16_type: bfloat16), whose "
-                "range matches float32, if the forward pass itself overflows in float16; or lower "
-                "optimizer.min_loss_scale"
-            )
-        # Where the counted overflows started, and whether the forward pass overflowed in most of them.
-        reports, where = [r for r in self._floor_reports if r is not None], ""
-        n, forward = len(reports), sum(1 for r in reports if r.forward)
-        of = f"of the last {n} counted steps" if n < self.overflows_at_floor else f"of the {n} steps"
-        if firsts := Counter(r.first_module for r in reports if r.first_module is not None):
-            ranked = ", ".join(f"{module_label(m)} in {k}" for m, k in firsts.most_common(3))
-            modules = list(dict.fromkeys(m for r in reports for m in r.modules))
-            where += (
-                f" First module with inf/NaN gradients, in backward order: {ranked} {of}; modules with inf/NaN "
-                f"gradients: {_listed(modules)}."
-            )
+        return (
+            f"the loss scale is pinned at min_loss_scale ({pow2(scale)}) and the gradients still overflowed on {limit} "
+            "steps without a clean step between, so skipping more steps cannot help (Model Zoo: 'Minimum loss scale "
+            "threshold was reached but gradient norms are still encountering NaN or inf values')",
+            f"{_DIVERGED}; check the data for inf/NaN; switch to bfloat16 (precision.fp16_type: bfloat16), whose range "
+            "matches float32, if the forward pass itself overflows in float16; or lower optimizer.min_loss_scale",
+        )
+
+    def _stop(
+        self, step: int, what: str, advice: str, reports: Iterable[OverflowReport | None], counted: int
+    ) -> TrainingStopped:
+        """Checkpoint, then what stops the run at ``step``: ``what`` happened; where the overflows of ``reports`` (the
+        last of ``counted`` steps) started, and whether the forward pass overflowed in them; what to try (``advice``,
+        or a wider format and ``dls audit`` when the forward pass overflowed in most of them)."""
+        seen, half, where = [r for r in reports if r is not None], self.cfg.precision.compute_dtype, ""
+        n, forward = len(seen), sum(1 for r in seen if r.forward)
+        of = f"of the last {n} counted steps" if n < counted else f"of the {n} steps" if n > 1 else "of 1 step"
+        if firsts := Counter((r.first_module, r.first_module_type) for r in seen if r.first_module is not None):
+            ranked = ", ".join(f"{module_label(m)} ({kind}) in {k}" for (m, kind), k in firsts.most_common(3))
+            modules = _listed(list(dict.fromkeys(m for r in seen for m in r.modules)))
+            where = f" First module with inf/NaN gradients, in backward order: {ranked} {of}; modules with inf/NaN "
+            where += f"gradients: {modules}."
         if forward:
-            where += (
-                f" The loss was already inf/NaN before scaling in {forward} {of}: the forward pass overflowed, and "
-                "loss scaling cannot fix that."
-            )
-        elif reports and all(r.forward is False for r in reports):
+            where += f" The loss was already inf/NaN before scaling in {forward} {of}: the forward pass overflowed, "
+            where += "and loss scaling cannot fix that."
+        elif seen and all(r.forward is False for r in seen):
             where += " The loss was finite every time: the overflow arose in backward."
         if forward * 2 > n:
-            wider = _WIDER.get(half)
-            advice = (
-                (f"use {wider}, if {half}'s range is what overflowed; " if wider else "")
-                + "`dls audit CONFIG.yaml` names the first module whose output exceeds each format; if float32's "
-                f"range overflowed too, {_DIVERGED}, or check the data and model.loss_weight"
-            )
-        return f"{what}.{where} Skipping more steps cannot help. To try: {advice}"
+            wider = f"use {_WIDER[half]}, if {half}'s range is what overflowed; " if half in _WIDER else ""
+            advice = f"{wider}`dls audit CONFIG.yaml` names the first module whose output exceeds each format; if "
+            advice += f"float32's range overflowed too, {_DIVERGED}, or check the data and model.loss_weight"
+        path = self._save()
+        return TrainingStopped(
+            f"Stopped at step {step}: {what}{fallback_note(self.watch)}.{where} To try: {advice}. Nothing is lost: the "
+            f"state is saved in {path}; after changing the config, continue with --resume {self.model_dir}",
+            path,
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self) -> Path:
@@ -600,9 +588,6 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------- the optimizer, its LR schedule, stop messages
-HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
 def build_optimizer(cfg: OptimizerConfig, params: Any) -> torch.optim.Optimizer:
     """``optimizer:``'s optimizer with learning rate 1.0: the LR schedule (a ``LambdaLR``) sets the real one. Model
     Zoo's argument names (``correct_bias`` is torch's only behaviour and is checked by the schema)."""
@@ -648,4 +633,6 @@ _WIDER = {
     "float16": "bfloat16 or cbfloat16 (precision.fp16_type), whose ranges reach float32's max and 2^32",
     "cbfloat16": "bfloat16 (precision.fp16_type: bfloat16), whose range is float32's",
 }
-_DIVERGED = "lower optimizer.learning_rate or clip with optimizer.max_gradient_norm (the model may have diverged)"
+_DIVERGED = (
+    "lower optimizer.learning_rate or clip with optimizer.max_gradient_norm, e.g. 1.0 (the model may have diverged)"
+)
