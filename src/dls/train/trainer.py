@@ -30,26 +30,7 @@ from dls.diagnostics.fallback import apply_precision_fallback, fallback_note
 from dls.diagnostics.scales import module_label, pow2
 from dls.emulate import EmulationHandle
 from dls.train import checkpoint as ckpt
-from dls.train import reporting, rundir
-from dls.train.config import (
-    CHECKPOINT_STATES,
-    ZOO_MODELS,
-    OptimizerConfig,
-    TrainConfig,
-    loss_scaling_mode,
-    scaler_settings,
-    to_dict,
-)
-from dls.train.data import (
-    Batch,
-    BatchIterator,
-    TrainModel,
-    build_batches,
-    build_model,
-    evaluate,
-    evaluate_batches,
-    modelzoo,
-)
+from dls.train import config, data, reporting, rundir
 from dls.train.errors import MissingExtras, TrainingStopped
 from dls.train.launch import resolve_device, run_on_rank0, sum_over_ranks, wrap_data_parallel
 from dls.train.reporting import TrainResult, json_number
@@ -63,7 +44,7 @@ class Trainer:
 
     def __init__(
         self,
-        cfg: TrainConfig,
+        cfg: config.TrainConfig,
         *,
         console: Console | None = None,
         progress: bool = True,
@@ -93,23 +74,21 @@ class Trainer:
         self.run_dir: rundir.RunDir | None = None  # rank 0, while train() holds model_dir
         self.crash_dir: Path | None = None  # where a crash report may go: model_dir, once this run has locked it
         ckpt.seed_everything(rc.seed)
-        if not cfg.data.dataset:  # Model Zoo data: the directories are checked here, not by dls validate
-            from dls.train.config import missing_paths
-
-            if missing := missing_paths(cfg):
-                raise ValueError("; ".join(missing))
+        # Model Zoo data: the directories are checked here, not by dls validate.
+        if not cfg.data.dataset and (missing := config.missing_paths(cfg)):
+            raise ValueError("; ".join(missing))
         where = cfg.sources.get
-        self.batches = build_batches(cfg.data, rc.seed, "train", self.rank, self.world_size, where("data.params"))
+        self.batches = data.build_batches(cfg.data, rc.seed, "train", self.rank, self.world_size, where("data.params"))
         self.dataset = self.batches.dataset if cfg.data.data_processor is None else None  # a built-in data set
-        self.eval_batches: BatchIterator | None = None  # without eval_input: Model Zoo's training data, at evaluation
+        self.eval_batches: data.BatchIterator | None = None  # without eval_input: Model Zoo's training data, later
         if cfg.eval_data is not None:
-            self.eval_batches = build_batches(cfg.eval_data, rc.seed, "val", prefix=where("eval_data.params"))
+            self.eval_batches = data.build_batches(cfg.eval_data, rc.seed, "val", prefix=where("eval_data.params"))
         prec = cfg.precision
-        self.model = build_model(cfg.model, getattr(self.dataset, "info", None))
-        if cfg.model.name in ZOO_MODELS:  # can it read the data (positions, token ids)
+        self.model = data.build_model(cfg.model, getattr(self.dataset, "info", None))
+        if cfg.model.name in config.ZOO_MODELS:  # can it read the data (positions, token ids)
             for batches in (self.batches, self.eval_batches):
                 if batches is not None:
-                    modelzoo().fit_to_data(self.model, batches.dataset, where("model.params", "model"))
+                    data.modelzoo().fit_to_data(self.model, batches.dataset, where("model.params", "model"))
         self.param_dtype: torch.dtype = getattr(torch, prec.param_dtype)  # float32, float16 or bfloat16
         self.model = self.model.to(self.device, self.param_dtype)
         self.max_steps = rc.max_steps
@@ -131,10 +110,10 @@ class Trainer:
             # stream of its own per rank (dropout).
             self.ddp = wrap_data_parallel(self.model, self.device)
             ckpt.seed_everything(rc.seed + self.rank)
-        self.scaling = loss_scaling_mode(cfg)
+        self.scaling = config.loss_scaling_mode(cfg)
         # The settings carry the half dtype (fp16_type): nothing process-global is read or set.
         enabled = prec.compute_dtype != "float32"
-        self.scaler = dls.GradScaler.from_settings(scaler_settings(cfg), enabled=enabled, device=self.device)
+        self.scaler = dls.GradScaler.from_settings(config.scaler_settings(cfg), enabled=enabled, device=self.device)
         self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
         if prec.half_params and prec.master_weights:  # float32 masters step for the half parameters
             self.optimizer = dls.master_weights(
@@ -180,7 +159,7 @@ class Trainer:
         if rc.num_threads is not None:
             torch.set_num_threads(rc.num_threads)
         self._ended_together, self.crash_dir = False, None
-        states, what = tuple(load_states or CHECKPOINT_STATES), "--resume"
+        states, what = tuple(load_states or config.CHECKPOINT_STATES), "--resume"
         path: Path | None = None
         unreadable: list[tuple[Path, str]] = []
         aside: list[Path] = []  # unreadable checkpoints of this run's own directory
@@ -194,7 +173,7 @@ class Trainer:
         def open_run_dir() -> None:
             assert self.run_dir is not None
             self.run_dir.open(
-                self.log, set_aside=aside, step=self.global_step, config=to_dict(self.cfg),
+                self.log, set_aside=aside, step=self.global_step, config=config.to_dict(self.cfg),
                 config_file=self.config_file, tensorboard=rc.tensorboard,
             )  # fmt: skip
 
@@ -227,7 +206,7 @@ class Trainer:
                 self.run_dir = None
 
     def _train(self) -> TrainResult:
-        cfg, rc = self.cfg, self.cfg.runconfig
+        cfg, rc, prec = self.cfg, self.cfg.runconfig, self.cfg.precision
         if rc.num_steps is not None:  # Model Zoo's num_steps: this many steps in this run, within max_steps
             ends = [self.max_steps] if "max_steps" in rc.model_fields_set or rc.num_epochs else []
             self.max_steps = min([*ends, self.global_step + rc.num_steps])
@@ -237,10 +216,8 @@ class Trainer:
         self.log(reporting.describe_run(cfg, start_step, self.model_dir, self.world_size, self.device.type, max_steps))
         tail = max(1, (max_steps - start_step) // 10)  # the final loss: mean over the last 10% of the session
         self._tail_from, self._tail_sum = max(max_steps - tail, start_step) + 1, torch.zeros((), device=self.device)
-        if cfg.precision.emulated:
-            self.emulation = dls.emulate(
-                self.model, cfg.precision.compute_dtype, track_stats=cfg.optimizer.log_summaries
-            )
+        if prec.emulated:
+            self.emulation = dls.emulate(self.model, prec.compute_dtype, track_stats=cfg.optimizer.log_summaries)
         shown = self.show_progress and self.is_main
         self._display = reporting.ProgressDisplay(self.console, shown, max_steps, start_step, cfg.model.name)
         if rc.save_initial_checkpoint and start_step == 0:
@@ -291,7 +268,7 @@ class Trainer:
         self._ended_together = True
         eval_loss = self.eval_loss
         if self.is_main and self.dataset is not None:  # a built-in data set: its first samples, in float32
-            eval_loss = evaluate(self.model, self.dataset, self.device)
+            eval_loss = data.evaluate(self.model, self.dataset, self.device)
         plot = None
         if self.write_plot and self.run_dir is not None:
             describe = reporting.describe_precision(cfg), reporting.describe_scaling(cfg)
@@ -326,17 +303,17 @@ class Trainer:
 
     def _evaluate(self, step: int) -> None:
         """``eval_steps`` batches of the eval loader (the training data's without one), as a metrics row."""
-        rc = self.cfg.runconfig
-        if self.eval_batches is None and self.dataset is not None:  # a built-in data set: its first samples
-            self.eval_loss = evaluate(self.model, self.dataset, self.device)
+        rc, batches = self.cfg.runconfig, self.eval_batches
+        if batches is None and self.dataset is not None:  # a built-in data set: its first samples
+            self.eval_loss = data.evaluate(self.model, self.dataset, self.device)
         else:
-            if self.eval_batches is None:  # Model Zoo training data: built at the first evaluation, read at each
+            if batches is None:  # Model Zoo training data: built at the first evaluation, read at each
                 prefix = self.cfg.sources.get("data.params")
-                self.eval_batches = build_batches(self.cfg.data, rc.seed, "train", prefix=prefix)
-            steps = rc.eval_steps or max(1, self.eval_batches.batches_per_epoch)
+                batches = self.eval_batches = data.build_batches(self.cfg.data, rc.seed, "train", prefix=prefix)
+            steps = rc.eval_steps or max(1, batches.batches_per_epoch)
             with self._autocast():
-                self.eval_loss = evaluate_batches(self.model, self.eval_batches, steps, self.device, self._to_device)
-            self.eval_batches.load_state_dict({"epoch": 0, "position": 0})  # every evaluation reads the same batches
+                self.eval_loss = data.evaluate_batches(self.model, batches, steps, self.device, self._to_device)
+            batches.load_state_dict({"epoch": 0, "position": 0})  # every evaluation reads the same batches
         if self.run_dir is not None:
             self.run_dir.write_row({"step": step, "eval_loss": json_number(self.eval_loss)})
 
@@ -348,7 +325,7 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=getattr(torch, prec.compute_dtype))
         return contextlib.nullcontext()
 
-    def _to_device(self, batch: Batch, dtype: torch.dtype | None = None) -> Batch:
+    def _to_device(self, batch: data.Batch, dtype: torch.dtype | None = None) -> data.Batch:
         """``batch`` (tensors in tuples, lists, dicts) on the device; floating-point inputs in ``dtype``."""
         dtype = dtype or self.param_dtype
         if isinstance(batch, torch.Tensor):
@@ -362,9 +339,9 @@ class Trainer:
             return type(batch)(self._to_device(v, dtype) for v in batch)
         return batch
 
-    def _probe_underflow(self, batch: Batch, scale: float) -> float:
+    def _probe_underflow(self, batch: data.Batch, scale: float) -> float:
         """The fraction of nonzero activation gradients flushed to zero at ``scale`` (one emulated backward pass)."""
-        model: TrainModel = self.model
+        model: data.TrainModel = self.model
         if self.param_dtype != torch.float32:  # half parameters: a float32 copy holds the same values
             model = copy.deepcopy(model).float()
             batch = self._to_device(batch, torch.float32)
@@ -571,7 +548,7 @@ class Trainer:
                 "lr_scheduler": self.scheduler.state_dict(),
                 "dataloader": self.batches.state_dict(),
                 "rng": ckpt.rng_state(),
-                "config": to_dict(self.cfg),
+                "config": config.to_dict(self.cfg),
                 "dls_version": dls.__version__,
                 "trainer": {
                     "elapsed": self.elapsed + time.perf_counter() - self._session_start,
@@ -588,7 +565,7 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------- the optimizer, its LR schedule, stop messages
-def build_optimizer(cfg: OptimizerConfig, params: Any) -> torch.optim.Optimizer:
+def build_optimizer(cfg: config.OptimizerConfig, params: Any) -> torch.optim.Optimizer:
     """``optimizer:``'s optimizer with learning rate 1.0: the LR schedule (a ``LambdaLR``) sets the real one. Model
     Zoo's argument names (``correct_bias`` is torch's only behaviour and is checked by the schema)."""
     if cfg.optimizer_type == "SGD":
@@ -602,18 +579,16 @@ def learning_rate_at(schedule: float | Sequence[Any], step: int) -> float:
     another (``Constant``, ``Linear``, ``CosineDecay`` over ``total_iters`` steps each; the last holds its end)."""
     if isinstance(schedule, (int, float)):
         return float(schedule)
-    t = step
-    for i, item in enumerate(schedule):
-        piece = item if isinstance(item, dict) else item.model_dump()
-        total = piece.get("total_iters")
-        if total is not None and t >= total and i < len(schedule) - 1:
-            t -= total
+    for i, piece in enumerate(schedule):  # config.SchedulePiece
+        total = piece.total_iters
+        if total is not None and step >= total and i < len(schedule) - 1:
+            step -= total
             continue
-        if piece["scheduler"] == "Constant":
-            return float(piece["learning_rate"])
-        start, end = float(piece["initial_learning_rate"]), float(piece["end_learning_rate"])
-        frac = min(t / total, 1.0) if total else 1.0
-        if piece["scheduler"] == "Linear":
+        if piece.scheduler == "Constant":
+            return float(piece.learning_rate)
+        start, end = float(piece.initial_learning_rate), float(piece.end_learning_rate)
+        frac = min(step / total, 1.0) if total else 1.0
+        if piece.scheduler == "Linear":
             return start + (end - start) * frac
         return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * frac))
     raise AssertionError("unreachable: a schedule has at least one piece")
@@ -633,6 +608,4 @@ _WIDER = {
     "float16": "bfloat16 or cbfloat16 (precision.fp16_type), whose ranges reach float32's max and 2^32",
     "cbfloat16": "bfloat16 (precision.fp16_type: bfloat16), whose range is float32's",
 }
-_DIVERGED = (
-    "lower optimizer.learning_rate or clip with optimizer.max_gradient_norm, e.g. 1.0 (the model may have diverged)"
-)
+_DIVERGED = "lower optimizer.learning_rate or clip with optimizer.max_gradient_norm, e.g. 1.0 (it may have diverged)"
