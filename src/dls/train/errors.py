@@ -89,7 +89,7 @@ def exit_status(exc: BaseException) -> ExitStatus:
 
 def describe(exc: BaseException) -> str:
     """The text after ``dls: error:``; an ``OSError`` names its path(s) and the system's reason."""
-    if isinstance(exc, OSError) and not isinstance(exc, (CheckpointError, ModelDirError)):
+    if isinstance(exc, OSError):
         reason = exc.strerror or str(exc) or type(exc).__name__
         if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             reason += " (free some space or choose another runconfig.model_dir, then --resume)"

@@ -19,22 +19,16 @@ if TYPE_CHECKING:
 
 
 class TorchrunEnv(NamedTuple):
-    rank: int
-    local_rank: int
-    world_size: int
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
 
 
 def torchrun_env() -> TorchrunEnv:
     """``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` (0, 0, 1 outside torchrun): the one reader of torchrun's variables; a
-    value that is not an integer reads as unset."""
-
-    def read(name: str, default: int) -> int:
-        try:
-            return int(os.environ.get(name, default))
-        except ValueError:
-            return default
-
-    return TorchrunEnv(read("RANK", 0), read("LOCAL_RANK", 0), read("WORLD_SIZE", 1))
+    value that is not a decimal number reads as unset."""
+    values = {field: os.environ.get(field.upper(), "").strip() for field in TorchrunEnv._fields}
+    return TorchrunEnv(**{field: int(value) for field, value in values.items() if value.isdecimal()})
 
 
 def resolve_device(name: str) -> torch.device:

@@ -156,8 +156,7 @@ class Trainer:
             raise RuntimeError("a Trainer with precision.fp8 trains once: build a new Trainer (with resume=...)")
         self._session_start = time.perf_counter()
         rc, threads = self.cfg.runconfig, torch.get_num_threads()
-        if rc.num_threads is not None:
-            torch.set_num_threads(rc.num_threads)
+        torch.set_num_threads(rc.num_threads or threads)
         self._ended_together, self.crash_dir = False, None
         states, what = tuple(load_states or config.CHECKPOINT_STATES), "--resume"
         path: Path | None = None
@@ -399,12 +398,12 @@ class Trainer:
         if step >= self._tail_from:
             self._tail_sum += loss.detach().float()
         stop = self._at_floor(skipped, report)
-        stats = self.emulation.stats if self.emulation is not None and opt_cfg.log_summaries else None
-        if log_now and stats is not None:  # under dls.emulate: the underflow counted since the last logged step
-            underflow = stats.underflow_fraction
-            stats.reset()
         if not (log_now or skipped):
             return
+        # Under dls.emulate (its statistics kept with log_summaries): the underflow counted since the last logged step.
+        if log_now and self.emulation is not None and (stats := self.emulation.stats) is not None:
+            underflow = stats.underflow_fraction
+            stats.reset()
         fp8: list[float] = []  # flushed and saturated fractions of FP8 grad_output casts since the previous row
         if self.fp8 is not None:
             totals = self.fp8.stats.totals()["grad_output"]
@@ -416,9 +415,8 @@ class Trainer:
         ).tolist()
         if self.world_size > 1:  # alike on every rank (skipping is agreed): one all-reduce of the means over the
             # ranks (loss, underflow, FP8 fractions) and of whether any rank got Ctrl-C
-            sums = sum_over_ranks(
-                [loss_value, underflow or 0.0, float(self._stop_signal is not None), *fp8], self.device
-            )
+            asked = float(self._stop_signal is not None)
+            sums = sum_over_ranks([loss_value, underflow or 0.0, asked, *fp8], self.device)
             loss_value, mean_underflow, asked, *fp8 = (v / self.world_size for v in sums)
             underflow = mean_underflow if underflow is not None else None
             self._stop_due = self._stop_due or asked > 0
@@ -437,9 +435,8 @@ class Trainer:
         if fp8:
             row["fp8_grad_output_flushed"], row["fp8_grad_output_saturated"] = fp8
         if skipped:  # where the overflow started
-            row.update(
-                overflow_module=getattr(report, "first_module", None), forward_overflow=getattr(report, "forward", None)
-            )
+            where = (report.first_module, report.forward) if report else (None, None)
+            row["overflow_module"], row["forward_overflow"] = where
         if self.run_dir is not None:
             self.run_dir.write_row(row)
         self._display.update(row, skipped_total)
@@ -554,11 +551,10 @@ class Trainer:
                     "elapsed": self.elapsed + time.perf_counter() - self._session_start,
                     "overflows_at_floor": self.overflows_at_floor,
                 },
+                **({"rng_ranks": rng_ranks} if self.world_size > 1 else {}),
             }
             optional = {"grad_scaler": self.scaler if self.scaler.is_enabled() else None, "fp8": self.fp8}
             state.update((key, value.state_dict()) for key, value in optional.items() if value is not None)
-            if self.world_size > 1:
-                state["rng_ranks"] = rng_ranks
             self.run_dir.save_checkpoint(state, self.global_step, self.cfg.runconfig.keep_checkpoint_max)
         self._last_checkpoint = ckpt.checkpoint_path(self.model_dir, self.global_step)
         return self._last_checkpoint
