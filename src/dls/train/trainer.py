@@ -459,9 +459,7 @@ class Trainer:
         ``runconfig.max_overflows_at_min_loss_scale`` of them without a clean step between, what happened and what
         to try (for :meth:`_stop`); else ``None``."""
         scaler, limit = self.scaler, self.cfg.runconfig.max_overflows_at_min_loss_scale
-        if not scaler.is_enabled():
-            return None
-        if not skipped:
+        if not skipped:  # also every step without loss scaling
             self.overflows_at_floor = 0
             self._floor_reports.clear()
             return None
@@ -575,19 +573,18 @@ def learning_rate_at(schedule: float | Sequence[Any], step: int) -> float:
     another (``Constant``, ``Linear``, ``CosineDecay`` over ``total_iters`` steps each; the last holds its end)."""
     if isinstance(schedule, (int, float)):
         return float(schedule)
-    for i, piece in enumerate(schedule):  # config.SchedulePiece
+    for i, piece in enumerate(schedule):  # config.SchedulePiece; a schedule has at least one
         total = piece.total_iters
-        if total is not None and step >= total and i < len(schedule) - 1:
-            step -= total
-            continue
-        if piece.scheduler == "Constant":
-            return float(piece.learning_rate)
-        start, end = float(piece.initial_learning_rate), float(piece.end_learning_rate)
-        frac = min(step / total, 1.0) if total else 1.0
-        if piece.scheduler == "Linear":
-            return start + (end - start) * frac
-        return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * frac))
-    raise AssertionError("unreachable: a schedule has at least one piece")
+        if total is None or step < total or i == len(schedule) - 1:
+            break
+        step -= total
+    if piece.scheduler == "Constant":
+        return float(piece.learning_rate)
+    start, end = float(piece.initial_learning_rate), float(piece.end_learning_rate)
+    frac = min(step / total, 1.0) if total else 1.0
+    if piece.scheduler == "Linear":
+        return start + (end - start) * frac
+    return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
 class NonFiniteGradients(Exception):
