@@ -72,7 +72,7 @@ def test_a_forward_overflow_is_said_in_the_row_and_in_the_stop(tmp_path: Path) -
     assert all(r["skipped"] and r["forward_overflow"] is True for r in rows)
     assert {r["overflow_module"] for r in rows} == {"net.4"}
     message = str(info.value)
-    assert "First module with inf/NaN gradients, in backward order: net.4 in 2 of the 2 steps" in message
+    assert "First module with inf/NaN gradients, in backward order: net.4 (Linear) in 2 of the 2 steps" in message
     assert "The loss was already inf/NaN before scaling in 2 of the 2 steps" in message
     assert "loss scaling cannot fix that" in message and "use bfloat16 or cbfloat16" in message
     assert "dls audit" in message and "parameters already hold inf/NaN" not in message
@@ -92,7 +92,7 @@ def test_a_backward_overflow_at_the_floor_names_its_modules(tmp_path: Path) -> N
     with pytest.raises(TrainingStopped) as info:
         trainer.train()
     message = str(info.value)
-    assert "net.2 in 3 of the 3 steps; modules with inf/NaN gradients: net.2, net.0." in message
+    assert "net.2 (Linear) in 3 of the 3 steps; modules with inf/NaN gradients: net.2, net.0." in message
     assert "The loss was finite every time: the overflow arose in backward." in message
     assert "lower optimizer.learning_rate" in message and "min_loss_scale" in message
 
@@ -102,9 +102,9 @@ def test_a_run_without_loss_scaling_names_the_module_when_it_stops(tmp_path: Pat
     raw["optimizer"] = {"learning_rate": 1e-3}
     trainer = make_trainer(raw)[0]
     overflow_into(trainer, "net.4", steps={2})
-    with pytest.raises(TrainingStopped, match="Step 2: the gradients are inf/NaN") as info:
+    with pytest.raises(TrainingStopped, match="at step 2: the gradients are inf/NaN") as info:
         trainer.train()
-    assert "first module with inf/NaN gradients, in backward order, is net.4 (Linear)" in str(info.value)
+    assert "First module with inf/NaN gradients, in backward order: net.4 (Linear) in 1 of 1 step" in str(info.value)
     assert "modules with inf/NaN gradients: net.4, net.2, net.0" in str(info.value)
 
 

@@ -104,7 +104,7 @@ def test_a_run_without_loss_scaling_guards_the_model_gradients_under_masters(tmp
     param.register_post_accumulate_grad_hook(
         lambda p: p.grad.view(-1).__setitem__(0, float("inf")) if trainer.global_step == 1 else None
     )
-    with pytest.raises(TrainingStopped, match="Step 2: the gradients are inf/NaN"):
+    with pytest.raises(TrainingStopped, match="at step 2: the gradients are inf/NaN"):
         trainer.train()
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 

@@ -17,6 +17,5 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module 'dls.train' has no attribute {name!r}")
-    return getattr(
-        importlib.import_module("dls.train.errors" if name == "TrainingStopped" else "dls.train.trainer"), name
-    )
+    module = "dls.train.errors" if name == "TrainingStopped" else "dls.train.trainer"  # errors: no torch needed
+    return getattr(importlib.import_module(module), name)

@@ -41,15 +41,10 @@ class ConfigError(ValueError):
     """An invalid config (exit 2): ``errors``, each naming its key; ``source``: where the config came from."""
 
     def __init__(self, errors: Sequence[str], source: str | None = None) -> None:
-        self.errors = list(errors)
-        self.source = source
-        where = f" in {source}" if source else ""
-        if len(self.errors) == 1:
-            message = f"invalid config{where}: {self.errors[0]}"
-        else:
-            problems = "\n".join(f"  - {e}" for e in self.errors)
-            message = f"invalid config{where} ({len(self.errors)} problems):\n{problems}"
-        super().__init__(message)
+        self.errors, self.source, where = list(errors), source, f" in {source}" if source else ""
+        listed = "".join(f"\n  - {e}" for e in self.errors)
+        said = f": {self.errors[0]}" if len(self.errors) == 1 else f" ({len(self.errors)} problems):{listed}"
+        super().__init__(f"invalid config{where}{said}")
 
 
 class CheckpointError(ValueError):
@@ -94,7 +89,7 @@ def exit_status(exc: BaseException) -> ExitStatus:
 
 def describe(exc: BaseException) -> str:
     """The text after ``dls: error:``; an ``OSError`` names its path(s) and the system's reason."""
-    if isinstance(exc, OSError) and not isinstance(exc, (CheckpointError, ModelDirError)):
+    if isinstance(exc, OSError):
         reason = exc.strerror or str(exc) or type(exc).__name__
         if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             reason += " (free some space or choose another runconfig.model_dir, then --resume)"

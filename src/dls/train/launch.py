@@ -1,12 +1,10 @@
-"""Launching across ranks: the device, torchrun's process group (gloo on CPU, NCCL with a GPU per rank), DDP,
-what rank 0 alone does, and the loop's Ctrl-C / SIGTERM stop request. Imports torch and the standard library only."""
+"""Launching across ranks: the device, torchrun's process group (gloo on CPU, NCCL with a GPU per rank), DDP and
+what rank 0 alone does. Imports torch and the standard library only."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
-import signal
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -14,30 +12,23 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from dls.train.errors import RankError, Terminated, describe, exit_status
-from dls_entry import signals
+from dls.train.errors import RankError, describe, exit_status
 
 if TYPE_CHECKING:
     from dls.train.data import Batch, TrainModel
 
 
 class TorchrunEnv(NamedTuple):
-    rank: int
-    local_rank: int
-    world_size: int
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
 
 
 def torchrun_env() -> TorchrunEnv:
     """``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` (0, 0, 1 outside torchrun): the one reader of torchrun's variables; a
-    value that is not an integer reads as unset."""
-
-    def read(name: str, default: int) -> int:
-        try:
-            return int(os.environ.get(name, default))
-        except ValueError:
-            return default
-
-    return TorchrunEnv(read("RANK", 0), read("LOCAL_RANK", 0), read("WORLD_SIZE", 1))
+    value that is not a decimal number reads as unset."""
+    values = {field: os.environ.get(field.upper(), "").strip() for field in TorchrunEnv._fields}
+    return TorchrunEnv(**{field: int(value) for field, value in values.items() if value.isdecimal()})
 
 
 def resolve_device(name: str) -> torch.device:
@@ -108,38 +99,3 @@ def run_on_rank0(action: Callable[[], object]) -> None:
             raise RankError(*outcome[0])
     if error is not None:
         raise error
-
-
-class StopRequest(contextlib.ExitStack):
-    """The first Ctrl-C or SIGTERM asks the loop to stop after the current step (it checkpoints, then raises
-    :meth:`interrupt`); a second one interrupts at once. Data-parallel: shared at the next logged step, where the
-    loop sets ``agreed`` when some rank was asked."""
-
-    def __init__(self, log: Callable[[str], None], distributed: bool = False) -> None:
-        super().__init__()
-        self.log, self.distributed = log, distributed
-        self.requested = self.forced = self.agreed = False
-        self.signum: int = signal.SIGINT
-
-    @property
-    def due(self) -> bool:
-        """Whether to stop before the next step: data-parallel, once the ranks agreed."""
-        return self.agreed if self.distributed else self.requested
-
-    def _request(self, signum: int) -> bool:
-        if self.requested:
-            self.forced = True
-            return False
-        self.requested, self.signum = True, signum
-        when = "at the next logged step (all ranks together)" if self.distributed else "after this step"
-        term = signum == signal.SIGTERM
-        again = "" if term else " (press Ctrl-C again to quit at once)"
-        self.log(f"{'SIGTERM' if term else 'Ctrl-C'}: stopping {when} and saving a checkpoint{again}")
-        return True
-
-    def interrupt(self) -> KeyboardInterrupt:
-        return Terminated() if self.signum == signal.SIGTERM else KeyboardInterrupt()
-
-    def __enter__(self) -> StopRequest:
-        self.enter_context(signals(self._request))  # released by ExitStack's __exit__
-        return self

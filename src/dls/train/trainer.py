@@ -10,9 +10,10 @@ import contextlib
 import copy
 import gc
 import math
+import signal
 import time
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,29 +30,11 @@ from dls.diagnostics.fallback import apply_precision_fallback, fallback_note
 from dls.diagnostics.scales import module_label, pow2
 from dls.emulate import EmulationHandle
 from dls.train import checkpoint as ckpt
-from dls.train import reporting, rundir
-from dls.train.config import (
-    CHECKPOINT_STATES,
-    ZOO_MODELS,
-    OptimizerConfig,
-    TrainConfig,
-    loss_scaling_mode,
-    scaler_settings,
-    to_dict,
-)
-from dls.train.data import (
-    Batch,
-    BatchIterator,
-    TrainModel,
-    build_batches,
-    build_model,
-    evaluate,
-    evaluate_batches,
-    modelzoo,
-)
+from dls.train import config, data, reporting, rundir
 from dls.train.errors import MissingExtras, TrainingStopped
-from dls.train.launch import StopRequest, resolve_device, run_on_rank0, sum_over_ranks, wrap_data_parallel
+from dls.train.launch import resolve_device, run_on_rank0, sum_over_ranks, wrap_data_parallel
 from dls.train.reporting import TrainResult, json_number
+from dls_entry import Terminated, signals
 
 __all__ = ["TrainResult", "Trainer", "TrainingStopped"]
 
@@ -61,7 +44,7 @@ class Trainer:
 
     def __init__(
         self,
-        cfg: TrainConfig,
+        cfg: config.TrainConfig,
         *,
         console: Console | None = None,
         progress: bool = True,
@@ -91,25 +74,23 @@ class Trainer:
         self.run_dir: rundir.RunDir | None = None  # rank 0, while train() holds model_dir
         self.crash_dir: Path | None = None  # where a crash report may go: model_dir, once this run has locked it
         ckpt.seed_everything(rc.seed)
-        if not cfg.data.dataset:  # Model Zoo data: the directories are checked here, not by dls validate
-            from dls.train.config import missing_paths
-
-            if missing := missing_paths(cfg):
-                raise ValueError("; ".join(missing))
+        # Model Zoo data: the directories are checked here, not by dls validate.
+        if not cfg.data.dataset and (missing := config.missing_paths(cfg)):
+            raise ValueError("; ".join(missing))
         where = cfg.sources.get
-        self.batches = build_batches(cfg.data, rc.seed, "train", self.rank, self.world_size, where("data.params"))
+        self.batches = data.build_batches(cfg.data, rc.seed, "train", self.rank, self.world_size, where("data.params"))
         self.dataset = self.batches.dataset if cfg.data.data_processor is None else None  # a built-in data set
-        self.eval_batches = None
+        self.eval_batches: data.BatchIterator | None = None  # without eval_input: Model Zoo's training data, later
         if cfg.eval_data is not None:
-            self.eval_batches = build_batches(cfg.eval_data, rc.seed, "val", prefix=where("eval_data.params"))
-        self._train_data_eval: BatchIterator | None = None  # Model Zoo training data, for evaluation without eval_input
+            self.eval_batches = data.build_batches(cfg.eval_data, rc.seed, "val", prefix=where("eval_data.params"))
         prec = cfg.precision
-        self.model = build_model(cfg.model, getattr(self.dataset, "info", None))
-        if cfg.model.name in ZOO_MODELS:  # can it read the data (positions, token ids)
+        self.model = data.build_model(cfg.model, getattr(self.dataset, "info", None))
+        if cfg.model.name in config.ZOO_MODELS:  # can it read the data (positions, token ids)
             for batches in (self.batches, self.eval_batches):
                 if batches is not None:
-                    modelzoo().fit_to_data(self.model, batches.dataset, where("model.params", "model"))
-        self.model = self.model.to(self.device)
+                    data.modelzoo().fit_to_data(self.model, batches.dataset, where("model.params", "model"))
+        self.param_dtype: torch.dtype = getattr(torch, prec.param_dtype)  # float32, float16 or bfloat16
+        self.model = self.model.to(self.device, self.param_dtype)
         self.max_steps = rc.max_steps
         if rc.num_epochs is not None and "max_steps" not in rc.model_fields_set:
             per_epoch = rc.steps_per_epoch or max(1, self.batches.batches_per_epoch // rc.grad_accum_steps)
@@ -117,8 +98,6 @@ class Trainer:
         freq = rc.eval_frequency
         self.eval_every = freq if isinstance(freq, int) else max(1, round(freq * self.max_steps)) if freq else None
         self.eval_loss: float | None = None
-        self.param_dtype = HALF_DTYPES.get(prec.param_dtype, torch.float32)
-        self.model.to(self.param_dtype)
         self.fp8: dls.fp8.Fp8Handle | None = None  # FP8 Linear layers (precision.fp8)
         if prec.fp8 is not None:  # before DDP: FP8's delayed scaling reduces its amaxes over the same ranks
             group = dist.group.WORLD if self.world_size > 1 else None
@@ -131,10 +110,10 @@ class Trainer:
             # stream of its own per rank (dropout).
             self.ddp = wrap_data_parallel(self.model, self.device)
             ckpt.seed_everything(rc.seed + self.rank)
-        self.scaling = loss_scaling_mode(cfg)
+        self.scaling = config.loss_scaling_mode(cfg)
         # The settings carry the half dtype (fp16_type): nothing process-global is read or set.
         enabled = prec.compute_dtype != "float32"
-        self.scaler = dls.GradScaler.from_settings(scaler_settings(cfg), enabled=enabled, device=self.device)
+        self.scaler = dls.GradScaler.from_settings(config.scaler_settings(cfg), enabled=enabled, device=self.device)
         self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
         if prec.half_params and prec.master_weights:  # float32 masters step for the half parameters
             self.optimizer = dls.master_weights(
@@ -151,10 +130,9 @@ class Trainer:
         self.watch = apply_precision_fallback(self.model, self.scaler, keep, fallback)
         self.global_step, self.elapsed = 0, 0.0
         self.overflows_at_floor = 0  # consecutive overflowing steps at the scale's floor (checkpointed), and the
-        self._floor_reports: list[OverflowReport | None] = []  # overflow reports of those in this session
+        # overflow reports of the last of them in this session
+        self._floor_reports: deque[OverflowReport | None] = deque(maxlen=rc.max_overflows_at_min_loss_scale)
         self._last_checkpoint: Path | None = None
-        self._skipped_total: int | None = None  # as last read, on a logged step
-        self._tail = (0, torch.zeros((), device=self.device), 0)  # (first step, loss sum, count): the final loss
         self._ended_together = False  # data-parallel: train() ended at the same point on every rank
 
     # ------------------------------------------------------------------ logging, data-parallel
@@ -178,10 +156,9 @@ class Trainer:
             raise RuntimeError("a Trainer with precision.fp8 trains once: build a new Trainer (with resume=...)")
         self._session_start = time.perf_counter()
         rc, threads = self.cfg.runconfig, torch.get_num_threads()
-        if rc.num_threads is not None:
-            torch.set_num_threads(rc.num_threads)
+        torch.set_num_threads(rc.num_threads or threads)
         self._ended_together, self.crash_dir = False, None
-        states, what = tuple(load_states or CHECKPOINT_STATES), "--resume"
+        states, what = tuple(load_states or config.CHECKPOINT_STATES), "--resume"
         path: Path | None = None
         unreadable: list[tuple[Path, str]] = []
         aside: list[Path] = []  # unreadable checkpoints of this run's own directory
@@ -195,7 +172,7 @@ class Trainer:
         def open_run_dir() -> None:
             assert self.run_dir is not None
             self.run_dir.open(
-                self.log, set_aside=aside, step=self.global_step, config=to_dict(self.cfg),
+                self.log, set_aside=aside, step=self.global_step, config=config.to_dict(self.cfg),
                 config_file=self.config_file, tensorboard=rc.tensorboard,
             )  # fmt: skip
 
@@ -228,7 +205,7 @@ class Trainer:
                 self.run_dir = None
 
     def _train(self) -> TrainResult:
-        cfg, rc = self.cfg, self.cfg.runconfig
+        cfg, rc, prec = self.cfg, self.cfg.runconfig, self.cfg.precision
         if rc.num_steps is not None:  # Model Zoo's num_steps: this many steps in this run, within max_steps
             ends = [self.max_steps] if "max_steps" in rc.model_fields_set or rc.num_epochs else []
             self.max_steps = min([*ends, self.global_step + rc.num_steps])
@@ -237,63 +214,60 @@ class Trainer:
             self.log(f"note: {note}")
         self.log(reporting.describe_run(cfg, start_step, self.model_dir, self.world_size, self.device.type, max_steps))
         tail = max(1, (max_steps - start_step) // 10)  # the final loss: mean over the last 10% of the session
-        self._tail = (max_steps - tail + 1, torch.zeros((), device=self.device), 0)
-        if cfg.precision.emulated:
-            self.emulation = dls.emulate(
-                self.model, cfg.precision.compute_dtype, track_stats=cfg.optimizer.log_summaries
-            )
+        self._tail_from, self._tail_sum = max(max_steps - tail, start_step) + 1, torch.zeros((), device=self.device)
+        if prec.emulated:
+            self.emulation = dls.emulate(self.model, prec.compute_dtype, track_stats=cfg.optimizer.log_summaries)
         shown = self.show_progress and self.is_main
-        display = reporting.ProgressDisplay(self.console, shown, max_steps, start_step, cfg.model.name)
+        self._display = reporting.ProgressDisplay(self.console, shown, max_steps, start_step, cfg.model.name)
         if rc.save_initial_checkpoint and start_step == 0:
             self._save()
         self.model.train()
-        stop_request = StopRequest(self.log, distributed=self.world_size > 1)
+        self._stop_signal: int | None = None  # the first Ctrl-C or SIGTERM of this session (see _request_stop)
+        self._stop_due = False
         stopped: TrainingStopped | None = None
         try:
-            with stop_request:
-                while self.global_step < max_steps:
-                    if stop_request.due:
-                        raise stop_request.interrupt()
-                    row = self._step(stop_request)
+            with signals(self._request_stop):
+                while self.global_step < max_steps and not self._stop_due:
+                    self._step()
                     step = self.global_step
                     last = step == max_steps and (self.eval_every or self.eval_batches is not None)
                     if last or (self.eval_every and step % self.eval_every == 0):  # an eval loader: at the end too
                         self._evaluate(step)
                     if rc.checkpoint_steps and step % rc.checkpoint_steps == 0 and step < max_steps:
                         self._save()
-                    if row is not None:
-                        display.update(row, self._skipped_total)
                 if self._last_checkpoint != ckpt.checkpoint_path(self.model_dir, self.global_step):  # not saved yet
                     self._save()
+                if self._stop_due and self.global_step < max_steps:  # asked to stop: saved between two steps
+                    self._display.close()
+                    self.log(
+                        f"Interrupted at step {self.global_step}; saved {self._last_checkpoint}. Continue with "
+                        f"--resume {self.model_dir}"
+                    )
+                    self._ended_together = True
+                    raise Terminated() if self._stop_signal == signal.SIGTERM else KeyboardInterrupt()
         except KeyboardInterrupt:
-            display.close()
-            if stop_request.due and not stop_request.forced:  # between two steps: consistent
-                path = self._save()
-                self._ended_together = True
-                self.log(
-                    f"Interrupted at step {self.global_step}; saved {path}. Continue with --resume {self.model_dir}"
-                )
-            else:
+            self._display.close()
+            if not self._ended_together:  # a second Ctrl-C, in the middle of a step
                 self.log(f"Interrupted; the last checkpoint is {self._last_checkpoint or 'none (nothing saved)'}")
             raise
         except TrainingStopped as exc:
             stopped, self._ended_together = exc, True  # decided alike on every rank: the scaler state agrees
         finally:
-            display.close()
+            self._display.close()
             if self.emulation is not None:
                 self.emulation.remove()
                 self.emulation = None
             if self.fp8 is not None:  # its state stays for the final checkpoint
                 self.fp8.remove()
         # What the session did (finished or stopped), with the plot written and the model evaluated.
-        wall_time, (_, loss_sum, count) = time.perf_counter() - self._session_start, self._tail
-        final_loss = float(loss_sum) / count if count else None
+        wall_time, count = time.perf_counter() - self._session_start, self.global_step - self._tail_from + 1
+        final_loss = float(self._tail_sum) / count if count > 0 else None
         if final_loss is not None and self.world_size > 1:
             final_loss = sum_over_ranks([final_loss], self.device)[0] / self.world_size
         self._ended_together = True
         eval_loss = self.eval_loss
         if self.is_main and self.dataset is not None:  # a built-in data set: its first samples, in float32
-            eval_loss = evaluate(self.model, self.dataset, self.device)
+            eval_loss = data.evaluate(self.model, self.dataset, self.device)
         plot = None
         if self.write_plot and self.run_dir is not None:
             describe = reporting.describe_precision(cfg), reporting.describe_scaling(cfg)
@@ -315,35 +289,42 @@ class Trainer:
             reporting.print_summary(self.console, cfg, result)
         return result
 
+    def _request_stop(self, signum: int) -> bool:
+        """The first Ctrl-C or SIGTERM asks the loop to stop after the current step (data-parallel: at the next
+        logged step, where the ranks agree), checkpointed; a second one is not taken (``False``): it interrupts."""
+        if self._stop_signal is not None:
+            return False
+        self._stop_signal, self._stop_due, term = signum, self.world_size == 1, signum == signal.SIGTERM
+        when = "at the next logged step (all ranks together)" if self.world_size > 1 else "after this step"
+        again = "" if term else " (press Ctrl-C again to quit at once)"
+        self.log(f"{'SIGTERM' if term else 'Ctrl-C'}: stopping {when} and saving a checkpoint{again}")
+        return True
+
     def _evaluate(self, step: int) -> None:
         """``eval_steps`` batches of the eval loader (the training data's without one), as a metrics row."""
-        rc = self.cfg.runconfig
-        source = self.eval_batches
-        if source is None and self.dataset is None:  # built at the first evaluation, read again at the next
-            if self._train_data_eval is None:
-                prefix = self.cfg.sources.get("data.params")
-                self._train_data_eval = build_batches(self.cfg.data, rc.seed, "train", prefix=prefix)
-            source = self._train_data_eval
-        if source is None:
-            assert self.dataset is not None
-            self.eval_loss = evaluate(self.model, self.dataset, self.device)
+        rc, batches = self.cfg.runconfig, self.eval_batches
+        if batches is None and self.dataset is not None:  # a built-in data set: its first samples
+            self.eval_loss = data.evaluate(self.model, self.dataset, self.device)
         else:
-            steps = rc.eval_steps or max(1, source.batches_per_epoch)
+            if batches is None:  # Model Zoo training data: built at the first evaluation, read at each
+                prefix = self.cfg.sources.get("data.params")
+                batches = self.eval_batches = data.build_batches(self.cfg.data, rc.seed, "train", prefix=prefix)
+            steps = rc.eval_steps or max(1, batches.batches_per_epoch)
             with self._autocast():
-                self.eval_loss = evaluate_batches(self.model, source, steps, self.device, self._to_device)
-            source.load_state_dict({"epoch": 0, "position": 0})  # every evaluation reads the same batches
+                self.eval_loss = data.evaluate_batches(self.model, batches, steps, self.device, self._to_device)
+            batches.load_state_dict({"epoch": 0, "position": 0})  # every evaluation reads the same batches
         if self.run_dir is not None:
             self.run_dir.write_row({"step": step, "eval_loss": json_number(self.eval_loss)})
 
     # ------------------------------------------------------------------ how a step computes
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """``torch.autocast`` for float16/bfloat16 without emulation or half parameters, else nothing."""
-        dtype = HALF_DTYPES.get(self.cfg.precision.compute_dtype)
-        if dtype is not None and self.emulation is None and not self.cfg.precision.half_params:
-            return torch.autocast(self.device.type, dtype=dtype)
+        prec = self.cfg.precision
+        if prec.compute_dtype in ("float16", "bfloat16") and self.emulation is None and not prec.half_params:
+            return torch.autocast(self.device.type, dtype=getattr(torch, prec.compute_dtype))
         return contextlib.nullcontext()
 
-    def _to_device(self, batch: Batch, dtype: torch.dtype | None = None) -> Batch:
+    def _to_device(self, batch: data.Batch, dtype: torch.dtype | None = None) -> data.Batch:
         """``batch`` (tensors in tuples, lists, dicts) on the device; floating-point inputs in ``dtype``."""
         dtype = dtype or self.param_dtype
         if isinstance(batch, torch.Tensor):
@@ -357,9 +338,9 @@ class Trainer:
             return type(batch)(self._to_device(v, dtype) for v in batch)
         return batch
 
-    def _probe_underflow(self, batch: Batch, scale: float) -> float:
+    def _probe_underflow(self, batch: data.Batch, scale: float) -> float:
         """The fraction of nonzero activation gradients flushed to zero at ``scale`` (one emulated backward pass)."""
-        model: TrainModel = self.model
+        model: data.TrainModel = self.model
         if self.param_dtype != torch.float32:  # half parameters: a float32 copy holds the same values
             model = copy.deepcopy(model).float()
             batch = self._to_device(batch, torch.float32)
@@ -372,8 +353,8 @@ class Trainer:
         return float(handle.stats.underflow_fraction)
 
     # ------------------------------------------------------------------ one step
-    def _step(self, stop_request: StopRequest) -> dict[str, Any] | None:
-        """One training step; its metrics row when the step is logged (see the module docstring), else ``None``."""
+    def _step(self) -> None:
+        """One training step; on a logged step (see the module docstring) its metrics row, written and shown."""
         cfg, rc, opt_cfg = self.cfg, self.cfg.runconfig, self.cfg.optimizer
         step = self.global_step + 1
         log_now = step % rc.log_steps == 0 or step == self.max_steps or step == 1
@@ -402,39 +383,27 @@ class Trainer:
                 max_gradient_value=opt_cfg.max_gradient_value, gradient_norm=log_now,
             )  # fmt: skip
         except NonFiniteGradients:  # no loss scaling: stop before applying them
-            where = self.watch.build_report(loss.detach())  # the stop path: reads are fine here
+            located = self.watch.build_report(loss.detach())  # the stop path: reads are fine here
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.update()  # ends the iteration the refused step began
-            path = self._save()
-            compute, located = cfg.precision.compute_dtype, ""
-            if where is not None and where.first_module is not None:
-                located = (
-                    f" The first module with inf/NaN gradients, in backward order, is "
-                    f"{module_label(where.first_module)} ({where.first_module_type}); modules with inf/NaN gradients: "
-                    f"{_listed(where.modules)}."
-                )
-            scaling = ", or optimizer.loss_scaling_factor: dynamic." if compute != "float32" else "."
-            raise TrainingStopped(
-                f"Step {step}: the gradients are inf/NaN (loss {float(loss.detach())}) and loss scaling is off "
-                f"({compute}), so nothing can skip this step.{located} Training stopped before applying it; the model "
-                f"as of step {self.global_step} is saved in {path}. Try a lower optimizer.learning_rate, "
-                f"optimizer.max_gradient_norm (e.g. 1.0){scaling}",
-                path,
-            ) from None
+            compute = cfg.precision.compute_dtype
+            what = f"the gradients are inf/NaN (loss {float(loss.detach())}) and loss scaling is off ({compute}), so "
+            what += "nothing can skip this step: it was not applied"
+            dynamic = ", or optimizer.loss_scaling_factor: dynamic" if compute != "float32" else ""
+            raise self._stop(step, what, _DIVERGED + dynamic, [located], 1) from None
         skipped = self.scaler.step_was_skipped(self.optimizer)
         report = self.scaler.overflow_report() if skipped else None  # built by step() on overflow only
         self.scheduler.step()  # skip-aware: advances only when the step was applied
         self.global_step = step
-        first, loss_sum, count = self._tail
-        if step >= first:
-            self._tail = (first, loss_sum + loss.detach().float(), count + 1)
-        stats = self.emulation.stats if self.emulation is not None and opt_cfg.log_summaries else None
-        if log_now and stats is not None:  # under dls.emulate: the underflow counted since the last logged step
+        if step >= self._tail_from:
+            self._tail_sum += loss.detach().float()
+        stop = self._at_floor(skipped, report)
+        if not (log_now or skipped):
+            return
+        # Under dls.emulate (its statistics kept with log_summaries): the underflow counted since the last logged step.
+        if log_now and self.emulation is not None and (stats := self.emulation.stats) is not None:
             underflow = stats.underflow_fraction
             stats.reset()
-        if not (log_now or skipped):
-            self._at_floor(skipped)  # a clean step
-            return None
         fp8: list[float] = []  # flushed and saturated fractions of FP8 grad_output casts since the previous row
         if self.fp8 is not None:
             totals = self.fp8.stats.totals()["grad_output"]
@@ -446,39 +415,33 @@ class Trainer:
         ).tolist()
         if self.world_size > 1:  # alike on every rank (skipping is agreed): one all-reduce of the means over the
             # ranks (loss, underflow, FP8 fractions) and of whether any rank got Ctrl-C
-            sums = sum_over_ranks([loss_value, underflow or 0.0, float(stop_request.requested), *fp8], self.device)
+            asked = float(self._stop_signal is not None)
+            sums = sum_over_ranks([loss_value, underflow or 0.0, asked, *fp8], self.device)
             loss_value, mean_underflow, asked, *fp8 = (v / self.world_size for v in sums)
             underflow = mean_underflow if underflow is not None else None
-            stop_request.agreed = stop_request.agreed or asked > 0
+            self._stop_due = self._stop_due or asked > 0
         for values, value in zip(self._recorded, (underflow, *(fp8 or (None, None)))):  # for the session's means
             if value is not None:
                 values.append(value)
         enabled = self.scaler.is_enabled()
-        self._skipped_total = self.scaler.get_num_skipped_steps() if enabled else None
+        skipped_total = self.scaler.get_num_skipped_steps() if enabled else None
         row: dict[str, Any] = {
             "step": step, "loss": json_number(loss_value), "loss_scale": scale_used if enabled else None,
             "skipped": skipped, "grad_norm": json_number(grad_norm), "lr": lr,
             "time": round(self.elapsed + time.perf_counter() - self._session_start, 4),
         }  # fmt: skip
         if opt_cfg.log_summaries:
-            row["skipped_total"] = self._skipped_total
-            row["grad_underflow"] = underflow
+            row.update(skipped_total=skipped_total, grad_underflow=underflow)
         if fp8:
             row["fp8_grad_output_flushed"], row["fp8_grad_output_saturated"] = fp8
         if skipped:  # where the overflow started
-            row["overflow_module"], row["forward_overflow"] = (
-                (report.first_module, report.forward) if report else (None, None)
-            )
+            where = (report.first_module, report.forward) if report else (None, None)
+            row["overflow_module"], row["forward_overflow"] = where
         if self.run_dir is not None:
             self.run_dir.write_row(row)
-        if problem := self._at_floor(skipped, report):  # loss scaling cannot help: stop
-            path = self._save()
-            raise TrainingStopped(
-                f"Stopped at step {step}: {problem}{fallback_note(self.watch)}. Nothing is lost: the state is saved in "
-                f"{path}; after changing the config, continue with --resume {self.model_dir}",
-                path,
-            )
-        return row
+        self._display.update(row, skipped_total)
+        if stop is not None:  # loss scaling cannot help
+            raise self._stop(step, *stop, self._floor_reports, self.overflows_at_floor)
 
     def _refuse_nonfinite_gradients(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The optimizer's step pre-hook in a run without loss scaling: :class:`NonFiniteGradients` when a gradient of
@@ -490,69 +453,66 @@ class Trainer:
         if found and bool(kernels.gather_flags(found, self.device) > 0):
             raise NonFiniteGradients
 
-    def _at_floor(self, skipped: bool, report: OverflowReport | None = None) -> str | None:
+    def _at_floor(self, skipped: bool, report: OverflowReport | None) -> tuple[str, str] | None:
         """Count a step at the scale's floor (Model Zoo's test: ``get_non_clamped_scale() < get_scale()``; static
         scaling: every overflowing step; reading the scaler only when skipped); at
-        ``runconfig.max_overflows_at_min_loss_scale`` of them without a clean step between, the stop message naming
-        where the counted overflows of this session started and what to try; else ``None``."""
+        ``runconfig.max_overflows_at_min_loss_scale`` of them without a clean step between, what happened and what
+        to try (for :meth:`_stop`); else ``None``."""
         scaler, limit = self.scaler, self.cfg.runconfig.max_overflows_at_min_loss_scale
-        half = self.cfg.precision.fp16_type
-        if not scaler.is_enabled():
-            return None
-        if not skipped:
+        if not skipped:  # also every step without loss scaling
             self.overflows_at_floor = 0
             self._floor_reports.clear()
             return None
         scale, static = scaler.get_scale(), scaler.mode == "static"
         if static or scaler.get_non_clamped_scale() < scale:
             self.overflows_at_floor += 1
-            self._floor_reports = [*self._floor_reports[-(limit - 1) :], report] if limit > 1 else [report]
+            self._floor_reports.append(report)
         if self.overflows_at_floor < limit:
             return None
         if static:
-            what = (
-                f"the static loss scale {pow2(scale)} made the gradients overflow on {limit} consecutive steps, "
-                "and a static scale never comes down"
+            return (
+                f"the static loss scale {pow2(scale)} made the gradients overflow on {limit} consecutive steps, and a "
+                "static scale never comes down: skipping more steps cannot help",
+                "use optimizer.loss_scaling_factor: dynamic (it finds the largest scale that does not overflow), or a "
+                "smaller static scale",
             )
-            advice = "use optimizer.loss_scaling_factor: dynamic (it finds the largest scale that does not overflow), "
-            advice += "or a smaller static scale"
-        else:
-            what = (
-                f"the loss scale is pinned at min_loss_scale ({pow2(scale)}) and the gradients still overflowed on "
-                f"{limit} steps without a clean step between (Model Zoo: 'Minimum loss scale threshold was "
-                "reached but gradient norms are still encountering NaN or inf values')"
-            )
-            advice = (
-                f"{_DIVERGED}; check the data for inf/NaN; switch to bfloat16 (precision.fp16_type: bfloat16), whose "
-                "range matches float32, if the forward pass itself overflows in float16; or lower "
-                "optimizer.min_loss_scale"
-            )
-        # Where the counted overflows started, and whether the forward pass overflowed in most of them.
-        reports, where = [r for r in self._floor_reports if r is not None], ""
-        n, forward = len(reports), sum(1 for r in reports if r.forward)
-        of = f"of the last {n} counted steps" if n < self.overflows_at_floor else f"of the {n} steps"
-        if firsts := Counter(r.first_module for r in reports if r.first_module is not None):
-            ranked = ", ".join(f"{module_label(m)} in {k}" for m, k in firsts.most_common(3))
-            modules = list(dict.fromkeys(m for r in reports for m in r.modules))
-            where += (
-                f" First module with inf/NaN gradients, in backward order: {ranked} {of}; modules with inf/NaN "
-                f"gradients: {_listed(modules)}."
-            )
+        return (
+            f"the loss scale is pinned at min_loss_scale ({pow2(scale)}) and the gradients still overflowed on {limit} "
+            "steps without a clean step between, so skipping more steps cannot help (Model Zoo: 'Minimum loss scale "
+            "threshold was reached but gradient norms are still encountering NaN or inf values')",
+            f"{_DIVERGED}; check the data for inf/NaN; switch to bfloat16 (precision.fp16_type: bfloat16), whose range "
+            "matches float32, if the forward pass itself overflows in float16; or lower optimizer.min_loss_scale",
+        )
+
+    def _stop(
+        self, step: int, what: str, advice: str, reports: Iterable[OverflowReport | None], counted: int
+    ) -> TrainingStopped:
+        """Checkpoint, then what stops the run at ``step``: ``what`` happened; where the overflows of ``reports`` (the
+        last of ``counted`` steps) started, and whether the forward pass overflowed in them; what to try (``advice``,
+        or a wider format and ``dls audit`` when the forward pass overflowed in most of them)."""
+        seen, half, where = [r for r in reports if r is not None], self.cfg.precision.compute_dtype, ""
+        n, forward = len(seen), sum(1 for r in seen if r.forward)
+        of = f"of the last {n} counted steps" if n < counted else f"of the {n} steps" if n > 1 else "of 1 step"
+        if firsts := Counter((r.first_module, r.first_module_type) for r in seen if r.first_module is not None):
+            ranked = ", ".join(f"{module_label(m)} ({kind}) in {k}" for (m, kind), k in firsts.most_common(3))
+            modules = _listed(list(dict.fromkeys(m for r in seen for m in r.modules)))
+            where = f" First module with inf/NaN gradients, in backward order: {ranked} {of}; modules with inf/NaN "
+            where += f"gradients: {modules}."
         if forward:
-            where += (
-                f" The loss was already inf/NaN before scaling in {forward} {of}: the forward pass overflowed, and "
-                "loss scaling cannot fix that."
-            )
-        elif reports and all(r.forward is False for r in reports):
+            where += f" The loss was already inf/NaN before scaling in {forward} {of}: the forward pass overflowed, "
+            where += "and loss scaling cannot fix that."
+        elif seen and all(r.forward is False for r in seen):
             where += " The loss was finite every time: the overflow arose in backward."
         if forward * 2 > n:
-            wider = _WIDER.get(half)
-            advice = (
-                (f"use {wider}, if {half}'s range is what overflowed; " if wider else "")
-                + "`dls audit CONFIG.yaml` names the first module whose output exceeds each format; if float32's "
-                f"range overflowed too, {_DIVERGED}, or check the data and model.loss_weight"
-            )
-        return f"{what}.{where} Skipping more steps cannot help. To try: {advice}"
+            wider = f"use {_WIDER[half]}, if {half}'s range is what overflowed; " if half in _WIDER else ""
+            advice = f"{wider}`dls audit CONFIG.yaml` names the first module whose output exceeds each format; if "
+            advice += f"float32's range overflowed too, {_DIVERGED}, or check the data and model.loss_weight"
+        path = self._save()
+        return TrainingStopped(
+            f"Stopped at step {step}: {what}{fallback_note(self.watch)}.{where} To try: {advice}. Nothing is lost: the "
+            f"state is saved in {path}; after changing the config, continue with --resume {self.model_dir}",
+            path,
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self) -> Path:
@@ -583,27 +543,23 @@ class Trainer:
                 "lr_scheduler": self.scheduler.state_dict(),
                 "dataloader": self.batches.state_dict(),
                 "rng": ckpt.rng_state(),
-                "config": to_dict(self.cfg),
+                "config": config.to_dict(self.cfg),
                 "dls_version": dls.__version__,
                 "trainer": {
                     "elapsed": self.elapsed + time.perf_counter() - self._session_start,
                     "overflows_at_floor": self.overflows_at_floor,
                 },
+                **({"rng_ranks": rng_ranks} if self.world_size > 1 else {}),
             }
             optional = {"grad_scaler": self.scaler if self.scaler.is_enabled() else None, "fp8": self.fp8}
             state.update((key, value.state_dict()) for key, value in optional.items() if value is not None)
-            if self.world_size > 1:
-                state["rng_ranks"] = rng_ranks
             self.run_dir.save_checkpoint(state, self.global_step, self.cfg.runconfig.keep_checkpoint_max)
         self._last_checkpoint = ckpt.checkpoint_path(self.model_dir, self.global_step)
         return self._last_checkpoint
 
 
 # ---------------------------------------------------------------------- the optimizer, its LR schedule, stop messages
-HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def build_optimizer(cfg: OptimizerConfig, params: Any) -> torch.optim.Optimizer:
+def build_optimizer(cfg: config.OptimizerConfig, params: Any) -> torch.optim.Optimizer:
     """``optimizer:``'s optimizer with learning rate 1.0: the LR schedule (a ``LambdaLR``) sets the real one. Model
     Zoo's argument names (``correct_bias`` is torch's only behaviour and is checked by the schema)."""
     if cfg.optimizer_type == "SGD":
@@ -617,21 +573,18 @@ def learning_rate_at(schedule: float | Sequence[Any], step: int) -> float:
     another (``Constant``, ``Linear``, ``CosineDecay`` over ``total_iters`` steps each; the last holds its end)."""
     if isinstance(schedule, (int, float)):
         return float(schedule)
-    t = step
-    for i, item in enumerate(schedule):
-        piece = item if isinstance(item, dict) else item.model_dump()
-        total = piece.get("total_iters")
-        if total is not None and t >= total and i < len(schedule) - 1:
-            t -= total
-            continue
-        if piece["scheduler"] == "Constant":
-            return float(piece["learning_rate"])
-        start, end = float(piece["initial_learning_rate"]), float(piece["end_learning_rate"])
-        frac = min(t / total, 1.0) if total else 1.0
-        if piece["scheduler"] == "Linear":
-            return start + (end - start) * frac
-        return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * frac))
-    raise AssertionError("unreachable: a schedule has at least one piece")
+    for i, piece in enumerate(schedule):  # config.SchedulePiece; a schedule has at least one
+        total = piece.total_iters
+        if total is None or step < total or i == len(schedule) - 1:
+            break
+        step -= total
+    if piece.scheduler == "Constant":
+        return float(piece.learning_rate)
+    start, end = float(piece.initial_learning_rate), float(piece.end_learning_rate)
+    frac = min(step / total, 1.0) if total else 1.0
+    if piece.scheduler == "Linear":
+        return start + (end - start) * frac
+    return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
 class NonFiniteGradients(Exception):
@@ -648,4 +601,4 @@ _WIDER = {
     "float16": "bfloat16 or cbfloat16 (precision.fp16_type), whose ranges reach float32's max and 2^32",
     "cbfloat16": "bfloat16 (precision.fp16_type: bfloat16), whose range is float32's",
 }
-_DIVERGED = "lower optimizer.learning_rate or clip with optimizer.max_gradient_norm (the model may have diverged)"
+_DIVERGED = "lower optimizer.learning_rate or clip with optimizer.max_gradient_norm, e.g. 1.0 (it may have diverged)"
