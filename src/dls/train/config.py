@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import re
 import stat
@@ -516,45 +517,27 @@ _LEGACY.update({k: k for k in ("model", "optimizer", "runconfig", "precision")})
 _MOVED = {"mixed_precision": ("precision", "mixed_precision"), "fp16_type": ("precision", "fp16_type")}  # from model
 _ALIAS = {"weight_decay_rate": ("optimizer", "weight_decay")}
 _DLS_FIELDS = ("name", "data_processor", "batch_size", "shuffle", "shuffle_seed", "drop_last_batch")
-# The current layout's trainer.init.<group>.<key> -> (section, key); and the keys written in trainer.init itself.
-_INIT = {
-    "precision": {
-        "enabled": ("precision", "mixed_precision"),
-        **_same("optimizer", " ".join([*SCALER_KEYS, "max_gradient_value", "log_summaries"])),
-        **_same("precision", "fp16_type keep_in_float32 fallback emulate half_params master_weights fp8"),
-    },
-    "loop": _same(
-        "runconfig", "max_steps num_epochs steps_per_epoch eval_frequency eval_steps grad_accum_steps num_steps"
-    ),
-    "checkpoint": {
-        "steps": ("runconfig", "checkpoint_steps"),
-        **_same("runconfig", "save_initial_checkpoint disable_strict_checkpoint_loading autoload_last_checkpoint"),
-        **_same("runconfig", "keep_checkpoint_max"),
-    },
-    "logging": {"log_steps": ("runconfig", "log_steps"), "log_summaries": ("optimizer", "log_summaries")},
-}
-_OPTIMIZER_ARGS = _same("optimizer", "learning_rate momentum weight_decay betas eps correct_bias")
-_OPTIMIZER_ARGS["lr"] = ("optimizer", "learning_rate")  # torch's name
-_RUN_KEYS = ("model_dir", "seed", "device", "num_threads", "tensorboard", "max_overflows_at_min_loss_scale")
 _SCHEDULERS = {"ConstantLR": "Constant", "LinearLR": "Linear", "CosineDecayLR": "CosineDecay"}
-# Model Zoo's defaults where they differ from dls's, in each layout: (section, key, the key as written, value).
-_ZOO_DEFAULTS: dict[str, list[tuple[str, str, str, Any]]] = {
-    "legacy": [
-        ("precision", "fp16_type", "model.fp16_type", "float16"),
-        ("precision", "mixed_precision", "model.mixed_precision", False),
-        ("optimizer", "loss_scaling_factor", "optimizer.loss_scaling_factor", 1.0),
-    ],
-    "current": [
-        ("precision", "fp16_type", "trainer.init.precision.fp16_type", "bfloat16"),
-        ("precision", "mixed_precision", "trainer.init.precision.enabled", True),
-        ("optimizer", "loss_scaling_factor", "trainer.init.precision.loss_scaling_factor", 1.0),
-        ("runconfig", "autoload_last_checkpoint", "trainer.init.checkpoint.autoload_last_checkpoint", True),
-    ],
+# Model Zoo's defaults where they differ from dls's: (section, key) -> {layout: (the key as written there, value)}.
+_ZOO_DEFAULTS: dict[tuple[str, str], dict[str, tuple[str, Any]]] = {
+    ("precision", "fp16_type"): {
+        "legacy": ("model.fp16_type", "float16"),
+        "current": ("trainer.init.precision.fp16_type", "bfloat16"),
+    },
+    ("precision", "mixed_precision"): {
+        "legacy": ("model.mixed_precision", False),
+        "current": ("trainer.init.precision.enabled", True),
+    },
+    ("optimizer", "loss_scaling_factor"): {
+        "legacy": ("optimizer.loss_scaling_factor", 1.0),
+        "current": ("trainer.init.precision.loss_scaling_factor", 1.0),
+    },
+    ("runconfig", "autoload_last_checkpoint"): {"current": ("trainer.init.checkpoint.autoload_last_checkpoint", True)},
 }
 
 
 class _Reader:
-    """Collects the sections' values, where each was written (for errors), problems and notes."""
+    """Walks a config onto dls's sections: the values, where each was written (for errors), problems and notes."""
 
     def __init__(self, zoo_model: bool) -> None:
         self.zoo_model = zoo_model  # a Model Zoo model: its model and data keys go to params
@@ -563,6 +546,10 @@ class _Reader:
         self.errors: list[str] = []
         self.ignored: list[str] = []
         self.notes: list[str] = []
+
+    def at(self, section: str, key: str) -> str:
+        """``section.key`` as the config wrote it."""
+        return self.written.get((section, key), f"{section}.{key}")
 
     def put(self, section: str, key: str, value: Any, path: str) -> None:
         if (section, key) in self.written:
@@ -583,31 +570,37 @@ class _Reader:
             return {}
         return value
 
-    def unknown(self, path: str, key: Any, allowed: Sequence[str]) -> None:
-        if str(key) in CEREBRAS_ONLY:
-            self.ignored.append(f"{path}.{key}")
-        else:
-            self.errors.append(_unknown(path, key, allowed))
-
-    def section(self, section: str, body: Any, path: str, moved: Mapping[str, tuple[str, str]] = {}) -> None:
-        """A section written as dls's fields (legacy layout); Model Zoo models' and readers' keys go to ``params``."""
-        body = self.mapping(body, path)
-        fields = list(SECTION_CLASSES["data" if section == "eval_data" else section].model_fields) if section else []
-        zoo = self.zoo_model if section == "model" else self.zoo_model or "data_processor" in body
-        zoo = zoo and section in ("model", "data", "eval_data")
-        params = {}
-        for key, value in body.items():
-            where = f"{path}.{key}"
-            if key in moved:
-                self.put(*moved[key], value, where)
+    def walk(self, body: Any, path: str, table: Mapping[str, Any], params: dict[str, Any] | None = None) -> None:
+        """Each key of the mapping ``body`` (written at ``path``) where ``table`` sends it: to a ``(section, key)``,
+        through a nested table, or to a reader ``(reader, value, path)``. Other keys: ignored if Cerebras only, else
+        into ``params`` (a Model Zoo model's or reader's own keys) unless one of dls's, else refused."""
+        for key, value in self.mapping(body, path).items():
+            where, to = f"{path}.{key}", table.get(key)
+            if isinstance(to, tuple):
+                self.put(*to, value, where)
+            elif isinstance(to, dict):
+                self.walk(value, where, to)
+            elif to is not None:
+                to(self, value, where)
             elif key in CEREBRAS_ONLY:
                 self.ignored.append(where)
-            elif zoo and key not in _DLS_FIELDS:  # the model's or reader's own key
+            elif params is not None and key not in _DLS_FIELDS:
                 params[key] = value
-            elif key in fields and key != "params":
-                self.put(section, key, value, where)
             else:
-                self.unknown(path, key, [f for f in fields if f != "params"] or list(moved))
+                self.errors.append(_unknown(path, key, list(table)))
+
+    def section(self, section: str, body: Any, path: str, moved: Mapping[str, tuple[str, str]] = {}) -> None:
+        """A section written as dls's fields; a Model Zoo model's or reader's own keys go to ``params``."""
+        body = self.mapping(body, path)
+        zoo = self.zoo_model or (section != "model" and "data_processor" in body)
+        params: dict[str, Any] | None = {} if zoo and section in ("model", "data", "eval_data") else None
+        fields = [f for f in SECTION_CLASSES[section.removeprefix("eval_")].model_fields if f != "params"]
+        self.walk(
+            body,
+            path,
+            {**_same(section, " ".join(f for f in fields if params is None or f in _DLS_FIELDS)), **moved},
+            params,
+        )
         if params:
             self.put(section, "params", params, path)
 
@@ -615,53 +608,21 @@ class _Reader:
         seen: dict[str, str] = {}
         for name, body in raw.items():
             section = _LEGACY.get(name)
-            if section is None:
-                self.errors.append(
-                    f"unknown section {name}{did_you_mean(name, _LEGACY)}; allowed: {', '.join(_LEGACY)}"
-                )
-            elif section in seen:
+            if section in seen:
                 self.errors.append(f"give section {section!r} once: both {seen[section]!r} and {name!r} are present")
-            else:
+            elif section:
                 seen[section] = str(name)
                 self.section(section, body, str(name), _MOVED if section == "model" else _ALIAS)
+            else:
+                hint = did_you_mean(name, _LEGACY)
+                self.errors.append(f"unknown section {name}{hint}; allowed: {', '.join(_LEGACY)}")
 
     def current(self, raw: Mapping[Any, Any]) -> None:
-        self.errors += [
-            f"unknown section {name}: the current layout has trainer: alone" for name in raw if name != "trainer"
-        ]
-        trainer = self.mapping(raw.get("trainer"), "trainer")
-        for name in [n for n in trainer if n not in ("init", "fit", "validate", "validate_all")]:
-            self.unknown("trainer", name, ["init", "fit", "validate", "validate_all"])
-        allowed = [*_RUN_KEYS, "backend", "model", "optimizer", "schedulers", "callbacks", *_INIT]
-        for key, value in self.mapping(trainer.get("init"), "trainer.init").items():
-            path = f"trainer.init.{key}"
-            if key in _RUN_KEYS:
-                self.put("runconfig", key, value, path)
-            elif key == "model":
-                self.section("model", value, path)
-            elif key in _INIT:  # keys that all move to dls's sections
-                self.section("", value, path, _INIT[key])
-            elif key == "backend":
-                self.backend(self.mapping(value, path), path)
-            elif key == "optimizer":
-                self.optimizer(self.mapping(value, path), path)
-            elif key == "schedulers":
-                self.put("optimizer", "learning_rate", _schedule(value, path, self.errors), path)
-            elif key == "callbacks":
-                self.callbacks(value, path)
-            else:
-                self.unknown("trainer.init", key, allowed)
-        if {"validate", "validate_all"} & trainer.keys():
-            self.notes.append("trainer.validate / trainer.validate_all: dls train runs trainer.fit (not checked)")
-        for key, value in self.mapping(trainer.get("fit"), "trainer.fit").items():
-            if key in ("train_dataloader", "val_dataloader"):
-                self.section("data" if key == "train_dataloader" else "eval_data", value, f"trainer.fit.{key}")
-            elif key == "ckpt_path":
-                self.put("runconfig", "checkpoint_path", value, "trainer.fit.ckpt_path")
-            else:
-                self.unknown("trainer.fit", key, ["train_dataloader", "val_dataloader", "ckpt_path"])
+        self.errors += [f"unknown section {n}: the current layout has trainer: alone" for n in raw if n != "trainer"]
+        self.walk(raw.get("trainer"), "trainer", _TRAINER)
 
-    def backend(self, backend: Mapping[Any, Any], path: str) -> None:
+    def backend(self, value: Any, path: str) -> None:
+        backend = self.mapping(value, path)
         kind = backend.get("backend_type")
         if kind in ("CPU", "GPU", "CSX"):
             self.put("runconfig", "device", {"CPU": "cpu", "GPU": "cuda", "CSX": "auto"}[kind], f"{path}.backend_type")
@@ -671,28 +632,67 @@ class _Reader:
             self.errors.append(f"{path}.backend_type must be CSX, CPU or GPU; got {kind!r}{did_you_mean(kind, 'CPU')}")
         self.ignored.extend(f"{path}.{k}" for k in backend if k != "backend_type")
 
-    def optimizer(self, body: Mapping[Any, Any], path: str) -> None:
+    def optimizer(self, value: Any, path: str) -> None:
+        body = self.mapping(value, path)
         if len(body) != 1:
             self.errors.append(f"{path} must name one optimizer class (SGD, Adam or AdamW); got {list(body)}")
             return
         ((name, args),) = body.items()
         self.put("optimizer", "optimizer_type", name, path)
-        self.section("", args, f"{path}.{name}", _OPTIMIZER_ARGS)
+        self.walk(
+            args,
+            f"{path}.{name}",
+            {
+                **_same("optimizer", "learning_rate momentum weight_decay betas eps correct_bias"),
+                "lr": ("optimizer", "learning_rate"),
+            },
+        )
 
     def callbacks(self, value: Any, path: str) -> None:
         for i, item in enumerate(value if isinstance(value, list) else [value]):
-            if not isinstance(item, Mapping) or len(item) != 1:
+            name = next(iter(item)) if isinstance(item, Mapping) and len(item) == 1 else None
+            if name is None:
                 self.errors.append(f"{path}[{i}] must be {{CallbackName: {{...}}}}; got {item!r}")
-                continue
-            ((name, args),) = item.items()
-            where = f"{path}[{i}].{name}"
-            if name == "LoadCheckpointStates":
-                states = self.mapping(args, where).get("load_checkpoint_states")
-                self.put("runconfig", "load_checkpoint_states", states, where)
-            elif name in CEREBRAS_ONLY:
-                self.ignored.append(where)
+            elif name in CEREBRAS_ONLY or name == "LoadCheckpointStates":
+                self.walk(item, f"{path}[{i}]", {"LoadCheckpointStates": _same("runconfig", "load_checkpoint_states")})
             else:
                 self.errors.append(f"{path}[{i}]: dls does not run the callback {name!r}; remove it")
+
+
+# The current layout's trainer: each key -> (section, key), a table of its keys, or the reader of its value.
+_TRAINER: dict[str, Any] = {
+    "init": {
+        **_same("runconfig", "model_dir seed device num_threads tensorboard max_overflows_at_min_loss_scale"),
+        "model": lambda r, value, path: r.section("model", value, path),
+        "backend": _Reader.backend,
+        "optimizer": _Reader.optimizer,
+        "schedulers": lambda r, value, path: r.put(
+            "optimizer", "learning_rate", _schedule(value, path, r.errors), path
+        ),
+        "callbacks": _Reader.callbacks,
+        "precision": {
+            "enabled": ("precision", "mixed_precision"),
+            **_same("optimizer", " ".join([*SCALER_KEYS, "max_gradient_value", "log_summaries"])),
+            **_same("precision", "fp16_type keep_in_float32 fallback emulate half_params master_weights fp8"),
+        },
+        "loop": _same(
+            "runconfig", "max_steps num_epochs steps_per_epoch eval_frequency eval_steps grad_accum_steps num_steps"
+        ),
+        "checkpoint": {
+            "steps": ("runconfig", "checkpoint_steps"),
+            **_same("runconfig", "save_initial_checkpoint disable_strict_checkpoint_loading autoload_last_checkpoint"),
+            **_same("runconfig", "keep_checkpoint_max"),
+        },
+        "logging": {"log_steps": ("runconfig", "log_steps"), "log_summaries": ("optimizer", "log_summaries")},
+    },
+    "fit": {
+        "train_dataloader": lambda r, value, path: r.section("data", value, path),
+        "val_dataloader": lambda r, value, path: r.section("eval_data", value, path),
+        "ckpt_path": ("runconfig", "checkpoint_path"),
+    },
+    "validate": lambda r, value, path: r.notes.append(f"{path}: dls train runs trainer.fit (not checked)"),
+}
+_TRAINER["validate_all"] = _TRAINER["validate"]
 
 
 def _schedule(value: Any, path: str, errors: list[str]) -> Any:
@@ -738,13 +738,12 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
         r.errors.append(f"model.name is required ({hint}); one of {', '.join(get_args(ModelName))}")
     if layout == "current" or name in ZOO_MODELS or "data_processor" in s["data"]:
         other = "legacy" if layout == "current" else "current"
-        theirs = {(section, key): value for section, key, _, value in _ZOO_DEFAULTS[other]}
-        for section, key, path, value in _ZOO_DEFAULTS[layout]:
-            if (section, key) not in r.written:
-                s[section][key] = value
-                their = theirs.get((section, key), value)
-                differs = f" ({other} layout: {their!r})" if their != value else ""
-                r.notes.append(f"{path}: {value!r}, Model Zoo's default in the {layout} layout{differs}")
+        for (section, key), given in _ZOO_DEFAULTS.items():
+            if layout in given and (section, key) not in r.written:
+                path, s[section][key] = given[layout]
+                their = given.get(other, given[layout])[1]
+                differs = f" ({other} layout: {their!r})" if their != s[section][key] else ""
+                r.notes.append(f"{path}: {s[section][key]!r}, Model Zoo's default in the {layout} layout{differs}")
     else:
         layout = "dls"
     if name in MODEL_NAMES and "data_processor" not in s["data"]:
@@ -752,21 +751,24 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
     for section in ("data", "eval_data") if name in ZOO_MODELS else ():  # the reader the model implies (run.py's)
         if not {"dataset", "data_processor"} & s[section].keys() and (s[section] or section == "data"):
             s[section]["data_processor"] = "MNISTDataProcessor" if name == "fc_mnist" else "GptHDF5DataProcessor"
-    kind = s["optimizer"].get("optimizer_type", "Adam")
-    kind = _CANONICAL.get(kind.lower(), kind) if isinstance(kind, str) else kind
-    for section, selector, value in [
-        ("model", "name", name),
-        ("data", "dataset", s["data"].get("dataset")),
-        ("optimizer", "optimizer_type", kind),
+    for section, selector, default in [
+        ("model", "name", None),
+        ("data", "dataset", None),
+        ("optimizer", "optimizer_type", "Adam"),
     ]:
+        value = s[section].get(selector, default)
+        value = _CANONICAL.get(value.lower(), value) if isinstance(value, str) else value
         for key in [k for k in s[section] if k in ONLY and value is not None and value not in ONLY[k]]:
             only = " or ".join(map(repr, ONLY[key]))
-            r.errors.append(
-                f"{r.written[section, key]} applies only when {section}.{selector} is {only}; it is {value!r}"
-            )
+            r.errors.append(f"{r.at(section, key)} applies only when {section}.{selector} is {only}; it is {value!r}")
             del s[section][key]
-    classes: dict[str, type[Section]] = {**SECTION_CLASSES, **({"eval_data": DataConfig} if s["eval_data"] else {})}
-    built = {section: _build(cls, section, s[section], r) for section, cls in classes.items()}
+    built: dict[str, Any] = {}
+    for section, cls in {**SECTION_CLASSES, **({"eval_data": DataConfig} if s["eval_data"] else {})}.items():
+        try:
+            built[section] = cls(**s[section])
+        except ValidationError as exc:
+            built[section] = None
+            r.errors.extend(_problems(exc, cls, s[section], functools.partial(r.at, section)))
     if built["optimizer"] is not None:
         _check_loss_scaling(built, r)
     if not r.errors:
@@ -782,19 +784,11 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
     return TrainConfig(**built, notes=tuple(r.notes), layout=layout, sources=sources)
 
 
-def _build(cls: type[Section], section: str, values: dict[str, Any], r: _Reader) -> Any:
-    try:
-        return cls(**values)
-    except ValidationError as exc:
-        r.errors.extend(_problems(exc, cls, values, lambda key: r.written.get((section, key), f"{section}.{key}")))
-        return None
-
-
 def _fp8(recipe: Mapping[str, Any], r: _Reader) -> Any:
     """``{recipe: current|delayed|mxfp8|static, <fields>}`` judged field by field by ``dls.fp8``'s recipe classes."""
     from dls.fp8 import RECIPE_NAMES, recipe_from_dict
 
-    path = r.written.get(("precision", "fp8"), "precision.fp8")
+    path = r.at("precision", "fp8")
     cls = RECIPE_NAMES.get(recipe["recipe"]) if isinstance(recipe.get("recipe"), str) else None
     if cls is None:
         got = repr(recipe["recipe"]) if "recipe" in recipe else "nothing"
@@ -822,8 +816,7 @@ def _fp8(recipe: Mapping[str, Any], r: _Reader) -> Any:
 
 def _check_combinations(b: dict[str, Any], r: _Reader) -> None:
     model, data, prec, opt, run = b["model"], b["data"], b["precision"], b["optimizer"], b["runconfig"]
-    at = lambda section, key: r.written.get((section, key), f"{section}.{key}")  # noqa: E731
-    refuse, note = r.errors.append, r.notes.append
+    at, refuse, note = r.at, r.errors.append, r.notes.append
     builtin = MODEL_DATASETS.get(model.name)
     if builtin and data.data_processor is not None:
         refuse(f"{at('data', 'data_processor')}: model.name {model.name!r} trains on dls's built-in data ({builtin})")
@@ -890,7 +883,7 @@ def _check_loss_scaling(b: dict[str, Any], r: _Reader) -> None:
     """``ScalerSettings`` judges every loss-scaling key given, each problem under its key as written; the keys
     without effect in the run's mode are noted and dropped."""
     opt, prec, factor = b["optimizer"], b["precision"], b["optimizer"].loss_scaling_factor
-    names = {arg: r.written.get(("optimizer", key), f"optimizer.{key}") for key, arg in SCALER_KEYS.items()}
+    names = {arg: r.at("optimizer", key) for key, arg in SCALER_KEYS.items()}
     if isinstance(factor, str) and factor != "dynamic":
         hint = did_you_mean(factor, ["dynamic"])
         r.errors.append(f"{names['loss_scale']} must be 'dynamic' (lower case), a number or null; got {factor!r}{hint}")
