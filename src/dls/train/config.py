@@ -24,8 +24,6 @@ from dls.train.errors import ConfigError
 
 F32_MAX = 3.4028234663852886e38
 INT64_MAX = 2**63 - 1
-MAX_SEED = 2**32 - 1  # NumPy's seeds are 32-bit
-MAX_THREADS = 1024  # more threads than any machine has cores only oversubscribes them
 MAX_CONFIG_NODES = 100_000
 MAX_CONFIG_BYTES = 1 << 20
 ModelName = Literal["mlp", "transformer_lm", "fc_mnist", "gpt2", "gpt3", "llama"]
@@ -106,7 +104,7 @@ SCHEDULE = BeforeValidator(lambda v: (v,) if isinstance(v, dict) else tuple(v) i
 CASELESS = BeforeValidator(lambda v: _CANONICAL.get(v.lower(), v) if isinstance(v, str) else v)  # Model Zoo: adamw
 Unit = Annotated[float, Finite(ge=0, lt=1)]
 Steps = Annotated[int, INTEGRAL, Bounds(1)]
-Seed = Annotated[int, INTEGRAL, Bounds(0, MAX_SEED)]
+Seed = Annotated[int, INTEGRAL, Bounds(0, 2**32 - 1)]  # NumPy's seeds are 32-bit
 Size = Annotated[int, INTEGRAL, Bounds(1, 1 << 20)]
 Length = Annotated[int, INTEGRAL, Bounds(1, 1 << 22)]
 Layers = Annotated[int, INTEGRAL, Bounds(1, 4096)]
@@ -266,7 +264,8 @@ class RunConfig(Section):
     model_dir: Annotated[str, Field(min_length=1)] = help_("model_dir", "directory for checkpoints and metrics")
     seed: Seed = help_(0, "seed of initialisation, data order and dropout")
     device: Literal["auto", "cpu", "cuda"] = help_("cpu", "'cpu', 'cuda', or 'auto' (cuda when available)")
-    num_threads: Annotated[int, INTEGRAL, Bounds(1, MAX_THREADS)] | None = help_(
+    # More threads than any machine has cores only oversubscribes them.
+    num_threads: Annotated[int, INTEGRAL, Bounds(1, 1024)] | None = help_(
         None,
         "torch CPU threads for the run, restored after (null: leave torch's setting). Tiny models on busy cores "
         "train fastest with 1: a tiny MLP on 2 cores shared with other work ran 25-40x faster with 1 thread than 2",
@@ -518,21 +517,16 @@ _MOVED = {"mixed_precision": ("precision", "mixed_precision"), "fp16_type": ("pr
 _ALIAS = {"weight_decay_rate": ("optimizer", "weight_decay")}
 _DLS_FIELDS = ("name", "data_processor", "batch_size", "shuffle", "shuffle_seed", "drop_last_batch")
 _SCHEDULERS = {"ConstantLR": "Constant", "LinearLR": "Linear", "CosineDecayLR": "CosineDecay"}
-# Model Zoo's defaults where they differ from dls's: (section, key) -> {layout: (the key as written there, value)}.
-_ZOO_DEFAULTS: dict[tuple[str, str], dict[str, tuple[str, Any]]] = {
-    ("precision", "fp16_type"): {
-        "legacy": ("model.fp16_type", "float16"),
-        "current": ("trainer.init.precision.fp16_type", "bfloat16"),
-    },
-    ("precision", "mixed_precision"): {
-        "legacy": ("model.mixed_precision", False),
-        "current": ("trainer.init.precision.enabled", True),
-    },
+# Model Zoo's defaults where they differ from dls's: (section, key) -> {the key as written in the legacy layout, in
+# the current one: Model Zoo's default there}.
+_ZOO_DEFAULTS: dict[tuple[str, str], dict[str, Any]] = {
+    ("precision", "fp16_type"): {"model.fp16_type": "float16", "trainer.init.precision.fp16_type": "bfloat16"},
+    ("precision", "mixed_precision"): {"model.mixed_precision": False, "trainer.init.precision.enabled": True},
     ("optimizer", "loss_scaling_factor"): {
-        "legacy": ("optimizer.loss_scaling_factor", 1.0),
-        "current": ("trainer.init.precision.loss_scaling_factor", 1.0),
+        "optimizer.loss_scaling_factor": 1.0,
+        "trainer.init.precision.loss_scaling_factor": 1.0,
     },
-    ("runconfig", "autoload_last_checkpoint"): {"current": ("trainer.init.checkpoint.autoload_last_checkpoint", True)},
+    ("runconfig", "autoload_last_checkpoint"): {"trainer.init.checkpoint.autoload_last_checkpoint": True},
 }
 
 
@@ -614,8 +608,9 @@ class _Reader:
                 seen[section] = str(name)
                 self.section(section, body, str(name), _MOVED if section == "model" else _ALIAS)
             else:
-                hint = did_you_mean(name, _LEGACY)
-                self.errors.append(f"unknown section {name}{hint}; allowed: {', '.join(_LEGACY)}")
+                self.errors.append(
+                    f"unknown section {name}{did_you_mean(name, _LEGACY)}; allowed: {', '.join(_LEGACY)}"
+                )
 
     def current(self, raw: Mapping[Any, Any]) -> None:
         self.errors += [f"unknown section {n}: the current layout has trainer: alone" for n in raw if n != "trainer"]
@@ -658,6 +653,30 @@ class _Reader:
             else:
                 self.errors.append(f"{path}[{i}]: dls does not run the callback {name!r}; remove it")
 
+    def schedulers(self, value: Any, path: str) -> None:
+        """Model Zoo's ``schedulers: [{LinearLR: {...}}]`` (or one ``SequentialLR`` of them) as schedule pieces."""
+        items, where = value if isinstance(value, list) else [value], path
+        if len(items) == 1 and isinstance(items[0], Mapping) and list(items[0]) == ["SequentialLR"]:
+            body, where = items[0]["SequentialLR"], f"{path}[0].SequentialLR"
+            if not isinstance(body, Mapping) or not isinstance(body.get("schedulers"), list):
+                self.errors.append(f"{where} must hold schedulers: [...]")
+                return
+            if extra := [k for k in body if k != "schedulers"]:
+                self.errors.append(f"{where}.{extra[0]} is not supported (pieces follow their total_iters)")
+            items, where = body["schedulers"], f"{where}.schedulers"
+        elif len(items) != 1:
+            self.errors.append(f"{path} must be one scheduler (use SequentialLR to chain them); got {len(items)}")
+            return
+        pieces = []
+        for i, item in enumerate(items):
+            name = next(iter(item)) if isinstance(item, Mapping) and len(item) == 1 else None
+            if name not in _SCHEDULERS or not isinstance(item[name], (Mapping, type(None))):
+                hint = did_you_mean(name, _SCHEDULERS)
+                self.errors.append(f"{where}[{i}] must be one of {', '.join(_SCHEDULERS)}; got {item!r}{hint}")
+            else:
+                pieces.append({"scheduler": _SCHEDULERS[name], **(item[name] or {})})
+        self.put("optimizer", "learning_rate", pieces, path)
+
 
 # The current layout's trainer: each key -> (section, key), a table of its keys, or the reader of its value.
 _TRAINER: dict[str, Any] = {
@@ -666,9 +685,7 @@ _TRAINER: dict[str, Any] = {
         "model": lambda r, value, path: r.section("model", value, path),
         "backend": _Reader.backend,
         "optimizer": _Reader.optimizer,
-        "schedulers": lambda r, value, path: r.put(
-            "optimizer", "learning_rate", _schedule(value, path, r.errors), path
-        ),
+        "schedulers": _Reader.schedulers,
         "callbacks": _Reader.callbacks,
         "precision": {
             "enabled": ("precision", "mixed_precision"),
@@ -695,32 +712,6 @@ _TRAINER: dict[str, Any] = {
 _TRAINER["validate_all"] = _TRAINER["validate"]
 
 
-def _schedule(value: Any, path: str, errors: list[str]) -> Any:
-    """Model Zoo's ``schedulers: [{LinearLR: {...}}]`` (or one ``SequentialLR`` of them) as schedule pieces."""
-    items = value if isinstance(value, list) else [value]
-    if len(items) == 1 and isinstance(items[0], Mapping) and list(items[0]) == ["SequentialLR"]:
-        body = items[0]["SequentialLR"]
-        if not isinstance(body, Mapping) or not isinstance(body.get("schedulers"), list):
-            errors.append(f"{path}[0].SequentialLR must hold schedulers: [...]")
-            return None
-        extra = [k for k in body if k != "schedulers"]
-        if extra:
-            errors.append(f"{path}[0].SequentialLR.{extra[0]} is not supported (pieces follow their total_iters)")
-        items, path = body["schedulers"], f"{path}[0].SequentialLR.schedulers"
-    elif len(items) != 1:
-        errors.append(f"{path} must be one scheduler (use SequentialLR to chain them); got {len(items)}")
-        return None
-    pieces = []
-    for i, item in enumerate(items):
-        name = next(iter(item)) if isinstance(item, Mapping) and len(item) == 1 else None
-        if name not in _SCHEDULERS or not isinstance(item[name], (Mapping, type(None))):
-            hint = did_you_mean(name, _SCHEDULERS)
-            errors.append(f"{path}[{i}] must be one of {', '.join(_SCHEDULERS)}; got {item!r}{hint}")
-        else:
-            pieces.append({"scheduler": _SCHEDULERS[name], **(item[name] or {})})
-    return pieces
-
-
 # ---------------------------------------------------------------------- validation
 def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConfig:
     """Validate a config dict (the parsed YAML, either layout) and build the :class:`TrainConfig`. Raises
@@ -739,11 +730,13 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
     if layout == "current" or name in ZOO_MODELS or "data_processor" in s["data"]:
         other = "legacy" if layout == "current" else "current"
         for (section, key), given in _ZOO_DEFAULTS.items():
-            if layout in given and (section, key) not in r.written:
-                path, s[section][key] = given[layout]
-                their = given.get(other, given[layout])[1]
-                differs = f" ({other} layout: {their!r})" if their != s[section][key] else ""
-                r.notes.append(f"{path}: {s[section][key]!r}, Model Zoo's default in the {layout} layout{differs}")
+            here = [
+                (path, value) for path, value in given.items() if path.startswith("trainer.") == (other == "legacy")
+            ]
+            if here and (section, key) not in r.written:
+                (path, s[section][key]), theirs = here[0], [v for v in given.values() if v != here[0][1]]
+                differs = f" ({other} layout: {theirs[0]!r})" if theirs else ""
+                r.notes.append(f"{path}: {here[0][1]!r}, Model Zoo's default in the {layout} layout{differs}")
     else:
         layout = "dls"
     if name in MODEL_NAMES and "data_processor" not in s["data"]:
@@ -751,12 +744,8 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
     for section in ("data", "eval_data") if name in ZOO_MODELS else ():  # the reader the model implies (run.py's)
         if not {"dataset", "data_processor"} & s[section].keys() and (s[section] or section == "data"):
             s[section]["data_processor"] = "MNISTDataProcessor" if name == "fc_mnist" else "GptHDF5DataProcessor"
-    for section, selector, default in [
-        ("model", "name", None),
-        ("data", "dataset", None),
-        ("optimizer", "optimizer_type", "Adam"),
-    ]:
-        value = s[section].get(selector, default)
+    for section, selector in {"model": "name", "data": "dataset", "optimizer": "optimizer_type"}.items():
+        value = s[section].get(selector, "Adam" if section == "optimizer" else None)
         value = _CANONICAL.get(value.lower(), value) if isinstance(value, str) else value
         for key in [k for k in s[section] if k in ONLY and value is not None and value not in ONLY[k]]:
             only = " or ".join(map(repr, ONLY[key]))
@@ -857,13 +846,11 @@ def _check_zoo(b: dict[str, Any], r: _Reader) -> None:
     """A Model Zoo model's and readers' own keys, judged by ``dls.train.modelzoo.keys`` (no torch, no files)."""
     from dls.train.modelzoo.keys import parse_loader, parse_model
 
-    checks: list[tuple[Any, str, dict[str, Any], str]] = []
-    if b["model"].name in ZOO_MODELS:
-        where = r.written.get(("model", "params"), "model")
-        checks.append((parse_model, b["model"].name, dict(b["model"].params), where))
+    model, checks = b["model"], []
+    if model.name in ZOO_MODELS:
+        checks.append((parse_model, model.name, dict(model.params), r.written.get(("model", "params"), "model")))
     for section, default in (("data", "train_input"), ("eval_data", "eval_input")):
-        data = b.get(section)
-        if data is not None and data.data_processor is not None:
+        if (data := b.get(section)) is not None and data.data_processor is not None:
             where = r.written.get((section, "data_processor"), f"{default}.").rsplit(".", 1)[0]
             checks.append((parse_loader, data.data_processor, data.loader_params, where))
     for parse, name, params, where in checks:
@@ -940,10 +927,8 @@ def to_dict(cfg: TrainConfig) -> dict[str, Any]:
     out["data"] = {"dataset": cfg.data.dataset, **out["data"]} if cfg.data.dataset else out["data"]  # first
     for body in (out["model"], out["data"], out.get("eval_input", {})):
         body.update(body.pop("params", {}))
-    if cfg.layout != "dls":  # Model Zoo's defaults of these differ from dls's
-        out["optimizer"].setdefault("loss_scaling_factor", cfg.optimizer.loss_scaling_factor)
-        out["precision"].setdefault("fp16_type", cfg.precision.fp16_type)
-        out["precision"].setdefault("mixed_precision", cfg.precision.mixed_precision)
+    for section, key in _ZOO_DEFAULTS if cfg.layout != "dls" else ():  # Model Zoo's defaults differ from dls's
+        out[section].setdefault(key, getattr(getattr(cfg, section), key))
     return out
 
 
@@ -976,20 +961,12 @@ def missing_paths(cfg: TrainConfig) -> list[str]:
     error for ``train``), naming the key as written and the layout expected."""
     from dls.train.modelzoo import check_data
 
-    lines = []
-    for section, data in (("data", cfg.data), ("eval_data", cfg.eval_data)):
-        if data is None or data.data_processor is None:
-            continue
-        dirs = data.params.get("data_dir")
-        missing = [d for d in ([dirs] if isinstance(dirs, str) else dirs or []) if not Path(str(d)).exists()]
-        key = cfg.sources.get(f"{section}.params", "train_input" if section == "data" else "eval_input")
-        if missing:
-            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            where = f"relative paths resolve against {Path.cwd()}"
-            lines.append(f"{key}.data_dir {missing[0]}{more} does not exist here ({where})")
-        else:
-            split = "train" if section == "data" else "val"
-            lines += check_data(data.data_processor, data.loader_params, split=split, prefix=key)
+    lines, cwd = [], f" (relative paths resolve against {Path.cwd()})"
+    for section, split in (("data", "train"), ("eval_data", "val")):
+        data = getattr(cfg, section)
+        if data is not None and data.data_processor is not None:
+            key = cfg.sources.get(f"{section}.params", "train_input" if split == "train" else "eval_input")
+            lines += [p + cwd for p in check_data(data.data_processor, data.loader_params, split=split, prefix=key)]
     return lines
 
 
