@@ -297,11 +297,8 @@ ONLY = {
     if isinstance(f.json_schema_extra, dict)
 }
 # The keys ScalerSettings judges (typed Any above) -> its argument.
-SCALER_KEYS = {
-    k: {"loss_scaling_factor": "loss_scale", "initial_loss_scale": "init_scale"}.get(k, k)
-    for k, f in OptimizerConfig.model_fields.items()
-    if f.annotation is Any
-}
+_RENAMED = {"loss_scaling_factor": "loss_scale", "initial_loss_scale": "init_scale"}
+SCALER_KEYS = {k: _RENAMED.get(k, k) for k, f in OptimizerConfig.model_fields.items() if f.annotation is Any}
 
 
 class TrainConfig(BaseModel):
