@@ -513,6 +513,8 @@ _LEGACY.update({k: k for k in ("model", "optimizer", "runconfig", "precision")})
 _MOVED = {"mixed_precision": ("precision", "mixed_precision"), "fp16_type": ("precision", "fp16_type")}  # from model
 _ALIAS = {"weight_decay_rate": ("optimizer", "weight_decay")}
 _DLS_FIELDS = ("name", "data_processor", "batch_size", "shuffle", "shuffle_seed", "drop_last_batch")
+_OPTIMIZER_ARGS = _same("optimizer", "learning_rate momentum weight_decay betas eps correct_bias")
+_OPTIMIZER_ARGS["lr"] = ("optimizer", "learning_rate")  # torch's name
 _SCHEDULERS = {"ConstantLR": "Constant", "LinearLR": "Linear", "CosineDecayLR": "CosineDecay"}
 # Model Zoo's defaults where they differ from dls's: (section, key) -> {the key as written in the legacy layout, in
 # the current one: Model Zoo's default there}.
@@ -585,13 +587,9 @@ class _Reader:
         body = self.mapping(body, path)
         zoo = self.zoo_model or (section != "model" and "data_processor" in body)
         params: dict[str, Any] | None = {} if zoo and section in ("model", "data", "eval_data") else None
-        fields = [f for f in SECTION_CLASSES[section.removeprefix("eval_")].model_fields if f != "params"]
-        self.walk(
-            body,
-            path,
-            {**_same(section, " ".join(f for f in fields if params is None or f in _DLS_FIELDS)), **moved},
-            params,
-        )
+        fields = SECTION_CLASSES[section.removeprefix("eval_")].model_fields
+        keys = " ".join(f for f in fields if f != "params" and (params is None or f in _DLS_FIELDS))
+        self.walk(body, path, {**_same(section, keys), **moved}, params)
         if params:
             self.put(section, "params", params, path)
 
@@ -631,14 +629,7 @@ class _Reader:
             return
         ((name, args),) = body.items()
         self.put("optimizer", "optimizer_type", name, path)
-        self.walk(
-            args,
-            f"{path}.{name}",
-            {
-                **_same("optimizer", "learning_rate momentum weight_decay betas eps correct_bias"),
-                "lr": ("optimizer", "learning_rate"),
-            },
-        )
+        self.walk(args, f"{path}.{name}", _OPTIMIZER_ARGS)
 
     def callbacks(self, value: Any, path: str) -> None:
         for i, item in enumerate(value if isinstance(value, list) else [value]):
