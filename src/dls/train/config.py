@@ -516,8 +516,7 @@ _DLS_FIELDS = ("name", "data_processor", "batch_size", "shuffle", "shuffle_seed"
 _OPTIMIZER_ARGS = _same("optimizer", "learning_rate momentum weight_decay betas eps correct_bias")
 _OPTIMIZER_ARGS["lr"] = ("optimizer", "learning_rate")  # torch's name
 _SCHEDULERS = {"ConstantLR": "Constant", "LinearLR": "Linear", "CosineDecayLR": "CosineDecay"}
-# Model Zoo's defaults where they differ from dls's: (section, key) -> {the key as written in the legacy layout, in
-# the current one: Model Zoo's default there}.
+# Model Zoo's defaults where they differ from dls's: (section, key) -> {the key as written in each layout: default}.
 _ZOO_DEFAULTS: dict[tuple[str, str], dict[str, Any]] = {
     ("precision", "fp16_type"): {"model.fp16_type": "float16", "trainer.init.precision.fp16_type": "bfloat16"},
     ("precision", "mixed_precision"): {"model.mixed_precision": False, "trainer.init.precision.enabled": True},
@@ -535,25 +534,25 @@ class _Reader:
     def __init__(self, zoo_model: bool) -> None:
         self.zoo_model = zoo_model  # a Model Zoo model: its model and data keys go to params
         self.sections: dict[str, dict[str, Any]] = {name: {} for name in [*SECTION_CLASSES, "eval_data"]}
-        self.written: dict[tuple[str, str], str] = {}
+        self.written: dict[str, str] = {}  # "section.key" -> the key as written
         self.errors: list[str] = []
         self.ignored: list[str] = []
         self.notes: list[str] = []
 
     def at(self, section: str, key: str) -> str:
         """``section.key`` as the config wrote it."""
-        return self.written.get((section, key), f"{section}.{key}")
+        return self.written.get(f"{section}.{key}", f"{section}.{key}")
 
     def put(self, section: str, key: str, value: Any, path: str) -> None:
-        if (section, key) in self.written:
-            other, before = self.written[section, key], self.sections[section][key]
+        if f"{section}.{key}" in self.written:
+            other, before = self.written[f"{section}.{key}"], self.sections[section][key]
             if before != value:
                 self.errors.append(f"{other} ({before!r}) and {path} ({value!r}) disagree; give it in one place")
             elif path.split(".")[-1] != other.split(".")[-1]:
                 self.errors.append(f"{other} and {path} are the same setting; give one")
             return
         self.sections[section][key] = value
-        self.written[section, key] = path
+        self.written[f"{section}.{key}"] = path
 
     def mapping(self, value: Any, path: str) -> Mapping[Any, Any]:
         if value is None:
@@ -570,7 +569,7 @@ class _Reader:
         for key, value in self.mapping(body, path).items():
             where, to = f"{path}.{key}", table.get(key)
             if isinstance(to, tuple):
-                self.put(*to, value, where)
+                self.put(to[0], to[1], value, where)
             elif isinstance(to, dict):
                 self.walk(value, where, to)
             elif to is not None:
@@ -606,10 +605,6 @@ class _Reader:
                 self.errors.append(
                     f"unknown section {name}{did_you_mean(name, _LEGACY)}; allowed: {', '.join(_LEGACY)}"
                 )
-
-    def current(self, raw: Mapping[Any, Any]) -> None:
-        self.errors += [f"unknown section {n}: the current layout has trainer: alone" for n in raw if n != "trainer"]
-        self.walk(raw.get("trainer"), "trainer", _TRAINER)
 
     def backend(self, value: Any, path: str) -> None:
         backend = self.mapping(value, path)
@@ -709,7 +704,11 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
     holder = raw if layout == "legacy" else (raw["trainer"] if isinstance(raw["trainer"], Mapping) else {}).get("init")
     model = holder.get("model") if isinstance(holder, Mapping) else None
     r = _Reader(isinstance(model, Mapping) and model.get("name") in ZOO_MODELS)
-    r.current(raw) if layout == "current" else r.legacy(raw)
+    if layout == "current":
+        r.errors += [f"unknown section {n}: the current layout has trainer: alone" for n in raw if n != "trainer"]
+        r.walk(raw.get("trainer"), "trainer", _TRAINER)
+    else:
+        r.legacy(raw)
     s = r.sections
     name = s["model"].get("name")
     if name is None:
@@ -721,7 +720,7 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
             here = [
                 (path, value) for path, value in given.items() if path.startswith("trainer.") == (other == "legacy")
             ]
-            if here and (section, key) not in r.written:
+            if here and f"{section}.{key}" not in r.written:
                 (path, s[section][key]), theirs = here[0], [v for v in given.values() if v != here[0][1]]
                 differs = f" ({other} layout: {theirs[0]!r})" if theirs else ""
                 r.notes.append(f"{path}: {here[0][1]!r}, Model Zoo's default in the {layout} layout{differs}")
@@ -740,7 +739,8 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
             r.errors.append(f"{r.at(section, key)} applies only when {section}.{selector} is {only}; it is {value!r}")
             del s[section][key]
     built: dict[str, Any] = {}
-    for section, cls in {**SECTION_CLASSES, **({"eval_data": DataConfig} if s["eval_data"] else {})}.items():
+    classes: dict[str, type[Section]] = {**SECTION_CLASSES, **({"eval_data": DataConfig} if s["eval_data"] else {})}
+    for section, cls in classes.items():
         try:
             built[section] = cls(**s[section])
         except ValidationError as exc:
@@ -757,8 +757,7 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
         raise ConfigError(list(dict.fromkeys(r.errors)), source)
     if r.ignored:
         r.notes.append(f"ignored on this hardware (Cerebras only): {', '.join(dict.fromkeys(r.ignored))}")
-    sources = {f"{section}.{key}": path for (section, key), path in r.written.items()}
-    return TrainConfig(**built, notes=tuple(r.notes), layout=layout, sources=sources)
+    return TrainConfig(**built, notes=tuple(r.notes), layout=layout, sources=r.written)
 
 
 def _fp8(recipe: Mapping[str, Any], r: _Reader) -> Any:
@@ -808,7 +807,7 @@ def _check_combinations(b: dict[str, Any], r: _Reader) -> None:
     if model.name == "transformer_lm" and data.max_sequence_length > model.max_position_embeddings:
         length, most = data.max_sequence_length, model.max_position_embeddings
         refuse(f"{at('data', 'max_sequence_length')} ({length}) exceeds model.max_position_embeddings ({most})")
-    if not prec.mixed_precision and ("precision", "fp16_type") in r.written and prec.fp16_type != "float32":
+    if not prec.mixed_precision and "precision.fp16_type" in r.written and prec.fp16_type != "float32":
         note(f"{at('precision', 'fp16_type')} ({prec.fp16_type!r}) has no effect: mixed_precision is off")
     if prec.half_params and prec.compute_dtype == "float32":
         why = "(precision.mixed_precision: true and a half fp16_type): without it the parameters are float32"
@@ -834,12 +833,13 @@ def _check_zoo(b: dict[str, Any], r: _Reader) -> None:
     """A Model Zoo model's and readers' own keys, judged by ``dls.train.modelzoo.keys`` (no torch, no files)."""
     from dls.train.modelzoo.keys import parse_loader, parse_model
 
-    model, checks = b["model"], []
+    model = b["model"]
+    checks: list[tuple[Any, str, dict[str, Any], str]] = []  # (the parser, the name, its keys, where written)
     if model.name in ZOO_MODELS:
-        checks.append((parse_model, model.name, dict(model.params), r.written.get(("model", "params"), "model")))
+        checks.append((parse_model, model.name, dict(model.params), r.written.get("model.params", "model")))
     for section, default in (("data", "train_input"), ("eval_data", "eval_input")):
         if (data := b.get(section)) is not None and data.data_processor is not None:
-            where = r.written.get((section, "data_processor"), f"{default}.").rsplit(".", 1)[0]
+            where = r.written.get(f"{section}.data_processor", f"{default}.").rsplit(".", 1)[0]
             checks.append((parse_loader, data.data_processor, data.loader_params, where))
     for parse, name, params, where in checks:
         try:
