@@ -91,8 +91,7 @@ def parse_checkpoint_states(value: str | Sequence[str]) -> tuple[str, ...]:
         raise ValueError(f"expected a comma-separated list of {', '.join(CHECKPOINT_STATES)} (or 'all'); got {value!r}")
     if list(items) == ["all"]:
         return CHECKPOINT_STATES
-    bad = [s for s in items if s not in CHECKPOINT_STATES]
-    if bad:
+    if bad := [s for s in items if s not in CHECKPOINT_STATES]:
         bad_ones = ", ".join(map(repr, bad)) + did_you_mean(bad[0], CHECKPOINT_STATES)
         raise ValueError(f"unknown checkpoint state(s) {bad_ones}; allowed: {', '.join(CHECKPOINT_STATES)}")
     return tuple(dict.fromkeys(items))
@@ -103,6 +102,7 @@ LISTED = BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)  # a 
 SCHEDULE = BeforeValidator(lambda v: (v,) if isinstance(v, dict) else tuple(v) if isinstance(v, list) else v)
 CASELESS = BeforeValidator(lambda v: _CANONICAL.get(v.lower(), v) if isinstance(v, str) else v)  # Model Zoo: adamw
 Unit = Annotated[float, Finite(ge=0, lt=1)]
+NonNegative = Annotated[float, Finite(ge=0)]
 Steps = Annotated[int, INTEGRAL, Bounds(1)]
 Seed = Annotated[int, INTEGRAL, Bounds(0, 2**32 - 1)]  # NumPy's seeds are 32-bit
 Size = Annotated[int, INTEGRAL, Bounds(1, 1 << 20)]
@@ -154,9 +154,7 @@ class DataConfig(Section):
     )
     input_dim: Size = help_(32, "features per sample", "teacher_regression")
     output_dim: Size = help_(64, "regression targets per sample", "teacher_regression")
-    noise_std: Annotated[float, Finite(ge=0)] = help_(
-        0.0, "standard deviation of noise added to the targets", "teacher_regression"
-    )
+    noise_std: NonNegative = help_(0.0, "standard deviation of noise added to the targets", "teacher_regression")
     dataset_seed: Seed = help_(1234, "seed that generates the data set (the teacher)", "teacher_regression")
     max_sequence_length: Length = help_(64, "characters per training sequence", "char_corpus")
     params: dict[str, Any] = help_({}, "a Model Zoo data processor's own keys, as written")
@@ -204,9 +202,9 @@ class PrecisionConfig(Section):
 
 class SchedulePiece(Section):
     scheduler: Annotated[Literal["Constant", "Linear", "CosineDecay"], CASELESS]
-    learning_rate: Annotated[float, Finite(ge=0)] | None = None
-    initial_learning_rate: Annotated[float, Finite(ge=0)] | None = None
-    end_learning_rate: Annotated[float, Finite(ge=0)] | None = None
+    learning_rate: NonNegative | None = None
+    initial_learning_rate: NonNegative | None = None
+    end_learning_rate: NonNegative | None = None
     total_iters: Steps | None = None
 
     @model_validator(mode="after")
@@ -222,11 +220,11 @@ class OptimizerConfig(Section):
     """``optimizer:``: the optimizer, its learning rate and the loss-scaling keys (null: the scaler's default)."""
 
     optimizer_type: Annotated[Literal["SGD", "Adam", "AdamW"], CASELESS] = help_("Adam", "the torch optimizer")
-    learning_rate: Annotated[float, Finite(ge=0)] | Annotated[tuple[SchedulePiece, ...], SCHEDULE] = help_(
+    learning_rate: NonNegative | Annotated[tuple[SchedulePiece, ...], SCHEDULE] = help_(
         1e-3, "a number, or a schedule: [{scheduler: Linear|CosineDecay|Constant, ...}, ...] (on applied steps)"
     )
     momentum: Unit = help_(0.0, "SGD momentum", "SGD")
-    weight_decay: Annotated[float, Finite(ge=0)] = help_(0.0, "weight decay")
+    weight_decay: NonNegative = help_(0.0, "weight decay")
     betas: Annotated[tuple[Unit, Unit], LISTED] = help_((0.9, 0.999), "Adam/AdamW betas", "Adam AdamW")
     eps: Annotated[float, Finite(gt=0)] = help_(1e-8, "Adam/AdamW epsilon", "Adam AdamW")
     correct_bias: Literal[True] = help_(True, "AdamW bias correction (torch's AdamW always corrects)", "AdamW")
