@@ -715,13 +715,12 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
     if layout == "current" or name in ZOO_MODELS or "data_processor" in s["data"]:
         other = "legacy" if layout == "current" else "current"
         for (section, key), given in _ZOO_DEFAULTS.items():
-            here = [
-                (path, value) for path, value in given.items() if path.startswith("trainer.") == (other == "legacy")
-            ]
-            if here and f"{section}.{key}" not in r.written:
-                (path, s[section][key]), theirs = here[0], [v for v in given.values() if v != here[0][1]]
+            ours = {p: v for p, v in given.items() if p.startswith("trainer.") == (layout == "current")}
+            if ours and f"{section}.{key}" not in r.written:
+                ((path, value),) = ours.items()
+                s[section][key], theirs = value, [v for v in given.values() if v != value]
                 differs = f" ({other} layout: {theirs[0]!r})" if theirs else ""
-                r.notes.append(f"{path}: {here[0][1]!r}, Model Zoo's default in the {layout} layout{differs}")
+                r.notes.append(f"{path}: {value!r}, Model Zoo's default in the {layout} layout{differs}")
     else:
         layout = "dls"
     if name in MODEL_NAMES and "data_processor" not in s["data"]:
