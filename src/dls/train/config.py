@@ -280,25 +280,6 @@ class RunConfig(Section):
     disable_strict_checkpoint_loading: bool = help_(False, "load a model state with missing/extra entries")
 
 
-SECTION_CLASSES: dict[str, type[Section]] = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "precision": PrecisionConfig,
-    "optimizer": OptimizerConfig,
-    "runconfig": RunConfig,
-}
-# Keys that apply to one variant of their section only (the section's selector value: model.name, ...).
-ONLY = {
-    k: tuple(str(f.json_schema_extra["only"]).split())
-    for c in SECTION_CLASSES.values()
-    for k, f in c.model_fields.items()
-    if isinstance(f.json_schema_extra, dict)
-}
-# The keys ScalerSettings judges (typed Any above) -> its argument.
-_RENAMED = {"loss_scaling_factor": "loss_scale", "initial_loss_scale": "init_scale"}
-SCALER_KEYS = {k: _RENAMED.get(k, k) for k, f in OptimizerConfig.model_fields.items() if f.annotation is Any}
-
-
 class TrainConfig(BaseModel):
     """A validated config. ``eval_data``: the evaluation loader (``eval_input`` / ``val_dataloader``);
     ``notes``: what the run should say once at start (Model Zoo defaults taken, keys ignored on this hardware,
@@ -314,6 +295,22 @@ class TrainConfig(BaseModel):
     notes: tuple[str, ...] = ()
     layout: str = "dls"
     sources: dict[str, str] = {}  # "section.key" -> the key as the file wrote it
+
+
+# dls's sections: TrainConfig's fields that are one.
+SECTION_CLASSES: dict[str, type[Section]] = {
+    k: type(f.default) for k, f in TrainConfig.model_fields.items() if isinstance(f.default, Section)
+}
+# Keys that apply to one variant of their section only (the section's selector value: model.name, ...).
+ONLY = {
+    k: tuple(str(f.json_schema_extra["only"]).split())
+    for c in SECTION_CLASSES.values()
+    for k, f in c.model_fields.items()
+    if isinstance(f.json_schema_extra, dict)
+}
+# The keys ScalerSettings judges (typed Any above) -> its argument.
+_RENAMED = {"loss_scaling_factor": "loss_scale", "initial_loss_scale": "init_scale"}
+SCALER_KEYS = {k: _RENAMED.get(k, k) for k, f in OptimizerConfig.model_fields.items() if f.annotation is Any}
 
 
 # ---------------------------------------------------------------------- pydantic's errors, as the config wrote them
