@@ -712,6 +712,11 @@ def test_a_legacy_config_without_a_model_name_says_how_to_name_it() -> None:
         ("trainer.init.backend.backend_type=TPU", "trainer.init.backend.backend_type must be CSX, CPU or GPU"),
         ("trainer.init.callbacks=[{CheckLoss: {}}]", "dls does not run the callback 'CheckLoss'"),
         ("trainer.init.schedulers=[{StepLR: {}}]", "trainer.init.schedulers[0] must be one of ConstantLR"),
+        # A misspelt callback key was ignored (every state loaded); now it is refused, naming the key.
+        (
+            "trainer.init.callbacks=[{LoadCheckpointStates: {load_checkpoint_state: model}}]",
+            "unknown key trainer.init.callbacks[0].LoadCheckpointStates.load_checkpoint_state (did you mean",
+        ),
         ("trainer.init.loop.grad_accum_steps=0", "trainer.init.loop.grad_accum_steps must be an integer in [1, 65536]"),
         ("trainer.init.optimizer.AdamW.correct_bias=false", "trainer.init.optimizer.AdamW.correct_bias must be"),
         ("trainer.init.precision.max_gradient_value=1e300", "at most float32's max"),
@@ -721,6 +726,16 @@ def test_current_layout_errors_name_the_key_as_written(override: str, needle: st
     with pytest.raises(ConfigError) as info:
         load_config(MODELZOO / "gpt3_cerebras_gpt_111m.yaml", [override])
     assert needle in str(info.value)
+
+
+def test_a_malformed_schedule_is_one_error() -> None:
+    for value, needle in [
+        ("[{SequentialLR: {}}]", "trainer.init.schedulers[0].SequentialLR must hold schedulers"),
+        ("[{ConstantLR: {}}, {ConstantLR: {}}]", "trainer.init.schedulers must be one scheduler"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            load_config(MODELZOO / "gpt3_cerebras_gpt_111m.yaml", [f"trainer.init.schedulers={value}"])
+        assert len(info.value.errors) == 1 and needle in info.value.errors[0]
 
 
 def test_overrides_address_keys_as_written_and_aliases_are_copies(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import re
 import stat
@@ -23,8 +24,6 @@ from dls.train.errors import ConfigError
 
 F32_MAX = 3.4028234663852886e38
 INT64_MAX = 2**63 - 1
-MAX_SEED = 2**32 - 1  # NumPy's seeds are 32-bit
-MAX_THREADS = 1024  # more threads than any machine has cores only oversubscribes them
 MAX_CONFIG_NODES = 100_000
 MAX_CONFIG_BYTES = 1 << 20
 ModelName = Literal["mlp", "transformer_lm", "fc_mnist", "gpt2", "gpt3", "llama"]
@@ -92,8 +91,7 @@ def parse_checkpoint_states(value: str | Sequence[str]) -> tuple[str, ...]:
         raise ValueError(f"expected a comma-separated list of {', '.join(CHECKPOINT_STATES)} (or 'all'); got {value!r}")
     if list(items) == ["all"]:
         return CHECKPOINT_STATES
-    bad = [s for s in items if s not in CHECKPOINT_STATES]
-    if bad:
+    if bad := [s for s in items if s not in CHECKPOINT_STATES]:
         bad_ones = ", ".join(map(repr, bad)) + did_you_mean(bad[0], CHECKPOINT_STATES)
         raise ValueError(f"unknown checkpoint state(s) {bad_ones}; allowed: {', '.join(CHECKPOINT_STATES)}")
     return tuple(dict.fromkeys(items))
@@ -104,8 +102,9 @@ LISTED = BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)  # a 
 SCHEDULE = BeforeValidator(lambda v: (v,) if isinstance(v, dict) else tuple(v) if isinstance(v, list) else v)
 CASELESS = BeforeValidator(lambda v: _CANONICAL.get(v.lower(), v) if isinstance(v, str) else v)  # Model Zoo: adamw
 Unit = Annotated[float, Finite(ge=0, lt=1)]
+NonNegative = Annotated[float, Finite(ge=0)]
 Steps = Annotated[int, INTEGRAL, Bounds(1)]
-Seed = Annotated[int, INTEGRAL, Bounds(0, MAX_SEED)]
+Seed = Annotated[int, INTEGRAL, Bounds(0, 2**32 - 1)]  # NumPy's seeds are 32-bit
 Size = Annotated[int, INTEGRAL, Bounds(1, 1 << 20)]
 Length = Annotated[int, INTEGRAL, Bounds(1, 1 << 22)]
 Layers = Annotated[int, INTEGRAL, Bounds(1, 4096)]
@@ -155,9 +154,7 @@ class DataConfig(Section):
     )
     input_dim: Size = help_(32, "features per sample", "teacher_regression")
     output_dim: Size = help_(64, "regression targets per sample", "teacher_regression")
-    noise_std: Annotated[float, Finite(ge=0)] = help_(
-        0.0, "standard deviation of noise added to the targets", "teacher_regression"
-    )
+    noise_std: NonNegative = help_(0.0, "standard deviation of noise added to the targets", "teacher_regression")
     dataset_seed: Seed = help_(1234, "seed that generates the data set (the teacher)", "teacher_regression")
     max_sequence_length: Length = help_(64, "characters per training sequence", "char_corpus")
     params: dict[str, Any] = help_({}, "a Model Zoo data processor's own keys, as written")
@@ -205,9 +202,9 @@ class PrecisionConfig(Section):
 
 class SchedulePiece(Section):
     scheduler: Annotated[Literal["Constant", "Linear", "CosineDecay"], CASELESS]
-    learning_rate: Annotated[float, Finite(ge=0)] | None = None
-    initial_learning_rate: Annotated[float, Finite(ge=0)] | None = None
-    end_learning_rate: Annotated[float, Finite(ge=0)] | None = None
+    learning_rate: NonNegative | None = None
+    initial_learning_rate: NonNegative | None = None
+    end_learning_rate: NonNegative | None = None
     total_iters: Steps | None = None
 
     @model_validator(mode="after")
@@ -223,11 +220,11 @@ class OptimizerConfig(Section):
     """``optimizer:``: the optimizer, its learning rate and the loss-scaling keys (null: the scaler's default)."""
 
     optimizer_type: Annotated[Literal["SGD", "Adam", "AdamW"], CASELESS] = help_("Adam", "the torch optimizer")
-    learning_rate: Annotated[float, Finite(ge=0)] | Annotated[tuple[SchedulePiece, ...], SCHEDULE] = help_(
+    learning_rate: NonNegative | Annotated[tuple[SchedulePiece, ...], SCHEDULE] = help_(
         1e-3, "a number, or a schedule: [{scheduler: Linear|CosineDecay|Constant, ...}, ...] (on applied steps)"
     )
     momentum: Unit = help_(0.0, "SGD momentum", "SGD")
-    weight_decay: Annotated[float, Finite(ge=0)] = help_(0.0, "weight decay")
+    weight_decay: NonNegative = help_(0.0, "weight decay")
     betas: Annotated[tuple[Unit, Unit], LISTED] = help_((0.9, 0.999), "Adam/AdamW betas", "Adam AdamW")
     eps: Annotated[float, Finite(gt=0)] = help_(1e-8, "Adam/AdamW epsilon", "Adam AdamW")
     correct_bias: Literal[True] = help_(True, "AdamW bias correction (torch's AdamW always corrects)", "AdamW")
@@ -265,7 +262,8 @@ class RunConfig(Section):
     model_dir: Annotated[str, Field(min_length=1)] = help_("model_dir", "directory for checkpoints and metrics")
     seed: Seed = help_(0, "seed of initialisation, data order and dropout")
     device: Literal["auto", "cpu", "cuda"] = help_("cpu", "'cpu', 'cuda', or 'auto' (cuda when available)")
-    num_threads: Annotated[int, INTEGRAL, Bounds(1, MAX_THREADS)] | None = help_(
+    # More threads than any machine has cores only oversubscribes them.
+    num_threads: Annotated[int, INTEGRAL, Bounds(1, 1024)] | None = help_(
         None,
         "torch CPU threads for the run, restored after (null: leave torch's setting). Tiny models on busy cores "
         "train fastest with 1: a tiny MLP on 2 cores shared with other work ran 25-40x faster with 1 thread than 2",
@@ -280,28 +278,6 @@ class RunConfig(Section):
     checkpoint_path: Annotated[str, Field(min_length=1)] | None = help_(None, "a checkpoint to start from")
     autoload_last_checkpoint: bool = help_(False, "continue from model_dir's newest checkpoint (the same command)")
     disable_strict_checkpoint_loading: bool = help_(False, "load a model state with missing/extra entries")
-
-
-SECTION_CLASSES: dict[str, type[Section]] = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "precision": PrecisionConfig,
-    "optimizer": OptimizerConfig,
-    "runconfig": RunConfig,
-}
-# Keys that apply to one variant of their section only (the section's selector value: model.name, ...).
-ONLY = {
-    k: tuple(str(f.json_schema_extra["only"]).split())
-    for c in SECTION_CLASSES.values()
-    for k, f in c.model_fields.items()
-    if isinstance(f.json_schema_extra, dict)
-}
-# The keys ScalerSettings judges (typed Any above) -> its argument.
-SCALER_KEYS = {
-    k: {"loss_scaling_factor": "loss_scale", "initial_loss_scale": "init_scale"}.get(k, k)
-    for k, f in OptimizerConfig.model_fields.items()
-    if f.annotation is Any
-}
 
 
 class TrainConfig(BaseModel):
@@ -319,6 +295,22 @@ class TrainConfig(BaseModel):
     notes: tuple[str, ...] = ()
     layout: str = "dls"
     sources: dict[str, str] = {}  # "section.key" -> the key as the file wrote it
+
+
+# dls's sections: TrainConfig's fields that are one.
+SECTION_CLASSES: dict[str, type[Section]] = {
+    k: type(f.default) for k, f in TrainConfig.model_fields.items() if isinstance(f.default, Section)
+}
+# Keys that apply to one variant of their section only (the section's selector value: model.name, ...).
+ONLY = {
+    k: tuple(str(f.json_schema_extra["only"]).split())
+    for c in SECTION_CLASSES.values()
+    for k, f in c.model_fields.items()
+    if isinstance(f.json_schema_extra, dict)
+}
+# The keys ScalerSettings judges (typed Any above) -> its argument.
+_RENAMED = {"loss_scaling_factor": "loss_scale", "initial_loss_scale": "init_scale"}
+SCALER_KEYS = {k: _RENAMED.get(k, k) for k, f in OptimizerConfig.model_fields.items() if f.annotation is Any}
 
 
 # ---------------------------------------------------------------------- pydantic's errors, as the config wrote them
@@ -516,64 +508,46 @@ _LEGACY.update({k: k for k in ("model", "optimizer", "runconfig", "precision")})
 _MOVED = {"mixed_precision": ("precision", "mixed_precision"), "fp16_type": ("precision", "fp16_type")}  # from model
 _ALIAS = {"weight_decay_rate": ("optimizer", "weight_decay")}
 _DLS_FIELDS = ("name", "data_processor", "batch_size", "shuffle", "shuffle_seed", "drop_last_batch")
-# The current layout's trainer.init.<group>.<key> -> (section, key); and the keys written in trainer.init itself.
-_INIT = {
-    "precision": {
-        "enabled": ("precision", "mixed_precision"),
-        **_same("optimizer", " ".join([*SCALER_KEYS, "max_gradient_value", "log_summaries"])),
-        **_same("precision", "fp16_type keep_in_float32 fallback emulate half_params master_weights fp8"),
-    },
-    "loop": _same(
-        "runconfig", "max_steps num_epochs steps_per_epoch eval_frequency eval_steps grad_accum_steps num_steps"
-    ),
-    "checkpoint": {
-        "steps": ("runconfig", "checkpoint_steps"),
-        **_same("runconfig", "save_initial_checkpoint disable_strict_checkpoint_loading autoload_last_checkpoint"),
-        **_same("runconfig", "keep_checkpoint_max"),
-    },
-    "logging": {"log_steps": ("runconfig", "log_steps"), "log_summaries": ("optimizer", "log_summaries")},
-}
 _OPTIMIZER_ARGS = _same("optimizer", "learning_rate momentum weight_decay betas eps correct_bias")
 _OPTIMIZER_ARGS["lr"] = ("optimizer", "learning_rate")  # torch's name
-_RUN_KEYS = ("model_dir", "seed", "device", "num_threads", "tensorboard", "max_overflows_at_min_loss_scale")
 _SCHEDULERS = {"ConstantLR": "Constant", "LinearLR": "Linear", "CosineDecayLR": "CosineDecay"}
-# Model Zoo's defaults where they differ from dls's, in each layout: (section, key, the key as written, value).
-_ZOO_DEFAULTS: dict[str, list[tuple[str, str, str, Any]]] = {
-    "legacy": [
-        ("precision", "fp16_type", "model.fp16_type", "float16"),
-        ("precision", "mixed_precision", "model.mixed_precision", False),
-        ("optimizer", "loss_scaling_factor", "optimizer.loss_scaling_factor", 1.0),
-    ],
-    "current": [
-        ("precision", "fp16_type", "trainer.init.precision.fp16_type", "bfloat16"),
-        ("precision", "mixed_precision", "trainer.init.precision.enabled", True),
-        ("optimizer", "loss_scaling_factor", "trainer.init.precision.loss_scaling_factor", 1.0),
-        ("runconfig", "autoload_last_checkpoint", "trainer.init.checkpoint.autoload_last_checkpoint", True),
-    ],
+# Model Zoo's defaults where they differ from dls's: (section, key) -> {the key as written in each layout: default}.
+_ZOO_DEFAULTS: dict[tuple[str, str], dict[str, Any]] = {
+    ("precision", "fp16_type"): {"model.fp16_type": "float16", "trainer.init.precision.fp16_type": "bfloat16"},
+    ("precision", "mixed_precision"): {"model.mixed_precision": False, "trainer.init.precision.enabled": True},
+    ("optimizer", "loss_scaling_factor"): {
+        "optimizer.loss_scaling_factor": 1.0,
+        "trainer.init.precision.loss_scaling_factor": 1.0,
+    },
+    ("runconfig", "autoload_last_checkpoint"): {"trainer.init.checkpoint.autoload_last_checkpoint": True},
 }
 
 
 class _Reader:
-    """Collects the sections' values, where each was written (for errors), problems and notes."""
+    """Walks a config onto dls's sections: the values, where each was written (for errors), problems and notes."""
 
     def __init__(self, zoo_model: bool) -> None:
         self.zoo_model = zoo_model  # a Model Zoo model: its model and data keys go to params
         self.sections: dict[str, dict[str, Any]] = {name: {} for name in [*SECTION_CLASSES, "eval_data"]}
-        self.written: dict[tuple[str, str], str] = {}
+        self.written: dict[str, str] = {}  # "section.key" -> the key as written
         self.errors: list[str] = []
         self.ignored: list[str] = []
         self.notes: list[str] = []
 
+    def at(self, section: str, key: str) -> str:
+        """``section.key`` as the config wrote it."""
+        return self.written.get(f"{section}.{key}", f"{section}.{key}")
+
     def put(self, section: str, key: str, value: Any, path: str) -> None:
-        if (section, key) in self.written:
-            other, before = self.written[section, key], self.sections[section][key]
+        if f"{section}.{key}" in self.written:
+            other, before = self.written[f"{section}.{key}"], self.sections[section][key]
             if before != value:
                 self.errors.append(f"{other} ({before!r}) and {path} ({value!r}) disagree; give it in one place")
             elif path.split(".")[-1] != other.split(".")[-1]:
                 self.errors.append(f"{other} and {path} are the same setting; give one")
             return
         self.sections[section][key] = value
-        self.written[section, key] = path
+        self.written[f"{section}.{key}"] = path
 
     def mapping(self, value: Any, path: str) -> Mapping[Any, Any]:
         if value is None:
@@ -583,31 +557,33 @@ class _Reader:
             return {}
         return value
 
-    def unknown(self, path: str, key: Any, allowed: Sequence[str]) -> None:
-        if str(key) in CEREBRAS_ONLY:
-            self.ignored.append(f"{path}.{key}")
-        else:
-            self.errors.append(_unknown(path, key, allowed))
-
-    def section(self, section: str, body: Any, path: str, moved: Mapping[str, tuple[str, str]] = {}) -> None:
-        """A section written as dls's fields (legacy layout); Model Zoo models' and readers' keys go to ``params``."""
-        body = self.mapping(body, path)
-        fields = list(SECTION_CLASSES["data" if section == "eval_data" else section].model_fields) if section else []
-        zoo = self.zoo_model if section == "model" else self.zoo_model or "data_processor" in body
-        zoo = zoo and section in ("model", "data", "eval_data")
-        params = {}
-        for key, value in body.items():
-            where = f"{path}.{key}"
-            if key in moved:
-                self.put(*moved[key], value, where)
+    def walk(self, body: Any, path: str, table: Mapping[str, Any], params: dict[str, Any] | None = None) -> None:
+        """Each key of the mapping ``body`` (written at ``path``) where ``table`` sends it: to a ``(section, key)``,
+        through a nested table, or to a reader ``(reader, value, path)``. Other keys: ignored if Cerebras only, else
+        into ``params`` (a Model Zoo model's or reader's own keys) unless one of dls's, else refused."""
+        for key, value in self.mapping(body, path).items():
+            where, to = f"{path}.{key}", table.get(key)
+            if isinstance(to, tuple):
+                self.put(to[0], to[1], value, where)
+            elif isinstance(to, dict):
+                self.walk(value, where, to)
+            elif to is not None:
+                to(self, value, where)
             elif key in CEREBRAS_ONLY:
                 self.ignored.append(where)
-            elif zoo and key not in _DLS_FIELDS:  # the model's or reader's own key
+            elif params is not None and key not in _DLS_FIELDS:
                 params[key] = value
-            elif key in fields and key != "params":
-                self.put(section, key, value, where)
             else:
-                self.unknown(path, key, [f for f in fields if f != "params"] or list(moved))
+                self.errors.append(_unknown(path, key, list(table)))
+
+    def section(self, section: str, body: Any, path: str, moved: Mapping[str, tuple[str, str]] = {}) -> None:
+        """A section written as dls's fields; a Model Zoo model's or reader's own keys go to ``params``."""
+        body = self.mapping(body, path)
+        zoo = self.zoo_model or (section != "model" and "data_processor" in body)
+        params: dict[str, Any] | None = {} if zoo and section in ("model", "data", "eval_data") else None
+        fields = SECTION_CLASSES[section.removeprefix("eval_")].model_fields
+        keys = " ".join(f for f in fields if f != "params" and (params is None or f in _DLS_FIELDS))
+        self.walk(body, path, {**_same(section, keys), **moved}, params)
         if params:
             self.put(section, "params", params, path)
 
@@ -615,53 +591,18 @@ class _Reader:
         seen: dict[str, str] = {}
         for name, body in raw.items():
             section = _LEGACY.get(name)
-            if section is None:
+            if section in seen:
+                self.errors.append(f"give section {section!r} once: both {seen[section]!r} and {name!r} are present")
+            elif section:
+                seen[section] = str(name)
+                self.section(section, body, str(name), _MOVED if section == "model" else _ALIAS)
+            else:
                 self.errors.append(
                     f"unknown section {name}{did_you_mean(name, _LEGACY)}; allowed: {', '.join(_LEGACY)}"
                 )
-            elif section in seen:
-                self.errors.append(f"give section {section!r} once: both {seen[section]!r} and {name!r} are present")
-            else:
-                seen[section] = str(name)
-                self.section(section, body, str(name), _MOVED if section == "model" else _ALIAS)
 
-    def current(self, raw: Mapping[Any, Any]) -> None:
-        self.errors += [
-            f"unknown section {name}: the current layout has trainer: alone" for name in raw if name != "trainer"
-        ]
-        trainer = self.mapping(raw.get("trainer"), "trainer")
-        for name in [n for n in trainer if n not in ("init", "fit", "validate", "validate_all")]:
-            self.unknown("trainer", name, ["init", "fit", "validate", "validate_all"])
-        allowed = [*_RUN_KEYS, "backend", "model", "optimizer", "schedulers", "callbacks", *_INIT]
-        for key, value in self.mapping(trainer.get("init"), "trainer.init").items():
-            path = f"trainer.init.{key}"
-            if key in _RUN_KEYS:
-                self.put("runconfig", key, value, path)
-            elif key == "model":
-                self.section("model", value, path)
-            elif key in _INIT:  # keys that all move to dls's sections
-                self.section("", value, path, _INIT[key])
-            elif key == "backend":
-                self.backend(self.mapping(value, path), path)
-            elif key == "optimizer":
-                self.optimizer(self.mapping(value, path), path)
-            elif key == "schedulers":
-                self.put("optimizer", "learning_rate", _schedule(value, path, self.errors), path)
-            elif key == "callbacks":
-                self.callbacks(value, path)
-            else:
-                self.unknown("trainer.init", key, allowed)
-        if {"validate", "validate_all"} & trainer.keys():
-            self.notes.append("trainer.validate / trainer.validate_all: dls train runs trainer.fit (not checked)")
-        for key, value in self.mapping(trainer.get("fit"), "trainer.fit").items():
-            if key in ("train_dataloader", "val_dataloader"):
-                self.section("data" if key == "train_dataloader" else "eval_data", value, f"trainer.fit.{key}")
-            elif key == "ckpt_path":
-                self.put("runconfig", "checkpoint_path", value, "trainer.fit.ckpt_path")
-            else:
-                self.unknown("trainer.fit", key, ["train_dataloader", "val_dataloader", "ckpt_path"])
-
-    def backend(self, backend: Mapping[Any, Any], path: str) -> None:
+    def backend(self, value: Any, path: str) -> None:
+        backend = self.mapping(value, path)
         kind = backend.get("backend_type")
         if kind in ("CPU", "GPU", "CSX"):
             self.put("runconfig", "device", {"CPU": "cpu", "GPU": "cuda", "CSX": "auto"}[kind], f"{path}.backend_type")
@@ -671,54 +612,82 @@ class _Reader:
             self.errors.append(f"{path}.backend_type must be CSX, CPU or GPU; got {kind!r}{did_you_mean(kind, 'CPU')}")
         self.ignored.extend(f"{path}.{k}" for k in backend if k != "backend_type")
 
-    def optimizer(self, body: Mapping[Any, Any], path: str) -> None:
+    def optimizer(self, value: Any, path: str) -> None:
+        body = self.mapping(value, path)
         if len(body) != 1:
             self.errors.append(f"{path} must name one optimizer class (SGD, Adam or AdamW); got {list(body)}")
             return
         ((name, args),) = body.items()
         self.put("optimizer", "optimizer_type", name, path)
-        self.section("", args, f"{path}.{name}", _OPTIMIZER_ARGS)
+        self.walk(args, f"{path}.{name}", _OPTIMIZER_ARGS)
 
     def callbacks(self, value: Any, path: str) -> None:
         for i, item in enumerate(value if isinstance(value, list) else [value]):
-            if not isinstance(item, Mapping) or len(item) != 1:
+            name = next(iter(item)) if isinstance(item, Mapping) and len(item) == 1 else None
+            if name is None:
                 self.errors.append(f"{path}[{i}] must be {{CallbackName: {{...}}}}; got {item!r}")
-                continue
-            ((name, args),) = item.items()
-            where = f"{path}[{i}].{name}"
-            if name == "LoadCheckpointStates":
-                states = self.mapping(args, where).get("load_checkpoint_states")
-                self.put("runconfig", "load_checkpoint_states", states, where)
-            elif name in CEREBRAS_ONLY:
-                self.ignored.append(where)
+            elif name in CEREBRAS_ONLY or name == "LoadCheckpointStates":
+                self.walk(item, f"{path}[{i}]", {"LoadCheckpointStates": _same("runconfig", "load_checkpoint_states")})
             else:
                 self.errors.append(f"{path}[{i}]: dls does not run the callback {name!r}; remove it")
 
+    def schedulers(self, value: Any, path: str) -> None:
+        """Model Zoo's ``schedulers: [{LinearLR: {...}}]`` (or one ``SequentialLR`` of them) as schedule pieces."""
+        items, where = value if isinstance(value, list) else [value], path
+        if len(items) == 1 and isinstance(items[0], Mapping) and list(items[0]) == ["SequentialLR"]:
+            body, where = items[0]["SequentialLR"], f"{path}[0].SequentialLR"
+            if not isinstance(body, Mapping) or not isinstance(body.get("schedulers"), list):
+                self.errors.append(f"{where} must hold schedulers: [...]")
+                return
+            if extra := [k for k in body if k != "schedulers"]:
+                self.errors.append(f"{where}.{extra[0]} is not supported (pieces follow their total_iters)")
+            items, where = body["schedulers"], f"{where}.schedulers"
+        elif len(items) != 1:
+            self.errors.append(f"{path} must be one scheduler (use SequentialLR to chain them); got {len(items)}")
+            return
+        pieces = []
+        for i, item in enumerate(items):
+            name = next(iter(item)) if isinstance(item, Mapping) and len(item) == 1 else None
+            if name not in _SCHEDULERS or not isinstance(item[name], (Mapping, type(None))):
+                hint = did_you_mean(name, _SCHEDULERS)
+                self.errors.append(f"{where}[{i}] must be one of {', '.join(_SCHEDULERS)}; got {item!r}{hint}")
+            else:
+                pieces.append({"scheduler": _SCHEDULERS[name], **(item[name] or {})})
+        self.put("optimizer", "learning_rate", pieces, path)
 
-def _schedule(value: Any, path: str, errors: list[str]) -> Any:
-    """Model Zoo's ``schedulers: [{LinearLR: {...}}]`` (or one ``SequentialLR`` of them) as schedule pieces."""
-    items = value if isinstance(value, list) else [value]
-    if len(items) == 1 and isinstance(items[0], Mapping) and list(items[0]) == ["SequentialLR"]:
-        body = items[0]["SequentialLR"]
-        if not isinstance(body, Mapping) or not isinstance(body.get("schedulers"), list):
-            errors.append(f"{path}[0].SequentialLR must hold schedulers: [...]")
-            return None
-        extra = [k for k in body if k != "schedulers"]
-        if extra:
-            errors.append(f"{path}[0].SequentialLR.{extra[0]} is not supported (pieces follow their total_iters)")
-        items, path = body["schedulers"], f"{path}[0].SequentialLR.schedulers"
-    elif len(items) != 1:
-        errors.append(f"{path} must be one scheduler (use SequentialLR to chain them); got {len(items)}")
-        return None
-    pieces = []
-    for i, item in enumerate(items):
-        name = next(iter(item)) if isinstance(item, Mapping) and len(item) == 1 else None
-        if name not in _SCHEDULERS or not isinstance(item[name], (Mapping, type(None))):
-            hint = did_you_mean(name, _SCHEDULERS)
-            errors.append(f"{path}[{i}] must be one of {', '.join(_SCHEDULERS)}; got {item!r}{hint}")
-        else:
-            pieces.append({"scheduler": _SCHEDULERS[name], **(item[name] or {})})
-    return pieces
+
+# The current layout's trainer: each key -> (section, key), a table of its keys, or the reader of its value.
+_TRAINER: dict[str, Any] = {
+    "init": {
+        **_same("runconfig", "model_dir seed device num_threads tensorboard max_overflows_at_min_loss_scale"),
+        "model": lambda r, value, path: r.section("model", value, path),
+        "backend": _Reader.backend,
+        "optimizer": _Reader.optimizer,
+        "schedulers": _Reader.schedulers,
+        "callbacks": _Reader.callbacks,
+        "precision": {
+            "enabled": ("precision", "mixed_precision"),
+            **_same("optimizer", " ".join([*SCALER_KEYS, "max_gradient_value", "log_summaries"])),
+            **_same("precision", "fp16_type keep_in_float32 fallback emulate half_params master_weights fp8"),
+        },
+        "loop": _same(
+            "runconfig", "max_steps num_epochs steps_per_epoch eval_frequency eval_steps grad_accum_steps num_steps"
+        ),
+        "checkpoint": {
+            "steps": ("runconfig", "checkpoint_steps"),
+            **_same("runconfig", "save_initial_checkpoint disable_strict_checkpoint_loading autoload_last_checkpoint"),
+            **_same("runconfig", "keep_checkpoint_max"),
+        },
+        "logging": {"log_steps": ("runconfig", "log_steps"), "log_summaries": ("optimizer", "log_summaries")},
+    },
+    "fit": {
+        "train_dataloader": lambda r, value, path: r.section("data", value, path),
+        "val_dataloader": lambda r, value, path: r.section("eval_data", value, path),
+        "ckpt_path": ("runconfig", "checkpoint_path"),
+    },
+    "validate": lambda r, value, path: r.notes.append(f"{path}: dls train runs trainer.fit (not checked)"),
+}
+_TRAINER["validate_all"] = _TRAINER["validate"]
 
 
 # ---------------------------------------------------------------------- validation
@@ -730,7 +699,11 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
     holder = raw if layout == "legacy" else (raw["trainer"] if isinstance(raw["trainer"], Mapping) else {}).get("init")
     model = holder.get("model") if isinstance(holder, Mapping) else None
     r = _Reader(isinstance(model, Mapping) and model.get("name") in ZOO_MODELS)
-    r.current(raw) if layout == "current" else r.legacy(raw)
+    if layout == "current":
+        r.errors += [f"unknown section {n}: the current layout has trainer: alone" for n in raw if n != "trainer"]
+        r.walk(raw.get("trainer"), "trainer", _TRAINER)
+    else:
+        r.legacy(raw)
     s = r.sections
     name = s["model"].get("name")
     if name is None:
@@ -738,12 +711,12 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
         r.errors.append(f"model.name is required ({hint}); one of {', '.join(get_args(ModelName))}")
     if layout == "current" or name in ZOO_MODELS or "data_processor" in s["data"]:
         other = "legacy" if layout == "current" else "current"
-        theirs = {(section, key): value for section, key, _, value in _ZOO_DEFAULTS[other]}
-        for section, key, path, value in _ZOO_DEFAULTS[layout]:
-            if (section, key) not in r.written:
-                s[section][key] = value
-                their = theirs.get((section, key), value)
-                differs = f" ({other} layout: {their!r})" if their != value else ""
+        for (section, key), given in _ZOO_DEFAULTS.items():
+            ours = {p: v for p, v in given.items() if p.startswith("trainer.") == (layout == "current")}
+            if ours and f"{section}.{key}" not in r.written:
+                ((path, value),) = ours.items()
+                s[section][key], theirs = value, [v for v in given.values() if v != value]
+                differs = f" ({other} layout: {theirs[0]!r})" if theirs else ""
                 r.notes.append(f"{path}: {value!r}, Model Zoo's default in the {layout} layout{differs}")
     else:
         layout = "dls"
@@ -752,21 +725,21 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
     for section in ("data", "eval_data") if name in ZOO_MODELS else ():  # the reader the model implies (run.py's)
         if not {"dataset", "data_processor"} & s[section].keys() and (s[section] or section == "data"):
             s[section]["data_processor"] = "MNISTDataProcessor" if name == "fc_mnist" else "GptHDF5DataProcessor"
-    kind = s["optimizer"].get("optimizer_type", "Adam")
-    kind = _CANONICAL.get(kind.lower(), kind) if isinstance(kind, str) else kind
-    for section, selector, value in [
-        ("model", "name", name),
-        ("data", "dataset", s["data"].get("dataset")),
-        ("optimizer", "optimizer_type", kind),
-    ]:
+    for section, selector in {"model": "name", "data": "dataset", "optimizer": "optimizer_type"}.items():
+        value = s[section].get(selector, "Adam" if section == "optimizer" else None)
+        value = _CANONICAL.get(value.lower(), value) if isinstance(value, str) else value
         for key in [k for k in s[section] if k in ONLY and value is not None and value not in ONLY[k]]:
             only = " or ".join(map(repr, ONLY[key]))
-            r.errors.append(
-                f"{r.written[section, key]} applies only when {section}.{selector} is {only}; it is {value!r}"
-            )
+            r.errors.append(f"{r.at(section, key)} applies only when {section}.{selector} is {only}; it is {value!r}")
             del s[section][key]
+    built: dict[str, Any] = {}
     classes: dict[str, type[Section]] = {**SECTION_CLASSES, **({"eval_data": DataConfig} if s["eval_data"] else {})}
-    built = {section: _build(cls, section, s[section], r) for section, cls in classes.items()}
+    for section, cls in classes.items():
+        try:
+            built[section] = cls(**s[section])
+        except ValidationError as exc:
+            built[section] = None
+            r.errors.extend(_problems(exc, cls, s[section], functools.partial(r.at, section)))
     if built["optimizer"] is not None:
         _check_loss_scaling(built, r)
     if not r.errors:
@@ -778,23 +751,14 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
         raise ConfigError(list(dict.fromkeys(r.errors)), source)
     if r.ignored:
         r.notes.append(f"ignored on this hardware (Cerebras only): {', '.join(dict.fromkeys(r.ignored))}")
-    sources = {f"{section}.{key}": path for (section, key), path in r.written.items()}
-    return TrainConfig(**built, notes=tuple(r.notes), layout=layout, sources=sources)
-
-
-def _build(cls: type[Section], section: str, values: dict[str, Any], r: _Reader) -> Any:
-    try:
-        return cls(**values)
-    except ValidationError as exc:
-        r.errors.extend(_problems(exc, cls, values, lambda key: r.written.get((section, key), f"{section}.{key}")))
-        return None
+    return TrainConfig(**built, notes=tuple(r.notes), layout=layout, sources=r.written)
 
 
 def _fp8(recipe: Mapping[str, Any], r: _Reader) -> Any:
     """``{recipe: current|delayed|mxfp8|static, <fields>}`` judged field by field by ``dls.fp8``'s recipe classes."""
     from dls.fp8 import RECIPE_NAMES, recipe_from_dict
 
-    path = r.written.get(("precision", "fp8"), "precision.fp8")
+    path = r.at("precision", "fp8")
     cls = RECIPE_NAMES.get(recipe["recipe"]) if isinstance(recipe.get("recipe"), str) else None
     if cls is None:
         got = repr(recipe["recipe"]) if "recipe" in recipe else "nothing"
@@ -822,8 +786,7 @@ def _fp8(recipe: Mapping[str, Any], r: _Reader) -> Any:
 
 def _check_combinations(b: dict[str, Any], r: _Reader) -> None:
     model, data, prec, opt, run = b["model"], b["data"], b["precision"], b["optimizer"], b["runconfig"]
-    at = lambda section, key: r.written.get((section, key), f"{section}.{key}")  # noqa: E731
-    refuse, note = r.errors.append, r.notes.append
+    at, refuse, note = r.at, r.errors.append, r.notes.append
     builtin = MODEL_DATASETS.get(model.name)
     if builtin and data.data_processor is not None:
         refuse(f"{at('data', 'data_processor')}: model.name {model.name!r} trains on dls's built-in data ({builtin})")
@@ -838,7 +801,7 @@ def _check_combinations(b: dict[str, Any], r: _Reader) -> None:
     if model.name == "transformer_lm" and data.max_sequence_length > model.max_position_embeddings:
         length, most = data.max_sequence_length, model.max_position_embeddings
         refuse(f"{at('data', 'max_sequence_length')} ({length}) exceeds model.max_position_embeddings ({most})")
-    if not prec.mixed_precision and ("precision", "fp16_type") in r.written and prec.fp16_type != "float32":
+    if not prec.mixed_precision and "precision.fp16_type" in r.written and prec.fp16_type != "float32":
         note(f"{at('precision', 'fp16_type')} ({prec.fp16_type!r}) has no effect: mixed_precision is off")
     if prec.half_params and prec.compute_dtype == "float32":
         why = "(precision.mixed_precision: true and a half fp16_type): without it the parameters are float32"
@@ -864,14 +827,13 @@ def _check_zoo(b: dict[str, Any], r: _Reader) -> None:
     """A Model Zoo model's and readers' own keys, judged by ``dls.train.modelzoo.keys`` (no torch, no files)."""
     from dls.train.modelzoo.keys import parse_loader, parse_model
 
-    checks: list[tuple[Any, str, dict[str, Any], str]] = []
-    if b["model"].name in ZOO_MODELS:
-        where = r.written.get(("model", "params"), "model")
-        checks.append((parse_model, b["model"].name, dict(b["model"].params), where))
+    model = b["model"]
+    checks: list[tuple[Any, str, dict[str, Any], str]] = []  # (the parser, the name, its keys, where written)
+    if model.name in ZOO_MODELS:
+        checks.append((parse_model, model.name, dict(model.params), r.written.get("model.params", "model")))
     for section, default in (("data", "train_input"), ("eval_data", "eval_input")):
-        data = b.get(section)
-        if data is not None and data.data_processor is not None:
-            where = r.written.get((section, "data_processor"), f"{default}.").rsplit(".", 1)[0]
+        if (data := b.get(section)) is not None and data.data_processor is not None:
+            where = r.written.get(f"{section}.data_processor", f"{default}.").rsplit(".", 1)[0]
             checks.append((parse_loader, data.data_processor, data.loader_params, where))
     for parse, name, params, where in checks:
         try:
@@ -890,7 +852,7 @@ def _check_loss_scaling(b: dict[str, Any], r: _Reader) -> None:
     """``ScalerSettings`` judges every loss-scaling key given, each problem under its key as written; the keys
     without effect in the run's mode are noted and dropped."""
     opt, prec, factor = b["optimizer"], b["precision"], b["optimizer"].loss_scaling_factor
-    names = {arg: r.written.get(("optimizer", key), f"optimizer.{key}") for key, arg in SCALER_KEYS.items()}
+    names = {arg: r.at("optimizer", key) for key, arg in SCALER_KEYS.items()}
     if isinstance(factor, str) and factor != "dynamic":
         hint = did_you_mean(factor, ["dynamic"])
         r.errors.append(f"{names['loss_scale']} must be 'dynamic' (lower case), a number or null; got {factor!r}{hint}")
@@ -947,10 +909,8 @@ def to_dict(cfg: TrainConfig) -> dict[str, Any]:
     out["data"] = {"dataset": cfg.data.dataset, **out["data"]} if cfg.data.dataset else out["data"]  # first
     for body in (out["model"], out["data"], out.get("eval_input", {})):
         body.update(body.pop("params", {}))
-    if cfg.layout != "dls":  # Model Zoo's defaults of these differ from dls's
-        out["optimizer"].setdefault("loss_scaling_factor", cfg.optimizer.loss_scaling_factor)
-        out["precision"].setdefault("fp16_type", cfg.precision.fp16_type)
-        out["precision"].setdefault("mixed_precision", cfg.precision.mixed_precision)
+    for section, key in _ZOO_DEFAULTS if cfg.layout != "dls" else ():  # Model Zoo's defaults differ from dls's
+        out[section].setdefault(key, getattr(getattr(cfg, section), key))
     return out
 
 
@@ -983,20 +943,12 @@ def missing_paths(cfg: TrainConfig) -> list[str]:
     error for ``train``), naming the key as written and the layout expected."""
     from dls.train.modelzoo import check_data
 
-    lines = []
-    for section, data in (("data", cfg.data), ("eval_data", cfg.eval_data)):
-        if data is None or data.data_processor is None:
-            continue
-        dirs = data.params.get("data_dir")
-        missing = [d for d in ([dirs] if isinstance(dirs, str) else dirs or []) if not Path(str(d)).exists()]
-        key = cfg.sources.get(f"{section}.params", "train_input" if section == "data" else "eval_input")
-        if missing:
-            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            where = f"relative paths resolve against {Path.cwd()}"
-            lines.append(f"{key}.data_dir {missing[0]}{more} does not exist here ({where})")
-        else:
-            split = "train" if section == "data" else "val"
-            lines += check_data(data.data_processor, data.loader_params, split=split, prefix=key)
+    lines, cwd = [], f" (relative paths resolve against {Path.cwd()})"
+    for section, split in (("data", "train"), ("eval_data", "val")):
+        data = getattr(cfg, section)
+        if data is not None and data.data_processor is not None:
+            key = cfg.sources.get(f"{section}.params", "train_input" if split == "train" else "eval_input")
+            lines += [p + cwd for p in check_data(data.data_processor, data.loader_params, split=split, prefix=key)]
     return lines
 
 
