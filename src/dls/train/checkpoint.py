@@ -28,7 +28,7 @@ import stat
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,16 +37,12 @@ import yaml
 import dls.fp8
 from dls.diagnostics.scales import pow2
 from dls.scaler_state import parse_state_dict
-from dls.train.config import (
-    CHECKPOINT_STATES,
-    SCALER_KEYS,
-    TrainConfig,
-    loss_scaling_mode,
-    parse_config,
-    scaler_settings,
-)
+from dls.train.config import CHECKPOINT_STATES, SCALER_KEYS, loss_scaling_mode, parse_config, scaler_settings
 from dls.train.errors import CheckpointError, ConfigError, ModelDirError
 from dls.train.reporting import describe_scaling, metrics_to_keep, plot_run, read_metrics
+
+if TYPE_CHECKING:  # annotations only
+    from dls.train.config import TrainConfig
 
 FORMAT = "dls-checkpoint"
 FORMAT_VERSION = 2
@@ -55,10 +51,8 @@ METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "plots.png"
 CONFIG_FILE = "config.yaml"
 TENSORBOARD_DIR = "tensorboard"
-_NAME_RE = re.compile(r"^checkpoint_(\d+)\.mdl$")
 _TEMPORARIES = (".checkpoint_", *(f".{name}." for name in (METRICS_FILE, PLOT_FILE, CONFIG_FILE)))
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
-_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW
 
 
 class UnreadableCheckpoint(CheckpointError):
@@ -71,7 +65,7 @@ def checkpoint_path(model_dir: str | Path, step: int) -> Path:
 
 def checkpoint_step(name: str) -> int:
     """The step of a checkpoint's file name; -1 for any other name."""
-    match = _NAME_RE.match(name)
+    match = re.fullmatch(r"checkpoint_(\d+)\.mdl", name)
     return int(match.group(1)) if match else -1
 
 
@@ -233,7 +227,7 @@ class RunDir(contextlib.ExitStack):
         with contextlib.suppress(FileExistsError):  # a directory, or something refused below
             path.mkdir(parents=True)
         try:
-            self.fd = os.open(path, _DIRECTORY)
+            self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
         except OSError as exc:  # a link to anything (ELOOP, or ENOTDIR when it points at a file), or a file
             if path.is_symlink():
                 raise ModelDirError(f"{what} {path} is a symbolic link; give the directory it points to") from None
@@ -251,18 +245,9 @@ class RunDir(contextlib.ExitStack):
             raise
 
     def _lock(self) -> None:
-        lock = self.path / LOCK_FILE
         while True:
+            fd = self._open(LOCK_FILE, os.O_RDWR | os.O_CREAT)
             try:
-                fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | _NOFOLLOW | os.O_NONBLOCK, 0o644, dir_fd=self.fd)
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise ModelDirError(f"{lock} is a symbolic link, which dls does not follow: remove it") from None
-                exc.filename = str(lock)
-                raise
-            try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise ModelDirError(f"{lock} is not a regular file: remove it")
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -294,6 +279,23 @@ class RunDir(contextlib.ExitStack):
         if self.created:
             with contextlib.suppress(OSError):  # not empty: kept
                 os.rmdir(self.path)
+
+    def _open(self, name: str, flags: int, kind: int = stat.S_IFREG) -> int:
+        """``name`` opened through the directory's descriptor; a symbolic link (never followed) or a file of another
+        kind than ``kind`` is refused (:class:`ModelDirError`), another error names the path."""
+        path, fd = self.path / name, -1
+        try:
+            fd = os.open(name, flags | _NOFOLLOW | os.O_NONBLOCK, 0o644, dir_fd=self.fd)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):  # a link; not a directory
+                exc.filename = str(path)
+                raise
+        if fd >= 0 and stat.S_IFMT(os.fstat(fd).st_mode) == kind:
+            return fd
+        if fd >= 0:
+            os.close(fd)
+        noun = "directory" if kind == stat.S_IFDIR else "regular file"
+        raise ModelDirError(f"{path} is not a {noun} (or is a symbolic link, which dls does not follow): move it away")
 
     def write(self, name: str, data: bytes | memoryview, append: bool = False) -> IO[bytes]:
         """Write ``name`` atomically: a new temporary file (a planted name is never opened), flushed to disk, renamed
@@ -332,13 +334,8 @@ class RunDir(contextlib.ExitStack):
     def read(self, name: str) -> bytes | None:
         """The bytes of the regular file ``name``; ``None`` when there is none (a link or other kind counts as none)."""
         try:
-            fd = os.open(name, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK, dir_fd=self.fd)
-        except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ELOOP):
-                return None
-            raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which names a directory by its descriptor number
-            os.close(fd)
+            fd = self._open(name, os.O_RDONLY)
+        except (FileNotFoundError, ModelDirError):
             return None
         with os.fdopen(fd, "rb") as f:
             return f.read()
@@ -353,16 +350,7 @@ class RunDir(contextlib.ExitStack):
         if tensorboard:  # checked before anything is written: created if missing, and refused unless a directory
             with contextlib.suppress(FileExistsError):  # (not a link) of the run's user writable by no one else
                 os.mkdir(TENSORBOARD_DIR, 0o755, dir_fd=self.fd)
-            try:
-                events_fd = os.open(TENSORBOARD_DIR, _DIRECTORY, dir_fd=self.fd)
-            except OSError as exc:
-                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise ModelDirError(
-                        f"{events} is not a directory (or is a symbolic link, which dls does not follow in "
-                        "model_dir): move it away"
-                    ) from None
-                exc.filename = str(events)
-                raise
+            events_fd = self._open(TENSORBOARD_DIR, os.O_RDONLY | os.O_DIRECTORY, stat.S_IFDIR)
             self.callback(os.close, events_fd)
             info = os.fstat(events_fd)
             if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
