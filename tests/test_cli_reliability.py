@@ -251,8 +251,8 @@ def test_a_full_disk_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytes
     with ckpt.RunDir(tmp_path) as run_dir:
         monkeypatch.setattr(os, "fdopen", lambda fd, *args, **kwargs: FullDisk(fd))
         with pytest.raises(OSError) as info:
-            if name == "metrics.jsonl":
-                run_dir.write(name, b"{}\n", append=True)
+            if name == "metrics.jsonl":  # the session's first write
+                run_dir.open(print, set_aside=[], step=0, config={}, config_file=None)
             else:
                 run_dir.replace(name, b"x: 1\n")
         monkeypatch.undo()

@@ -1,13 +1,10 @@
-"""A run's model_dir and its checkpoints. The directory is resolved once, locked for one run at a time (``flock``; a
+"""A run's model_dir and its checkpoints. The directory: resolved once, locked for one run at a time (``flock``; a
 lock left by a killed run is taken over), written only through its descriptor, never through a link, each file
-atomically; a training run checks it once under the lock (:func:`check_model_dir`), then it holds checkpoints,
-``metrics.jsonl``, ``config.yaml``, ``plots.png`` and TensorBoard events in ``tensorboard/``; rank 0 alone writes.
-POSIX only.
-
+atomically, checked once under the lock (:func:`check_model_dir`); rank 0 alone writes. POSIX only.
 ``checkpoint_<step>.mdl``: Model Zoo's state names plus ``rng``, ``config``, ``trainer``, ``fp8``, ``format_version``
-(1: the LR schedule counted skipped steps; 2: applied steps only); written atomically, the last N kept. Bytes that do
-not parse are *unreadable* (skipped when resuming a directory, then set aside); a file that parses but may not load
-is refused. :func:`restore` loads one into a trainer."""
+(1: the LR schedule counted skipped steps; 2: applied steps only), the last N kept. Bytes that do not parse are
+*unreadable* (skipped when resuming a directory, then set aside); a file that parses but may not load is refused.
+:func:`restore` loads one into a trainer."""
 
 from __future__ import annotations
 
@@ -123,12 +120,10 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{p} is not a dls training checkpoint (no 'model' state)")
     version = state.get("format_version", 1)
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise CheckpointError(f"{p} has an invalid format_version {version!r}")
-    if version > FORMAT_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
         raise CheckpointError(
-            f"{p} has checkpoint format version {version}; this dls reads versions 1 to {FORMAT_VERSION} (a newer "
-            "dls wrote it: resume it with that dls; nothing was changed)"
+            f"{p} has checkpoint format version {version!r}; this dls reads versions 1 to {FORMAT_VERSION} (a higher "
+            "one was written by a newer dls: resume it with that dls; nothing was changed)"
         )
     return state
 
@@ -246,8 +241,9 @@ class RunDir(contextlib.ExitStack):
 
     def _lock(self) -> None:
         while True:
-            fd = self._open(LOCK_FILE, os.O_RDWR | os.O_CREAT)
-            try:
+            with contextlib.ExitStack() as attempt:  # the lock file is closed unless this attempt takes the lock
+                fd = self._open(LOCK_FILE, os.O_RDWR | os.O_CREAT)
+                attempt.callback(os.close, fd)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -258,7 +254,6 @@ class RunDir(contextlib.ExitStack):
                     ) from None
                 # A holder that released between our open and our lock has unlinked the file we locked: retry.
                 if not is_same_file(self.fd, LOCK_FILE, fd):
-                    os.close(fd)
                     continue
                 self.stale = _holder(fd, held=False)
                 now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -266,11 +261,9 @@ class RunDir(contextlib.ExitStack):
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, json.dumps(record).encode() + b"\n", 0)
                 os.fsync(fd)
-            except BaseException:
-                os.close(fd)
-                raise
-            self.callback(self._unlock, fd)
-            return
+                attempt.pop_all()
+                self.callback(self._unlock, fd)
+                return
 
     def _unlock(self, fd: int) -> None:
         with contextlib.suppress(OSError):
@@ -297,21 +290,22 @@ class RunDir(contextlib.ExitStack):
         noun = "directory" if kind == stat.S_IFDIR else "regular file"
         raise ModelDirError(f"{path} is not a {noun} (or is a symbolic link, which dls does not follow): move it away")
 
-    def write(self, name: str, data: bytes | memoryview, append: bool = False) -> IO[bytes]:
+    def replace(self, name: str, data: bytes | memoryview) -> Path:
         """Write ``name`` atomically: a new temporary file (a planted name is never opened), flushed to disk, renamed
-        over ``name``; returned open (for appending with ``append``). Callers serialise into memory first, so that a
-        failing write is the ``OSError`` it is, naming the file (``torch.save`` into a file makes it a
-        ``RuntimeError``); a failed write leaves no temporary file."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | (os.O_APPEND if append else 0)
+        over ``name``; its path. Callers serialise into memory first, so that a failing write is the ``OSError`` it is,
+        naming the file (``torch.save`` into a file makes it a ``RuntimeError``); a failed write leaves no temporary
+        file."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
         tmp, f = "", None
         try:
             while f is None:
                 tmp = f".{name}.{secrets.token_hex(6)}.tmp"
                 with contextlib.suppress(FileExistsError):  # someone planted this name: take another
-                    f = os.fdopen(os.open(tmp, flags, 0o644, dir_fd=self.fd), "ab" if append else "wb")
+                    f = os.fdopen(os.open(tmp, flags, 0o644, dir_fd=self.fd), "wb")
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+            f.close()
             os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
         except BaseException as exc:
             if f is not None:
@@ -324,11 +318,6 @@ class RunDir(contextlib.ExitStack):
             raise
         with contextlib.suppress(OSError):
             os.fsync(self.fd)
-        return f
-
-    def replace(self, name: str, data: bytes | memoryview) -> Path:
-        """:meth:`write` ``name``; its path."""
-        self.write(name, data).close()
         return self.path / name
 
     def read(self, name: str) -> bytes | None:
@@ -367,7 +356,8 @@ class RunDir(contextlib.ExitStack):
             os.rename(bad.name, kept, src_dir_fd=self.fd, dst_dir_fd=self.fd)
             names.add(kept)
             log(f"Renamed {bad.name} to {kept} (kept, never resumed from)")
-        self._metrics = self.enter_context(self.write(METRICS_FILE, keep, append=True))
+        self.replace(METRICS_FILE, keep)
+        self._metrics = self.enter_context(os.fdopen(self._open(METRICS_FILE, os.O_WRONLY | os.O_APPEND), "ab"))
         if config_file is not None and is_same_file(self.fd, CONFIG_FILE, config_file):
             log(f"{self.path / CONFIG_FILE} is the input config: left as it is")
         else:
@@ -400,7 +390,7 @@ class RunDir(contextlib.ExitStack):
     def save_checkpoint(self, state: dict[str, Any], step: int, keep: int | None = None) -> Path:
         """Write ``state`` as ``checkpoint_<step>.mdl`` atomically, then with ``keep`` delete all but the ``keep``
         newest checkpoints (never the one just written; a link is not a checkpoint: it pushes no real one out)."""
-        buffer = io.BytesIO()  # in memory first: see write()
+        buffer = io.BytesIO()  # in memory first: see replace()
         torch.save({"format": FORMAT, "format_version": FORMAT_VERSION, **state}, buffer)
         path = self.replace(checkpoint_path(self.path, step).name, buffer.getbuffer())
         for _, old in list_checkpoints(self.path, self.fd)[:-keep] if keep is not None else []:
@@ -478,10 +468,9 @@ def restore(trainer: Any, path: Path, state: dict[str, Any], states: Sequence[st
                 f"the model in {path} holds inf/NaN values ({', '.join(map(str, broken[:4]))}): resume from an "
                 "earlier checkpoint"
             )
+        strict = not trainer.cfg.runconfig.disable_strict_checkpoint_loading
         try:
-            trainer.model.load_state_dict(
-                state["model"], strict=not trainer.cfg.runconfig.disable_strict_checkpoint_loading
-            )
+            trainer.model.load_state_dict(state["model"], strict=strict)
         except _LOAD_ERRORS as exc:
             first = (str(exc).strip().splitlines() or [str(exc)])[0]
             raise CheckpointError(
