@@ -406,7 +406,6 @@ class RunDir(contextlib.ExitStack):
         return self.replace(PLOT_FILE, png.getbuffer())
 
 
-# ---------------------------------------------------------------------- random-number generators
 def rng_state() -> dict[str, Any]:
     """The state of torch's (CPU and CUDA), Python's and NumPy's global generators, as plain data."""
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
@@ -426,16 +425,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 # ---------------------------------------------------------------------- restoring a checkpoint into a trainer
 # The settings of the dynamic rule (ScalerSettings attribute -> config key), compared on resume.
 _SETTING_KEYS = {arg: key for key, arg in SCALER_KEYS.items() if arg not in ("loss_scale", "max_gradient_norm")}
@@ -449,17 +438,17 @@ def restore(trainer: Any, path: Path, state: dict[str, Any], states: Sequence[st
     checked before use; a field that does not fit raises :class:`CheckpointError` naming it and the file. The config
     defines the loss scaler's mode and settings; the checkpoint contributes only its dynamic state, each difference
     logged."""
-    trainer.log(f"Loading {path} (step {state.get('global_step', '?')}): {', '.join(states)}")
+    log = trainer.log
+    log(f"Loading {path} (step {state.get('global_step', '?')}): {', '.join(states)}")
     if fresh := [s for s in CHECKPOINT_STATES if s not in states]:
-        trainer.log(f"Not loaded (fresh from the config): {', '.join(fresh)}")
+        log(f"Not loaded (fresh from the config): {', '.join(fresh)}")
     if "global_step" in states:  # first: what a bad file most often gets wrong (and the rng of more ranks uses it)
         with _loading("global_step", path):
-            step = _number(state.get("global_step", 0), "global_step")
+            trainer.global_step = _number(state.get("global_step", 0), "global_step")
             if not isinstance(extra := state.get("trainer", {}), dict):
                 raise ValueError(f"trainer must be a mapping; got {type(extra).__name__}")
-            elapsed = float(_number(extra.get("elapsed", 0.0), "trainer.elapsed", integer=False))
-            floor = _number(extra.get("overflows_at_floor", 0), "trainer.overflows_at_floor")
-        trainer.global_step, trainer.elapsed, trainer.overflows_at_floor = step, elapsed, floor
+            trainer.elapsed = float(_number(extra.get("elapsed", 0.0), "trainer.elapsed", integer=False))
+            trainer.overflows_at_floor = _number(extra.get("overflows_at_floor", 0), "trainer.overflows_at_floor")
     if "model" in states:
         weights = {n for n, _ in trainer.model.named_parameters()}  # buffers may hold inf by design (masks)
         saved = state["model"] if isinstance(state["model"], dict) else {}
@@ -479,15 +468,15 @@ def restore(trainer: Any, path: Path, state: dict[str, Any], states: Sequence[st
             ) from None
         fp8, handle = state.get("fp8"), trainer.fp8  # loads with the model when its recipe is the config's
         if handle is None and fp8 is not None:
-            trainer.log(f"the fp8 state in {path} is not used: this config has no precision.fp8")
+            log(f"the fp8 state in {path} is not used: this config has no precision.fp8")
         elif handle is not None and fp8 is None:
-            trainer.log(f"{path} has no fp8 state (a run without precision.fp8 wrote it); FP8 scaling starts fresh")
+            log(f"{path} has no fp8 state (a run without precision.fp8 wrote it); FP8 scaling starts fresh")
         elif handle is not None and fp8 is not None:
             with _loading("fp8", path):
                 if (then := dls.fp8.recipe_from_dict(fp8["recipe"])) == handle.recipe:
                     handle.load_state_dict(fp8)
                 else:
-                    trainer.log(f"the fp8 state in {path} is for {then!r}; the config's {handle.recipe!r} starts fresh")
+                    log(f"the fp8 state in {path} is for {then!r}; the config's recipe {handle.recipe!r} starts fresh")
     try:
         saved_cfg = parse_config(state["config"]) if isinstance(state.get("config"), dict) else None
     except ConfigError:
@@ -495,7 +484,7 @@ def restore(trainer: Any, path: Path, state: dict[str, Any], states: Sequence[st
     targets = {"optimizer": trainer.optimizer, "lr_scheduler": trainer.scheduler, "dataloader": trainer.batches}
     for key, target in targets.items():
         if key in states and key not in state:
-            trainer.log(f"{path} has no {key} state; {key} starts fresh")
+            log(f"{path} has no {key} state; {key} starts fresh")
         elif key in states:
             with _loading(key, path):
                 if key == "optimizer":
@@ -504,10 +493,9 @@ def restore(trainer: Any, path: Path, state: dict[str, Any], states: Sequence[st
                     _check_scheduler(state[key], len(trainer.optimizer.param_groups))
                 target.load_state_dict(state[key])
             if key == "lr_scheduler" and state.get("format_version", 1) == 1:
-                trainer.log(
-                    f"{path} has checkpoint format 1, whose LR schedule advanced on skipped steps too: it goes on "
-                    f"from its position ({state[key]['last_epoch']} steps) and from now on advances on applied steps "
-                    "only"
+                log(
+                    f"{path} has checkpoint format 1, whose LR schedule advanced on skipped steps too: it goes on from "
+                    f"its position ({state[key]['last_epoch']} steps) and from now on advances on applied steps only"
                 )
     if "grad_scaler" in states:
         with _loading("grad_scaler", path):
@@ -516,10 +504,16 @@ def restore(trainer: Any, path: Path, state: dict[str, Any], states: Sequence[st
         ranks: Any = state.get("rng_ranks")  # saved by as many ranks as now: each its own
         own = trainer.world_size > 1 and isinstance(ranks, list) and len(ranks) == trainer.world_size
         if not own and "rng" not in state:
-            trainer.log(f"{path} has no rng state; random-number generators start from runconfig.seed")
+            log(f"{path} has no rng state; random-number generators start from runconfig.seed")
         else:
+            rng = ranks[trainer.rank] if own else state["rng"]  # else rank 0's, as rng_state() wrote it
             with _loading("rng", path):
-                _set_rng_state(ranks[trainer.rank] if own else state["rng"])  # else rank 0's
+                torch.set_rng_state(rng["torch"])
+                random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
+                kind, keys, pos, has_gauss, cached = rng["numpy"]
+                np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+                if "cuda" in rng and torch.cuda.is_available():
+                    torch.cuda.set_rng_state_all(rng["cuda"])
             if trainer.rank > 0 and not own:  # saved by fewer ranks: a stream of its own, not a copy of rank 0's
                 seed_everything(trainer.cfg.runconfig.seed + trainer.rank + 1_000_003 * trainer.global_step)
 
@@ -571,10 +565,8 @@ def _check_optimizer(saved: Any, trainer: Any, then: str | None) -> None:
             "or with the checkpoint's optimizer_type"
         )
     sizes = [len(g["params"]) if isinstance(g.get("params"), list) else None for g in groups]
-    if sizes != [len(g["params"]) for g in now_groups]:
-        raise ValueError(
-            f"its param_groups hold {sizes} parameters; this run's {[len(g['params']) for g in now_groups]}"
-        )
+    if sizes != (now_sizes := [len(g["params"]) for g in now_groups]):
+        raise ValueError(f"its param_groups hold {sizes} parameters; this run's optimizer {now_sizes}")
     params: dict[Any, tuple[torch.Tensor, dict[str, Any]]] = {}
     for g, (group, now_group) in enumerate(zip(groups, now_groups)):
         if bad := [k for k, v in group.items() if k != "params" and not _finite(v)]:
@@ -590,11 +582,8 @@ def _check_optimizer(saved: Any, trainer: Any, then: str | None) -> None:
             raise ValueError(f"{field} lacks {', '.join(missing)}")
         for key, value in entry.items():
             if key == "step":
-                _number(
-                    value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value,
-                    f"{field}.step",
-                    integer=False,
-                )
+                count = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+                _number(count, f"{field}.step", integer=False)
             elif isinstance(value, torch.Tensor) and (not value.is_floating_point() or value.shape != param.shape):
                 raise ValueError(
                     f"{field}.{key} is a {value.dtype} tensor of shape {tuple(value.shape)}; this run's parameter "
@@ -610,12 +599,9 @@ def _check_scheduler(saved: Any, num_groups: int) -> None:
         raise ValueError(f"a mapping is expected; got {type(saved).__name__}")
     _number(saved.get("last_epoch"), "last_epoch", low=-1)
     for key in ("base_lrs", "_last_lr") if saved.get("_last_lr") is not None else ("base_lrs",):
-        values = saved.get(key)
-        if (
-            not isinstance(values, list)
-            or len(values) != num_groups
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
-        ):
+        values: Any = saved.get(key)
+        numbers = isinstance(values, list) and all(type(v) in (int, float) and math.isfinite(v) for v in values)
+        if not numbers or len(values) != num_groups:
             raise ValueError(f"{key} must be a list of {num_groups} finite numbers; got {values!r}")
 
 
