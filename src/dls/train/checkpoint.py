@@ -276,16 +276,16 @@ class RunDir(contextlib.ExitStack):
     def _open(self, name: str, flags: int, kind: int = stat.S_IFREG) -> int:
         """``name`` opened through the directory's descriptor; a symbolic link (never followed) or a file of another
         kind than ``kind`` is refused (:class:`ModelDirError`), another error names the path."""
-        path, fd = self.path / name, -1
+        path = self.path / name
         try:
             fd = os.open(name, flags | _NOFOLLOW | os.O_NONBLOCK, 0o644, dir_fd=self.fd)
         except OSError as exc:
             if exc.errno not in (errno.ELOOP, errno.ENOTDIR):  # a link; not a directory
                 exc.filename = str(path)
                 raise
-        if fd >= 0 and stat.S_IFMT(os.fstat(fd).st_mode) == kind:
-            return fd
-        if fd >= 0:
+        else:
+            if stat.S_IFMT(os.fstat(fd).st_mode) == kind:
+                return fd
             os.close(fd)
         noun = "directory" if kind == stat.S_IFDIR else "regular file"
         raise ModelDirError(f"{path} is not a {noun} (or is a symbolic link, which dls does not follow): move it away")
@@ -558,9 +558,9 @@ def _check_optimizer(saved: Any, trainer: Any, then: str | None) -> None:
     # SGD's groups hold 'momentum', Adam's and AdamW's 'betas': a state of the other family breaks the first step.
     family = "Adam" if all("betas" in g for g in groups) else "SGD"
     if (family == "SGD") != (now == "SGD"):
-        then = then if then is not None and (then == "SGD") == (family == "SGD") else family
+        name = then if then is not None and (then == "SGD") == (family == "SGD") else family  # else a crafted file
         raise ValueError(
-            f"its param_groups are {then}'s and optimizer.optimizer_type is {now} now: resume without it "
+            f"its param_groups are {name}'s and optimizer.optimizer_type is {now} now: resume without it "
             "(--load_checkpoint_states with every state but optimizer; in the run's own directory keep global_step) "
             "or with the checkpoint's optimizer_type"
         )
