@@ -103,6 +103,10 @@ def _inf_beta(state: dict[str, Any]) -> None:
     state["optimizer"]["param_groups"][0]["betas"] = (0.9, float("inf"))
 
 
+def _no_betas(state: dict[str, Any]) -> None:  # groups of SGD's kind, while the saved config says AdamW
+    del state["optimizer"]["param_groups"][0]["betas"]
+
+
 def _nan_weight(state: dict[str, Any]) -> None:
     next(iter(state["model"].values()))[0] = float("nan")
 
@@ -119,23 +123,28 @@ def _scaler(state: dict[str, Any]) -> None:
     state["grad_scaler"]["loss_scale"] = float("nan")
 
 
+OPTIMIZER = "cannot load the optimizer state of {path}: "
+SCALER = "cannot load the grad_scaler state of {path}: "
+
+
 @pytest.mark.parametrize(
     ("craft", "needle"),
     [
-        (_global_step, "global_step in {path} must be an integer >= 0; got 'abc'"),
-        (_rng, "cannot restore the random-number generators (rng) of {path}"),
-        (_optimizer_shape, "optimizer.state[0].exp_avg in {path} is a torch.float32 tensor of shape (7,)"),
-        (_optimizer_garbage, "the optimizer state in {path} is not an optimizer state dict"),
-        (_step_minus_5, "optimizer.state[0].step in {path} must be a count >= 0; got tensor(-5.)"),
-        (_zero_dim_exp_avg, "optimizer.state[0].exp_avg in {path} is a torch.float32 tensor of shape ()"),
-        (_nan_exp_avg, "optimizer.state[1].exp_avg in {path} holds inf/NaN values"),
-        (_integer_exp_avg_sq, "optimizer.state[0].exp_avg_sq in {path} is a torch.int64 tensor"),
-        (_nan_lr, "optimizer.param_groups[0].lr in {path} must be finite; got nan"),
-        (_inf_beta, "optimizer.param_groups[0].betas in {path} must be finite; got (0.9, inf)"),
+        (_global_step, "cannot load the global_step state of {path}: global_step must be an integer >= 0; got 'abc'"),
+        (_rng, "cannot load the rng state of {path}"),
+        (_optimizer_shape, OPTIMIZER + "optimizer.state[0].exp_avg is a torch.float32 tensor of shape (7,)"),
+        (_optimizer_garbage, OPTIMIZER + "it is not an optimizer state dict"),
+        (_step_minus_5, OPTIMIZER + "optimizer.state[0].step must be a number >= 0; got -5.0"),
+        (_zero_dim_exp_avg, OPTIMIZER + "optimizer.state[0].exp_avg is a torch.float32 tensor of shape ()"),
+        (_nan_exp_avg, OPTIMIZER + "optimizer.state[1].exp_avg holds inf/NaN values"),
+        (_integer_exp_avg_sq, OPTIMIZER + "optimizer.state[0].exp_avg_sq is a torch.int64 tensor"),
+        (_nan_lr, OPTIMIZER + "optimizer.param_groups[0].lr must be finite; got nan"),
+        (_inf_beta, OPTIMIZER + "optimizer.param_groups[0].betas must be finite; got (0.9, inf)"),
+        (_no_betas, OPTIMIZER + "its param_groups are SGD's and optimizer.optimizer_type is AdamW now"),
         (_nan_weight, "the model in {path} holds inf/NaN values"),
         (_dataloader, "cannot load the dataloader state of {path}: epoch must be an integer >= 0; got -1"),
         (_scheduler, "cannot load the lr_scheduler state of {path}: base_lrs must be a list of 1 finite numbers"),
-        (_scaler, "grad_scaler.loss_scale in {path} must be a positive finite number; got nan"),
+        (_scaler, SCALER + "grad_scaler.loss_scale must be a positive finite number; got nan"),
     ],
 )
 def test_crafted_checkpoint_fields_exit_2_naming_the_field(
@@ -162,7 +171,8 @@ def test_switching_the_optimizer_type_on_resume_exits_2(tmp_path: Path, capsys: 
     sgd = write_config(tmp_path / "sgd.yaml", raw)
     assert main(["train", sgd, "--resume", str(run), "--no_progress", "-o", "runconfig.max_steps=6"]) == 2
     err = one_error_line(capsys.readouterr().err)
-    assert "the optimizer state in" in err and "is AdamW's and optimizer.optimizer_type is SGD now" in err
+    assert f"cannot load the optimizer state of {run / 'checkpoint_4.mdl'}: its param_groups are AdamW's" in err
+    assert "and optimizer.optimizer_type is SGD now" in err
     assert snapshot(run) == before
 
 

@@ -19,7 +19,6 @@ import torch
 import yaml
 
 from dls.train import checkpoint as ckpt
-from dls.train import rundir
 from dls.train.cli import main
 from dls.train.demo import DLS, FP16, base_config
 from dls.train.trainer import Trainer
@@ -168,9 +167,9 @@ def test_the_console_script_is_the_entry_module() -> None:
 # ---------------------------------------------------------------------- item 12: dls demo and the lock
 def test_demo_refuses_an_out_dir_another_run_holds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
-    with rundir.RunDir(rundir.resolve_model_dir(out)):
+    with ckpt.RunDir(ckpt.resolve_model_dir(out)):
         assert main(["demo", "--out", str(out), "--steps", "1", "--no_progress"]) == 2
-        assert os.listdir(out) == [rundir.LOCK_FILE]
+        assert os.listdir(out) == [ckpt.LOCK_FILE]
     err = one_line(capsys.readouterr().err)
     assert "--out" in err and "in use" in err and "runconfig.model_dir" not in err
 
@@ -226,7 +225,7 @@ def test_taking_over_a_stale_lock_does_not_say_it_is_still_held(
     import json
     import socket
 
-    (run / rundir.LOCK_FILE).write_text(json.dumps({"pid": pid, "host": socket.gethostname()}))
+    (run / ckpt.LOCK_FILE).write_text(json.dumps({"pid": pid, "host": socket.gethostname()}))
     assert main(["train", write_config(tmp_path / "c.yaml", tiny(run)), "--no_progress"]) == 0
     out = capsys.readouterr().out
     assert f"Taking over the lock of pid {pid}" in out and "still holds it" not in out
@@ -249,16 +248,16 @@ class FullDisk:
 
 @pytest.mark.parametrize("name", ["config.yaml", "metrics.jsonl"])
 def test_a_full_disk_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    with rundir.RunDir(tmp_path) as run_dir:
+    with ckpt.RunDir(tmp_path) as run_dir:
         monkeypatch.setattr(os, "fdopen", lambda fd, *args, **kwargs: FullDisk(fd))
         with pytest.raises(OSError) as info:
-            if name == "metrics.jsonl":
-                run_dir.write(name, b"{}\n", append=True)
+            if name == "metrics.jsonl":  # the session's first write
+                run_dir.open(print, set_aside=[], step=0, config={}, config_file=None)
             else:
                 run_dir.replace(name, b"x: 1\n")
         monkeypatch.undo()
         assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path / name)
-        assert sorted(os.listdir(tmp_path)) == [rundir.LOCK_FILE]
+        assert sorted(os.listdir(tmp_path)) == [ckpt.LOCK_FILE]
 
 
 # ---------------------------------------------------------------------- adversarial: read-only media
@@ -279,7 +278,7 @@ def test_a_run_on_read_only_media_is_exit_3_naming_the_path_and_changes_nothing(
     monkeypatch.setattr(os, "open", read_only)
     assert main(["train", "--resume", str(run), "--no_progress", "-o", "runconfig.max_steps=6"]) == 3
     err = one_line(capsys.readouterr().err)
-    assert f"{run / rundir.LOCK_FILE}: Read-only file system" in err
+    assert f"{run / ckpt.LOCK_FILE}: Read-only file system" in err
     monkeypatch.undo()
     assert snapshot(run) == before
 

@@ -19,10 +19,10 @@ from rich.console import Console
 
 from dls.train import Trainer, TrainingStopped
 from dls.train import checkpoint as ckpt
+from dls.train.checkpoint import METRICS_FILE, PLOT_FILE, RunDir
 from dls.train.config import CHECKPOINT_STATES, parse_config
 from dls.train.data import BatchIterator, CharCorpus, build_dataset
 from dls.train.errors import ModelDirError
-from dls.train.rundir import METRICS_FILE, PLOT_FILE, RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 

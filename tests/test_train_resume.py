@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from dls.train import checkpoint as ckpt
+from dls.train.checkpoint import RunDir
 from dls.train.cli import main
-from dls.train.rundir import RunDir
 from test_train import make_trainer, metrics, tiny
 
 ALL_BUT_SCALER = "model,optimizer,dataloader,lr_scheduler,global_step,rng"

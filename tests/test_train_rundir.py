@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from dls.train import checkpoint as ckpt
+from dls.train.checkpoint import LOCK_FILE, RunDir
 from dls.train.cli import main
 from dls.train.errors import ModelDirError
-from dls.train.rundir import LOCK_FILE, RunDir
 from test_train import make_trainer, metrics, tiny
 
 

@@ -20,12 +20,12 @@ from dls import formats as half_formats
 from dls.diagnostics import AuditResult, FormatAudit
 from dls.diagnostics.scales import pow2
 from dls.train import checkpoint as ckpt
+from dls.train.checkpoint import RunDir, resolve_model_dir
 from dls.train.cli import config_errors
 from dls.train.config import TrainConfig, load_config, loss_scaling_mode, scaler_settings
 from dls.train.data import Batch, BatchIterator, TrainModel, build_dataset, build_model
 from dls.train.errors import UsageError
 from dls.train.launch import resolve_device
-from dls.train.rundir import RunDir, resolve_model_dir
 
 DEFAULT_FORMATS = ("float16", "bfloat16", "cbfloat16")
 AUDIT_PLOT = "audit.png"

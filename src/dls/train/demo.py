@@ -27,10 +27,10 @@ from torch import nn
 
 import dls
 from dls.diagnostics.scales import pow2
+from dls.train.checkpoint import CONFIG_FILE, METRICS_FILE, PLOT_FILE, RunDir, resolve_model_dir
 from dls.train.config import parse_config
 from dls.train.errors import TrainingStopped
 from dls.train.reporting import TrainResult, plot_comparison, read_metrics
-from dls.train.rundir import CONFIG_FILE, METRICS_FILE, PLOT_FILE, RunDir, resolve_model_dir
 from dls.train.trainer import Trainer
 
 LOSS_WEIGHT = 1e-4

@@ -30,7 +30,7 @@ from dls.diagnostics.fallback import apply_precision_fallback, fallback_note
 from dls.diagnostics.scales import module_label, pow2
 from dls.emulate import EmulationHandle
 from dls.train import checkpoint as ckpt
-from dls.train import config, data, reporting, rundir
+from dls.train import config, data, reporting
 from dls.train.errors import MissingExtras, TrainingStopped
 from dls.train.launch import resolve_device, run_on_rank0, sum_over_ranks, wrap_data_parallel
 from dls.train.reporting import TrainResult, json_number
@@ -70,8 +70,8 @@ class Trainer:
                     f"runconfig.tensorboard needs the 'tensorboard' extra ({exc}); install it with: "
                     "pip install 'dls[tensorboard]'"
                 ) from None
-        self.model_dir = rundir.resolve_model_dir(rc.model_dir)
-        self.run_dir: rundir.RunDir | None = None  # rank 0, while train() holds model_dir
+        self.model_dir = ckpt.resolve_model_dir(rc.model_dir)
+        self.run_dir: ckpt.RunDir | None = None  # rank 0, while train() holds model_dir
         self.crash_dir: Path | None = None  # where a crash report may go: model_dir, once this run has locked it
         ckpt.seed_everything(rc.seed)
         # Model Zoo data: the directories are checked here, not by dls validate.
@@ -164,7 +164,7 @@ class Trainer:
         aside: list[Path] = []  # unreadable checkpoints of this run's own directory
 
         def lock() -> None:  # first: nothing of model_dir is read before its lock is held
-            run_dir = self.run_dir = rundir.RunDir(self.model_dir)
+            run_dir = self.run_dir = ckpt.RunDir(self.model_dir)
             self.crash_dir = self.model_dir  # then a crash report may go there
             if run_dir.stale:
                 self.log(f"Taking over the lock of {run_dir.stale}: that run ended without releasing it")
@@ -192,7 +192,7 @@ class Trainer:
                     states = rc.load_checkpoint_states
                 for bad, reason in unreadable:
                     self.log(f"Skipping {bad}: {reason}")
-            run_on_rank0(lambda: aside.extend(rundir.check_model_dir(self.model_dir, path, unreadable, states)))
+            run_on_rank0(lambda: aside.extend(ckpt.check_model_dir(self.model_dir, path, unreadable, states)))
             if path is not None and state is not None:
                 ckpt.restore(self, path, state, states)
                 del state
@@ -279,7 +279,7 @@ class Trainer:
             skipped_steps=self.scaler.get_num_skipped_steps(),
             loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None, scaling=self.scaling,
             grad_underflow=grad_underflow, fp8_flushed=fp8_flushed, fp8_saturated=fp8_saturated,
-            wall_time=wall_time, checkpoint=self._last_checkpoint, metrics_path=self.model_dir / rundir.METRICS_FILE,
+            wall_time=wall_time, checkpoint=self._last_checkpoint, metrics_path=self.model_dir / ckpt.METRICS_FILE,
             plot_path=plot,
         )  # fmt: skip
         if stopped is not None:
