@@ -710,6 +710,7 @@ def test_a_legacy_config_without_a_model_name_says_how_to_name_it() -> None:
         ("trainer.init.precision.max_gradient_norm=true", "trainer.init.precision.max_gradient_norm must be"),
         ("trainer.init.loop.max_steps='1024'", "trainer.init.loop.max_steps must be an integer >= 1; got '1024'"),
         ("trainer.init.backend.backend_type=TPU", "trainer.init.backend.backend_type must be CSX, CPU or GPU"),
+        ("trainer.init.backend.backend_type=gpu", "got 'gpu' (did you mean 'GPU'?)"),  # the hint named no type
         ("trainer.init.callbacks=[{CheckLoss: {}}]", "dls does not run the callback 'CheckLoss'"),
         ("trainer.init.schedulers=[{StepLR: {}}]", "trainer.init.schedulers[0] must be one of ConstantLR"),
         # A misspelt callback key was ignored (every state loaded); now it is refused, naming the key.

@@ -609,7 +609,8 @@ class _Reader:
             if kind == "CSX":
                 self.notes.append(f"{path}.backend_type CSX: not this hardware; the run uses the best device here")
         elif kind is not None:
-            self.errors.append(f"{path}.backend_type must be CSX, CPU or GPU; got {kind!r}{did_you_mean(kind, 'CPU')}")
+            hint = did_you_mean(kind, ("CSX", "CPU", "GPU"))
+            self.errors.append(f"{path}.backend_type must be CSX, CPU or GPU; got {kind!r}{hint}")
         self.ignored.extend(f"{path}.{k}" for k in backend if k != "backend_type")
 
     def optimizer(self, value: Any, path: str) -> None:
