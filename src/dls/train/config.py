@@ -436,15 +436,11 @@ def load_yaml(text: str, source: str = "<string>") -> Any:
 
 def read_config(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """The YAML file ``path`` (a regular file of at most 1 MiB of UTF-8) as a dict, ``overrides`` applied."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO without a writer must not block
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+    try:  # opened non-blocking: a FIFO without a writer must not block
+        with open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK)) as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 raise ConfigError(["not a regular file: a config is read from a plain file"], str(path))
-            with os.fdopen(os.dup(fd), "rb") as f:
-                data = f.read(MAX_CONFIG_BYTES + 1)
-        finally:
-            os.close(fd)
+            data = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError([f"cannot read config file: {exc.strerror or exc}"], str(path)) from None
     if len(data) > MAX_CONFIG_BYTES:
