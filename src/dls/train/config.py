@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import os
 import re
 import stat
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -341,27 +340,25 @@ def _allowed(schema: dict[str, Any], big: bool) -> str:
     return f"{text} {'>' if open_low else '>='} {low}" if low is not None else text
 
 
-def _problems(
-    exc: ValidationError, cls: type[BaseModel], values: Mapping[str, Any], where: Callable[[str], str]
-) -> list[str]:
-    """One line per key pydantic refused: the key as written (``where(key)``), what it allows and what it got."""
+def _problems(exc: ValidationError, section: str, r: _Reader) -> None:
+    """One error per key of ``section`` pydantic refused: the key as written, what it allows and what it got."""
+    cls, values = SECTION_CLASSES[section.removeprefix("eval_")], r.sections[section]
     errors: list[tuple[list[Any], Any]] = [
         ([p for p in e["loc"] if isinstance(p, int) or p.isidentifier()], e) for e in exc.errors()
     ]
     pieces = {loc[0] for loc, _ in errors if len(loc) > 1 and loc[0] == "learning_rate"}  # said in the pieces
-    out = []
     for loc, err in errors:
         inner = loc[0] in pieces
         if inner and len(loc) == 1:
             continue
-        path = where(loc[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:] if inner)
+        path = r.at(section, loc[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:] if inner)
         value, key, model = (err["input"], loc[2:3], SchedulePiece) if inner else (values[loc[0]], loc[:1], cls)
         if err["type"] == "extra_forbidden":
-            out.append(_unknown(path.rsplit(".", 1)[0], loc[-1], list(model.model_fields)))
+            r.errors.append(_unknown(path.rsplit(".", 1)[0], loc[-1], list(model.model_fields)))
         elif err["type"] == "missing" and inner:
-            out.append(f"{path} is required")
+            r.errors.append(f"{path} is required")
         elif err["type"] == "value_error":
-            out.append(f"{path}: {err['msg'].removeprefix('Value error, ')}")
+            r.errors.append(f"{path}: {err['msg'].removeprefix('Value error, ')}")
         else:
             schema = model.model_json_schema()["properties"][key[0]] if key else {"type": "object"}
             big = isinstance(value, int) and not isinstance(value, bool) and value > INT64_MAX
@@ -371,8 +368,7 @@ def _problems(
                 allowed += ", at most float32's max 3.4e38 in size"
             names = [n for s in [schema, *schema.get("anyOf", [])] for n in s.get("enum", [])]
             hint = did_you_mean(value, names) if isinstance(value, str) and names else ""
-            out.append(f"{path} must be {allowed}; got {value!r}{hint}")
-    return list(dict.fromkeys(out))
+            r.errors.append(f"{path} must be {allowed}; got {value!r}{hint}")
 
 
 # ---------------------------------------------------------------------- YAML
@@ -736,7 +732,7 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
             built[section] = cls(**s[section])
         except ValidationError as exc:
             built[section] = None
-            r.errors.extend(_problems(exc, cls, s[section], functools.partial(r.at, section)))
+            _problems(exc, section, r)
     if built["optimizer"] is not None:
         _check_loss_scaling(built, r)
     if not r.errors:
