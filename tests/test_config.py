@@ -253,6 +253,8 @@ def test_wrong_types_and_values(raw: object, needle: str) -> None:
         ),
         ({"model": {"name": "mlp"}, "data": {}, "train_input": {}}, "give section 'data' once"),
         (mlp(optimizer={"weight_decay": 0.1, "weight_decay_rate": 0.1}), "are the same setting"),
+        # Model Zoo's weight_decay_rate belongs to optimizer: it set the weight decay from any legacy section.
+        (mlp(data={"weight_decay_rate": 0.1}), "unknown key data.weight_decay_rate"),
         (
             mlp(precision={"mixed_precision": True, "fp16_type": "cbfloat16"}, optimizer={"loss_scaling_factor": 8}),
             "must be 'dynamic' for cbfloat16",
@@ -727,6 +729,12 @@ def test_current_layout_errors_name_the_key_as_written(override: str, needle: st
     with pytest.raises(ConfigError) as info:
         load_config(MODELZOO / "gpt3_cerebras_gpt_111m.yaml", [override])
     assert needle in str(info.value)
+
+
+def test_a_default_reader_names_its_keys_where_written() -> None:
+    raw = C.read_config(MODELZOO / "gpt3_cerebras_gpt_111m.yaml", ["trainer.fit.train_dataloader.bogus=1"])
+    del raw["trainer"]["fit"]["train_dataloader"]["data_processor"]  # GptHDF5DataProcessor, gpt3's reader
+    assert errors_of(raw) == ["trainer.fit.train_dataloader.bogus: unknown key"]  # was train_input.bogus
 
 
 def test_a_malformed_schedule_is_one_error() -> None:

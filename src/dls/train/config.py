@@ -391,8 +391,7 @@ class _Loader(yaml.SafeLoader):
         index = {
             (k.tag, k.value) if isinstance(k, yaml.ScalarNode) else id(k): i for i, (k, _) in enumerate(node.value)
         }
-        if len(index) < len(node.value):
-            node.value = [node.value[i] for i in sorted(index.values())]
+        node.value = [node.value[i] for i in sorted(index.values())]
 
 
 _FLOAT = r"^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+|\.[0-9_]+"
@@ -497,8 +496,10 @@ def _same(section: str, keys: str) -> dict[str, tuple[str, str]]:
 
 _LEGACY = {"train_input": "data", "data": "data", "eval_input": "eval_data"}  # a legacy section -> dls's
 _LEGACY.update({k: k for k in ("model", "optimizer", "runconfig", "precision")})
-_MOVED = {"mixed_precision": ("precision", "mixed_precision"), "fp16_type": ("precision", "fp16_type")}  # from model
-_ALIAS = {"weight_decay_rate": ("optimizer", "weight_decay")}
+_MOVED = {  # a legacy section's keys that are read into another section's key
+    "model": _same("precision", "mixed_precision fp16_type"),
+    "optimizer": {"weight_decay_rate": ("optimizer", "weight_decay")},
+}
 _DLS_FIELDS = ("name", "data_processor", "batch_size", "shuffle", "shuffle_seed", "drop_last_batch")
 _OPTIMIZER_ARGS = _same("optimizer", "learning_rate momentum weight_decay betas eps correct_bias")
 _OPTIMIZER_ARGS["lr"] = ("optimizer", "learning_rate")  # torch's name
@@ -542,12 +543,9 @@ class _Reader:
         self.written[f"{section}.{key}"] = path
 
     def mapping(self, value: Any, path: str) -> Mapping[Any, Any]:
-        if value is None:
-            return {}
-        if not isinstance(value, Mapping):
+        if value is not None and not isinstance(value, Mapping):
             self.errors.append(f"{'section ' * ('.' not in path)}{path} must be a mapping of keys; got {value!r}")
-            return {}
-        return value
+        return value if isinstance(value, Mapping) else {}
 
     def walk(self, body: Any, path: str, table: Mapping[str, Any], params: dict[str, Any] | None = None) -> None:
         """Each key of the mapping ``body`` (written at ``path``) where ``table`` sends it: to a ``(section, key)``,
@@ -576,7 +574,7 @@ class _Reader:
         fields = SECTION_CLASSES[section.removeprefix("eval_")].model_fields
         keys = " ".join(f for f in fields if f != "params" and (params is None or f in _DLS_FIELDS))
         self.walk(body, path, {**_same(section, keys), **moved}, params)
-        if params:
+        if params is not None:  # also empty: where the section is written
             self.put(section, "params", params, path)
 
     def legacy(self, raw: Mapping[Any, Any]) -> None:
@@ -587,7 +585,7 @@ class _Reader:
                 self.errors.append(f"give section {section!r} once: both {seen[section]!r} and {name!r} are present")
             elif section:
                 seen[section] = str(name)
-                self.section(section, body, str(name), _MOVED if section == "model" else _ALIAS)
+                self.section(section, body, str(name), _MOVED.get(section, {}))
             else:
                 self.errors.append(
                     f"unknown section {name}{did_you_mean(name, _LEGACY)}; allowed: {', '.join(_LEGACY)}"
@@ -716,7 +714,7 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
     if name in MODEL_NAMES and "data_processor" not in s["data"]:
         s["data"].setdefault("dataset", MODEL_DATASETS[str(name)])
     for section in ("data", "eval_data") if name in ZOO_MODELS else ():  # the reader the model implies (run.py's)
-        if not {"dataset", "data_processor"} & s[section].keys() and (s[section] or section == "data"):
+        if s[section].get("data_processor") is None and (s[section] or section == "data"):  # null: the default
             s[section]["data_processor"] = "MNISTDataProcessor" if name == "fc_mnist" else "GptHDF5DataProcessor"
     for section, selector in {"model": "name", "data": "dataset", "optimizer": "optimizer_type"}.items():
         value = s[section].get(selector, "Adam" if section == "optimizer" else None)
@@ -785,8 +783,6 @@ def _check_combinations(b: dict[str, Any], r: _Reader) -> None:
         refuse(f"{at('data', 'data_processor')}: model.name {model.name!r} trains on dls's built-in data ({builtin})")
     elif builtin and data.dataset != builtin:
         refuse(f"{at('data', 'dataset')} {data.dataset!r} does not fit model.name {model.name!r}; allowed: {builtin}")
-    if model.name in ZOO_MODELS and data.data_processor is None and data.dataset is None:
-        refuse(f"{model.name} reads Model Zoo data: set train_input.data_processor ({', '.join(ZOO_PROCESSORS)})")
     if data.dataset is not None and not data.drop_last_batch:
         refuse(f"{at('data', 'drop_last_batch')}: false is not supported for built-in data sets (they drop it)")
     if model.name == "transformer_lm" and model.hidden_size % model.num_heads:
@@ -826,7 +822,7 @@ def _check_zoo(b: dict[str, Any], r: _Reader) -> None:
         checks.append((parse_model, model.name, dict(model.params), r.written.get("model.params", "model")))
     for section, default in (("data", "train_input"), ("eval_data", "eval_input")):
         if (data := b.get(section)) is not None and data.data_processor is not None:
-            where = r.written.get(f"{section}.data_processor", f"{default}.").rsplit(".", 1)[0]
+            where = r.written.get(f"{section}.params", default)
             checks.append((parse_loader, data.data_processor, data.loader_params, where))
     for parse, name, params, where in checks:
         try:
@@ -862,10 +858,8 @@ def _check_loss_scaling(b: dict[str, Any], r: _Reader) -> None:
         kept = [m for arg, m in exc.problems if arg in given] or [m for _, m in exc.problems]  # the keys written
         r.errors.extend(pattern.sub(lambda m: names[m.group(1)], m) for m in kept)
         return
-    if opt.max_gradient_norm is not None and opt.max_gradient_norm > F32_MAX:  # the scaler takes any finite norm
-        r.errors.append(
-            f"{names['max_gradient_norm']} must be at most float32's max 3.4e38; got {opt.max_gradient_norm!r}"
-        )
+    if (norm := opt.max_gradient_norm) is not None and norm > F32_MAX:  # the scaler takes any finite norm
+        r.errors.append(f"{names['max_gradient_norm']} must be at most float32's max 3.4e38; got {norm!r}")
     if prec.compute_dtype == "float32":
         mode, why = "off", "the run computes in float32, without loss scaling"
     elif prec.fp16_type == "cbfloat16" and mode != "dynamic":
