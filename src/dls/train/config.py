@@ -375,7 +375,8 @@ def _problems(exc: ValidationError, section: str, r: _Reader) -> None:
 class _Loader(yaml.SafeLoader):
     """SafeLoader with YAML 1.2 floats (``1e-3`` is a number) that refuses a key given twice in one mapping."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        """Refuses a key given twice in a mapping; merged keys (``<<: [*a, *b]``) count once, the last value wins."""
         seen: dict[Any, int] = {}
         for key, _ in node.value:
             if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
@@ -383,11 +384,7 @@ class _Loader(yaml.SafeLoader):
                 if key.value in seen:
                     raise ConfigError([f"key {key.value!r} is given twice: lines {seen[key.value]} and {line}"])
                 seen[key.value] = line
-        return super().construct_mapping(node, deep=deep)
-
-    def flatten_mapping(self, node: yaml.MappingNode) -> None:
-        """Merge keys (``<<: [*a, *b]``) that cannot multiply: each key once, the last value given wins."""
-        super().flatten_mapping(node)
+        super().flatten_mapping(node)  # the merged keys first: without de-duplication they can multiply
         index = {
             (k.tag, k.value) if isinstance(k, yaml.ScalarNode) else id(k): i for i, (k, _) in enumerate(node.value)
         }
@@ -723,7 +720,7 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
             only = " or ".join(map(repr, ONLY[key]))
             r.errors.append(f"{r.at(section, key)} applies only when {section}.{selector} is {only}; it is {value!r}")
             del s[section][key]
-    built: dict[str, Any] = {}
+    built: dict[str, Any] = {"eval_data": None}  # the sections built (None: refused, or not given)
     classes: dict[str, type[Section]] = {**SECTION_CLASSES, **({"eval_data": DataConfig} if s["eval_data"] else {})}
     for section, cls in classes.items():
         try:
@@ -808,7 +805,7 @@ def _check_combinations(b: dict[str, Any], r: _Reader) -> None:
         b["precision"] = prec = prec.model_copy(update={"emulate": False})
     if prec.fallback and prec.compute_dtype not in ("float16", "cbfloat16"):
         note(f"{at('precision', 'fallback')} has no effect: the run computes in {prec.compute_dtype}")
-    if run.eval_steps is not None and b.get("eval_data") is None:
+    if run.eval_steps is not None and b["eval_data"] is None:
         note(f"{at('runconfig', 'eval_steps')}: no eval_input / val_dataloader: evaluation reads the training data")
 
 
@@ -816,27 +813,18 @@ def _check_zoo(b: dict[str, Any], r: _Reader) -> None:
     """A Model Zoo model's and readers' own keys, judged by ``dls.train.modelzoo.keys`` (no torch, no files)."""
     from dls.train.modelzoo.keys import parse_loader, parse_model
 
-    model = b["model"]
-    checks: list[tuple[Any, str, dict[str, Any], str]] = []  # (the parser, the name, its keys, where written)
-    if model.name in ZOO_MODELS:
-        checks.append((parse_model, model.name, dict(model.params), r.written.get("model.params", "model")))
-    for section, default in (("data", "train_input"), ("eval_data", "eval_input")):
-        if (data := b.get(section)) is not None and data.data_processor is not None:
-            where = r.written.get(f"{section}.params", default)
-            checks.append((parse_loader, data.data_processor, data.loader_params, where))
-    for parse, name, params, where in checks:
+    for section, default in (("model", "model"), ("data", "train_input"), ("eval_data", "eval_input")):
+        part, where = b[section], r.written.get(f"{section}.params", default)
         try:
-            r.ignored.extend(parse(name, params, where)[1])
+            if section == "model" and part.name in ZOO_MODELS:
+                r.ignored.extend(parse_model(part.name, dict(part.params), where)[1])
+            elif section != "model" and part is not None and part.data_processor is not None:
+                r.ignored.extend(parse_loader(part.data_processor, part.loader_params, where)[1])
         except ConfigError as exc:
             r.errors.extend(exc.errors)
 
 
 # ---------------------------------------------------------------------- loss scaling
-def _settings(opt: OptimizerConfig, fp16_type: str, **replace: Any) -> ScalerSettings:
-    args = {arg: getattr(opt, key) for key, arg in SCALER_KEYS.items() if getattr(opt, key) is not None}
-    return ScalerSettings.cerebras(**{**args, **replace}, half_dtype="float16" if fp16_type == "float32" else fp16_type)
-
-
 def _check_loss_scaling(b: dict[str, Any], r: _Reader) -> None:
     """``ScalerSettings`` judges every loss-scaling key given, each problem under its key as written; the keys
     without effect in the run's mode are noted and dropped."""
@@ -849,12 +837,12 @@ def _check_loss_scaling(b: dict[str, Any], r: _Reader) -> None:
     if prec is None:  # the precision section's own errors are said
         return
     half = "float16" if prec.fp16_type == "float32" else prec.fp16_type
+    given = {arg: getattr(opt, key) for key, arg in SCALER_KEYS.items() if getattr(opt, key) is not None}
     try:
         mode = ScalerSettings.cerebras(factor, half_dtype=half).mode  # the scaler's own rule for the mode
-        _settings(opt, prec.fp16_type, loss_scale="dynamic")  # the other keys, as a dynamic scale takes them
+        ScalerSettings.cerebras(**{**given, "loss_scale": "dynamic"}, half_dtype=half)  # the others, as dynamic
     except SettingsError as exc:
         pattern = re.compile(r"\b(" + "|".join(sorted(names, key=len, reverse=True)) + r")\b")
-        given = {arg for key, arg in SCALER_KEYS.items() if getattr(opt, key) is not None}
         kept = [m for arg, m in exc.problems if arg in given] or [m for _, m in exc.problems]  # the keys written
         r.errors.extend(pattern.sub(lambda m: names[m.group(1)], m) for m in kept)
         return
@@ -878,7 +866,9 @@ def _check_loss_scaling(b: dict[str, Any], r: _Reader) -> None:
 
 def scaler_settings(cfg: TrainConfig) -> ScalerSettings:
     """The loss scaler's settings of ``cfg`` (Cerebras' dialect, ``precision.fp16_type`` as the half dtype)."""
-    return _settings(cfg.optimizer, cfg.precision.fp16_type)
+    opt, fp16_type = cfg.optimizer, cfg.precision.fp16_type
+    args = {arg: getattr(opt, key) for key, arg in SCALER_KEYS.items() if getattr(opt, key) is not None}
+    return ScalerSettings.cerebras(**args, half_dtype="float16" if fp16_type == "float32" else fp16_type)
 
 
 def loss_scaling_mode(cfg: TrainConfig) -> str:
