@@ -578,15 +578,14 @@ class _Reader:
         seen: dict[str, str] = {}
         for name, body in raw.items():
             section = _LEGACY.get(name)
-            if section in seen:
+            if section is None:
+                hint = did_you_mean(name, _LEGACY)
+                self.errors.append(f"unknown section {name}{hint}; allowed: {', '.join(_LEGACY)}")
+            elif section in seen:
                 self.errors.append(f"give section {section!r} once: both {seen[section]!r} and {name!r} are present")
-            elif section:
+            else:
                 seen[section] = str(name)
                 self.section(section, body, str(name), _MOVED.get(section, {}))
-            else:
-                self.errors.append(
-                    f"unknown section {name}{did_you_mean(name, _LEGACY)}; allowed: {', '.join(_LEGACY)}"
-                )
 
     def backend(self, value: Any, path: str) -> None:
         backend = self.mapping(value, path)
@@ -946,9 +945,8 @@ def memory_problem(cfg: TrainConfig) -> str | None:
     if m.name in ("gpt2", "gpt3", "llama") and all(isinstance(p.get(k), int) for k in ("hidden_size", "filter_size")):
         embeddings = p.get("vocab_size", 1) * h * (1 if p.get("share_embedding_weights", True) else 2)
         block = 4 * h + (3 if p.get("nonlinearity") == "swiglu" else 2) * p["filter_size"]  # attention and MLP
-        need[cfg.sources.get("model.params", "model") + ".hidden_size"] = BYTES_PER_PARAMETER * (
-            embeddings + p.get("num_hidden_layers", 1) * h * block
-        )
+        blocks = p.get("num_hidden_layers", 1) * h * block
+        need[cfg.sources.get("model.params", "model") + ".hidden_size"] = BYTES_PER_PARAMETER * (embeddings + blocks)
     elif m.name == "mlp":
         need["model.hidden_size"] = BYTES_PER_PARAMETER * h * (d.input_dim + h * (m.depth - 1) + d.output_dim)
     try:
