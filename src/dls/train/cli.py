@@ -260,8 +260,7 @@ def _saved_config(resume: str, overrides: Sequence[str]) -> tuple[dict[str, Any]
 
 
 def _audit(args: argparse.Namespace) -> None:
-    """Which half formats hold the config's model (as ``dls train`` starts it, in float32), from which loss scale, and
-    what FP8 recipes do to it (arguments checked first). Nothing is trained; ``--out`` writes by the model_dir rules."""
+    """The arguments checked, then the verdicts, the scales, the FP8 table and the plot (what: AUDIT_EPILOG)."""
     import torch
 
     import dls
