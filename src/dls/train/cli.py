@@ -11,6 +11,7 @@ import importlib.resources
 import importlib.util
 import re
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -259,9 +260,65 @@ def _saved_config(resume: str, overrides: Sequence[str]) -> tuple[dict[str, Any]
 
 
 def _audit(args: argparse.Namespace) -> None:
-    from dls.train.audit import command
+    """The arguments checked, then the verdicts, the scales, the FP8 table and the plot (what: AUDIT_EPILOG)."""
+    import torch
 
-    command(args)
+    import dls
+    from dls.diagnostics.scales import pow2
+    from dls.train.audit import audit_formats, build_inputs
+    from dls.train.checkpoint import RunDir, resolve_model_dir
+    from dls.train.config import load_config, loss_scaling_mode, scaler_settings
+
+    names = args.formats if args.formats is not None else ["float16", "bfloat16", "cbfloat16"]
+    if unknown := [name for name in names if name not in dls.formats.names()]:
+        raise UsageError(f"--formats: unknown format {unknown[0]!r}; allowed: {', '.join(dls.formats.names())}")
+    recipe_names = None if args.fp8_recipes is None else list(dict.fromkeys(args.fp8_recipes or dls.fp8.RECIPE_NAMES))
+    if unknown := [r for r in recipe_names or () if r not in dls.fp8.RECIPE_NAMES]:
+        allowed = ", ".join(dls.fp8.RECIPE_NAMES)
+        raise UsageError(f"--fp8-recipes: unknown recipe(s) {', '.join(map(repr, unknown))}; allowed: {allowed}")
+    cfg = load_config(args.config, args.override)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.runconfig.num_threads or threads)
+    try:
+        with config_errors(args.config):
+            model, batches = build_inputs(cfg, args.steps)
+        weight, half = cfg.model.loss_weight, cfg.precision.fp16_type
+        print(
+            f"dls audit {args.config}: {cfg.model.name} on {cfg.data.dataset}, the first {args.steps} batches of "
+            f"{cfg.data.batch_size}, float32 weights as dls train initialises them, loss x {weight:g} "
+            "(model.loss_weight)"
+        )
+        result = audit_formats(model, batches, names, weight)
+        print(
+            f"{result.to_text()}\n\nRecommended initial loss scales (optimizer.initial_loss_scale; "
+            "loss_scaling_factor: dynamic):"
+        )
+        for name, scale in result.recommended_init_scale.items():
+            print(f"  {name:<10} {pow2(scale) if scale else 'none: loss scaling cannot help (see the verdict)'}")
+        given, scale = scaler_settings(cfg).init_scale, result.recommended_init_scale.get(half)
+        if loss_scaling_mode(cfg) == "dynamic" and scale is not None and scale != given:
+            print(
+                f"This config starts {half} at {pow2(given)}; to start at the audit's scale: "
+                f"-o optimizer.initial_loss_scale={scale:g}"
+            )
+        if recipe_names is not None:
+            own = cfg.precision.fp8 or {"recipe": None}  # a recipe the config names keeps its fields
+            recipes = [
+                dls.fp8.recipe_from_dict(dict(own) if own["recipe"] == r else {"recipe": r}) for r in recipe_names
+            ]
+            at = given if loss_scaling_mode(cfg) != "off" else 1.0
+            fp8 = dls.fp8.compare_recipes(
+                model, model.loss, batches, recipes, loss_weight=weight, loss_scale=at, seed=cfg.runconfig.seed
+            )
+            print("\n" + fp8.to_text())
+        if args.out is not None:  # save_plot takes a path only: drawn in a private temporary directory first
+            directory = resolve_model_dir(Path(args.out), "--out")
+            with tempfile.TemporaryDirectory(prefix="dls-audit-") as scratch:
+                png = result.save_plot(Path(scratch) / "audit.png").read_bytes()
+            with RunDir(directory, "--out") as run_dir:
+                print(f"\nPlot: {run_dir.replace('audit.png', png)}")
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _demo(args: argparse.Namespace) -> None:

@@ -170,12 +170,6 @@ def metrics_to_keep(data: bytes | None, path: Path, step: int) -> bytes:
     return b"".join(kept)
 
 
-def _scale_tick(value: float, _pos: Any = None) -> str:
-    """A loss-scale axis label: ``pow2``'s ``2^k`` as a mathtext exponent."""
-    text = pow2(value) if value > 0 else ""
-    return f"$2^{{{text[2:]}}}$" if text.startswith("2^") else text
-
-
 def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: IO[bytes], title: str = "") -> Any:
     """Small multiples (``runs``: one at least) as a PNG into ``out``; the figure. Per run its loss over the first
     run's (dashed grey) and its loss scale below, skipped steps as red crosses; shared axes, so runs compare by
@@ -183,7 +177,6 @@ def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: I
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import FuncFormatter
 
     columns = min(len(runs), 5)
     groups = -(-len(runs) // columns)
@@ -228,12 +221,10 @@ def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: I
             ax.grid(True, which="both", alpha=0.3)
     for ax in [*loss_axes[len(runs) :], *scale_axes[len(runs) :]]:
         ax.set_axis_off()
-    if any(points(rows, "loss_scale")[0] for _, rows in runs):
+    if any(points(rows, "loss_scale")[0] for _, rows in runs):  # ticks labelled 2^k by matplotlib
         scale_axes[0].set_yscale("log", base=2)
-        scale_axes[0].yaxis.set_major_formatter(FuncFormatter(_scale_tick))
-    for row in range(groups):
-        loss_axes[row * columns].set_ylabel("loss (unweighted)")
-        scale_axes[row * columns].set_ylabel("loss scale")
+    for ax, label in zip(axes[:, 0], ["loss (unweighted)", "loss scale"] * groups):
+        ax.set_ylabel(label)
     for ax in axes[-1]:
         ax.set_xlabel("step")
     handles = [  # (one run: no reference)
