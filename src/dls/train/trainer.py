@@ -181,8 +181,6 @@ class Trainer:
         torch.set_num_threads(rc.num_threads or threads)
         self._ended_together, self.crash_dir = False, None
         states, what = tuple(load_states or config.CHECKPOINT_STATES), "--resume"
-        path: Path | None = None
-        unreadable: list[tuple[Path, str]] = []
         aside: list[Path] = []  # unreadable checkpoints of this run's own directory
 
         def lock() -> None:  # first: nothing of model_dir is read before its lock is held
@@ -200,20 +198,18 @@ class Trainer:
 
         try:
             self._on_rank0(lock)
-            state = None
             if resume is None and rc.checkpoint_path is not None:
                 key = "runconfig.checkpoint_path"  # or trainer.fit.ckpt_path: errors name the key as written
                 resume, what = rc.checkpoint_path, self.cfg.sources.get(key, key)
             if resume is None and rc.autoload_last_checkpoint and ckpt.list_checkpoints(self.model_dir):
                 key = "runconfig.autoload_last_checkpoint"  # the same command again continues the run (--resume DIR)
                 resume, what = self.model_dir, self.cfg.sources.get(key, key)
-            if resume is not None:
-                path, state, unreadable = ckpt.load_resume_checkpoint(resume, what)
-                # LoadCheckpointStates applies to another run's checkpoint; the run's own load whole.
-                if load_states is None and rc.load_checkpoint_states and path.parent.resolve() != self.model_dir:
-                    states = rc.load_checkpoint_states
-                for bad, reason in unreadable:
-                    self.log(f"Skipping {bad}: {reason}")
+            path, state, unreadable = (None, None, []) if resume is None else ckpt.load_resume_checkpoint(resume, what)
+            # LoadCheckpointStates applies to another run's checkpoint; the run's own load whole.
+            if path and load_states is None and rc.load_checkpoint_states and path.parent.resolve() != self.model_dir:
+                states = rc.load_checkpoint_states
+            for bad, reason in unreadable:
+                self.log(f"Skipping {bad}: {reason}")
             self._on_rank0(lambda: aside.extend(ckpt.check_model_dir(self.model_dir, path, unreadable, states)))
             if path is not None and state is not None:
                 ckpt.restore(self, path, state, states)
