@@ -108,8 +108,7 @@ class Trainer:
         if self.world_size > 1:
             # The same initial model everywhere (seeded alike; DDP also broadcasts rank 0's), then a random
             # stream of its own per rank (dropout). DDP wraps the loss; the model stays unwrapped (checkpoints hold it).
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            self.ddp = DistributedDataParallel(_LossOf(self.model), device_ids=ids)
+            self.ddp = DistributedDataParallel(_LossOf(self.model))  # no device_ids: the batches come on its device
             ckpt.seed_everything(rc.seed + self.rank)
         # The settings carry the half dtype (fp16_type): nothing process-global is read or set.
         enabled = prec.compute_dtype != "float32"
@@ -270,10 +269,8 @@ class Trainer:
                 self.fp8.remove()
         self._ended_together = True  # every rank is here alike (a stop request is agreed at a logged step)
         if stopped is None and self._stop_due and self.global_step < max_steps:  # asked to stop: saved between steps
-            self.log(
-                f"Interrupted at step {self.global_step}; saved {self._last_checkpoint}. Continue with "
-                f"--resume {self.model_dir}"
-            )
+            saved = f"saved {self._last_checkpoint}. Continue with --resume {self.model_dir}"
+            self.log(f"Interrupted at step {self.global_step}; {saved}")
             raise Terminated() if self._stop_signal == signal.SIGTERM else KeyboardInterrupt()
         # What the session did (finished or stopped), with the plot written and the model evaluated.
         wall_time, count = time.perf_counter() - self._session_start, self.global_step - self._tail_from + 1
