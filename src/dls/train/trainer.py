@@ -457,7 +457,7 @@ class Trainer:
     def _refuse_nonfinite_gradients(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The optimizer's step pre-hook in a run without loss scaling: :class:`NonFiniteGradients` when a gradient of
         the model (master weights get theirs inside the step) holds inf/NaN; one read per step."""
-        found = torch.zeros((), device=self.device)  # the model is on one device
+        found = torch.zeros((), dtype=torch.float32, device=self.device)  # the model is on one device
         for grads in kernels.group_grads(self.model.parameters()).values():
             kernels.check_nonfinite(grads, found)
         if bool(found > 0):
