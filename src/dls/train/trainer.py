@@ -13,7 +13,7 @@ import math
 import signal
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,8 @@ from dls.diagnostics.scales import module_label, pow2
 from dls.emulate import EmulationHandle
 from dls.train import checkpoint as ckpt
 from dls.train import config, data, reporting
-from dls.train.errors import MissingExtras, TrainingStopped
-from dls.train.launch import resolve_device, run_on_rank0, sum_over_ranks, wrap_data_parallel
+from dls.train.errors import MissingExtras, RankError, TrainingStopped, describe, exit_status
+from dls.train.launch import resolve_device
 from dls.train.reporting import TrainResult, json_number
 from dls_entry import Terminated, signals
 
@@ -107,10 +107,9 @@ class Trainer:
         self.ddp: DistributedDataParallel | None = None
         if self.world_size > 1:
             # The same initial model everywhere (seeded alike; DDP also broadcasts rank 0's), then a random
-            # stream of its own per rank (dropout).
-            self.ddp = wrap_data_parallel(self.model, self.device)
+            # stream of its own per rank (dropout). DDP wraps the loss; the model stays unwrapped (checkpoints hold it).
+            self.ddp = DistributedDataParallel(_LossOf(self.model))  # no device_ids: the batches come on its device
             ckpt.seed_everything(rc.seed + self.rank)
-        self.scaling = config.loss_scaling_mode(cfg)
         # The settings carry the half dtype (fp16_type): nothing process-global is read or set.
         enabled = prec.compute_dtype != "float32"
         self.scaler = dls.GradScaler.from_settings(config.scaler_settings(cfg), enabled=enabled, device=self.device)
@@ -148,6 +147,28 @@ class Trainer:
             self.ddp = None
             gc.collect()
 
+    def _mean_over_ranks(self, values: Sequence[float]) -> list[float]:
+        """``values`` averaged over the ranks: one float64 all-reduce."""
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return [float(v) / self.world_size for v in tensor.tolist()]
+
+    def _on_rank0(self, action: Callable[[], object]) -> None:
+        """Run ``action`` on rank 0 alone; when it fails, every other rank raises :class:`RankError` alike."""
+        error = None
+        if self.is_main:
+            try:
+                action()
+            except Exception as exc:
+                error = exc
+        if self.world_size > 1:
+            outcome = [None if error is None else (describe(error), int(exit_status(error)))]
+            dist.broadcast_object_list(outcome, src=0)
+            if not self.is_main and outcome[0] is not None:
+                raise RankError(*outcome[0])
+        if error is not None:
+            raise error
+
     # ------------------------------------------------------------------ run
     def train(self, resume: str | Path | None = None, load_states: Sequence[str] | None = None) -> TrainResult:
         """Train to ``runconfig.max_steps``; with ``resume`` (a model_dir or a checkpoint file) continue from the
@@ -159,8 +180,6 @@ class Trainer:
         torch.set_num_threads(rc.num_threads or threads)
         self._ended_together, self.crash_dir = False, None
         states, what = tuple(load_states or config.CHECKPOINT_STATES), "--resume"
-        path: Path | None = None
-        unreadable: list[tuple[Path, str]] = []
         aside: list[Path] = []  # unreadable checkpoints of this run's own directory
 
         def lock() -> None:  # first: nothing of model_dir is read before its lock is held
@@ -177,26 +196,24 @@ class Trainer:
             )  # fmt: skip
 
         try:
-            run_on_rank0(lock)
-            state = None
+            self._on_rank0(lock)
             if resume is None and rc.checkpoint_path is not None:
                 key = "runconfig.checkpoint_path"  # or trainer.fit.ckpt_path: errors name the key as written
                 resume, what = rc.checkpoint_path, self.cfg.sources.get(key, key)
             if resume is None and rc.autoload_last_checkpoint and ckpt.list_checkpoints(self.model_dir):
                 key = "runconfig.autoload_last_checkpoint"  # the same command again continues the run (--resume DIR)
                 resume, what = self.model_dir, self.cfg.sources.get(key, key)
-            if resume is not None:
-                path, state, unreadable = ckpt.load_resume_checkpoint(resume, what)
-                # LoadCheckpointStates applies to another run's checkpoint; the run's own load whole.
-                if load_states is None and rc.load_checkpoint_states and path.parent.resolve() != self.model_dir:
-                    states = rc.load_checkpoint_states
-                for bad, reason in unreadable:
-                    self.log(f"Skipping {bad}: {reason}")
-            run_on_rank0(lambda: aside.extend(ckpt.check_model_dir(self.model_dir, path, unreadable, states)))
+            path, state, unreadable = (None, None, []) if resume is None else ckpt.load_resume_checkpoint(resume, what)
+            # LoadCheckpointStates applies to another run's checkpoint; the run's own load whole.
+            if path and load_states is None and rc.load_checkpoint_states and path.parent.resolve() != self.model_dir:
+                states = rc.load_checkpoint_states
+            for bad, reason in unreadable:
+                self.log(f"Skipping {bad}: {reason}")
+            self._on_rank0(lambda: aside.extend(ckpt.check_model_dir(self.model_dir, path, unreadable, states)))
             if path is not None and state is not None:
                 ckpt.restore(self, path, state, states)
                 del state
-            run_on_rank0(open_run_dir)
+            self._on_rank0(open_run_dir)
             return self._train()
         finally:
             torch.set_num_threads(threads)
@@ -237,21 +254,12 @@ class Trainer:
                         self._save()
                 if self._last_checkpoint != ckpt.checkpoint_path(self.model_dir, self.global_step):  # not saved yet
                     self._save()
-                if self._stop_due and self.global_step < max_steps:  # asked to stop: saved between two steps
-                    self._display.close()
-                    self.log(
-                        f"Interrupted at step {self.global_step}; saved {self._last_checkpoint}. Continue with "
-                        f"--resume {self.model_dir}"
-                    )
-                    self._ended_together = True
-                    raise Terminated() if self._stop_signal == signal.SIGTERM else KeyboardInterrupt()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # a second Ctrl-C, in the middle of a step
             self._display.close()
-            if not self._ended_together:  # a second Ctrl-C, in the middle of a step
-                self.log(f"Interrupted; the last checkpoint is {self._last_checkpoint or 'none (nothing saved)'}")
+            self.log(f"Interrupted; the last checkpoint is {self._last_checkpoint or 'none (nothing saved)'}")
             raise
-        except TrainingStopped as exc:
-            stopped, self._ended_together = exc, True  # decided alike on every rank: the scaler state agrees
+        except TrainingStopped as exc:  # decided alike on every rank: the scaler state agrees
+            stopped = exc
         finally:
             self._display.close()
             if self.emulation is not None:
@@ -259,12 +267,16 @@ class Trainer:
                 self.emulation = None
             if self.fp8 is not None:  # its state stays for the final checkpoint
                 self.fp8.remove()
+        self._ended_together = True  # every rank is here alike (a stop request is agreed at a logged step)
+        if stopped is None and self._stop_due and self.global_step < max_steps:  # asked to stop: saved between steps
+            saved = f"saved {self._last_checkpoint}. Continue with --resume {self.model_dir}"
+            self.log(f"Interrupted at step {self.global_step}; {saved}")
+            raise Terminated() if self._stop_signal == signal.SIGTERM else KeyboardInterrupt()
         # What the session did (finished or stopped), with the plot written and the model evaluated.
         wall_time, count = time.perf_counter() - self._session_start, self.global_step - self._tail_from + 1
         final_loss = float(self._tail_sum) / count if count > 0 else None
         if final_loss is not None and self.world_size > 1:
-            final_loss = sum_over_ranks([final_loss], self.device)[0] / self.world_size
-        self._ended_together = True
+            final_loss = self._mean_over_ranks([final_loss])[0]
         eval_loss = self.eval_loss
         if self.is_main and self.dataset is not None:  # a built-in data set: its first samples, in float32
             eval_loss = data.evaluate(self.model, self.dataset, self.device)
@@ -276,8 +288,8 @@ class Trainer:
         result = TrainResult(
             model_dir=self.model_dir, global_step=self.global_step, steps_run=self.global_step - start_step,
             final_loss=final_loss, eval_loss=eval_loss if self.is_main else None,
-            skipped_steps=self.scaler.get_num_skipped_steps(),
-            loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None, scaling=self.scaling,
+            skipped_steps=self.scaler.get_num_skipped_steps(), scaling=config.loss_scaling_mode(cfg),
+            loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None,
             grad_underflow=grad_underflow, fp8_flushed=fp8_flushed, fp8_saturated=fp8_saturated,
             wall_time=wall_time, checkpoint=self._last_checkpoint, metrics_path=self.model_dir / ckpt.METRICS_FILE,
             plot_path=plot,
@@ -416,8 +428,7 @@ class Trainer:
         if self.world_size > 1:  # alike on every rank (skipping is agreed): one all-reduce of the means over the
             # ranks (loss, underflow, FP8 fractions) and of whether any rank got Ctrl-C
             asked = float(self._stop_signal is not None)
-            sums = sum_over_ranks([loss_value, underflow or 0.0, asked, *fp8], self.device)
-            loss_value, mean_underflow, asked, *fp8 = (v / self.world_size for v in sums)
+            loss_value, mean_underflow, asked, *fp8 = self._mean_over_ranks([loss_value, underflow or 0.0, asked, *fp8])
             underflow = mean_underflow if underflow is not None else None
             self._stop_due = self._stop_due or asked > 0
         for values, value in zip(self._recorded, (underflow, *(fp8 or (None, None)))):  # for the session's means
@@ -446,11 +457,10 @@ class Trainer:
     def _refuse_nonfinite_gradients(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The optimizer's step pre-hook in a run without loss scaling: :class:`NonFiniteGradients` when a gradient of
         the model (master weights get theirs inside the step) holds inf/NaN; one read per step."""
-        groups = kernels.group_grads(self.model.parameters())
-        found = kernels.zero_flags(grad_device for grad_device, _ in groups)
-        for (grad_device, _), grads in groups.items():
-            kernels.check_nonfinite(grads, found[grad_device])
-        if found and bool(kernels.gather_flags(found, self.device) > 0):
+        found = torch.zeros((), dtype=torch.float32, device=self.device)  # the model is on one device
+        for grads in kernels.group_grads(self.model.parameters()).values():
+            kernels.check_nonfinite(grads, found)
+        if bool(found > 0):
             raise NonFiniteGradients
 
     def _at_floor(self, skipped: bool, report: OverflowReport | None) -> tuple[str, str] | None:
@@ -585,6 +595,17 @@ def learning_rate_at(schedule: float | Sequence[Any], step: int) -> float:
     if piece.scheduler == "Linear":
         return start + (end - start) * frac
     return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+class _LossOf(torch.nn.Module):
+    """``forward(batch)`` is ``model.loss(batch)``, so the loss goes through DDP's forward (its all-reduce)."""
+
+    def __init__(self, model: data.TrainModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: data.Batch) -> torch.Tensor:
+        return self.model.loss(batch)
 
 
 class NonFiniteGradients(Exception):
