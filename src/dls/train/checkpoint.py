@@ -428,8 +428,6 @@ def seed_everything(seed: int) -> None:
 # ---------------------------------------------------------------------- restoring a checkpoint into a trainer
 # The settings of the dynamic rule (ScalerSettings attribute -> config key), compared on resume.
 _SETTING_KEYS = {arg: key for key, arg in SCALER_KEYS.items() if arg not in ("loss_scale", "max_gradient_norm")}
-# Per-parameter state every optimizer family needs once it has stepped.
-_REQUIRED_STATE = {"SGD": ("momentum_buffer",), "Adam": ("step", "exp_avg", "exp_avg_sq")}
 _LOAD_ERRORS = (ValueError, KeyError, RuntimeError, TypeError, AttributeError, IndexError, OverflowError)
 
 
@@ -567,6 +565,7 @@ def _check_optimizer(saved: Any, trainer: Any, then: str | None) -> None:
     sizes = [len(g["params"]) if isinstance(g.get("params"), list) else None for g in groups]
     if sizes != (now_sizes := [len(g["params"]) for g in now_groups]):
         raise ValueError(f"its param_groups hold {sizes} parameters; this run's optimizer {now_sizes}")
+    needs = {"SGD": ("momentum_buffer",), "Adam": ("step", "exp_avg", "exp_avg_sq")}[family]  # once it has stepped
     params: dict[Any, tuple[torch.Tensor, dict[str, Any]]] = {}
     for g, (group, now_group) in enumerate(zip(groups, now_groups)):
         if bad := [k for k, v in group.items() if k != "params" and not _finite(v)]:
@@ -577,7 +576,7 @@ def _check_optimizer(saved: Any, trainer: Any, then: str | None) -> None:
         if index not in params or not isinstance(entry, dict):
             raise ValueError(f"{field} is not the state of a parameter of this run's optimizer")
         param, group = params[index]
-        required = [k for k in _REQUIRED_STATE[family] if k != "momentum_buffer" or group["momentum"]]
+        required = [k for k in needs if k != "momentum_buffer" or group["momentum"]]
         if missing := [k for k in required if k not in entry]:
             raise ValueError(f"{field} lacks {', '.join(missing)}")
         for key, value in entry.items():

@@ -168,9 +168,6 @@ class BatchIterator:
         self.epoch, self.position, self._order = state["epoch"], -(-state["position"] // self.world_size), None
 
 
-_ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}
-
-
 class TrainModel(nn.Module):
     """A model that knows its loss."""
 
@@ -184,9 +181,10 @@ class MLP(TrainModel):
     def __init__(self, cfg: ModelConfig, info: DataInfo) -> None:
         super().__init__()
         layers: list[nn.Module] = []
+        activation = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}[cfg.activation_fn]
         width = info.input_dim
         for _ in range(cfg.depth):
-            layers += [nn.Linear(width, cfg.hidden_size), _ACTIVATIONS[cfg.activation_fn]()]
+            layers += [nn.Linear(width, cfg.hidden_size), activation()]
             if cfg.dropout > 0:
                 layers.append(nn.Dropout(cfg.dropout))
             width = cfg.hidden_size

@@ -284,7 +284,6 @@ def _open(processor: str, keys: LoaderKeys, split: str, prefix: str, headers_onl
         paths = [p for d in dirs if Path(d).is_dir() for p in sorted(Path(d).glob("*.h5"))]
         if not paths and not problems:
             problems.append(f"no *.h5 files in {', '.join(dirs)}")
-        shape = None
         for path in paths[:1] if headers_only else paths:
             try:
                 data = h5py.File(path, "r")["data"]
@@ -298,9 +297,8 @@ def _open(processor: str, keys: LoaderKeys, split: str, prefix: str, headers_onl
                 problems.append(f"{path}: a flat token stream needs max_sequence_length")
             elif not flat and msl not in (None, data.shape[2]):
                 problems.append(f"{path}: sequences of {data.shape[2]} tokens, but max_sequence_length is {msl}")
-            elif shape is not None and data.shape[1:] != shape:
-                problems.append(f"{path}: 'data' of shape {list(data.shape)} unlike {paths[0]}'s")
-            shape = data.shape[1:]
+            elif files and data.shape[1:] != files[0].shape[1:]:  # every file as the first read
+                problems.append(f"{path}: 'data' of shape {list(data.shape)} unlike {files[0].file.filename}'s")
             files.append(data)
     dataset = None
     try:
