@@ -155,16 +155,14 @@ def check_model_dir(
     if source != model_dir:
         if model_dir.is_dir() and set(os.listdir(model_dir)) - {LOCK_FILE}:
             raise ModelDirError(
-                f"runconfig.model_dir {model_dir} is not the directory of the checkpoint ({source}), so this run "
-                f"starts a new run from the checkpoint, and a new run needs a new or empty directory: {model_dir} "
-                f"is not empty. To continue {source} itself, resume it without another model_dir "
-                f"(or with -o runconfig.model_dir={source})."
+                f"runconfig.model_dir {model_dir} is not empty, and a run from the checkpoint of another directory "
+                f"({source}) starts a new run, which needs a new or empty directory. To continue {source} itself, "
+                f"resume it without another model_dir (or with -o runconfig.model_dir={source})."
             )
         return []
     skipped, mine = {p.name for p, _ in unreadable}, checkpoint_step(checkpoint.name)
-    newer = [p for step, p in list_checkpoints(source) if p.name not in skipped and step > mine]
     fork_hint = "load it into a new or empty directory instead: -o runconfig.model_dir=NEW_DIR"
-    if newer:
+    if newer := [p for step, p in list_checkpoints(source) if p.name not in skipped and step > mine]:
         raise ModelDirError(
             f"{checkpoint} is not the latest checkpoint of {source} ({newer[-1].name} is): continuing in {source} "
             f"would mix two histories of the run. Continue from the latest with --resume {source}, or {fork_hint}"
@@ -202,10 +200,9 @@ def _holder(lock_fd: int, held: bool = True) -> str | None:
 def is_same_file(dir_fd: int, name: str, other: Path | int) -> bool:
     """Whether ``name`` in ``dir_fd`` (not followed) is the file ``other`` (a path or an open descriptor)."""
     try:
-        a, b = os.stat(name, dir_fd=dir_fd, follow_symlinks=False), os.stat(other)
+        return os.path.samestat(os.stat(name, dir_fd=dir_fd, follow_symlinks=False), os.stat(other))
     except OSError:
         return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 class RunDir(contextlib.ExitStack):
@@ -651,13 +648,11 @@ def _restore_scaler(trainer: Any, path: Path, saved: Any, saved_cfg: TrainConfig
         for attribute, config_key in _SETTING_KEYS.items():
             before, after = (getattr(then, attribute, None), getattr(now, attribute, None)) if then else (0, 0)
             if before != after:
-                log(
-                    f"optimizer.initial_loss_scale: {before} in the checkpoint's config, {after} now: not used, the "
-                    f"scale continues from the checkpoint's ({shown})"
-                    if attribute == "init_scale"
-                    else f"optimizer.{config_key}: {before:g} in the checkpoint's config, {after:g} now: {after:g} is "
-                    "used"
-                )
+                old, new = (pow2(before), pow2(after)) if attribute.endswith("scale") else (f"{before:g}", f"{after:g}")
+                used = f"{new} is used"
+                if attribute == "init_scale":  # the checkpoint's scale goes on
+                    used = f"not used, the scale continues from the checkpoint's ({shown})"
+                log(f"optimizer.{config_key}: {old} in the checkpoint's config, {new} now: {used}")
         if loaded.clamped is not None:
             low, high, clamped = now.min_loss_scale, now.max_loss_scale, values["loss_scale"]
             bound = "optimizer.max_loss_scale" if clamped == high else "optimizer.min_loss_scale"

@@ -57,7 +57,6 @@ def require(module: str) -> ModuleType:
         logging.disable(quiet)
 
 
-# ---------------------------------------------------------------------- the keys of Model Zoo's sections
 Positive = Annotated[int, Field(gt=0)]
 Number = Annotated[float, Finite()]  # finite, at most float32's max in size: as every float key of the config
 PositiveFloat = Annotated[float, Finite(gt=0)]
@@ -325,7 +324,7 @@ def parse_loader(processor: str, params: Any, prefix: str) -> tuple[LoaderKeys, 
     return _validate(LoaderKeys, params, prefix, _LOADER_DEFAULT_ONLY, _LOADER_IGNORED, problems)
 
 
-# ---------------------------------------------------------------------- the models and the data readers
+# ---------------------------------------------------------------------- the models and data readers the keys build
 class FcMnist(nn.Module):
     """Model Zoo's fc_mnist: Linear layers of ``hidden_sizes`` (else ``depth`` of ``hidden_size``), each then ReLU
     when ``activation_fn: relu``, then dropout; a Linear layer to 10 classes; the NLL loss of the log-softmax (of
