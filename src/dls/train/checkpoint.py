@@ -472,10 +472,9 @@ def restore(trainer: Any, path: Path, state: dict[str, Any], states: Sequence[st
                     handle.load_state_dict(fp8)
                 else:
                     log(f"the fp8 state in {path} is for {then!r}; the config's recipe {handle.recipe!r} starts fresh")
-    try:
+    saved_cfg: TrainConfig | None = None  # when unreadable, the scaling is not compared
+    with contextlib.suppress(ConfigError):
         saved_cfg = parse_config(state["config"]) if isinstance(state.get("config"), dict) else None
-    except ConfigError:
-        saved_cfg = None
     targets = {"optimizer": trainer.optimizer, "lr_scheduler": trainer.scheduler, "dataloader": trainer.batches}
     for key, target in targets.items():
         if key in states and key not in state:
@@ -505,8 +504,7 @@ def restore(trainer: Any, path: Path, state: dict[str, Any], states: Sequence[st
             with _loading("rng", path):
                 torch.set_rng_state(rng["torch"])
                 random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
-                kind, keys, pos, has_gauss, cached = rng["numpy"]
-                np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+                np.random.set_state(rng["numpy"])  # as rng_state() saved it: numpy takes the keys as a list
                 if "cuda" in rng and torch.cuda.is_available():
                     torch.cuda.set_rng_state_all(rng["cuda"])
             if trainer.rank > 0 and not own:  # saved by fewer ranks: a stream of its own, not a copy of rank 0's
@@ -646,7 +644,7 @@ def _restore_scaler(trainer: Any, path: Path, saved: Any, saved_cfg: TrainConfig
             log(f"static loss scale: {old} in the checkpoint, {new} now: {new} is used")
     else:
         for attribute, config_key in _SETTING_KEYS.items():
-            before, after = (getattr(then, attribute, None), getattr(now, attribute, None)) if then else (0, 0)
+            before, after = (getattr(then, attribute), getattr(now, attribute)) if then else (0, 0)
             if before != after:
                 old, new = (pow2(before), pow2(after)) if attribute.endswith("scale") else (f"{before:g}", f"{after:g}")
                 used = f"{new} is used"
