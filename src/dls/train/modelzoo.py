@@ -36,7 +36,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dls.train.config import ZOO_MODELS, ZOO_PROCESSORS, Finite, did_you_mean
-from dls.train.data import BatchIterator, DataInfo, Dataset
+from dls.train.data import BatchIterator, DataInfo, Dataset, TrainModel
 from dls.train.errors import ConfigError, MissingExtras
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -325,7 +325,7 @@ def parse_loader(processor: str, params: Any, prefix: str) -> tuple[LoaderKeys, 
 
 
 # ---------------------------------------------------------------------- the models and data readers the keys build
-class FcMnist(nn.Module):
+class FcMnist(TrainModel):
     """Model Zoo's fc_mnist: Linear layers of ``hidden_sizes`` (else ``depth`` of ``hidden_size``), each then ReLU
     when ``activation_fn: relu``, then dropout; a Linear layer to 10 classes; the NLL loss of the log-softmax (of
     the raw logits with ``disable_softmax``)."""
@@ -351,7 +351,7 @@ class FcMnist(nn.Module):
         return F.nll_loss(logits if self.disable_softmax else F.log_softmax(logits, dim=1), labels)
 
 
-class CausalLM(nn.Module):
+class CausalLM(TrainModel):
     """Model Zoo's ``name``: llama as Hugging Face's LlamaForCausalLM (swiglu: its MLP gates with silu), gpt2 and
     gpt3 as GPT2LMHeadModel, whose ``Conv1D`` layers (``x @ W + b``) become ``nn.Linear`` layers so that every matrix
     product is an ``nn.Linear`` (what ``dls.fp8.emulate`` replaces); initialised by :func:`_initialize`, with Model
