@@ -230,11 +230,10 @@ class RunDir(contextlib.ExitStack):
         self._metrics: IO[bytes] | None = None
         self.events: Any = None  # torch.utils.tensorboard.SummaryWriter
         self.callback(os.close, self.fd)
-        try:
+        with contextlib.ExitStack() as failed:  # the directory is closed again unless the lock is taken
+            failed.callback(self.close)
             self._lock()
-        except BaseException:
-            self.close()
-            raise
+            failed.pop_all()
 
     def _lock(self) -> None:
         while True:
@@ -423,8 +422,6 @@ def seed_everything(seed: int) -> None:
 
 
 # ---------------------------------------------------------------------- restoring a checkpoint into a trainer
-# The settings of the dynamic rule (ScalerSettings attribute -> config key), compared on resume.
-_SETTING_KEYS = {arg: key for key, arg in SCALER_KEYS.items() if arg not in ("loss_scale", "max_gradient_norm")}
 _LOAD_ERRORS = (ValueError, KeyError, RuntimeError, TypeError, AttributeError, IndexError, OverflowError)
 
 
@@ -642,8 +639,9 @@ def _restore_scaler(trainer: Any, path: Path, saved: Any, saved_cfg: TrainConfig
         if then is not None and then.init_scale != now.init_scale:
             old, new = pow2(then.init_scale), pow2(now.init_scale)
             log(f"static loss scale: {old} in the checkpoint, {new} now: {new} is used")
-    else:
-        for attribute, config_key in _SETTING_KEYS.items():
+    else:  # each setting of the dynamic rule (ScalerSettings attribute -> config key) compared
+        rule = {arg: key for key, arg in SCALER_KEYS.items() if arg not in ("loss_scale", "max_gradient_norm")}
+        for attribute, config_key in rule.items():
             before, after = (getattr(then, attribute), getattr(now, attribute)) if then else (0, 0)
             if before != after:
                 old, new = (pow2(before), pow2(after)) if attribute.endswith("scale") else (f"{before:g}", f"{after:g}")
