@@ -11,8 +11,7 @@ import pytest
 import transformers
 import yaml
 
-from dls.train.modelzoo import build_loader, build_model, main
-from dls.train.modelzoo.keys import parse_loader, parse_model
+from dls.train.modelzoo import build_loader, build_model, main, parse_loader, parse_model
 
 # transformers loads its model classes on first use: at collection, not inside the first test
 assert transformers.GPT2LMHeadModel and transformers.LlamaForCausalLM

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from dls.train.errors import ConfigError, MissingExtras
-from dls.train.modelzoo import build_loader, check_data, main, read_idx, write_tiny_data
-from dls.train.modelzoo.keys import parse_loader
+from dls.train.modelzoo import build_loader, check_data, main, parse_loader, read_idx, write_tiny_data
 
 GPT, MAP, MNIST = "GptHDF5DataProcessor", "GptHDF5MapDataProcessor", "MNISTDataProcessor"
 

@@ -155,16 +155,14 @@ def check_model_dir(
     if source != model_dir:
         if model_dir.is_dir() and set(os.listdir(model_dir)) - {LOCK_FILE}:
             raise ModelDirError(
-                f"runconfig.model_dir {model_dir} is not the directory of the checkpoint ({source}), so this run "
-                f"starts a new run from the checkpoint, and a new run needs a new or empty directory: {model_dir} "
-                f"is not empty. To continue {source} itself, resume it without another model_dir "
-                f"(or with -o runconfig.model_dir={source})."
+                f"runconfig.model_dir {model_dir} is not empty, and a run from the checkpoint of another directory "
+                f"({source}) starts a new run, which needs a new or empty directory. To continue {source} itself, "
+                f"resume it without another model_dir (or with -o runconfig.model_dir={source})."
             )
         return []
     skipped, mine = {p.name for p, _ in unreadable}, checkpoint_step(checkpoint.name)
-    newer = [p for step, p in list_checkpoints(source) if p.name not in skipped and step > mine]
     fork_hint = "load it into a new or empty directory instead: -o runconfig.model_dir=NEW_DIR"
-    if newer:
+    if newer := [p for step, p in list_checkpoints(source) if p.name not in skipped and step > mine]:
         raise ModelDirError(
             f"{checkpoint} is not the latest checkpoint of {source} ({newer[-1].name} is): continuing in {source} "
             f"would mix two histories of the run. Continue from the latest with --resume {source}, or {fork_hint}"
@@ -202,10 +200,9 @@ def _holder(lock_fd: int, held: bool = True) -> str | None:
 def is_same_file(dir_fd: int, name: str, other: Path | int) -> bool:
     """Whether ``name`` in ``dir_fd`` (not followed) is the file ``other`` (a path or an open descriptor)."""
     try:
-        a, b = os.stat(name, dir_fd=dir_fd, follow_symlinks=False), os.stat(other)
+        return os.path.samestat(os.stat(name, dir_fd=dir_fd, follow_symlinks=False), os.stat(other))
     except OSError:
         return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 class RunDir(contextlib.ExitStack):
@@ -233,11 +230,10 @@ class RunDir(contextlib.ExitStack):
         self._metrics: IO[bytes] | None = None
         self.events: Any = None  # torch.utils.tensorboard.SummaryWriter
         self.callback(os.close, self.fd)
-        try:
+        with contextlib.ExitStack() as failed:  # the directory is closed again unless the lock is taken
+            failed.callback(self.close)
             self._lock()
-        except BaseException:
-            self.close()
-            raise
+            failed.pop_all()
 
     def _lock(self) -> None:
         while True:
@@ -426,10 +422,6 @@ def seed_everything(seed: int) -> None:
 
 
 # ---------------------------------------------------------------------- restoring a checkpoint into a trainer
-# The settings of the dynamic rule (ScalerSettings attribute -> config key), compared on resume.
-_SETTING_KEYS = {arg: key for key, arg in SCALER_KEYS.items() if arg not in ("loss_scale", "max_gradient_norm")}
-# Per-parameter state every optimizer family needs once it has stepped.
-_REQUIRED_STATE = {"SGD": ("momentum_buffer",), "Adam": ("step", "exp_avg", "exp_avg_sq")}
 _LOAD_ERRORS = (ValueError, KeyError, RuntimeError, TypeError, AttributeError, IndexError, OverflowError)
 
 
@@ -477,10 +469,9 @@ def restore(trainer: Any, path: Path, state: dict[str, Any], states: Sequence[st
                     handle.load_state_dict(fp8)
                 else:
                     log(f"the fp8 state in {path} is for {then!r}; the config's recipe {handle.recipe!r} starts fresh")
-    try:
+    saved_cfg: TrainConfig | None = None  # when unreadable, the scaling is not compared
+    with contextlib.suppress(ConfigError):
         saved_cfg = parse_config(state["config"]) if isinstance(state.get("config"), dict) else None
-    except ConfigError:
-        saved_cfg = None
     targets = {"optimizer": trainer.optimizer, "lr_scheduler": trainer.scheduler, "dataloader": trainer.batches}
     for key, target in targets.items():
         if key in states and key not in state:
@@ -510,8 +501,7 @@ def restore(trainer: Any, path: Path, state: dict[str, Any], states: Sequence[st
             with _loading("rng", path):
                 torch.set_rng_state(rng["torch"])
                 random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
-                kind, keys, pos, has_gauss, cached = rng["numpy"]
-                np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+                np.random.set_state(rng["numpy"])  # as rng_state() saved it: numpy takes the keys as a list
                 if "cuda" in rng and torch.cuda.is_available():
                     torch.cuda.set_rng_state_all(rng["cuda"])
             if trainer.rank > 0 and not own:  # saved by fewer ranks: a stream of its own, not a copy of rank 0's
@@ -567,6 +557,7 @@ def _check_optimizer(saved: Any, trainer: Any, then: str | None) -> None:
     sizes = [len(g["params"]) if isinstance(g.get("params"), list) else None for g in groups]
     if sizes != (now_sizes := [len(g["params"]) for g in now_groups]):
         raise ValueError(f"its param_groups hold {sizes} parameters; this run's optimizer {now_sizes}")
+    needs = {"SGD": ("momentum_buffer",), "Adam": ("step", "exp_avg", "exp_avg_sq")}[family]  # once it has stepped
     params: dict[Any, tuple[torch.Tensor, dict[str, Any]]] = {}
     for g, (group, now_group) in enumerate(zip(groups, now_groups)):
         if bad := [k for k, v in group.items() if k != "params" and not _finite(v)]:
@@ -577,7 +568,7 @@ def _check_optimizer(saved: Any, trainer: Any, then: str | None) -> None:
         if index not in params or not isinstance(entry, dict):
             raise ValueError(f"{field} is not the state of a parameter of this run's optimizer")
         param, group = params[index]
-        required = [k for k in _REQUIRED_STATE[family] if k != "momentum_buffer" or group["momentum"]]
+        required = [k for k in needs if k != "momentum_buffer" or group["momentum"]]
         if missing := [k for k in required if k not in entry]:
             raise ValueError(f"{field} lacks {', '.join(missing)}")
         for key, value in entry.items():
@@ -648,17 +639,16 @@ def _restore_scaler(trainer: Any, path: Path, saved: Any, saved_cfg: TrainConfig
         if then is not None and then.init_scale != now.init_scale:
             old, new = pow2(then.init_scale), pow2(now.init_scale)
             log(f"static loss scale: {old} in the checkpoint, {new} now: {new} is used")
-    else:
-        for attribute, config_key in _SETTING_KEYS.items():
-            before, after = (getattr(then, attribute, None), getattr(now, attribute, None)) if then else (0, 0)
+    else:  # each setting of the dynamic rule (ScalerSettings attribute -> config key) compared
+        rule = {arg: key for key, arg in SCALER_KEYS.items() if arg not in ("loss_scale", "max_gradient_norm")}
+        for attribute, config_key in rule.items():
+            before, after = (getattr(then, attribute), getattr(now, attribute)) if then else (0, 0)
             if before != after:
-                log(
-                    f"optimizer.initial_loss_scale: {before} in the checkpoint's config, {after} now: not used, the "
-                    f"scale continues from the checkpoint's ({shown})"
-                    if attribute == "init_scale"
-                    else f"optimizer.{config_key}: {before:g} in the checkpoint's config, {after:g} now: {after:g} is "
-                    "used"
-                )
+                old, new = (pow2(before), pow2(after)) if attribute.endswith("scale") else (f"{before:g}", f"{after:g}")
+                used = f"{new} is used"
+                if attribute == "init_scale":  # the checkpoint's scale goes on
+                    used = f"not used, the scale continues from the checkpoint's ({shown})"
+                log(f"optimizer.{config_key}: {old} in the checkpoint's config, {new} now: {used}")
         if loaded.clamped is not None:
             low, high, clamped = now.min_loss_scale, now.max_loss_scale, values["loss_scale"]
             bound = "optimizer.max_loss_scale" if clamped == high else "optimizer.min_loss_scale"

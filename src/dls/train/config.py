@@ -809,8 +809,8 @@ def _check_combinations(b: dict[str, Any], r: _Reader) -> None:
 
 
 def _check_zoo(b: dict[str, Any], r: _Reader) -> None:
-    """A Model Zoo model's and readers' own keys, judged by ``dls.train.modelzoo.keys`` (no torch, no files)."""
-    from dls.train.modelzoo.keys import parse_loader, parse_model
+    """A Model Zoo model's and readers' own keys, judged by ``dls.train.modelzoo``'s parsers (no torch, no files)."""
+    from dls.train.modelzoo import parse_loader, parse_model
 
     for section, default in (("model", "model"), ("data", "train_input"), ("eval_data", "eval_input")):
         part, where = b[section], r.written.get(f"{section}.params", default)

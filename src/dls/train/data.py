@@ -6,7 +6,6 @@ batches of one epoch order)."""
 from __future__ import annotations
 
 import copy
-import importlib
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -100,14 +99,11 @@ def build_batches(
     if cfg.data_processor is None:
         shuffle_seed = cfg.shuffle_seed if cfg.shuffle_seed is not None else seed
         return BatchIterator(build_dataset(cfg), cfg.batch_size, cfg.shuffle, shuffle_seed, rank, world_size)
-    return modelzoo().build_loader(
+    from dls.train import modelzoo  # here, not at the top: it imports this module
+
+    return modelzoo.build_loader(
         cfg.data_processor, cfg.loader_params, split=split, seed=seed, rank=rank, world_size=world_size, prefix=prefix
     )
-
-
-def modelzoo() -> Any:
-    """``dls.train.modelzoo`` (Model Zoo's models and readers), imported only when a config uses them."""
-    return importlib.import_module("dls.train.modelzoo")
 
 
 @dataclass(eq=False)
@@ -168,9 +164,6 @@ class BatchIterator:
         self.epoch, self.position, self._order = state["epoch"], -(-state["position"] // self.world_size), None
 
 
-_ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}
-
-
 class TrainModel(nn.Module):
     """A model that knows its loss."""
 
@@ -184,9 +177,10 @@ class MLP(TrainModel):
     def __init__(self, cfg: ModelConfig, info: DataInfo) -> None:
         super().__init__()
         layers: list[nn.Module] = []
+        activation = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}[cfg.activation_fn]
         width = info.input_dim
         for _ in range(cfg.depth):
-            layers += [nn.Linear(width, cfg.hidden_size), _ACTIVATIONS[cfg.activation_fn]()]
+            layers += [nn.Linear(width, cfg.hidden_size), activation()]
             if cfg.dropout > 0:
                 layers.append(nn.Dropout(cfg.dropout))
             width = cfg.hidden_size
@@ -260,7 +254,9 @@ class TransformerLM(TrainModel):
 def build_model(cfg: ModelConfig, info: DataInfo | None) -> TrainModel:
     """The model ``cfg`` names: built in (on ``info``'s data), or a Model Zoo model (``dls.train.modelzoo``)."""
     if cfg.name in ZOO_MODELS:
-        return modelzoo().build_model(cfg.name, dict(cfg.params))
+        from dls.train import modelzoo  # here, not at the top: it imports this module
+
+        return modelzoo.build_model(cfg.name, dict(cfg.params))
     assert info is not None, "a built-in model is built on its data set"
     return MLP(cfg, info) if cfg.name == "mlp" else TransformerLM(cfg, info)
 

@@ -30,7 +30,7 @@ from dls.diagnostics.fallback import apply_precision_fallback, fallback_note
 from dls.diagnostics.scales import module_label, pow2
 from dls.emulate import EmulationHandle
 from dls.train import checkpoint as ckpt
-from dls.train import config, data, reporting
+from dls.train import config, data, modelzoo, reporting
 from dls.train.errors import MissingExtras, RankError, TrainingStopped, describe, exit_status
 from dls.train.launch import resolve_device
 from dls.train.reporting import TrainResult, json_number
@@ -88,7 +88,7 @@ class Trainer:
         if cfg.model.name in config.ZOO_MODELS:  # can it read the data (positions, token ids)
             for batches in (self.batches, self.eval_batches):
                 if batches is not None:
-                    data.modelzoo().fit_to_data(self.model, batches.dataset, where("model.params", "model"))
+                    modelzoo.fit_to_data(self.model, batches.dataset, where("model.params", "model"))
         self.param_dtype: torch.dtype = getattr(torch, prec.param_dtype)  # float32, float16 or bfloat16
         self.model = self.model.to(self.device, self.param_dtype)
         self.max_steps = rc.max_steps
