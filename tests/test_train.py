@@ -409,6 +409,17 @@ def test_max_gradient_value_clips_elementwise(tmp_path: Path) -> None:
     assert len(seen) == 4 and max(seen) <= 1e-6
 
 
+def test_a_signal_after_the_ranks_agreed_to_stop_does_not_take_the_agreement_back(tmp_path: Path) -> None:
+    """Data-parallel: the ranks agree at a logged step to stop; a rank whose own Ctrl-C/SIGTERM arrives after that
+    (before the loop's next check) stops with them: stepping on alone, it would hang in DDP's all-reduce."""
+    trainer, _ = make_trainer(tiny(tmp_path / "run"))
+    trainer.world_size, trainer._stop_signal, trainer._stop_due = 2, None, True  # as the agreeing all-reduce left it
+    assert trainer._request_stop(signal.SIGTERM)
+    assert trainer._stop_due
+    trainer._stop_signal, trainer._stop_due = None, False  # not agreed yet: the signal waits for a logged step
+    assert trainer._request_stop(signal.SIGINT) and not trainer._stop_due
+
+
 def test_ctrl_c_finishes_the_step_and_checkpoints(tmp_path: Path) -> None:
     raw = tiny(tmp_path / "run", runconfig={"max_steps": 100_000, "checkpoint_steps": 0, "log_steps": 1})
     script = textwrap.dedent(

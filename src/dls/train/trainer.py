@@ -306,7 +306,9 @@ class Trainer:
         logged step, where the ranks agree), checkpointed; a second one is not taken (``False``): it interrupts."""
         if self._stop_signal is not None:
             return False
-        self._stop_signal, self._stop_due, term = signum, self.world_size == 1, signum == signal.SIGTERM
+        self._stop_signal, term = signum, signum == signal.SIGTERM
+        if self.world_size == 1:  # data-parallel: set at a logged step by all ranks together, never taken back here
+            self._stop_due = True
         when = "at the next logged step (all ranks together)" if self.world_size > 1 else "after this step"
         again = "" if term else " (press Ctrl-C again to quit at once)"
         self.log(f"{'SIGTERM' if term else 'Ctrl-C'}: stopping {when} and saving a checkpoint{again}")
