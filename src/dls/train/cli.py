@@ -123,8 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             if getattr(args, "steps", 1) < 1:  # dls demo and dls audit
                 raise UsageError(f"--steps must be >= 1; got {args.steps}")
-            command: Callable[[argparse.Namespace], int | None] = globals()[f"_{args.command}"]  # dls X runs _X
-            return command(args) or 0
+            return COMMANDS[args.command](args) or 0
     except (Exception, KeyboardInterrupt) as exc:
         return _report(exc, args.crash_dir)
 
@@ -386,6 +385,18 @@ def _init(args: argparse.Namespace) -> None:
     with open(target, "x") as file:  # never over an existing file or through a link
         file.write(text)
     print(f"Wrote {target} (needs {_extras(args.name, text)}). Next: dls train {target}")
+
+
+# What each subcommand of build_parser() runs (its status; None: 0).
+COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {
+    "train": _train,
+    "validate": _validate,
+    "audit": _audit,
+    "demo": _demo,
+    "keys": _keys,
+    "data": _data,
+    "init": _init,
+}
 
 
 if __name__ == "__main__":
