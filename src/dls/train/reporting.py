@@ -82,7 +82,8 @@ class ProgressDisplay:
     """A rich progress bar on a terminal; otherwise a plain line about every 10% of the steps."""
 
     def __init__(self, console: Console, enabled: bool, total: int, start: int, label: str) -> None:
-        self.console, self.enabled, self.total, self.every = console, enabled, total, max(1, (total - start) // 10)
+        self.console, self.enabled, self.total = console, enabled, total
+        self.every = max(1, (total - start) // 10)
         self.progress: Progress | None = None
         if enabled and console.is_terminal:
             bar = (TextColumn("[bold]{task.fields[label]}"), BarColumn(), MofNCompleteColumn())
@@ -96,8 +97,11 @@ class ProgressDisplay:
             return
         step, scale = row["step"], row["loss_scale"]
         parts = [f"loss {row['loss']:.4g}" if row["loss"] is not None else "loss nan"]
-        parts += [] if scale is None else [f"scale {pow2(scale)}"]
-        text = "  ".join(parts + ([] if skipped_total is None else [f"skipped {skipped_total}"]))
+        if scale is not None:
+            parts.append(f"scale {pow2(scale)}")
+        if skipped_total is not None:
+            parts.append(f"skipped {skipped_total}")
+        text = "  ".join(parts)
         if self.progress is not None:
             self.progress.update(self.task, completed=step, description=text)
         elif step % self.every == 0 or step == self.total:
@@ -227,9 +231,10 @@ def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: I
         ax.set_ylabel(label)
     for ax in axes[-1]:
         ax.set_xlabel("step")
-    handles = [  # (one run: no reference)
-        Line2D([], [], color="tab:blue", lw=1.4, label="the run's loss"),
-        *[Line2D([], [], color="0.55", ls="--", lw=1.2, label=f"{runs[0][0]} (reference)")][: len(runs) - 1],
+    handles = [Line2D([], [], color="tab:blue", lw=1.4, label="the run's loss")]
+    if len(runs) > 1:  # the first run is the others' reference
+        handles.append(Line2D([], [], color="0.55", ls="--", lw=1.2, label=f"{runs[0][0]} (reference)"))
+    handles += [
         Line2D([], [], color="tab:green", lw=1.4, label="loss scale"),
         Line2D([], [], color="tab:red", marker="x", ls="", label="skipped step"),
     ]
