@@ -41,7 +41,8 @@ class ConfigError(ValueError):
     """An invalid config (exit 2): ``errors``, each naming its key; ``source``: where the config came from."""
 
     def __init__(self, errors: Sequence[str], source: str | None = None) -> None:
-        self.errors, self.source, where = list(errors), source, f" in {source}" if source else ""
+        self.errors, self.source = list(errors), source
+        where = f" in {source}" if source else ""
         listed = "".join(f"\n  - {e}" for e in self.errors)
         said = f": {self.errors[0]}" if len(self.errors) == 1 else f" ({len(self.errors)} problems):{listed}"
         super().__init__(f"invalid config{where}{said}")
