@@ -205,7 +205,7 @@ def is_same_file(dir_fd: int, name: str, other: Path | int) -> bool:
         return False
 
 
-class RunDir(contextlib.ExitStack):
+class RunDir:
     """``path`` (resolved), created if missing, opened and locked; ``what`` names it in messages. ``stale``: the
     holder of a lock left by a run that ended without releasing it. A training run then calls :meth:`open`
     and writes rows, checkpoints and plots. :meth:`close` (or the end of a ``with`` block) releases, last acquired
@@ -213,8 +213,8 @@ class RunDir(contextlib.ExitStack):
     is empty)."""
 
     def __init__(self, path: Path, what: str = "runconfig.model_dir") -> None:
-        super().__init__()
         self.path, self.what = path, what
+        self._held = contextlib.ExitStack()  # what close() releases, last acquired first
         self.created = not os.path.lexists(path)
         with contextlib.suppress(FileExistsError):  # a directory, or something refused below
             path.mkdir(parents=True)
@@ -229,11 +229,20 @@ class RunDir(contextlib.ExitStack):
         self.stale: str | None = None
         self._metrics: IO[bytes] | None = None
         self.events: Any = None  # torch.utils.tensorboard.SummaryWriter
-        self.callback(os.close, self.fd)
+        self._held.callback(os.close, self.fd)
         with contextlib.ExitStack() as failed:  # the directory is closed again unless the lock is taken
             failed.callback(self.close)
             self._lock()
             failed.pop_all()
+
+    def close(self) -> None:
+        self._held.close()
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _lock(self) -> None:
         while True:
@@ -258,7 +267,7 @@ class RunDir(contextlib.ExitStack):
                 os.pwrite(fd, json.dumps(record).encode() + b"\n", 0)
                 os.fsync(fd)
                 attempt.pop_all()
-                self.callback(self._unlock, fd)
+                self._held.callback(self._unlock, fd)
                 return
 
     def _unlock(self, fd: int) -> None:
@@ -336,7 +345,7 @@ class RunDir(contextlib.ExitStack):
             with contextlib.suppress(FileExistsError):  # (not a link) of the run's user writable by no one else
                 os.mkdir(TENSORBOARD_DIR, 0o755, dir_fd=self.fd)
             events_fd = self._open(TENSORBOARD_DIR, os.O_RDONLY | os.O_DIRECTORY, stat.S_IFDIR)
-            self.callback(os.close, events_fd)
+            self._held.callback(os.close, events_fd)
             info = os.fstat(events_fd)
             if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
                 raise ModelDirError(f"{events} is writable by others than this run's user: move it away")
@@ -353,7 +362,7 @@ class RunDir(contextlib.ExitStack):
             names.add(kept)
             log(f"Renamed {bad.name} to {kept} (kept, never resumed from)")
         self.replace(METRICS_FILE, keep)
-        self._metrics = self.enter_context(os.fdopen(self._open(METRICS_FILE, os.O_WRONLY | os.O_APPEND), "ab"))
+        self._metrics = self._held.enter_context(os.fdopen(self._open(METRICS_FILE, os.O_WRONLY | os.O_APPEND), "ab"))
         if config_file is not None and is_same_file(self.fd, CONFIG_FILE, config_file):
             log(f"{self.path / CONFIG_FILE} is the input config: left as it is")
         else:
@@ -366,7 +375,7 @@ class RunDir(contextlib.ExitStack):
             proc = Path(f"/proc/self/fd/{events_fd}")
             log_dir = proc if proc.is_dir() else events
             self.events = SummaryWriter(str(log_dir), purge_step=step + 1 if step else None, flush_secs=3600)
-            self.callback(self.events.close)
+            self._held.callback(self.events.close)
 
     def write_row(self, row: dict[str, Any]) -> None:
         """Append one metrics row (on disk before this returns) and its numbers as TensorBoard scalars."""
