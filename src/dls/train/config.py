@@ -333,7 +333,8 @@ def _allowed(schema: dict[str, Any], big: bool) -> str:
     text = "an integer" if kind == "integer" else "a number"
     lows = [(k, schema[k]) for k in ("minimum", "ge", "exclusiveMinimum") if schema.get(k, -F32_MAX) != -F32_MAX]
     highs = [(k, schema[k]) for k in ("maximum", "le", "exclusiveMaximum") if schema.get(k, F32_MAX) != F32_MAX]
-    (low_key, low), (high_key, high) = (lows or [("", None)])[0], (highs or [("", None)])[0]
+    low_key, low = lows[0] if lows else ("", None)
+    high_key, high = highs[0] if highs else ("", None)
     open_low, open_high = low_key.startswith("exclusive"), high_key.startswith("exclusive")
     if low is not None and high is not None and (big or high != INT64_MAX):
         return f"{text} in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
@@ -702,7 +703,8 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
             ours = {p: v for p, v in given.items() if p.startswith("trainer.") == (layout == "current")}
             if ours and f"{section}.{key}" not in r.written:
                 ((path, value),) = ours.items()
-                s[section][key], theirs = value, [v for v in given.values() if v != value]
+                s[section][key] = value
+                theirs = [v for v in given.values() if v != value]
                 differs = f" ({other} layout: {theirs[0]!r})" if theirs else ""
                 r.notes.append(f"{path}: {value!r}, Model Zoo's default in the {layout} layout{differs}")
     else:
