@@ -547,7 +547,8 @@ class Trainer:
         rng_ranks: list[Any] = [None] * self.world_size
         if self.world_size > 1:
             dist.all_gather_object(rng_ranks, ckpt.rng_state())
-        if self.run_dir is not None:
+        if self.is_main:
+            assert self.run_dir is not None, "checkpoints are written while train() holds model_dir"
             state: dict[str, Any] = {
                 "global_step": self.global_step,
                 "model": self.model.state_dict(),
