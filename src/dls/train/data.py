@@ -160,8 +160,8 @@ class BatchIterator:
             value = state.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
                 raise ValueError(f"{key} must be an integer >= 0; got {value!r}")
-        # position rounded up: no batch slot is taken twice
-        self.epoch, self.position, self._order = state["epoch"], -(-state["position"] // self.world_size), None
+        self.epoch, self._order = state["epoch"], None
+        self.position = -(-state["position"] // self.world_size)  # rounded up: no batch slot is taken twice
 
 
 class TrainModel(nn.Module):

@@ -162,7 +162,8 @@ def _print_verdict(console: Console, results: dict[str, Result]) -> None:
     how = f"{plain / ref:.1f}x float32's: its flushed gradients never reach the weights"
     how = how if plain > 1.05 * ref else "about as well as float32 in this run"
     lines.append(f"float16 without loss scaling ends at {plain:.4g}, {how}.")
-    (_, bare, stopped), masters = results["float16_params"], loss["float16_params_masters"]
+    _, bare, stopped = results["float16_params"]
+    masters = loss["float16_params_masters"]
     if results["float16_params_masters"][2] is None and masters is not None:
         without = f"the run stopped at step {stopped}: its float16 weights became inf/NaN"
         without = without if stopped is not None else f"at {bare.eval_loss:.4g}"

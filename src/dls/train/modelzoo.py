@@ -511,7 +511,8 @@ class GptDataset(Dataset):
                 rows[take] = self.data[f][idx[take] - self.starts[f]]
             ids, labels = rows[:, 0], np.where(rows[:, 1] == 0, IGNORE_INDEX, rows[:, 2])
         if self.vocab is not None:
-            (size, key), seen = self.vocab, np.concatenate([ids.ravel(), labels[labels != IGNORE_INDEX]])
+            size, key = self.vocab
+            seen = np.concatenate([ids.ravel(), labels[labels != IGNORE_INDEX]])
             if (bad := seen[(seen < 0) | (seen >= size)]).size:
                 raise ConfigError([f"{key}: {size}, but the data holds token id {bad[0]} (ids must be in [0, {size}))"])
         return torch.from_numpy(ids), torch.from_numpy(labels)
