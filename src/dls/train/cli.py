@@ -366,7 +366,7 @@ def _init(args: argparse.Namespace) -> None:
     processor = _DATA_PROCESSOR.search(text)
     if processor is not None:  # everything checked before anything is written
         try:
-            from dls.train.modelzoo import require, write_tiny_data  # type: ignore[attr-defined,unused-ignore]
+            from dls.train.modelzoo import require, write_tiny_data
         except ImportError:
             raise UsageError(
                 "this dls cannot write Model Zoo data (dls.train.modelzoo.write_tiny_data is missing); "
