@@ -608,7 +608,7 @@ def build_loader(
 ) -> BatchIterator:
     """Resumable batches of a Model Zoo loader section for ``split`` (an MNIST section's own ``split`` wins);
     ``seed`` when ``shuffle_seed`` is not set; ``prefix`` names the section in errors. ``ConfigError`` for invalid
-    keys or data (the keys ignored here: ``keys.parse_loader``)."""
+    keys or data (the keys ignored here: :func:`parse_loader`)."""
     prefix = prefix or ("train_input" if split == "train" else "eval_input")
     keys = parse_loader(processor, params, prefix)[0]
     dataset, problems = _open(processor, keys, split, prefix, headers_only=False)

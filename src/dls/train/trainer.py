@@ -574,7 +574,7 @@ class Trainer:
 # ---------------------------------------------------------------------- the optimizer, its LR schedule, stop messages
 def build_optimizer(cfg: config.OptimizerConfig, params: Any) -> torch.optim.Optimizer:
     """``optimizer:``'s optimizer with learning rate 1.0: the LR schedule (a ``LambdaLR``) sets the real one. Model
-    Zoo's argument names (``correct_bias`` is torch's only behaviour and is checked by the schema)."""
+    Zoo's argument names (``correct_bias`` is torch's only behaviour: the config accepts only true)."""
     if cfg.optimizer_type == "SGD":
         return torch.optim.SGD(params, lr=1.0, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     cls = torch.optim.Adam if cfg.optimizer_type == "Adam" else torch.optim.AdamW
