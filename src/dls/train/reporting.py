@@ -57,11 +57,14 @@ def describe_scaling(cfg: TrainConfig) -> str:
 
 def describe_precision(cfg: TrainConfig) -> str:
     prec, dtype = cfg.precision, cfg.precision.compute_dtype
-    text = dtype if dtype == "float32" else f"{dtype} ({'dls.emulate' if prec.emulated else 'torch.autocast'})"
-    if dtype != "float32" and prec.half_params:
+    if dtype == "float32":
+        text = "float32"
+    elif prec.half_params:
         how = "dls.emulate, parameters on its grid" if dtype == "cbfloat16" else "parameters, no autocast"
         masters = "float32 master weights" if prec.master_weights else "no master weights"
         text = f"{dtype} ({how}; {masters})"
+    else:
+        text = f"{dtype} ({'dls.emulate' if prec.emulated else 'torch.autocast'})"
     if prec.fp8 is not None:
         text += f", FP8 Linear layers ({recipe_from_dict(dict(prec.fp8)).describe()})"
     return text
