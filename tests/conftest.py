@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import gc
 import importlib.util
 import json
 import math
@@ -508,5 +509,8 @@ def run_rank(results: Callable[[], dict[str, Any]]) -> None:
         result = results()
         dist.barrier()
     finally:
+        # DDP's reducer and the watches' hooks form reference cycles: collected while the group exists, not at
+        # interpreter exit, where gloo's threads abort the process ("terminate called without an active exception").
+        gc.collect()
         dist.destroy_process_group()
     (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
