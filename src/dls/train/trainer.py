@@ -30,7 +30,7 @@ from dls.diagnostics.fallback import apply_precision_fallback, fallback_note
 from dls.diagnostics.scales import module_label, pow2
 from dls.emulate import EmulationHandle
 from dls.train import checkpoint as ckpt
-from dls.train import config, data, modelzoo, reporting
+from dls.train import config, data, reporting
 from dls.train.errors import MissingExtras, RankError, TrainingStopped, describe, exit_status
 from dls.train.launch import resolve_device
 from dls.train.reporting import TrainResult, json_number
@@ -86,6 +86,8 @@ class Trainer:
         prec = cfg.precision
         self.model = data.build_model(cfg.model, getattr(self.dataset, "info", None))
         if cfg.model.name in config.ZOO_MODELS:  # can it read the data (positions, token ids)
+            from dls.train import modelzoo  # imported only by runs of Model Zoo models, as in dls.train.data
+
             for batches in (self.batches, self.eval_batches):
                 if batches is not None:
                     modelzoo.fit_to_data(self.model, batches.dataset, where("model.params", "model"))
