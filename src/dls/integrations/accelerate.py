@@ -82,29 +82,7 @@ def use_dls(
             two models prepared already. Nothing is changed then. With ``fallback=True``, ``prepare`` raises
             ``ValueError`` before preparing a second model for training.
     """
-    if not isinstance(accelerator, Accelerator):
-        raise ValueError(f"accelerator must be an accelerate.Accelerator; got {type(accelerator).__name__}")
-    if accelerator.mixed_precision != "fp16":
-        raise ValueError(
-            "use_dls needs Accelerator(mixed_precision='fp16'); got mixed_precision="
-            f"{accelerator.mixed_precision!r} (bf16 and float32 need no loss scaling)"
-        )
-    if accelerator.distributed_type in _UNSUPPORTED:
-        raise ValueError(f"use_dls: {_UNSUPPORTED[accelerator.distributed_type]} ({accelerator.distributed_type})")
-    if problem := flag_problem("fallback", fallback):
-        raise ValueError(problem)
-    if isinstance(accelerator.scaler, GradScaler):
-        raise ValueError("use_dls was already called on this accelerator (accelerator.scaler is a dls.GradScaler)")
-    if scaler is None:
-        handler = accelerator.scaler_handler.to_kwargs() if accelerator.scaler_handler is not None else {}
-        scaler = GradScaler(device=accelerator.device.type, **{**handler, **scaler_kwargs})
-    elif not isinstance(scaler, GradScaler):
-        raise ValueError(f"scaler must be a dls.GradScaler or None; got {type(scaler).__name__}")
-    elif scaler_kwargs:
-        raise ValueError(f"give scaler or scaler_kwargs, not both; got scaler and {sorted(scaler_kwargs)}")
-    for optimizer in accelerator._optimizers:
-        if type(optimizer) not in (AcceleratedOptimizer, DLSAcceleratedOptimizer):
-            raise ValueError(f"use_dls cannot take over a prepared {type(optimizer).__name__}")
+    scaler = _checked_scaler(accelerator, scaler, fallback, scaler_kwargs)
     watcher = _Fallback(scaler) if fallback else None
     if watcher is not None:
         if not scaler.is_enabled():
@@ -199,6 +177,36 @@ class DLSAcceleratedOptimizer(AcceleratedOptimizer):
             return self.scaler.step_was_skipped(self.optimizer)
         except RuntimeError:  # the optimizer has not stepped yet, so nothing was skipped
             return False
+
+
+def _checked_scaler(
+    accelerator: Accelerator, scaler: GradScaler | None, fallback: Any, scaler_kwargs: dict[str, Any]
+) -> GradScaler:
+    """``use_dls``'s arguments checked before anything changes; the scaler to install (built when ``None``)."""
+    if not isinstance(accelerator, Accelerator):
+        raise ValueError(f"accelerator must be an accelerate.Accelerator; got {type(accelerator).__name__}")
+    if accelerator.mixed_precision != "fp16":
+        raise ValueError(
+            "use_dls needs Accelerator(mixed_precision='fp16'); got mixed_precision="
+            f"{accelerator.mixed_precision!r} (bf16 and float32 need no loss scaling)"
+        )
+    if accelerator.distributed_type in _UNSUPPORTED:
+        raise ValueError(f"use_dls: {_UNSUPPORTED[accelerator.distributed_type]} ({accelerator.distributed_type})")
+    if problem := flag_problem("fallback", fallback):
+        raise ValueError(problem)
+    if isinstance(accelerator.scaler, GradScaler):
+        raise ValueError("use_dls was already called on this accelerator (accelerator.scaler is a dls.GradScaler)")
+    if scaler is None:
+        handler = accelerator.scaler_handler.to_kwargs() if accelerator.scaler_handler is not None else {}
+        scaler = GradScaler(device=accelerator.device.type, **{**handler, **scaler_kwargs})
+    elif not isinstance(scaler, GradScaler):
+        raise ValueError(f"scaler must be a dls.GradScaler or None; got {type(scaler).__name__}")
+    elif scaler_kwargs:
+        raise ValueError(f"give scaler or scaler_kwargs, not both; got scaler and {sorted(scaler_kwargs)}")
+    for optimizer in accelerator._optimizers:
+        if type(optimizer) not in (AcceleratedOptimizer, DLSAcceleratedOptimizer):
+            raise ValueError(f"use_dls cannot take over a prepared {type(optimizer).__name__}")
+    return scaler
 
 
 def _adopt(optimizer: Any, scaler: GradScaler) -> None:
