@@ -116,6 +116,20 @@ def test_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> None:
     assert all(r.count(" | ") == 2 for r in rows), rows  # cells escape their own '|'
 
 
+def test_versions_without_nvidia_smi_or_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``nvidia-smi`` is a fact in the summary, never a crash; no CUDA fails the step on the GPU machine only."""
+    monkeypatch.setattr(gpu_check.shutil, "which", lambda name: None)
+    monkeypatch.setattr(gpu_check, "VERSIONS_CODE", "print('torch: 2.11.0'); print('CUDA available: False')")
+    for dry, status in ((True, "ok"), (False, "FAIL")):
+        check = gpu_check.Check(tmp_path, tmp_path, dry, dict(os.environ), time.monotonic() + 60)
+        with open(tmp_path / "log", "a", encoding="utf-8") as log:
+            verdict = gpu_check.step_versions(check, log)
+        assert verdict.status == status, verdict
+        assert check.facts["nvidia-smi"] == "not found on PATH" and check.facts["torch"] == "2.11.0"
+    assert verdict.text.startswith("torch.cuda.is_available() is False: the GPU steps cannot run")
+    assert "- GPU: nvidia-smi: not found on PATH" in gpu_check.machine_lines(check)
+
+
 # ---------------------------------------------------------------------------------------------- time boxes
 def alive(pid: int) -> bool:
     """Whether process ``pid`` still runs (a zombie, ended but not yet reaped, does not)."""
@@ -277,6 +291,40 @@ def test_pytests_junit_xml_and_verbose_lines_give_the_same_counts(tmp_path: Path
     assert verbose.outcomes == counts.outcomes
     assert (
         gpu_check.running_at_stop("test_a.py::test_x PASSED [ 50%]\ntest_a.py::test_hangs ") == "test_a.py::test_hangs"
+    )
+
+
+def test_the_tests_step_reports_counts_failures_and_where_a_timeout_stopped_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tests step on CUDA, with pytest pointed at sample modules instead (its arguments are the GPU run's)."""
+    (tmp_path / "test_sample.py").write_text(SAMPLE_TESTS)
+    (tmp_path / "test_stop.py").write_text("def test_fails():\n    assert 0\n\ndef test_sleeps():\n    import time\n"
+                                           "    time.sleep(60)\n")  # fmt: skip
+    module = "test_sample.py"
+
+    def sample(check: Any, junit: Path) -> list[str]:
+        options = ["-p", "no:cacheprovider", "-c", os.devnull, "--rootdir", str(tmp_path), "-v"]
+        return [sys.executable, "-m", "pytest", *options, f"--junitxml={junit}", str(tmp_path / module)]
+
+    monkeypatch.setattr(gpu_check, "pytest_command", sample)
+    check = gpu_check.Check(tmp_path, tmp_path, False, dict(os.environ), time.monotonic() + 100)
+    with open(tmp_path / "log", "a", encoding="utf-8") as log:
+        verdict = gpu_check.step_tests(check, log)
+    assert verdict.status == "FAIL" and verdict.text.startswith("3 passed, 1 failed, 0 errors, 1 skipped (")
+    heading, body = verdict.sections[0]
+    assert heading == "Test run on the GPU"
+    assert re.search(r"^- `\S*test_sample.py::test_fails` \(failed\): AssertionError: one is not two$", body, re.M)
+    assert "- 1 x needs a thing" in body
+    assert check.tests is not None and check.tests.total == 5
+
+    module = "test_stop.py"
+    check = gpu_check.Check(tmp_path, tmp_path, False, dict(os.environ), time.monotonic() + 5)
+    with open(tmp_path / "log", "a", encoding="utf-8") as log:
+        verdict = gpu_check.step_tests(check, log)
+    assert verdict.status == "FAIL"
+    assert re.fullmatch(
+        r"timed out in \S*test_stop.py::test_sleeps after 1 tests: 0 passed, 1 failed, .*", verdict.text
     )
 
 
