@@ -185,6 +185,22 @@ def test_a_failing_or_crashing_step_never_stops_the_next(tmp_path: Path, monkeyp
     assert "| tests | FAIL |" in summary and "| bench_fp8 | ok |" in summary
 
 
+def test_a_steps_time_box_bounds_all_its_commands_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    outcomes = []
+
+    def two_sleepers(check: Any, log: Any) -> Any:
+        for _ in range(2):
+            outcomes.append(gpu_check.call([sys.executable, "-c", "import time; time.sleep(60)"], log, check.left()))
+        return gpu_check.Verdict("FAIL", "slept")
+
+    monkeypatch.setattr(gpu_check, "STEP_FUNCTIONS", {"versions": two_sleepers})
+    monkeypatch.setattr(gpu_check, "TIMEOUTS", {"versions": 6})
+    monkeypatch.setattr(gpu_check, "WHEEL_DIR", tmp_path / "no-wheels")
+    gpu_check.main(["--out", str(tmp_path), "--steps", "versions"])
+    assert [o.timed_out for o in outcomes] == [True, True]
+    assert sum(o.seconds for o in outcomes) < 9  # 6 s for both, not 6 s each
+
+
 def test_a_step_past_the_runs_time_limit_is_not_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def slow(check: Any, log: Any) -> Any:
         time.sleep(1.2)
