@@ -28,8 +28,8 @@ demo: $(VENV)/.installed-demo
 	$(BIN)/dls demo
 
 lint: $(VENV)/.installed-test
-	$(BIN)/ruff check src tests benchmarks examples conftest.py
-	$(BIN)/ruff format --check src tests benchmarks examples conftest.py
+	$(BIN)/ruff check src tests benchmarks examples conftest.py scripts/gpu-check
+	$(BIN)/ruff format --check src tests benchmarks examples conftest.py scripts/gpu-check
 	$(BIN)/mypy src
 
 docs-check: $(VENV)/.installed-test  # the site must build without a warning (broken links, missing API names)
