@@ -503,6 +503,10 @@ def test_optimizer_step_validates_before_running(kwargs: dict[str, Any], message
         dls.optimizer_step(loss_of(model, 0), opt, torch.amp.GradScaler("cpu"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="optimizer"):
         dls.optimizer_step(loss_of(model, 0), model, scaler)  # type: ignore[arg-type]
+    for not_an_optimizer in (5, None, "adam", [], [opt, 5]):  # a non-iterable was a bare TypeError
+        with pytest.raises(ValueError, match=r"^optimizer must be a torch\.optim\.Optimizer or a non-empty list"):
+            dls.optimizer_step(loss_of(model, 0), not_an_optimizer, scaler)  # type: ignore[arg-type]
+    assert all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.parametrize("started", ["unscale_", "clip", "step"])
