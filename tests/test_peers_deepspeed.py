@@ -127,6 +127,7 @@ def test_the_fp16_section_takes_deepspeeds_defaults_and_names_its_keys() -> None
     ("fp16", "message"),
     [
         ({"loss_scale_windw": 10}, r"unknown key 'loss_scale_windw' \(did you mean 'loss_scale_window'\?\)"),
+        ({"fp16": {"enabled": True}, "train_batch_size": 8}, r"a whole DeepSpeed config: pass its 'fp16' section"),
         ({"enabled": "auto"}, r"fp16_config\['enabled'\] is 'auto', a placeholder"),
         ({"enabled": 1}, r"fp16_config\['enabled'\] must be true or false"),
         ({"loss_scale": -1}, "^loss_scale must be 0"),
@@ -205,6 +206,10 @@ def test_deepspeeds_attributes_must_be_this_scalers_settings_and_load_only_into_
         ours.load_state_dict({"cur_iter": 8})
     with pytest.raises(ValueError, match=r"last_overflow_iter'\] \(9\) must be below"):
         ours.load_state_dict({"cur_iter": 8, "last_overflow_iter": 9})
+    with pytest.raises(ValueError, match=r"^state_dict\['cur_scale'\] must be a positive finite number; got nan"):
+        ours.load_state_dict({"cur_scale": math.nan})
+    with pytest.raises(ValueError, match=r"^state_dict\['cur_hysteresis'\] must be an integer"):
+        ours.load_state_dict({"cur_hysteresis": 1.5})
     with pytest.raises(ValueError, match=r"unknown keys.*did you mean 'cur_hysteresis'"):
         ours.load_state_dict({"cur_hystersis": 1})
     assert ours.state_dict() == before

@@ -210,6 +210,8 @@ def read_deepspeed(fp16_config: Any) -> tuple[ScalerSettings, bool]:
                     "DeepSpeed reads the config: give the value",
                 )
             )
+    if problems and "fp16" in fp16_config:
+        raise ValueError("fp16_config is a whole DeepSpeed config: pass its 'fp16' section, ds_config['fp16']")
     if problems:
         raise SettingsError(problems)
     ignored = [key for key in DEEPSPEED_OTHER_KEYS if key in fp16_config]

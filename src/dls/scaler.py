@@ -34,7 +34,7 @@ from dls.arguments import device_kind, is_available, parse_device, read_argument
 from dls.loss_scale import LossScale
 from dls.policy import count_problem, flag_problem, limit_problem, python_number
 from dls.scaler_state import STATE_KEYS, TORCH_KEYS, parse_state_dict, to_state_dict
-from dls.settings import DEFAULT_STEPS_PER_INCREASE, GROWTH_OFFSET, TORCH_INIT_SCALE, ScalerSettings
+from dls.settings import DEFAULT_STEPS_PER_INCREASE, GROWTH_OFFSET, TORCH_INIT_SCALE, ScalerSettings, interval_name
 
 if TYPE_CHECKING:
     from dls.diagnostics.watch import OverflowReport, OverflowWatch, Watches
@@ -546,9 +546,10 @@ class GradScaler:
             raise ValueError(problem)
         interval = int(python_number(new_interval))  # type: ignore[arg-type]  # an integer: checked above
         if interval <= offset:
+            dialect = self._scale.settings.dialect
             raise ValueError(
-                f"new_interval must be at least 2 for a {self._scale.settings.dialect}-dialect scaler (it grows after "
-                f"steps_per_increase + 1 updates, steps_per_increase >= 1); got {new_interval!r}"
+                f"new_interval must be at least 2 for a {dialect}-dialect scaler (it grows after "
+                f"{interval_name(dialect)} + 1 updates, {interval_name(dialect)} >= 1); got {new_interval!r}"
             )
         self._replace_settings(steps_per_increase=interval - offset)
 

@@ -235,10 +235,13 @@ def _from_deepspeed(
                 "the run's fp16 config (GradScaler.from_deepspeed)"
             )
     out: dict[str, Any] = {}
-    if "cur_scale" in state_dict:
-        out["loss_scale"] = state_dict["cur_scale"]
+    if "cur_scale" in state_dict:  # checked here, to be named as given
+        out["loss_scale"] = scale = _number("cur_scale", state_dict["cur_scale"], label)
+        if not (_finite(scale) and scale > 0):
+            raise ValueError(f"{label('cur_scale')} must be a positive finite number; got {scale!r}")
     if "cur_hysteresis" in state_dict:
-        out["hysteresis_tracker"] = state_dict["cur_hysteresis"]
+        out["hysteresis_tracker"] = budget = _number("cur_hysteresis", state_dict["cur_hysteresis"], label)
+        _check_counter("cur_hysteresis", "hysteresis_tracker", budget, label)
     given = [key for key in ("cur_iter", "last_overflow_iter") if key in state_dict]
     if len(given) == 1:
         missing = "last_overflow_iter" if given[0] == "cur_iter" else "cur_iter"

@@ -326,18 +326,30 @@ class ScalerSettings:
             )
         if problems:
             raise SettingsError(problems)
-
-        def float32(value: Any) -> float:
-            return float(torch.tensor(float(python_number(value)), dtype=torch.float32))  # type: ignore[arg-type]
-
+        given = {"growth_factor": growth_factor, "backoff_factor": backoff_factor}
+        as_held = {
+            name: float(torch.tensor(float(python_number(value)), dtype=torch.float32))  # type: ignore[arg-type]
+            for name, value in {"initial_scale": initial_scale, "min_scale": min_scale, **given}.items()
+        }
+        for name, value in given.items():  # a factor within a hair of 1 is 1 in float32
+            if factor_problem(name, as_held[name], above_one=name == "growth_factor"):
+                problems.append(
+                    (
+                        name,
+                        f"{name} is {as_held[name]!r} in float32, as Megatron holds it (given {value!r}): too close "
+                        "to 1",
+                    )
+                )
+        if problems:
+            raise SettingsError(problems)
         return cls(
             mode="dynamic",
-            init_scale=float32(initial_scale),
-            min_loss_scale=float32(min_scale),
+            init_scale=as_held["initial_scale"],
+            min_loss_scale=as_held["min_scale"],
             max_loss_scale=FLOAT32_MAX,
             steps_per_increase=growth_interval,
-            growth_factor=float32(growth_factor),
-            backoff_factor=float32(backoff_factor),
+            growth_factor=as_held["growth_factor"],
+            backoff_factor=as_held["backoff_factor"],
             hysteresis=hysteresis,
             half_dtype="float16",
             dialect="megatron",
