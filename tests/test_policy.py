@@ -340,6 +340,9 @@ def test_static_rule_counts_skips_only() -> None:
         ({"min_loss_scale": 0.0}, "min_loss_scale"),
         ({"max_loss_scale": float("inf")}, "max_loss_scale"),
         ({"min_loss_scale": 8.0, "max_loss_scale": 4.0}, "min_loss_scale"),
+        ({"steps_after_growth": 2, "growth_interval": 4}, "steps_after_growth"),
+        ({"steps_after_growth": 1, "growth_interval": 1}, "steps_after_growth"),
+        ({"growth_interval": 100.0}, "growth_interval must be an integer"),
     ],
 )
 def test_invalid_rule_settings(kwargs: dict[str, float], message: str) -> None:
