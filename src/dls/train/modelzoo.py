@@ -606,7 +606,8 @@ def param_groups(
         found = {g: v for g, v in scales.items() if name.endswith(".weight") and _holds(module, _GROUP_MODULES[g])}
         if len(set(found.values())) > 1:
             listed = ", ".join(f"{g} ({v:g})" for g, v in found.items())
-            raise ConfigError([f"{prefix}: {name} is in groups of different factors: {listed}; give them one factor"])
+            where = name.removeprefix("hf.")
+            raise ConfigError([f"{prefix}: {where} is in groups of different factors: {listed}; give them one factor"])
         decay = 0.0 if "bias" in name or name in norms else weight_decay
         groups[(decay, next(iter(found.values()), 1.0))].append(param)
     return [{"params": p, "weight_decay": decay, "lr": scale} for (decay, scale), p in groups.items() if p]
