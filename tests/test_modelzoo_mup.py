@@ -172,8 +172,9 @@ def test_the_learning_rates_of_a_training_run_are_the_formulas(tmp_path: Path) -
     write_tiny_data("gpt", tmp_path / "gpt", train_samples=32, val_samples=8, msl=POSITIONS, vocab=VOCAB)
     overrides = [
         *SHRINK, f"trainer.init.model_dir={tmp_path / 'run'}", "trainer.init.loop.max_steps=3",
-        f"trainer.fit.train_dataloader.data_dir={tmp_path / 'gpt' / 'train'}", "trainer.fit.train_dataloader.batch_size=4",
-        f"trainer.fit.val_dataloader.data_dir={tmp_path / 'gpt' / 'val'}", "trainer.fit.val_dataloader.batch_size=4",
+        f"trainer.fit.train_dataloader.data_dir={tmp_path / 'gpt' / 'train'}",
+        f"trainer.fit.val_dataloader.data_dir={tmp_path / 'gpt' / 'val'}",
+        "trainer.fit.train_dataloader.batch_size=4", "trainer.fit.val_dataloader.batch_size=4",
         "trainer.init.precision.enabled=false",
     ]  # fmt: skip
     cfg = load_config(MUP, overrides)
@@ -238,5 +239,5 @@ def test_adjust_learning_rate_is_for_gpt_models() -> None:
         "model": {"name": "fc_mnist", "depth": 1, "hidden_size": 8},
         "optimizer": {"adjust_learning_rate": {"embedding": 2}},
     }
-    with pytest.raises(ConfigError, match="optimizer.adjust_learning_rate applies to gpt2, gpt3 and llama; this is"):
+    with pytest.raises(ConfigError, match=r"optimizer\.adjust_learning_rate applies to gpt2, gpt3 and llama; this is"):
         parse_config(raw)

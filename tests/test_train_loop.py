@@ -360,7 +360,6 @@ def test_a_current_layout_config_trains_end_to_end(tmp_path: Path, capsys: pytes
     config = tmp_path / "params.yaml"
     config.write_text(CURRENT_LAYOUT.format(model_dir=tmp_path / "run"))
     assert main(["train", str(config), "--no_progress"]) == 0
-    out = capsys.readouterr().out
     rows = metrics(tmp_path / "run")
     assert all(r["params_norm"] > 0 for r in rows if "loss" in r)  # ComputeNorm: Model Zoo's log_summaries
     assert [r["step"] for r in rows if "eval_loss" in r] == [4, 8]

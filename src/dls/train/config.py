@@ -566,7 +566,7 @@ def default_model_dir(raw: Mapping[str, Any], directory: str) -> dict[str, Any]:
     out = dict(raw)
     trainer = out.get("trainer")
     if isinstance(trainer, Mapping):  # the current layout
-        init = trainer.get("init") if isinstance(trainer.get("init"), Mapping) else {}
+        init: Mapping[str, Any] = trainer["init"] if isinstance(trainer.get("init"), Mapping) else {}
         if "model_dir" not in init:
             out["trainer"] = {**trainer, "init": {**init, "model_dir": directory}}
         return out
@@ -906,7 +906,7 @@ def _zoo_defaults(r: _Reader, layout: str) -> None:
             theirs = [v for v in given.values() if v != value]
             differs = f" ({other} layout: {theirs[0]!r})" if theirs else ""
             r.notes.append(f"{path}: {value!r}, Model Zoo's default in the {layout} layout{differs}")
-    if "optimizer.log_loss_scale" not in r.written:  # Model Zoo's: legacy, with log_summaries; current, if dynamic
+    if s["optimizer"].get("log_loss_scale") is None:  # Model Zoo's: legacy, with log_summaries; current, if dynamic
         opt = s["optimizer"]
         legacy = opt.get("log_summaries") is True
         s["optimizer"]["log_loss_scale"] = legacy if layout == "legacy" else opt.get("loss_scaling_factor") == "dynamic"
@@ -1023,6 +1023,11 @@ def _check_zoo(b: dict[str, Any], r: _Reader) -> None:
     if opt.optimizer_type == "Adam" and "optimizer.correct_bias" in r.written:
         how = "cstorch's Adam always corrects the bias (Model Zoo warns that the key is unused)"
         r.notes.append(f"{r.at('optimizer', 'correct_bias')} is not used: {how}")
+    if not opt.correct_bias and opt.optimizer_type == "AdamW" and r.layout == "dls":
+        torch_s = "dls's own layout trains with torch's AdamW, which always corrects the bias"
+        r.errors.append(
+            f"{r.at('optimizer', 'correct_bias')}: false is cstorch's AdamW, Model Zoo's layouts'; {torch_s}"
+        )
     if opt.force_loss_scaling and r.layout == "dls":
         r.notes.append(f"{r.at('optimizer', 'force_loss_scaling')} has no effect: dls's own layout scales bfloat16 as "
                        "loss_scaling_factor says")  # fmt: skip
@@ -1080,10 +1085,13 @@ def _bfloat16_as_model_zoo(b: dict[str, Any], r: _Reader, names: dict[str, str])
     unused = [k for k, arg in SCALER_KEYS.items() if arg != "max_gradient_norm" and getattr(opt, k) is not None]
     b["optimizer"] = opt.model_copy(update=dict.fromkeys(unused))
     if [k for k in unused if k != "loss_scaling_factor" or opt.loss_scaling_factor != 1.0]:
-        force = r.at("optimizer", "force_loss_scaling")
+        current = r.layout == "current"
+        force = r.written.get("optimizer.force_loss_scaling", f"{'trainer.init.precision' if current else 'optimizer'}"
+                              ".force_loss_scaling")  # fmt: skip
+        half = r.written.get("precision.fp16_type", f"{'trainer.init.precision' if current else 'model'}.fp16_type")
         listed = ", ".join(names[SCALER_KEYS[k]] for k in unused)
         r.notes.append(
-            f"{r.at('precision', 'fp16_type')} bfloat16: no loss scaling, as Model Zoo trains bfloat16 ({listed} not "
+            f"{half} bfloat16: no loss scaling, as Model Zoo trains bfloat16 ({listed} not "
             f"used; {force}: true scales the loss)"
         )
 
