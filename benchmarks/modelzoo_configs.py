@@ -16,7 +16,7 @@ gpt2 and the legacy layout), plus three older ones (Release 1.8.0's gpt2_small_w
 1.9.1's fc_mnist and Llama 7B). The shrink: 2 blocks of width 64 (4 heads, 2 key/value heads where the config groups
 them), filter 128, vocabulary 512, 64 positions (32 before Llama 3's position scaling); batches of 4; 2 steps
 (evaluation, where configured, over 2 batches); one torch thread. Keys the config does not write are not added,
-except model.name for legacy configs, which name no model (Model Zoo picks it by its run.py)."""
+except the model's name where a config names none (Model Zoo picks the model by the run.py of its directory)."""
 
 from __future__ import annotations
 
@@ -69,8 +69,8 @@ def shrink(raw: dict[str, Any], name: str, data: Path, model_dir: Path) -> list[
     model = init.get("model") or {}
     out: list[str] = []
     at = "trainer.init.model" if current else "model"
-    if not current and "name" not in model:
-        out.append(f"model.name={name}")
+    if "name" not in model:  # as Model Zoo's run.py of the model's directory picks it
+        out.append(f"{at}.name={name}")
     if name != "fc_mnist":
         heads = 4
         groups = (model.get("extra_attention_params") or {}).get("num_kv_groups")

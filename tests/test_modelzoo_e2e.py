@@ -210,3 +210,48 @@ def test_a_model_that_cannot_read_the_data_is_exit_2_naming_its_key(
         assert main(["train", config, "--no_progress", "-o", *base, override]) == 2, override
         err = capsys.readouterr().err
         assert message in err and err.count("invalid config") == 1 and len(err.splitlines()) == 1, err
+
+
+# The configs issue 31 found refused (muP in both of Model Zoo's interfaces, Adam with correct_bias, bfloat16 with
+# dynamic loss scaling, a repeated key, the legacy GPT-2), trained a few steps as written, only shrunk.
+ROUND_2 = {
+    "gpt3_cerebras_gpt_111m_mup.yaml": [],
+    "gpt3_cerebras_gpt_111m_mup_2.3.1.yaml": ["model.name=gpt3"],
+    "gpt3_cerebras_gpt_256m_mup_2.3.1.yaml": ["model.name=gpt3"],
+    "llama3p1_8b_msl_8k.yaml": [
+        f"{GPT3}num_heads=4",
+        f"{GPT3}extra_attention_params.num_kv_groups=2",
+        f"{GPT3}rotary_dim=8",
+    ],
+    "llama3p3_70b_msl_128k.yaml": [
+        f"{GPT3}num_heads=4",
+        f"{GPT3}extra_attention_params.num_kv_groups=2",
+        f"{GPT3}rotary_dim=8",
+        f"{GPT3}pos_scaling_extra_args.original_max_position_embeddings=16",
+    ],
+    "gpt2_small_2.3.1.yaml": ["model.name=gpt2"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROUND_2))
+def test_round_2_configs_train(name: str, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path, extra = ZOO / name, ROUND_2[name]
+    legacy = "trainer:" not in path.read_text()
+    sizes = [o.replace(GPT3, "model.") if legacy else o for o in [*GPT3_TINY, *extra]]
+    if legacy:
+        splits = {"train_input": data / "gpt" / "train", "eval_input": data / "gpt" / "val"}
+        loaders = [f"{s}.{k}" for s, d in splits.items() for k in ("batch_size=8", f"data_dir={d}")]
+        run = [*loaders, "runconfig.max_steps=4", "runconfig.eval_steps=1", f"runconfig.model_dir={tmp_path / 'run'}"]
+    else:
+        run = [o for o in current(data, tmp_path / "run", 4) if "log_steps" not in o]
+    overrides = [*sizes, *run]
+    if "max_sequence_length" in path.read_text():
+        key = "train_input" if legacy else "trainer.fit.train_dataloader"
+        overrides.append(f"{key}.max_sequence_length=16")
+    assert main(["train", str(path), "--no_progress", "-o", *overrides]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    train = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in train if "loss" in r]
+    assert losses and all(math.isfinite(x) for x in losses)
+    if "70b" in name:  # bfloat16 and dynamic: Model Zoo drops the scaler, and says so once
+        assert "no loss scaling" in out and all(r.get("loss_scale") is None for r in train)

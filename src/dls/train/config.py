@@ -43,7 +43,7 @@ CEREBRAS_ONLY = {
     "DebugArgsPath", "to_float16", "use_worker_cache", "sync_batchnorm",
 }  # fmt: skip
 CEREBRAS, NOT_DONE = "Cerebras only", "not done by dls"
-# Model Zoo's runconfig keys (the legacy layout's; common/schema/runconfig_schema.yaml of Releases 2.3.1 and 2.10.0,
+# Model Zoo's runconfig keys (the legacy layout's; runconfig_schema.yaml of Releases 1.8.0, 1.9.1, 2.3.1 and 2.10.0,
 # copied into tests/data/modelzoo): the dls runconfig key each sets, or CEREBRAS (no meaning off Cerebras hardware or
 # outside Model Zoo's launcher) or NOT_DONE (a meaning dls does not carry out): both accepted and listed once. What
 # each means, and what dls does: the Model Zoo table of docs/guides/trainer.md.
@@ -51,7 +51,7 @@ ZOO_RUNCONFIG: dict[str, str] = {
     **{k: k for k in (
         "autoload_last_checkpoint", "checkpoint_path", "checkpoint_steps", "disable_strict_checkpoint_loading",
         "eval_frequency", "eval_steps", "load_checkpoint_states", "log_steps", "max_steps", "model_dir", "num_epochs",
-        "num_steps", "save_initial_checkpoint", "seed", "steps_per_epoch",
+        "num_steps", "save_initial_checkpoint", "seed", "steps_per_epoch", "keep_checkpoint_max",
     )},
     "max_checkpoints": "keep_checkpoint_max", "target_device": "backend",
     **dict.fromkeys((
@@ -62,11 +62,17 @@ ZOO_RUNCONFIG: dict[str, str] = {
         "mgmt_address", "mgmt_namespace", "mount_dirs", "num_act_servers", "num_csx", "num_wgt_servers",
         "num_workers_per_csx", "precision_opt_level", "python_paths", "retrace_every_iteration", "transfer_processes",
         "validate_only", "variant", "wgt_memory_gi", "wrk_memory_gi", "wsc_log_level",
+        # Releases 1.8 and 1.9 only
+        "autogen_policy", "execution_strategy", "experimental_api", "multireplica", "num_replicas", "save_losses",
+        "save_stream_size", "service_dir", "skip_train_recv_activations", "use_appliance_data", "use_cs_grad_accum",
+        "use_cstorch_optimizer_step",
     ), CEREBRAS),
     **dict.fromkeys((
         "check_loss_values", "dist_addr", "dist_backend", "enable_distributed", "experimental", "hf_cache_dir",
         "init_method", "log_input_summaries", "logging", "main_process_id", "mode", "op_profiler_config",
         "summary_dir", "sync_batchnorm",
+        # Releases 1.8 and 1.9 only
+        "enable_summaries", "is_pretrained_checkpoint", "save_summary_steps", "show_debug_metrics",
     ), NOT_DONE),
 }  # fmt: skip
 # Names from other frameworks, pointed at the one key that does the same thing here.
@@ -645,10 +651,13 @@ class _Reader:
             self.errors.append(f"{'section ' * ('.' not in path)}{path} must be a mapping of keys; got {value!r}")
         return value if isinstance(value, Mapping) else {}
 
-    def walk(self, body: Any, path: str, table: Mapping[str, Any], params: dict[str, Any] | None = None) -> None:
+    def walk(
+        self, body: Any, path: str, table: Mapping[str, Any], params: dict[str, Any] | None = None, ignore: bool = False
+    ) -> None:
         """Each key of the mapping ``body`` (written at ``path``) where ``table`` sends it: to a ``(section, key)``,
-        through a nested table, or to a reader ``(reader, value, path)``. Other keys: ignored if Cerebras only, else
-        into ``params`` (a Model Zoo model's or reader's own keys) unless one of dls's, else refused."""
+        through a nested table, or to a reader ``(reader, value, path)``. Other keys: ignored if Cerebras only (or
+        ``ignore``: all), else into ``params`` (a Model Zoo model's or reader's own keys) unless one of dls's, else
+        refused."""
         for key, value in self.mapping(body, path).items():
             where, to = f"{path}.{key}", table.get(key)
             if isinstance(to, tuple):
@@ -657,7 +666,7 @@ class _Reader:
                 self.walk(value, where, to)
             elif to is not None:
                 to(self, value, where)
-            elif key in CEREBRAS_ONLY:
+            elif key in CEREBRAS_ONLY or ignore:
                 self.ignored.append(where)
             elif params is not None and key not in _DLS_FIELDS:
                 params[key] = value
@@ -681,6 +690,8 @@ class _Reader:
             section = _LEGACY.get(name)
             if name == "sparsity":
                 self.sparsity(body, name)
+            elif name == "csconfig":  # Release 1.x: the Cerebras system's settings
+                self.walk(body, name, {"use_cbfloat16": _Reader.use_cbfloat16}, ignore=True)
             elif section is None:
                 hint = did_you_mean(name, [*_LEGACY, "sparsity"])
                 self.errors.append(f"unknown section {name}{hint}; allowed: {', '.join(_LEGACY)}")
@@ -706,6 +717,13 @@ class _Reader:
         elif kind is not None:
             hint = did_you_mean(kind, ("CSX", "CPU", "GPU"))
             self.errors.append(f"{path} must be CSX, CPU or GPU; got {kind!r}{hint}")
+
+    def use_cbfloat16(self, value: Any, path: str) -> None:
+        """Release 1.x's ``csconfig.use_cbfloat16``: cbfloat16 for the half format, as ``fp16_type: cbfloat16``."""
+        if value is True:
+            self.errors.append(f"{path}: write it as Release 2 does, model.fp16_type: cbfloat16 (dls reads that)")
+        elif value is not False:
+            self.errors.append(f"{path} must be true or false; got {value!r}")
 
     def sparsity(self, value: Any, path: str) -> None:
         """Model Zoo's ``sparsity``: refused (dls trains dense models), unless removed with ``-o PATH=null``."""
@@ -779,6 +797,7 @@ _MOVED["runconfig"] = {
     )
     for key, to in ZOO_RUNCONFIG.items()
 }
+_MOVED["optimizer"]["ws_summary"] = _listed_as(NOT_DONE)  # TensorFlow Model Zoo's summaries; no PyTorch code reads it
 # Model Zoo's callbacks of the current layout that dls honours (Cerebras-only ones: CEREBRAS_ONLY).
 _CALLBACKS: dict[str, Any] = {
     "LoadCheckpointStates": _same("runconfig", "load_checkpoint_states"),
@@ -836,11 +855,8 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None, notes: Seque
     holder = raw if layout == "legacy" else (raw["trainer"] if isinstance(raw["trainer"], Mapping) else {}).get("init")
     model = holder.get("model") if isinstance(holder, Mapping) else None
     name = model.get("name") if isinstance(model, Mapping) else None
-    if isinstance(name, str) and name not in get_args(ModelName):  # another Model Zoo family: said first, alone
-        where = "trainer.init.model.name" if layout == "current" else "model.name"
-        zoo = ", ".join(ZOO_MODELS)
-        raise ConfigError([f"{where}: {zoo} are supported (and dls's own {', '.join(MODEL_NAMES)}); this config is "
-                           f"{name}"], source)  # fmt: skip
+    if problem := _refused_whole(raw, layout, name):  # said first, alone: every other key would be misread
+        raise ConfigError([problem], source)
     r = _Reader(name in ZOO_MODELS)
     r.notes.extend(notes)
     if layout == "current":
@@ -865,6 +881,35 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None, notes: Seque
         table = "docs/guides/trainer.md, Model Zoo's keys"
         r.notes.append(f"not done by dls (what each means: {table}): {', '.join(dict.fromkeys(r.not_done))}")
     return TrainConfig(**built, notes=tuple(r.notes), layout=r.layout, sources=r.written)
+
+
+# Release 1.x of Model Zoo named these keys otherwise (beta1 and beta2 for betas, use_rms_norm for norm_type, a
+# schedule piece's steps for total_iters, ...), with other defaults (AdamW's correct_bias was false in 1.8).
+_RELEASE_1 = {
+    "optimizer": ("beta1", "beta2", "epsilon", "use_bias_correction", "disable_lr_steps_reset"),
+    "model": ("use_rms_norm", "use_position_embedding"),
+}
+
+
+def _refused_whole(raw: Mapping[str, Any], layout: str, name: Any) -> str | None:
+    """What refuses a config as a whole, in one line: another model family than dls builds; a model without a name
+    in Model Zoo's layouts; Model Zoo Release 1.x's key names."""
+    where = "trainer.init.model.name" if layout == "current" else "model.name"
+    if isinstance(name, str) and name not in get_args(ModelName):
+        zoo = ", ".join(ZOO_MODELS)
+        return f"{where}: {zoo} are supported (and dls's own {', '.join(MODEL_NAMES)}); this config is {name}"
+    if layout == "legacy" and any(
+        isinstance(raw.get(s), Mapping) and k in raw[s] for s, ks in _RELEASE_1.items() for k in ks
+    ):
+        found = [
+            f"{s}.{k}" for s, ks in _RELEASE_1.items() if isinstance(raw.get(s), Mapping) for k in ks if k in raw[s]
+        ]
+        return (f"{found[0]}: Model Zoo Release 1.x's key names ({', '.join(found)}) are not read by dls; write the "
+                "config as Release 2 does (betas, eps, norm_type, a schedule's total_iters)")  # fmt: skip
+    if name is None and (layout == "current" or any(k in raw for k in ("train_input", "eval_input"))):
+        how = f"Model Zoo picks it by its run.py: name it, e.g. -o {where}=gpt2"
+        return f"{where} is required ({how}); one of {', '.join(get_args(ModelName))}"
+    return None
 
 
 def _defaults(r: _Reader, layout: str) -> str:
