@@ -165,3 +165,34 @@ def test_correct_bias_false_is_cstorchs_in_model_zoos_layout_and_refused_in_dls_
     raw = {"model": {"name": "mlp"}, "optimizer": {"optimizer_type": "AdamW", "correct_bias": False}}
     with pytest.raises(ConfigError, match=r"optimizer\.correct_bias: false is cstorch's AdamW"):
         parse_config(raw)
+
+
+def test_a_model_zoo_run_resumes_bit_identically_with_cstorchs_adamw(tmp_path: Path) -> None:
+    """Cerebras-GPT muP (AdamW, muP groups, weight decay off for biases and norms) in float16 with dynamic loss
+    scaling: 4 steps straight, and 2 then 2 more from the checkpoint in the same model_dir, end bit-identical."""
+    from dls.train.modelzoo import write_tiny_data
+    from dls.train.trainer import Trainer
+
+    write_tiny_data("gpt", tmp_path / "gpt", train_samples=32, val_samples=8, msl=16, vocab=32)
+    at = "trainer.init.model"
+    sizes = {"hidden_size": 32, "num_heads": 2, "filter_size": 64, "num_hidden_layers": 1, "vocab_size": 32,
+             "max_position_embeddings": 16}  # fmt: skip
+    base = [f"{at}.{k}={v}" for k, v in sizes.items()] + [
+        f"trainer.fit.train_dataloader.data_dir={tmp_path / 'gpt' / 'train'}",
+        f"trainer.fit.val_dataloader.data_dir={tmp_path / 'gpt' / 'val'}",
+        "trainer.fit.train_dataloader.batch_size=4", "trainer.fit.val_dataloader.batch_size=4",
+        "trainer.init.precision.fp16_type=float16", "trainer.init.precision.loss_scaling_factor=dynamic",
+        "trainer.init.schedulers=[{ConstantLR: {learning_rate: 0.01}}]", "trainer.init.loop.eval_frequency=null",
+    ]  # fmt: skip
+    states = []
+    for name, stops in (("straight", [4]), ("split", [2, 4])):
+        for steps in stops:
+            run = [f"trainer.init.model_dir={tmp_path / name}", f"trainer.init.loop.max_steps={steps}"]
+            cfg = load_config(ZOO / "gpt3_cerebras_gpt_111m_mup.yaml", [*base, *run])
+            trainer = Trainer(cfg, progress=False, summary=False, plot=False)
+            trainer.train()  # autoload_last_checkpoint (Model Zoo's default): the second continues the first
+        assert isinstance(trainer.optimizer, CerebrasAdam) and trainer.global_step == 4
+        states.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+        states.append([g.get("beta1_power") for g in trainer.optimizer.param_groups])
+    assert all(torch.equal(states[0][n], states[2][n]) for n in states[0])
+    assert states[1] == states[3] and all(p is not None for p in states[1])
