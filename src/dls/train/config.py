@@ -1152,6 +1152,10 @@ def _backend_notes(b: dict[str, Any], r: _Reader, names: dict[str, str]) -> None
             b["optimizer"] = opt.model_copy(update=dict.fromkeys(bounds))
             listed = " and ".join(names[SCALER_KEYS[k]] for k in bounds)
             r.notes.append(f"{listed} not used: {where} GPU scales as Model Zoo's GPU path, torch.amp.GradScaler")
+        if b["precision"].compute_dtype == "cbfloat16":
+            r.notes.append(
+                f"{where} GPU: the run computes cbfloat16 (dls.emulate); Model Zoo's GPU path computes bfloat16"
+            )
         if isinstance(opt.loss_scaling_factor, float):
             r.notes.append(
                 f"{where} GPU: the static {names['loss_scale']} {opt.loss_scaling_factor:g} is torch.amp.GradScaler's "
