@@ -133,7 +133,7 @@ def scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
 
 def test_tensorboard_events_hold_the_logged_rows(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    raw = tiny(run, optimizer={"log_summaries": True}, runconfig={"max_steps": 4, "log_steps": 2, "tensorboard": True})
+    raw = tiny(run, precision={"log_underflow": True}, runconfig={"max_steps": 4, "log_steps": 2, "tensorboard": True})
     make_trainer(raw)[0].train()
     rows = metrics(run)
     (event_file,) = (run / TENSORBOARD_DIR).iterdir()

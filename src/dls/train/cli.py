@@ -198,25 +198,24 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
-    from dls.train.config import memory_problem, parse_checkpoint_states, parse_config, read_config
+    from dls.train.config import default_model_dir, memory_problem, parse_checkpoint_states, parse_config, read_config
     from dls.train.trainer import Trainer
 
     try:
         states = None if args.load_checkpoint_states is None else parse_checkpoint_states(args.load_checkpoint_states)
     except ValueError as exc:
         raise UsageError(f"--load_checkpoint_states: {exc}") from None
+    notes: list[str] = []
     if args.config is not None:
-        raw, source = read_config(args.config, args.override), args.config
+        raw, source = read_config(args.config, args.override, notes), args.config
     elif args.resume is not None:
         raw, source = _saved_config(args.resume, args.override)
     else:
         raise UsageError("give a YAML config (dls train CONFIG.yaml), or --resume DIR to continue a run")
-    section = raw.get("runconfig")
-    if args.resume is not None and not (isinstance(section, dict) and "model_dir" in section):
+    if args.resume is not None:  # the run continues in DIR, unless the config names another model_dir
         resume = Path(args.resume)
-        directory = resume.parent if resume.is_file() else resume
-        raw = {**raw, "runconfig": {**(section if isinstance(section, dict) else {}), "model_dir": str(directory)}}
-    cfg = parse_config(raw, source=source)
+        raw = default_model_dir(raw, str(resume.parent if resume.is_file() else resume))
+    cfg = parse_config(raw, source=source, notes=notes)
     rc = cfg.runconfig
     if states is not None and args.resume is None and rc.checkpoint_path is None and not rc.autoload_last_checkpoint:
         raise UsageError(
