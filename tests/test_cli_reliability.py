@@ -32,8 +32,9 @@ def write_config(path: Path, raw: dict[str, Any]) -> str:
     return str(path)
 
 
-def snapshot(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+def snapshot(directory: Path) -> dict[str, Any]:
+    """Each entry's bytes (a directory's: its snapshot)."""
+    return {p.name: p.read_bytes() if p.is_file() else snapshot(p) for p in sorted(directory.iterdir())}
 
 
 def one_line(err: str) -> str:
@@ -176,12 +177,14 @@ def test_demo_refuses_an_out_dir_another_run_holds(tmp_path: Path, capsys: pytes
 
 # ---------------------------------------------------------------------- item 13: messages
 def test_a_directory_named_metrics_jsonl_is_named_by_its_path(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    finished: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    (tmp_path / "run" / "metrics.jsonl").mkdir(parents=True)
-    assert main(["train", write_config(tmp_path / "c.yaml", tiny(tmp_path / "run")), "--no_progress"]) == 3
+    run = copy_of(finished, tmp_path)
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").mkdir()
+    assert main(["train", "--resume", str(run), "--no_progress", "-o", "runconfig.max_steps=6"]) == 3
     err = one_line(capsys.readouterr().err)
-    assert f"{tmp_path / 'run' / 'metrics.jsonl'}: Is a directory" in err
+    assert f"{run / 'metrics.jsonl'}: Is a directory" in err
 
 
 @pytest.mark.parametrize("content", [b"hello", b"pickled"])
@@ -287,13 +290,15 @@ def test_a_run_on_read_only_media_is_exit_3_naming_the_path_and_changes_nothing(
 def test_tensorboard_refuses_a_directory_others_can_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Others could plant a link where SummaryWriter reopens its event file: refused before anything is written
     (exit 2, naming the directory)."""
-    events = tmp_path / "run" / "tensorboard"
-    events.mkdir(parents=True)
+    run, events = tmp_path / "run", tmp_path / "run" / "tensorboard"
+    config = write_config(tmp_path / "c.yaml", tiny(run, runconfig={"max_steps": 2, "tensorboard": True}))
+    assert main(["train", config, "--no_progress"]) == 0
     events.chmod(0o777)
-    config = write_config(tmp_path / "c.yaml", tiny(tmp_path / "run", runconfig={"max_steps": 2, "tensorboard": True}))
-    assert main(["train", config, "--no_progress"]) == 2
+    before = snapshot(run)
+    capsys.readouterr()
+    assert main(["train", config, "--resume", str(run), "--no_progress", "-o", "runconfig.max_steps=4"]) == 2
     assert str(events) in one_line(capsys.readouterr().err)
-    assert os.listdir(tmp_path / "run") == ["tensorboard"] and os.listdir(events) == []
+    assert snapshot(run) == before
 
 
 def test_a_link_named_like_a_checkpoint_is_never_resumed_from(

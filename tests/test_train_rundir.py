@@ -3,6 +3,7 @@ through a symbolic link planted in it, inputs never overwritten, an unreadable m
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -79,22 +80,26 @@ def test_a_lock_held_by_another_process_then_left_by_its_kill(
 
 # ---------------------------------------------------------------------- symbolic links
 def test_links_planted_in_model_dir_are_replaced_never_written_through(tmp_path: Path) -> None:
+    """A resumed run replaces links planted under the names it writes (a fresh run refuses them: see
+    test_cli_reliability's earlier-run tests)."""
     run, outside = tmp_path / "run", tmp_path / "outside"
-    run.mkdir()
+    make_trainer(small(run))[0].train()
     outside.mkdir()
     stale = [".checkpoint_2.mdl.tmp", ".metrics.jsonl.0123456789ab.tmp"]  # temporary names of a killed run
     names = ["plots.png", "config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", *stale]
     for i, name in enumerate(names):
         (outside / f"target{i}").write_text(f"precious {i}\n")
+        with contextlib.suppress(FileNotFoundError):
+            (run / name).unlink()
         (run / name).symlink_to(outside / f"target{i}")
-    trainer = make_trainer(small(run))[0]
+    trainer = make_trainer(small(run, 4))[0]
     trainer.write_plot = True
-    trainer.train()
+    trainer.train(resume=run)
     for i, name in enumerate(names):
         assert (outside / f"target{i}").read_text() == f"precious {i}\n", name
-    for name in ("plots.png", "config.yaml", "metrics.jsonl", "checkpoint_2.mdl"):
+    for name in ("plots.png", "config.yaml", "metrics.jsonl", "checkpoint_4.mdl"):
         assert (run / name).is_file() and not (run / name).is_symlink(), name
-    assert [r["step"] for r in metrics(run)] == [1, 2]
+    assert [r["step"] for r in metrics(run)] == [3, 4]  # the rows of a link are not read
     assert not any(os.path.lexists(run / name) for name in stale)  # removed (the links, not their targets)
 
 

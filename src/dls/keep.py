@@ -92,7 +92,7 @@ class _Float32Call:
 
 def _new_kept(cls: type) -> Any:
     """A new instance of ``cls`` kept in float32 (what pickles of a kept module are rebuilt from)."""
-    kept = _kept_class(cls)
+    kept: Any = _kept_class(cls)
     return kept.__new__(kept)
 
 

@@ -368,7 +368,8 @@ class MasterWeights(torch.optim.Optimizer):
             raise ValueError(f"{field} must be a tensor of shape {shape}; got {got}")
         if value.is_complex() or value.layout != torch.strided or value.is_quantized or value.is_meta:
             raise ValueError(f"{field} must be a dense real tensor; got a {value.layout} {value.dtype} tensor")
-        cast = value.detach().to(pair.master.device, torch.float32)
+        value = value.detach()
+        cast = value.to(pair.master.device, torch.float32)
         held = self._fmt.quantize(cast) if pair.on_grid and self._fmt else cast.to(pair.param.dtype)
         if not bool(torch.isfinite(held).all()):  # an inf of the cast stays inf when rounded
             if not bool(torch.isfinite(_real_view(value)).all()):
