@@ -543,7 +543,7 @@ def test_fmt_may_be_a_torch_dtype_as_dls_emulate_takes() -> None:
     assert torch.equal(opt.master_of(p), torch.full((2,), 1.0 + 2.0**-12))
 
 
-# ---------------------------------------------------------------------------------------------- loaded masters (issue 30)
+# ---------------------------------------------------------------------------------- loaded masters (issue 30)
 @pytest.mark.parametrize(
     ("dtype", "fmt", "value", "beyond"),
     [

@@ -882,7 +882,8 @@ def _check_scheduler(saved: Any, scheduler: Any, num_groups: int) -> dict[str, A
         if not _same_kind(value, mine):
             kind = type(getattr(scheduler, "__wrapped__", scheduler)).__name__
             raise ValueError(
-                f"{key} must be of type {type(mine).__name__} as in this run's {kind} ({_shown(mine)}); got {_shown(value)}"
+                f"{key} must be of type {type(mine).__name__} as in this run's {kind} ({_shown(mine)}); got "
+                f"{_shown(value)}"
             )
         loaded[key] = value
     return loaded
