@@ -351,6 +351,11 @@ def test_an_empty_directory_argument_is_refused(
     assert "dls data: an argument is empty" in one_line(capsys.readouterr().err)
     assert main(["init", "mlp_fp16_dls", ""]) == 2
     assert "DIR is empty" in one_line(capsys.readouterr().err)
+    for command in (["demo", "--steps", "1"], ["audit", str(ROOT / "configs" / "mlp_fp16_dls.yaml")]):
+        assert main([*command, "--out", ""]) == 2
+        assert "--out is empty" in one_line(capsys.readouterr().err)
+    assert main(["train", str(ROOT / "configs" / "mlp_fp16_dls.yaml"), "--resume", ""]) == 2
+    assert "--resume is empty" in one_line(capsys.readouterr().err)
     assert os.listdir(tmp_path) == []  # nothing written into the current directory
 
 

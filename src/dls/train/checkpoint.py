@@ -88,6 +88,8 @@ def load_resume_checkpoint(
     """``(file, state, unreadable)``: the file ``path``, or the newest readable checkpoint of the directory
     ``path`` and the newer ones that could not be read, each with the reason. ``what``: where ``path`` came from
     (``--resume`` or the config key), named in errors."""
+    if not str(path):  # Path("") would be the current directory
+        raise CheckpointError(f"{what} is empty; give a model_dir or a checkpoint file")
     p = Path(path)
     if p.is_file():
         return p, load_checkpoint(p), []
@@ -256,13 +258,14 @@ class RunDir:
     """``path`` (resolved), created if missing, opened and locked; ``what`` names it in messages. ``stale``: the
     holder of a lock left by a run that ended without releasing it. A training run then calls :meth:`open`
     and writes rows, checkpoints and plots. :meth:`close` (or the end of a ``with`` block) releases, last acquired
-    first, the session's files, the lock (its file removed) and the directory (removed if this created it and it
-    is empty)."""
+    first, the session's files, the lock (its file removed) and the directory (removed, with the parents this
+    created for it, while empty)."""
 
     def __init__(self, path: Path, what: str = "runconfig.model_dir") -> None:
         self.path, self.what = path, what
         self._held = contextlib.ExitStack()  # what close() releases, last acquired first
-        self.created = not os.path.lexists(path)
+        # The directories this creates (the path and any missing parents), removed again on close() while empty.
+        self._created = [d for d in (path, *path.parents) if not os.path.lexists(d)]
         with contextlib.suppress(FileExistsError):  # a directory, or something refused below
             path.mkdir(parents=True)
         try:
@@ -330,9 +333,11 @@ class RunDir:
         os.close(fd)
 
     def _remove_if_created(self) -> None:
-        if self.created:
-            with contextlib.suppress(OSError):  # not empty: kept
-                os.rmdir(self.path)
+        for directory in self._created:  # the deepest first
+            try:
+                os.rmdir(directory)
+            except OSError:  # not empty: kept, and so are its parents
+                return
 
     def _open(self, name: str, flags: int, kind: int = stat.S_IFREG) -> int:
         """``name`` opened through the directory's descriptor; a symbolic link (never followed) or a file of another

@@ -133,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             if getattr(args, "steps", 1) < 1:  # dls demo and dls audit
                 raise UsageError(f"--steps must be >= 1; got {args.steps}")
+            if getattr(args, "out", None) == "":  # dls demo and dls audit: not the current directory
+                raise UsageError("--out is empty; give the directory to write into")
             return COMMANDS[args.command](args) or 0
     except (Exception, KeyboardInterrupt) as exc:
         return _report(exc, args.crash_dir)
