@@ -6,6 +6,7 @@ trains; in float16 every step overflows in the forward pass and no loss scale ca
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import pickle
@@ -392,3 +393,22 @@ def test_a_model_the_fallback_kept_a_module_of_saves_whole() -> None:
     x = batch(0)[0]
     with torch.autocast("cpu", dtype=torch.float16):
         assert torch.equal(loaded(x), model(x)) and torch.isfinite(loaded(x)).all()
+
+
+def test_an_armed_model_copies_whole_and_the_copy_is_not_armed() -> None:
+    """Between a skipped step that armed the fallback and the next forward pass, the root has a class of the
+    fallback's and hooks on every module: ``torch.save(model)`` and ``copy.deepcopy`` give a model of its own class
+    whose copies of those hooks do nothing (a copy is watched by no fallback); the original stays armed."""
+    model = amplifying_model()
+    watch = dls.GradScaler("cpu").watch(model, fallback=True)
+    assert watch.fallback is not None
+    watch.fallback.after_skip(forward=True)  # as at a skipped step whose loss was inf
+    assert watch.fallback.armed and type(model) is not nn.Sequential
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for copied in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
+        assert type(copied) is nn.Sequential
+        with torch.autocast("cpu", dtype=torch.float16):
+            copied(batch(0)[0])
+        assert watch.fallback.armed and not watch.fallback._recording  # the copy's pass was not the original's
