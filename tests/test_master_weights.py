@@ -582,10 +582,14 @@ def test_loaded_masters_that_are_inf_complex_or_float8_are_judged_by_their_value
         (torch.tensor([1.0, float("nan")]), "holds inf or NaN"),
         (torch.tensor([1.0, 2.0], dtype=torch.complex64), "must be a dense real tensor"),
         (torch.tensor([1.0, 2.0]).to_sparse(), "must be a dense real tensor"),
+        (torch.empty(2, device="meta"), "must be a dense real tensor; got a torch.strided torch.float32 tensor on the"),
     ]:
         with pytest.raises(ValueError, match=rf"state_dict\['master_weights'\]\[1\] {needle}"):
             opt.load_state_dict({**good, "master_weights": {0: good["master_weights"][0], 1: value}})
         assert_identical(snapshot(model, opt), before)
+    with pytest.raises(ValueError, match=r"holds masters for parameters none \(it is a list\)"):
+        opt.load_state_dict({**good, "master_weights": list(good["master_weights"].values())})
+    assert_identical(snapshot(model, opt), before)
     # float8 masters (no isfinite of their own) are read through float32: 448 fits float16
     float8 = torch.tensor([448.0, -2.0]).to(torch.float8_e4m3fn)
     opt.load_state_dict({**good, "master_weights": {0: good["master_weights"][0], 1: float8}})

@@ -343,7 +343,7 @@ class MasterWeights(torch.optim.Optimizer):
         loaded: dict[int, torch.Tensor] = {}  # the saved masters as float32, checked
         if saved is not None:
             if not isinstance(saved, dict) or set(saved) != set(masters):
-                have = sorted(saved) if isinstance(saved, dict) else saved
+                have = sorted(saved, key=repr) if isinstance(saved, dict) else f"none (it is a {type(saved).__name__})"
                 raise ValueError(
                     f"state_dict['{STATE_KEY}'] holds masters for parameters {have}; this optimizer keeps masters "
                     f"for parameters {sorted(masters)}"
@@ -367,7 +367,8 @@ class MasterWeights(torch.optim.Optimizer):
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"{field} must be a tensor of shape {shape}; got {got}")
         if value.is_complex() or value.layout != torch.strided or value.is_quantized or value.is_meta:
-            raise ValueError(f"{field} must be a dense real tensor; got a {value.layout} {value.dtype} tensor")
+            where = " on the meta device" if value.is_meta else ""
+            raise ValueError(f"{field} must be a dense real tensor; got a {value.layout} {value.dtype} tensor{where}")
         value = value.detach()
         cast = value.to(pair.master.device, torch.float32)
         held = self._fmt.quantize(cast) if pair.on_grid and self._fmt else cast.to(pair.param.dtype)
