@@ -777,9 +777,8 @@ def _check_optimizer(saved: Any, trainer: Any, then: str | None) -> dict[str, An
     if sizes != (now_sizes := [len(g["params"]) for g in now_groups]):
         raise ValueError(f"its param_groups hold {sizes} parameters; this run's optimizer {now_sizes}")
     inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # MasterWeights: the optimizer it wraps
-    loaded = [
-        _check_group(g, group, now_group, type(inner)) for g, (group, now_group) in enumerate(zip(groups, now_groups))
-    ]
+    section, cls = trainer.cfg.optimizer, type(inner)
+    loaded = [_check_group(g, group, ng, cls, section) for g, (group, ng) in enumerate(zip(groups, now_groups))]
     needs = ("momentum_buffer",) if now == "SGD" else ("step", "exp_avg", "exp_avg_sq")  # once it has stepped
     known = (*needs, "max_exp_avg_sq") if any(g.get("amsgrad") for g in loaded) else needs
     params = {i: (p, ng) for group, ng in zip(groups, now_groups) for i, p in zip(group["params"], ng["params"])}
@@ -811,12 +810,13 @@ def _family(groups: list[dict[str, Any]], now: str, then: str | None) -> str:
     return then if then in ("Adam", "AdamW") else now if now != "SGD" else "Adam"
 
 
-def _check_group(g: int, group: dict[str, Any], now_group: dict[str, Any], cls: type) -> dict[str, Any]:
+def _check_group(g: int, group: dict[str, Any], now_group: dict[str, Any], cls: type, section: Any) -> dict[str, Any]:
     """The hyperparameters of the checkpoint's group ``g`` as loaded, checked against this run's group (the config's
     optimizer ``cls``): no key it lacks (a key it has that the checkpoint lacks, written by an older torch, is the
     config's); each value of the config's type; the flags (booleans, ``foreach``, ``fused``: they change the state's
-    layout, where and how it computes, or the direction of the step) the config's; the values ones ``cls``
-    accepts (its constructor judges them) and finite."""
+    layout, where and how it computes, or the direction of the step) the config's; the values finite, ones the
+    config's ``optimizer:`` ``section`` accepts for its keys (``betas``, ``eps``, ``weight_decay``, ``momentum``)
+    and ``cls``'s constructor for all."""
     field, own = f"optimizer.param_groups[{g}]", {k: v for k, v in now_group.items() if k != "params"}
     for key, value in group.items():
         mine = own.get(key, ...)
@@ -838,6 +838,16 @@ def _check_group(g: int, group: dict[str, Any], now_group: dict[str, Any], cls: 
         elif not _finite(value):
             raise ValueError(f"{field}.{key} must be finite; got {value!r}")
     loaded = {**now_group, **group}
+    mine = {k: loaded[k] for k in ("betas", "eps", "weight_decay", "momentum") if k in loaded}
+    try:  # the config's own judgement (pydantic's ValidationError is a ValueError)
+        type(section).model_validate({**section.model_dump(exclude_unset=True), **mine})
+    except ValueError as exc:
+        first: dict[str, Any] = (
+            exc.errors()[0] if hasattr(exc, "errors") else {"loc": (), "msg": str(exc), "input": None}
+        )
+        key = ".".join(map(str, first["loc"]))
+        rule = first["msg"].replace("Input should", "must")
+        raise ValueError(f"{field}.{key} {rule}, as optimizer.{key} in a config; got {first['input']!r}") from None
     accepted = inspect.signature(cls).parameters
     try:
         cls([torch.zeros(1)], **{k: v for k, v in loaded.items() if k in accepted and k != "params"})
