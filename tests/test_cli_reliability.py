@@ -378,6 +378,23 @@ def test_out_of_memory_in_dls_data_names_its_own_options(
     assert "data.num_samples" not in err and "--resume" not in err
 
 
+def test_a_full_disk_in_dls_data_gives_its_own_advice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not the trainer's (another runconfig.model_dir, then --resume): dls data has neither."""
+    from dls.train import modelzoo
+
+    @functools.wraps(modelzoo.write_tiny_data)
+    def write(**kwargs: Any) -> list[Path]:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "d" / "train.h5"))
+
+    monkeypatch.setattr(modelzoo, "write_tiny_data", write)
+    assert main(["data", "gpt", str(tmp_path / "d")]) == 3
+    err = one_line(capsys.readouterr().err)
+    assert err == f"dls: error: {tmp_path / 'd' / 'train.h5'}: No space left on device (free some space or write to " \
+        "another DIR)\n"  # fmt: skip
+
+
 @pytest.mark.parametrize("existing", [False, True])
 def test_a_full_disk_while_taking_the_lock_names_the_lock_file_and_leaves_none(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], existing: bool

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dls.train.errors import (
+    SPACE_ERRORS,
     CheckpointError,
     ConfigError,
     ExitStatus,
@@ -352,6 +353,10 @@ def _data(args: argparse.Namespace) -> int:
         )
     try:
         return write_data(args.args)
+    except OSError as exc:
+        if exc.errno in SPACE_ERRORS:
+            exc.advice = "free some space or write to another DIR"  # type: ignore[attr-defined]
+        raise
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise

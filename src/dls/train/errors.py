@@ -96,12 +96,17 @@ def exit_status(exc: BaseException) -> ExitStatus:
     return ExitStatus.INTERNAL
 
 
+SPACE_ERRORS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
 def describe(exc: BaseException) -> str:
-    """The text after ``dls: error:``; an ``OSError`` names its path(s) and the system's reason."""
+    """The text after ``dls: error:``; an ``OSError`` names its path(s) and the system's reason. The advice for a
+    full disk or for memory is the trainer's, unless the error carries its command's as ``advice``."""
     if isinstance(exc, OSError):
         reason = exc.strerror or str(exc) or type(exc).__name__
-        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            reason += " (free some space or choose another runconfig.model_dir, then --resume)"
+        if exc.errno in SPACE_ERRORS:
+            advice = getattr(exc, "advice", "free some space or choose another runconfig.model_dir, then --resume")
+            reason += f" ({advice})"
         where = "" if exc.filename is None else f"{exc.filename}: "
         where = f"{exc.filename} -> {exc.filename2}: " if exc.filename2 is not None else where
         return f"{where}{reason}"
