@@ -337,3 +337,27 @@ def test_the_stop_for_broken_weights_in_a_fork_names_where_it_started(
     err = capsys.readouterr().err
     assert f"{new} holds no checkpoint; this run started from {source / 'checkpoint_4.mdl'}" in err
     assert "2 of this session's 2 steps were applied" in err and f"then start from {source / 'checkpoint_4.mdl'}" in err
+
+
+def test_running_out_of_memory_while_reading_a_checkpoint_is_not_unreadable(
+    finished: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The machine's limit (exit 3), not bytes that do not parse: the checkpoint is not renamed *.unreadable."""
+    run = Path(shutil.copytree(finished["adamw"], tmp_path / "run"))
+    before = snapshot(run)
+
+    def no_memory(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4000000000000 bytes")
+
+    monkeypatch.setattr(torch, "load", no_memory)
+    assert resume(run) == 3
+    assert "out of memory" in one_error_line(capsys.readouterr().err)
+    assert snapshot(run) == before
+
+
+def test_the_seed_of_a_rank_at_a_late_step_fits_torchs_generator() -> None:
+    """A rank's seed grows with the global step (seed + rank + 1_000_003 * step): beyond 2^64 torch refuses it."""
+    ckpt.seed_everything(1_000_003 * (2**63 - 1) + 1)
+    a = torch.rand(1)
+    ckpt.seed_everything((1_000_003 * (2**63 - 1) + 1) % 2**64)
+    assert torch.equal(torch.rand(1), a)

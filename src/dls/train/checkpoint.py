@@ -116,6 +116,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     except (FileNotFoundError, IsADirectoryError) as exc:
         raise CheckpointError(f"checkpoint {p}: {exc.strerror}") from None
     except Exception as exc:  # one line, not torch's paragraphs of weights_only advice (which do not apply)
+        if is_out_of_memory(exc):  # the machine's limit, not the file's bytes: never set aside as unreadable
+            raise
         text = str(exc)
         if found := re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:Check the documentation|$)", text, re.S):
             text = f"not a checkpoint of tensors and plain data ({found.group(1)})"
