@@ -117,6 +117,10 @@ def _group(key: str, value: Any) -> Craft:
     return craft
 
 
+def _decay_beyond_float32(state: dict[str, Any]) -> None:  # each finite; the step's decay 1 - 1e40 is not
+    state["optimizer"]["param_groups"][0].update(lr=1e20, weight_decay=1e20)
+
+
 def _adam_groups(state: dict[str, Any]) -> None:  # Adam's groups, for this AdamW config
     state["optimizer"]["param_groups"][0]["decoupled_weight_decay"] = False
 
@@ -196,7 +200,12 @@ RNG = "cannot load the rng state of {path}: "
         ("adamw", _group("betas", (1.5, 0.9)), GROUP + "betas.0 must be less than 1, as optimizer.betas.0 in a config"),
         ("adamw", _group("eps", 0.0), GROUP + "eps must be greater than 0, as optimizer.eps in a config; got 0.0"),
         ("sgd", _group("momentum", -0.5), GROUP + "momentum must be greater than or equal to 0, as optimizer.momentum"),
-        ("adamw", _group("lookahead", 5), GROUP + "lookahead is not a hyperparameter of this run's AdamW"),
+        ("adamw", _group("lr", 1e300), GROUP[:-1] + " holds hyperparameters AdamW refuses: value cannot be converted"),
+        (
+            "adamw",
+            _decay_beyond_float32,
+            GROUP[:-1] + " holds hyperparameters with which a step of AdamW gives inf/NaN",
+        ),
         ("adamw", _adam_groups, OPTIMIZER + "its param_groups are Adam's and optimizer.optimizer_type is AdamW now"),
         ("adamw", _unknown_state, OPTIMIZER + "optimizer.state[0] holds 'max_exp_avg_sq', which is not state of"),
         ("adamw", _step_of_10_12_elements, OPTIMIZER + "optimizer.state[0].step must be a number >= 0; got a torch"),
@@ -251,6 +260,15 @@ def test_scheduler_state_loads_only_the_schedulers_own_keys(
     run = crafted(finished, "adamw", tmp_path, craft)
     assert resume(run) == 0
     assert [step for step, _ in ckpt.list_checkpoints(run)][-1] == 6
+
+
+def test_optimizer_groups_load_only_the_optimizers_own_keys(finished: dict[str, Path], tmp_path: Path) -> None:
+    """A key the config's optimizer does not hold in its groups (another optimizer's, a newer torch's) is left out,
+    as the LR schedule's are: it would not be used."""
+    run = crafted(finished, "adamw", tmp_path, _group("lookahead", 5))
+    assert resume(run) == 0
+    groups = ckpt.load_checkpoint(run / "checkpoint_6.mdl")["optimizer"]["param_groups"]
+    assert "lookahead" not in groups[0] and groups[0]["betas"] == (0.9, 0.999)
 
 
 def test_a_finite_float8_weight_loads_as_its_float32_value(finished: dict[str, Path], tmp_path: Path) -> None:

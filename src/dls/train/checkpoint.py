@@ -814,48 +814,74 @@ def _family(groups: list[dict[str, Any]], now: str, then: str | None) -> str:
 
 def _check_group(g: int, group: dict[str, Any], now_group: dict[str, Any], cls: type, section: Any) -> dict[str, Any]:
     """The hyperparameters of the checkpoint's group ``g`` as loaded, checked against this run's group (the config's
-    optimizer ``cls``): no key it lacks (a key it has that the checkpoint lacks, written by an older torch, is the
-    config's); each value of the config's type; the flags (booleans, ``foreach``, ``fused``: they change the state's
-    layout, where and how it computes, or the direction of the step) the config's; the values finite, ones the
-    config's ``optimizer:`` ``section`` accepts for its keys (``betas``, ``eps``, ``weight_decay``, ``momentum``)
-    and ``cls``'s constructor for all."""
-    field, own = f"optimizer.param_groups[{g}]", {k: v for k, v in now_group.items() if k != "params"}
+    optimizer ``cls``, as its groups are once it has stepped: an optimizer may keep state there, as cstorch's Adam
+    its bias-correction powers). A key it does not hold is left out (it would not use it: a torch Adam's state
+    loads into cstorch's Adam, as cstorch loads one; the LR schedule's state is loaded the same way); a key it
+    holds that the checkpoint lacks (an older torch's) keeps the config's value. Each value must be of the config's
+    type and finite; the flags (booleans, ``foreach``, ``fused``: they change the state's layout, where and how it
+    computes, or the direction of the step) the config's; ``betas``, ``eps``, ``weight_decay`` and ``momentum``
+    within the config's own ranges (its ``optimizer:`` ``section``); and all of them values ``cls`` takes, with
+    which one step of it on a throwaway parameter is finite."""
+    field, name = f"optimizer.param_groups[{g}]", cls.__name__
+    known = _step_once(cls, {k: v for k, v in now_group.items() if k != "params"})[0]
     for key, value in group.items():
-        mine = own.get(key, ...)
-        if key == "params":
+        mine = known.get(key, ...)
+        if key == "params" or mine is ...:
             continue
-        if mine is ...:
-            raise ValueError(f"{field}.{key} is not a hyperparameter of this run's {cls.__name__} ({', '.join(own)})")
         if isinstance(mine, bool) or key in ("foreach", "fused"):
             if type(value) is not type(mine) or value != mine:
                 raise ValueError(
-                    f"{field}.{key} is {_shown(value)}; this config's {cls.__name__} has {key}={mine!r}, and a flag "
-                    "of the optimizer is the config's: resume without the optimizer state (--load_checkpoint_states)"
+                    f"{field}.{key} is {_shown(value)}; this config's {name} has {key}={mine!r}, and a flag of the "
+                    "optimizer is the config's: resume without the optimizer state (--load_checkpoint_states)"
                 )
         elif not _same_kind(value, mine):
             raise ValueError(
-                f"{field}.{key} must be of type {type(mine).__name__} as in this config's {cls.__name__} ({mine!r}); "
-                f"got {_shown(value)}"
+                f"{field}.{key} must be of type {type(mine).__name__} as in this config's {name} ({mine!r}); got "
+                f"{_shown(value)}"
             )
         elif not _finite(value):
             raise ValueError(f"{field}.{key} must be finite; got {value!r}")
-    loaded = {**now_group, **group}
-    mine = {k: loaded[k] for k in ("betas", "eps", "weight_decay", "momentum") if k in loaded}
-    try:  # the config's own judgement (pydantic's ValidationError is a ValueError)
-        type(section).model_validate({**section.model_dump(exclude_unset=True), **mine})
-    except ValueError as exc:
-        first: dict[str, Any] = (
-            exc.errors()[0] if hasattr(exc, "errors") else {"loc": (), "msg": str(exc), "input": None}
-        )
+    loaded = {**now_group, **{k: v for k, v in group.items() if k in known or k == "params"}}
+    _check_config_ranges(
+        field, {k: loaded[k] for k in ("betas", "eps", "weight_decay", "momentum") if k in loaded}, section
+    )
+    try:
+        finite = _step_once(cls, {k: v for k, v in loaded.items() if k != "params"})[1]
+    except (ValueError, TypeError, RuntimeError, KeyError) as exc:
+        raise ValueError(f"{field} holds hyperparameters {name} refuses: {_one_line(exc)}") from None
+    if not finite:
+        raise ValueError(f"{field} holds hyperparameters with which a step of {name} gives inf/NaN")
+    return loaded
+
+
+def _step_once(cls: type, hyper: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """One step of ``cls`` with the hyperparameters ``hyper`` on a throwaway one-element parameter (1, gradient 1):
+    its group as it then is, and whether the parameter stayed finite."""
+    param = torch.ones(1, requires_grad=True)
+    param.grad = torch.ones(1)
+    accepted = inspect.signature(cls).parameters
+    optimizer = cls([param], **{k: v for k, v in hyper.items() if k in accepted})
+    optimizer.param_groups[0].update(hyper)  # also what the constructor does not take (initial_lr, kept state)
+    optimizer.step()
+    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    return group, bool(torch.isfinite(param).all())
+
+
+def _check_config_ranges(field: str, values: dict[str, Any], section: Any) -> None:
+    """``values`` (hyperparameters named as the config's keys) within the ranges the config's ``optimizer:``
+    ``section`` takes (pydantic's judgement; a section it cannot judge again as it is is not used)."""
+    schema, own = type(section), section.model_dump(exclude_unset=True)
+    try:
+        schema.model_validate(own)
+    except ValueError:
+        return
+    try:
+        schema.model_validate({**own, **values})
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        first: dict[str, Any] = exc.errors()[0] if hasattr(exc, "errors") else {"loc": (), "msg": str(exc)}
         key = ".".join(map(str, first["loc"]))
         rule = first["msg"].replace("Input should", "must")
-        raise ValueError(f"{field}.{key} {rule}, as optimizer.{key} in a config; got {first['input']!r}") from None
-    accepted = inspect.signature(cls).parameters
-    try:
-        cls([torch.zeros(1)], **{k: v for k, v in loaded.items() if k in accepted and k != "params"})
-    except (ValueError, TypeError, RuntimeError) as exc:
-        raise ValueError(f"{field} holds hyperparameters {cls.__name__} refuses: {_one_line(exc)}") from None
-    return loaded
+        raise ValueError(f"{field}.{key} {rule}, as optimizer.{key} in a config; got {first.get('input')!r}") from None
 
 
 def _check_state_value(field: str, key: str, value: Any, param: torch.Tensor) -> None:
