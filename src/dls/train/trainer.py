@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import math
 import signal
@@ -183,9 +184,13 @@ class Trainer:
             raise error
 
     # ------------------------------------------------------------------ run
-    def train(self, resume: str | Path | None = None, load_states: Sequence[str] | None = None) -> TrainResult:
+    def train(
+        self, resume: str | Path | None = None, load_states: Sequence[str] | None = None, overwrite: bool = False
+    ) -> TrainResult:
         """Train to ``runconfig.max_steps``; with ``resume`` (a model_dir or a checkpoint file) continue from the
-        checkpoint, loading ``load_states`` (default: ``runconfig.load_checkpoint_states``, else all)."""
+        checkpoint, loading ``load_states`` (default: ``runconfig.load_checkpoint_states``, else all). A run without
+        a checkpoint refuses a model_dir holding an earlier run's files, unless ``overwrite`` (which never loads one)
+        renames them ``<name>.old-<time>``."""
         if self.fp8 is not None and not self.fp8.active:
             raise RuntimeError("a Trainer with precision.fp8 trains once: build a new Trainer (with resume=...)")
         self._session_start = time.perf_counter()
@@ -193,7 +198,8 @@ class Trainer:
         torch.set_num_threads(rc.num_threads or threads)
         self._ended_together, self.crash_dir = False, None
         states, what = tuple(load_states or config.CHECKPOINT_STATES), "--resume"
-        aside: list[Path] = []  # unreadable checkpoints of this run's own directory
+        aside: list[tuple[Path, str]] = []  # renamed before the run writes: unreadable checkpoints, overwritten files
+        self._resumed_from: Path | None = None  # the checkpoint this session started from
 
         def lock() -> None:  # first: nothing of model_dir is read before its lock is held
             run_dir = self.run_dir = ckpt.RunDir(self.model_dir)
@@ -213,7 +219,8 @@ class Trainer:
             if resume is None and rc.checkpoint_path is not None:
                 key = "runconfig.checkpoint_path"  # or trainer.fit.ckpt_path: errors name the key as written
                 resume, what = rc.checkpoint_path, self.cfg.sources.get(key, key)
-            if resume is None and rc.autoload_last_checkpoint and ckpt.list_checkpoints(self.model_dir):
+            autoload = rc.autoload_last_checkpoint and not overwrite  # --overwrite starts a new run
+            if resume is None and autoload and ckpt.list_checkpoints(self.model_dir):
                 key = "runconfig.autoload_last_checkpoint"  # the same command again continues the run (--resume DIR)
                 resume, what = self.model_dir, self.cfg.sources.get(key, key)
             path, state, unreadable = (None, None, []) if resume is None else ckpt.load_resume_checkpoint(resume, what)
@@ -222,10 +229,13 @@ class Trainer:
                 states = rc.load_checkpoint_states
             for bad, reason in unreadable:
                 self.log(f"Skipping {bad}: {reason}")
-            self._on_rank0(lambda: aside.extend(ckpt.check_model_dir(self.model_dir, path, unreadable, states)))
+            check = functools.partial(ckpt.check_model_dir, overwrite=overwrite, config_file=self.config_file)
+            self._on_rank0(lambda: aside.extend(check(self.model_dir, path, unreadable, states)))
             if path is not None and state is not None:
                 ckpt.restore(self, path, state, states)
                 del state
+            self._resumed_from = path
+            self._session_from = (self.global_step, self.scaler.get_num_skipped_steps())  # for the stop messages
             self._on_rank0(open_run_dir)
             return self._train()
         finally:
@@ -549,19 +559,8 @@ class Trainer:
         """Checkpoint the current state (every rank calls it; rank 0 writes); inf/NaN weights stop the run instead."""
         named = [(n, t) for n, t in self.model.named_parameters() if t.is_floating_point()]  # not buffers: they may
         finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist() if named else []  # hold inf
-        if broken := [n for (n, _), ok in zip(named, finite) if not ok]:  # an applied step broke the weights
-            last, prec = self._last_checkpoint, self.cfg.precision
-            then, newest = "start again", "the run has no checkpoint"
-            if last:
-                then = f"then --resume {self.model_dir} (its metrics rows after that step are dropped)"
-                newest = f"the newest checkpoint, {last}, is the last with finite weights"
-            repair = "precision.master_weights: true, " if prec.half_params and not prec.master_weights else ""
-            raise TrainingStopped(
-                f"Step {self.global_step}: the model's weights hold inf/NaN ({_listed(broken, 4)}): an applied step "
-                f"broke them, so every step after it would overflow. No checkpoint of them was written; {newest}. To "
-                f"try: {repair}a lower optimizer.learning_rate or clipping (optimizer.max_gradient_norm), {then}",
-                last,
-            )
+        if broken := [n for (n, _), ok in zip(named, finite) if not ok]:
+            raise self._broken_weights(broken)
         rng_ranks: list[Any] = [None] * self.world_size
         if self.world_size > 1:
             dist.all_gather_object(rng_ranks, ckpt.rng_state())
@@ -587,6 +586,33 @@ class Trainer:
             self.run_dir.save_checkpoint(state, self.global_step, self.cfg.runconfig.keep_checkpoint_max)
         self._last_checkpoint = ckpt.checkpoint_path(self.model_dir, self.global_step)
         return self._last_checkpoint
+
+    def _broken_weights(self, broken: list[str]) -> TrainingStopped:
+        """The stop for weights found inf/NaN at a checkpoint, told from what is true: how many of this session's
+        steps were applied (skipped steps change nothing), and which checkpoints there are to go back to."""
+        (start, skipped_before), prec, dir_ = self._session_from, self.cfg.precision, self.model_dir
+        steps = self.global_step - start
+        applied = steps - (self.scaler.get_num_skipped_steps() - skipped_before)
+        if applied > 0:
+            how = f"{applied} of this session's {steps} steps were applied and one broke them, so every step after it "
+            how += "would overflow"
+        else:  # the weights it started from were inf/NaN already
+            how = f"no step of this session was applied ({steps} skipped), so they held inf/NaN when it started"
+        found, origin = ckpt.list_checkpoints(dir_), self._resumed_from
+        newest, then = "the run has no checkpoint", "start again"
+        if found:
+            newest = f"the newest checkpoint is {found[-1][1]}"
+            then = f"then --resume {dir_} (its metrics rows after that step are dropped)"
+        elif origin is not None:
+            newest = f"{dir_} holds no checkpoint; this run started from {origin}"
+            then = f"then start from {origin} again"
+        repair = "precision.master_weights: true, " if prec.half_params and not prec.master_weights else ""
+        return TrainingStopped(
+            f"Step {self.global_step}: the model's weights hold inf/NaN ({_listed(broken, 4)}): {how}. No checkpoint "
+            f"of them was written; {newest}. To try: {repair}a lower optimizer.learning_rate or clipping "
+            f"(optimizer.max_gradient_norm), {then}",
+            found[-1][1] if found else None,
+        )
 
 
 # ---------------------------------------------------------------------- the optimizer, its LR schedule, stop messages
