@@ -35,6 +35,7 @@ import yaml
 
 import dls.fp8
 from dls.diagnostics.scales import pow2
+from dls.policy import shown
 from dls.scaler_state import parse_state_dict
 from dls.train.config import CHECKPOINT_STATES, SCALER_KEYS, loss_scaling_mode, parse_config, scaler_settings
 from dls.train.errors import CheckpointError, ConfigError, ModelDirError, is_out_of_memory
@@ -128,7 +129,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     version = state.get("format_version", 1)
     if isinstance(version, bool) or not isinstance(version, int):
         raise CheckpointError(
-            f"{p} has format_version {_shown(version)}; it must be an integer from 1 to {FORMAT_VERSION}"
+            f"{p} has format_version {shown(version)}; it must be an integer from 1 to {FORMAT_VERSION}"
         )
     if not 1 <= version <= FORMAT_VERSION:
         raise CheckpointError(
@@ -602,7 +603,7 @@ def _restore_model(trainer: Any, path: Path, state: dict[str, Any], saved_cfg: T
     elif handle is not None and fp8 is not None:
         with _loading("fp8", path):
             if not isinstance(fp8, dict):
-                raise ValueError(f"fp8 must be a mapping (recipe, modules); got {_shown(fp8)}")
+                raise ValueError(f"fp8 must be a mapping (recipe, modules); got {shown(fp8)}")
             if (then := dls.fp8.recipe_from_dict(fp8["recipe"])) == handle.recipe:
                 handle.load_state_dict(fp8)
             else:
@@ -660,7 +661,7 @@ def set_rng_state(rng: Any, field: str = "rng") -> None:
     """Set the generators to ``rng`` (as :func:`rng_state` saved it; ``field`` names it in errors). A ``ValueError``
     names the first part that is not a state of its generator, and every generator is left as it was."""
     if not isinstance(rng, dict) or not {"torch", "python", "numpy"} <= set(rng):
-        raise ValueError(f"{field} must be a mapping with torch, python and numpy generator states; got {_shown(rng)}")
+        raise ValueError(f"{field} must be a mapping with torch, python and numpy generator states; got {shown(rng)}")
     before = rng_state()
     setters: dict[str, Callable[[Any], Any]] = {
         "torch": torch.set_rng_state,
@@ -689,7 +690,7 @@ def tensor_problem(value: Any, like: torch.Tensor, finite: bool = True) -> str |
     conversion turned into inf (a float64 1e300 into float32) in any case. Complex values count by both parts;
     float8 values are read through a float32 view. Integer targets take integer values within their range."""
     if not isinstance(value, torch.Tensor):
-        return f"is {_shown(value)}, not a tensor"
+        return f"is {shown(value)}, not a tensor"
     if value.layout != torch.strided or value.is_quantized or value.is_meta:
         return f"is a {value.layout} {value.dtype} tensor{' on meta' if value.is_meta else ''}; a dense one is needed"
     if value.shape != like.shape:
@@ -723,16 +724,8 @@ def _number(value: Any, what: str, integer: bool = True, low: int = 0) -> Any:
     ``ValueError`` naming ``what``."""
     limit = 2**63 if integer else sys.float_info.max  # compared exactly: a 400-digit integer is beyond both
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or not low <= value < limit:
-        raise ValueError(f"{what} must be {'an integer' if integer else 'a number'} >= {low}; got {_shown(value)}")
+        raise ValueError(f"{what} must be {'an integer' if integer else 'a number'} >= {low}; got {shown(value)}")
     return value
-
-
-def _shown(value: Any) -> str:
-    """``value`` for a message: a tensor by its dtype and shape, anything else by its ``repr``, cut short."""
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
 
 
 def _one_line(exc: BaseException) -> str:
@@ -785,7 +778,7 @@ def _check_optimizer(saved: Any, trainer: Any, then: str | None) -> dict[str, An
     known = (*needs, "max_exp_avg_sq") if any(g.get("amsgrad") for g in loaded) else needs
     params = {i: (p, ng) for group, ng in zip(groups, now_groups) for i, p in zip(group["params"], ng["params"])}
     for index, entry in entries.items():
-        field = f"optimizer.state[{_shown(index)}]"
+        field = f"optimizer.state[{shown(index)}]"
         if not isinstance(index, int) or index not in params or not isinstance(entry, dict):
             raise ValueError(f"{field} is not the state of a parameter of this run's optimizer")
         param, group = params[index]
@@ -793,7 +786,7 @@ def _check_optimizer(saved: Any, trainer: Any, then: str | None) -> dict[str, An
             raise ValueError(f"{field} lacks {', '.join(missing)}")
         if unknown := [k for k in entry if k not in known]:
             raise ValueError(
-                f"{field} holds {_shown(unknown[0])}, which is not state of this run's {now} ({', '.join(known)})"
+                f"{field} holds {shown(unknown[0])}, which is not state of this run's {now} ({', '.join(known)})"
             )
         for key, value in entry.items():
             _check_state_value(f"{field}.{key}", key, value, param)
@@ -831,13 +824,13 @@ def _check_group(g: int, group: dict[str, Any], now_group: dict[str, Any], cls: 
         if isinstance(mine, bool) or key in ("foreach", "fused"):
             if type(value) is not type(mine) or value != mine:
                 raise ValueError(
-                    f"{field}.{key} is {_shown(value)}; this config's {name} has {key}={mine!r}, and a flag of the "
+                    f"{field}.{key} is {shown(value)}; this config's {name} has {key}={mine!r}, and a flag of the "
                     "optimizer is the config's: resume without the optimizer state (--load_checkpoint_states)"
                 )
         elif not _same_kind(value, mine):
             raise ValueError(
                 f"{field}.{key} must be of type {type(mine).__name__} as in this config's {name} ({mine!r}); got "
-                f"{_shown(value)}"
+                f"{shown(value)}"
             )
         elif not _finite(value):
             raise ValueError(f"{field}.{key} must be finite; got {value!r}")
@@ -916,7 +909,7 @@ def _check_scheduler(saved: Any, scheduler: Any, num_groups: int) -> dict[str, A
         values: Any = saved.get(key)
         numbers = isinstance(values, list) and all(type(v) in (int, float) and math.isfinite(v) for v in values)
         if not numbers or len(values) != num_groups:
-            raise ValueError(f"{key} must be a list of {num_groups} finite numbers; got {_shown(values)}")
+            raise ValueError(f"{key} must be a list of {num_groups} finite numbers; got {shown(values)}")
     loaded = {}
     for key, mine in scheduler.state_dict().items():
         value = saved.get(key, mine)
@@ -925,8 +918,8 @@ def _check_scheduler(saved: Any, scheduler: Any, num_groups: int) -> dict[str, A
         if not _same_kind(value, mine):
             kind = type(getattr(scheduler, "__wrapped__", scheduler)).__name__
             raise ValueError(
-                f"{key} must be of type {type(mine).__name__} as in this run's {kind} ({_shown(mine)}); got "
-                f"{_shown(value)}"
+                f"{key} must be of type {type(mine).__name__} as in this run's {kind} ({shown(mine)}); got "
+                f"{shown(value)}"
             )
         loaded[key] = value
     return loaded
