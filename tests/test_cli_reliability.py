@@ -426,3 +426,36 @@ def test_dls_audit_steps_has_an_upper_bound(tmp_path: Path, capsys: pytest.Captu
         assert main(["audit", config, "--steps", str(steps), "--out", str(tmp_path / "a")]) == 2
         assert f"--steps must be at most {MAX_AUDIT_STEPS}; got {steps}" in one_line(capsys.readouterr().err)
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("kind", ["gpt", "mnist"])
+def test_dls_data_out_of_memory_leaves_no_empty_directory(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The arrays are built before a directory is made: running out of memory (simulated at NumPy's generator)
+    leaves nothing behind."""
+    import numpy as np
+
+    class NoMemory:  # a generator whose first large draw fails as NumPy's does
+        def __init__(self, seed: int) -> None:
+            self.rng = real(seed)
+
+        def integers(self, *args: Any, **kwargs: Any) -> Any:
+            raise MemoryError(
+                "Unable to allocate 7.28 TiB for an array with shape (1000000000000,) and data type int64"
+            )
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.rng, name)
+
+    real = np.random.default_rng
+    monkeypatch.setattr(np.random, "default_rng", NoMemory)
+    assert main(["data", kind, str(tmp_path / "d"), "--train", str(10**12)]) == 3
+    assert "out of memory" in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "d").exists()
+
+
+def test_an_empty_config_path_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("train", "validate"):
+        assert main([command, ""]) == 2
+        assert "the config path is empty ('')" in one_line(capsys.readouterr().err)

@@ -507,6 +507,8 @@ def load_yaml(text: str, source: str = "<string>", notes: list[str] | None = Non
 def read_config(path: str | Path, overrides: Sequence[str] = (), notes: list[str] | None = None) -> dict[str, Any]:
     """The YAML file ``path`` (a regular file of at most 1 MiB of UTF-8) as a dict, ``overrides`` applied; what the
     run should say about the file (a repeated key) is added to ``notes``."""
+    if not str(path):
+        raise ConfigError(["the config path is empty (''): give a YAML file, e.g. one `dls init` copies"])
     try:  # opened non-blocking: a FIFO without a writer must not block
         with open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK)) as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):

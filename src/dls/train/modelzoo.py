@@ -902,7 +902,6 @@ def write_tiny_data(
     root, written = Path(directory), []
     if kind == "mnist":  # each digit's lit segments, as on a seven-segment display
         segments = ("abcdef", "bc", "abdeg", "abcdg", "bcfg", "acdfg", "acdefg", "abc", "abcdefg", "abcdfg")
-        (root / "MNIST" / "raw").mkdir(parents=True, exist_ok=True)
         for stem, count in (("train", train_samples), ("t10k", val_samples)):
             labels = rng.integers(0, 10, count).astype(np.uint8)
             images = rng.integers(0, 40, (count, 28, 28)).astype(np.float32)  # noise, then the lit segments
@@ -915,6 +914,7 @@ def write_tiny_data(
                 for segment in segments[label]:
                     top, height, left, width = boxes[segment]
                     image[y + top : y + top + height, x + left : x + left + width] += rng.uniform(150, 215)
+            (root / "MNIST" / "raw").mkdir(parents=True, exist_ok=True)  # after the arrays, as for gpt
             for name, array in zip(("images-idx3", "labels-idx1"), (np.clip(images, 0, 255).astype(np.uint8), labels)):
                 path = root / "MNIST" / "raw" / f"{stem}-{name}-ubyte{'.gz' if compress else ''}"
                 header = (0x800 + array.ndim).to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
@@ -925,12 +925,12 @@ def write_tiny_data(
         raise ValueError(f"kind must be 'mnist' or 'gpt'; got {kind!r}")
     h5py = require("h5py")
     for split, count in (("train", train_samples), ("val", val_samples)):
-        (root / split).mkdir(parents=True, exist_ok=True)
         steps = rng.choice([1, 2, 3, 5, 7], count)[:, None]  # arithmetic progressions: quickly learnt
         tokens = (rng.integers(0, vocab, count)[:, None] + steps * np.arange(msl + 1)) % vocab
         pads = rng.integers(0, max(msl // 4, 1), count) * (rng.random(count) < 0.25)  # a quarter end in padding
         mask = (np.arange(msl) < msl - pads[:, None]).astype(np.int32)  # a loss mask: 0 on the padding
         sequences = np.stack([tokens[:, :-1] * mask, mask, tokens[:, 1:] * mask], axis=1).astype(np.int32)
+        (root / split).mkdir(parents=True, exist_ok=True)  # after the arrays: running out of memory leaves nothing
         for i, part in enumerate(np.array_split(sequences, files)):
             written.append(root / split / f"data_{i}.h5")
             with h5py.File(written[-1], "w") as f:  # a corpus: the sequences' tokens back to back
