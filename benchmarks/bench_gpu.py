@@ -29,7 +29,7 @@ torch's variant (``torch again``; ``none again`` in the step table) and prints i
 **A/A row**: the run's noise. A figure is ``ok`` when it is at most its target plus the A/A spread (the larger of
 |A/A median - 1| and half the A/A interquartile range, over the table), ``MISS`` otherwise.
 
-    python3 benchmarks/bench_gpu.py                          # all tables, every point, on CUDA (never timed yet)
+    python3 benchmarks/bench_gpu.py                          # all tables, every point, on CUDA
     python3 benchmarks/bench_gpu.py --tables unscale clip    # some tables
     python3 benchmarks/bench_gpu.py --quick                  # seconds, on the CPU too (a smoke run, no figures)
     python3 benchmarks/bench_gpu.py --budget 120             # about 120 s of points (as scripts/gpu-check runs it)
