@@ -192,7 +192,7 @@ def check_nonfinite(grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> N
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
             return
         except (RuntimeError, NotImplementedError) as error:
-            if "not implemented" not in str(error):
+            if "implemented" not in str(error):  # "not implemented for", "not currently implemented for the MPS device"
                 raise
             _AMP_KERNEL_LACKS.add(key)
     amax = torch.stack(torch._foreach_norm(grads, float("inf"), dtype=torch.float32))
