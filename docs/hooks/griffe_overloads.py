@@ -12,7 +12,10 @@ import griffe
 
 
 class OverloadParameters(griffe.Extension):
+    """Gives a ``*args, **kwargs`` implementation its overloads' parameters (see the module docstring)."""
+
     def on_function_instance(self, *, node: ast.AST | griffe.ObjectNode, func: griffe.Function, **kwargs: Any) -> None:
+        """Merge the overloads' parameters into ``func``'s, in their order; differing defaults joined by "or"."""
         variadic = {griffe.ParameterKind.var_positional, griffe.ParameterKind.var_keyword}
         own = [p for p in func.parameters if p.name not in ("self", "cls")]
         if not func.overloads or any(p.kind not in variadic for p in own):
@@ -27,5 +30,7 @@ class OverloadParameters(griffe.Extension):
             defaults = list(dict.fromkeys(str(p.default) for p in variants if p.default is not None))
             first = variants[0]
             kind = first.kind if name in ("self", "cls") else griffe.ParameterKind.keyword_only
-            parameters.append(griffe.Parameter(name, annotation=annotation, kind=kind, default=" or ".join(defaults) or None))
+            parameters.append(
+                griffe.Parameter(name, annotation=annotation, kind=kind, default=" or ".join(defaults) or None)
+            )
         func.parameters = griffe.Parameters(*parameters)
