@@ -110,7 +110,9 @@ def _scaler_default(key: str) -> str:
     f16, cb16 = (ScalerSettings.cerebras(loss_scale="dynamic", half_dtype=h) for h in ("float16", "cbfloat16"))
 
     def shown(value: Any) -> str:
-        return "null" if value is None else pow2(value) if argument.endswith("scale") else f"{value:g}"
+        if value is None or isinstance(value, bool):
+            return _default(value)
+        return pow2(value) if argument.endswith("scale") else f"{value:g}"
 
     text = f"null: {shown(getattr(f16, argument))}"
     other = shown(getattr(cb16, argument))
@@ -244,3 +246,37 @@ def commands_markdown(width: int = 100) -> str:
                 usage = sub.format_help().rstrip()
             parts.append(f"### `dls {name}`\n\n```text\n{usage}\n```\n")
     return "\n".join(parts)
+
+
+def keys_text(width: int = 100) -> str:
+    """``dls keys``: every key of dls's sections, its default and help, in columns, the help wrapped at ``width``
+    under its own column (nothing cut, whatever the width)."""
+    import textwrap
+
+    rows: list[tuple[str, str, str] | str] = []
+    only = getattr(schema, "ONLY", {})
+    for section, cls in schema.SECTION_CLASSES.items():
+        rows.append(f"{section}:")
+        for key, field in cls.model_fields.items():
+            scaler = section == "optimizer" and key in schema.SCALER_KEYS
+            default = _scaler_default(key) if scaler else _default(field.default)
+            text = (field.description or "") + (f" [{'/'.join(only[key])} only]" if key in only else "")
+            rows.append((key, default, text))
+    cells = [row for row in rows if isinstance(row, tuple)]
+    key_width = max(len(key) for key, _, _ in cells) + 2
+    default_width = min(max(len(default) for _, default, _ in cells), 14) + 2
+    column = 2 + key_width + default_width
+    lines = []
+    for row in rows:
+        if isinstance(row, str):
+            lines.append(row)
+            continue
+        key, default, text = row
+        head = f"  {key:<{key_width}}{default:<{default_width}}"
+        if len(head) > column:  # a default wider than its column: the help starts on the next line
+            lines.append(head.rstrip())
+            head = " " * column
+        wrapped = textwrap.wrap(text, max(width - column, 30)) or [""]
+        lines.append(head + wrapped[0])
+        lines += [" " * column + more for more in wrapped[1:]]
+    return "\n".join(line.rstrip() for line in lines)

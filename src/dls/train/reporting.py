@@ -116,32 +116,40 @@ class ProgressDisplay:
 
 
 def print_summary(console: Console, cfg: TrainConfig, result: TrainResult) -> None:
-    table = Table(title=f"dls train: {result.model_dir}", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
-    table.add_row("global step", f"{result.global_step} ({result.steps_run} in this session)")
-    table.add_row("precision", describe_precision(cfg))
-    table.add_row("loss scaling", describe_scaling(cfg))
+    """The run's summary: a table on a terminal (long values wrap inside their cell); elsewhere (a file, a pipe, a
+    log) one ``label  value`` line per row, never wrapped or cut, so paths can be copied whole."""
+    rows = [("global step", f"{result.global_step} ({result.steps_run} in this session)")]
+    rows += [("precision", describe_precision(cfg)), ("loss scaling", describe_scaling(cfg))]
     if result.final_loss is not None:
-        table.add_row("training loss (last 10%)", f"{result.final_loss:.5g}")
+        rows.append(("training loss (last 10%)", f"{result.final_loss:.5g}"))
     if result.eval_loss is not None:
-        table.add_row("eval loss (float32)", f"{result.eval_loss:.5g}")
+        rows.append(("eval loss (float32)", f"{result.eval_loss:.5g}"))
     if result.loss_scale is not None:
         pct = 100 * result.skipped_steps / max(result.global_step, 1)
-        table.add_row("final loss scale", pow2(result.loss_scale))
-        table.add_row("skipped steps", f"{result.skipped_steps} ({pct:.1f}%)")
+        rows.append(("final loss scale", pow2(result.loss_scale)))
+        rows.append(("skipped steps", f"{result.skipped_steps} ({pct:.1f}%)"))
     if result.grad_underflow is not None:
-        table.add_row("gradient underflow", f"{100 * result.grad_underflow:.2f}% of nonzero activation gradients")
+        rows.append(("gradient underflow", f"{100 * result.grad_underflow:.2f}% of nonzero activation gradients"))
     if result.fp8_flushed is not None and result.fp8_saturated is not None:
         flushed, saturated = 100 * result.fp8_flushed, 100 * result.fp8_saturated
-        table.add_row(
-            "FP8 grad_output", f"{flushed:.2f}% of nonzero values flushed to zero, {saturated:.2f}% saturated"
+        rows.append(
+            ("FP8 grad_output", f"{flushed:.2f}% of nonzero values flushed to zero, {saturated:.2f}% saturated")
         )
-    table.add_row("wall time", f"{result.wall_time:.1f} s")
-    table.add_row("checkpoint", str(result.checkpoint))
-    table.add_row("metrics", str(result.metrics_path))
+    rows += [("wall time", f"{result.wall_time:.1f} s"), ("checkpoint", str(result.checkpoint))]
+    rows.append(("metrics", str(result.metrics_path)))
     if result.plot_path is not None:
-        table.add_row("plot", str(result.plot_path))
+        rows.append(("plot", str(result.plot_path)))
+    title = f"dls train: {result.model_dir}"
+    if not console.is_terminal:
+        width = max(len(label) for label, _ in rows)
+        lines = [title, *(f"  {label:<{width}}  {value}" for label, value in rows)]
+        console.print("\n".join(lines), soft_wrap=True, highlight=False, markup=False)
+        return
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    for label, value in rows:
+        table.add_row(label, value)
     console.print(table)
 
 
