@@ -59,48 +59,45 @@ def test_dls_init_lists_each_config_with_a_whole_sentence(capsys: pytest.Capture
         assert max(map(len, text)) <= 100 and " ".join(line.strip() for line in text).endswith(".")
 
 
-# Runs in a fresh interpreter: blocks the imports of the extras a config is not listed as needing, copies the config
-# out with dls init, trains it one step, and reports which extras' modules were imported.
+# Runs in a fresh interpreter: makes the extras' modules that the given configs are not listed as needing impossible to
+# import, copies each config out with dls init, trains it one step, and reports which extras' modules were imported.
 PROBE = r"""
 import json, sys
-for name in filter(None, sys.argv[1].split(",")):
+blocked, runs = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+for name in blocked:
     sys.modules[name] = None  # as if not installed: import raises ModuleNotFoundError, find_spec says None
 from dls.train.cli import EXTRA_OF, main
-status = main(["init", sys.argv[2], "copy"])
-if status == 0:
-    status = main(["train", sys.argv[3], "--no_progress", "-o", *sys.argv[4:]])
-print(json.dumps({"status": status, "imported": sorted(m for m in EXTRA_OF if sys.modules.get(m) is not None)}))
+for i, (name, copy, overrides) in enumerate(runs):
+    status = main(["init", name, f"copy{i}"]) or main(["train", f"copy{i}/{copy}", "--no_progress", "-o", *overrides])
+    print(json.dumps({"name": name, "status": status}))
+print(json.dumps({"imported": sorted(m for m in EXTRA_OF if sys.modules.get(m) is not None)}))
 """
 
 
+def _needs() -> dict[tuple[str, ...], list[str]]:
+    """The shipped configs grouped by the modules beyond the train extra each is listed as needing."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for name, path in shipped_configs().items():
+        groups.setdefault(tuple(sorted(config_imports(path.read_text()))), []).append(name)
+    return groups
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(shipped_configs()))
-def test_dls_init_lists_the_extras_a_config_really_imports(name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("needed", sorted(_needs()), ids=lambda needed: "+".join(needed) or "train-alone")
+def test_dls_init_lists_the_extras_each_config_really_imports(needed: tuple[str, ...], tmp_path: Path) -> None:
+    """Every config of a group trains one step with the other extras missing, and imports each one it needs."""
     pytest.importorskip("h5py")
     pytest.importorskip("transformers")
-    text = shipped_configs()[name].read_text()
-    needed = config_imports(text)
-    prefix = "trainer.init.loop." if "\ntrainer:" in f"\n{text}" else "runconfig."
-    where = "trainer.init." if prefix.startswith("trainer") else "runconfig."
-    overrides = [f"{prefix}max_steps=1", f"{where}model_dir=run", f"{where}num_threads=1"]
-    copy = f"copy/{name.rsplit('/', 1)[-1]}.yaml"
-    blocked = ",".join(sorted(set(EXTRA_OF) - needed))
-    run = subprocess.run(
-        [sys.executable, "-c", PROBE, blocked, name, copy, *overrides],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["status"] == 0, run.stderr[-2000:]  # trains without the extras it is not listed as needing
-    assert set(result["imported"]) == needed  # and imports every one it is listed as needing
-
-
-def test_the_run_summary_keeps_paths_whole_when_not_on_a_terminal(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    model_dir = tmp_path / ("a-directory-name-long-enough-to-overflow-a-table-cell" * 2) / "run"
-    overrides = ["runconfig.max_steps=2", f"runconfig.model_dir={model_dir}"]
-    assert main(["train", str(ROOT / "configs" / "mlp_fp16_dls.yaml"), "--no_progress", "-o", *overrides]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert any(line.split() == ["checkpoint", str(model_dir / "checkpoint_2.mdl")] for line in lines)
-    assert any(line.split() == ["metrics", str(model_dir / "metrics.jsonl")] for line in lines)
+    runs = []
+    for name in _needs()[needed]:
+        current = "\ntrainer:" in "\n" + shipped_configs()[name].read_text()
+        loop, run = ("trainer.init.loop.", "trainer.init.") if current else ("runconfig.", "runconfig.")
+        overrides = [f"{loop}max_steps=1", f"{run}model_dir=run-{len(runs)}", f"{run}num_threads=1"]
+        runs.append((name, name.rsplit("/", 1)[-1] + ".yaml", overrides))
+    blocked = sorted(set(EXTRA_OF) - set(needed))
+    argv = [sys.executable, "-c", PROBE, json.dumps(blocked), json.dumps(runs)]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    *statuses, imported = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"')]
+    assert [s["status"] for s in statuses] == [0] * len(runs), done.stderr[-2000:]  # no other extra needed
+    assert imported["imported"] == sorted(needed)  # and each listed one is imported
