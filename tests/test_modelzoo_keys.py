@@ -191,19 +191,65 @@ def test_a_run_continues_from_another_runs_checkpoint_in_a_new_model_dir(
     assert f"Loading {old / 'checkpoint_2.mdl'}" in capsys.readouterr().out
 
 
-def test_release_1_key_names_are_one_line_and_its_runconfig_and_csconfig_are_known(capsys: Any) -> None:
-    assert main(["validate", str(ZOO / "llama_7b_1.9.1.yaml"), "-o", "model.name=llama"]) == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert "optimizer.beta1: Model Zoo Release 1.x's key names (" in line
-    assert "are not read by dls; write the config as Release 2 does (betas, eps, norm_type, a schedule's" in line
-    for key in ("optimizer.beta2", "optimizer.disable_lr_steps_reset", "model.use_position_embedding", "use_rms_norm"):
-        assert key in line
+def test_release_1_key_names_mean_what_release_1_code_read(capsys: Any) -> None:
+    """Release 1.9.1's Llama 7B and 1.8.0's GPT-2 small (real files): beta1/beta2 are betas, a schedule piece's
+    steps/decay_steps its total_iters, use_rms_norm the RMS norm; epsilon and use_bias_correction were never read by
+    those releases' PyTorch optimizers (eps 1e-6), nor alpha by the Linear schedule; each translation is noted."""
+    llama = load_config(ZOO / "llama_7b_1.9.1.yaml", ["model.name=llama"])
+    assert llama.optimizer.betas == (0.9, 0.95) and llama.optimizer.eps == 1e-6 and llama.optimizer.correct_bias
+    assert llama.optimizer.weight_decay == 0.01
+    pieces = llama.optimizer.learning_rate
+    assert isinstance(pieces, tuple)
+    assert [(p.scheduler, p.total_iters) for p in pieces] == [("Linear", 2000), ("CosineDecay", 999998000)]
+    assert llama.model.params["norm_type"] == "rmsnorm" and llama.model.params["position_embedding_type"] == "rotary"
+    assert "use_rms_norm" not in llama.model.params and "use_position_embedding" not in llama.model.params
+    for note in ("optimizer.beta1, beta2 (Release 1.x): betas [0.9, 0.95]",
+                 "optimizer.learning_rate[0].steps (Release 1.x): total_iters 2000",
+                 "optimizer.learning_rate[1].decay_steps (Release 1.x): total_iters 999998000",
+                 "model.use_rms_norm (Release 1.x): norm_type rmsnorm"):  # fmt: skip
+        assert note in llama.notes
+    assert not any(n.startswith("optimizer.correct_bias: true, Release 2's default") for n in llama.notes)  # given
+
+    gpt2 = load_config(ZOO / "gpt2_small_ws_1.8.0.yaml", ["model.name=gpt2"])
+    assert gpt2.optimizer.betas == (0.9, 0.95) and gpt2.optimizer.eps == 1e-6  # epsilon: 1e-8 was not read
+    assert gpt2.optimizer.correct_bias  # Release 1.8 defaulted to false, 1.9 to true: noted, set it to choose
+    assert [p.total_iters for p in gpt2.optimizer.learning_rate] == [1600, 150000]  # type: ignore[union-attr]
+    joined = "\n".join(gpt2.notes)
+    assert "optimizer.epsilon, optimizer.use_bias_correction: not used, as in Release 1.x's PyTorch" in joined
+    assert "optimizer.learning_rate[1].alpha: not used, as in Release 1.x's Linear schedule" in joined
+    assert "optimizer.correct_bias: true, Release 2's default (Release 1.8's was false, 1.9's true" in joined
+    assert gpt2.model.params["position_embedding_type"] == "learned"
+    with pytest.raises(ConfigError, match=r"model\.position_embedding_type: None cannot be built by Hugging Face"):
+        load_config(ZOO / "gpt2_small_ws_1.8.0.yaml", ["model.name=gpt2", "model.use_position_embedding=false"])
+
     cfg = load_config(ZOO / "fc_mnist_1.9.1.yaml", ["model.name=fc_mnist"])  # show_debug_metrics, csconfig
     (ignored,) = [n for n in cfg.notes if n.startswith("ignored on this hardware")]
     assert "runconfig.save_losses" in ignored and cfg.precision.fp16_type == "float16"  # use_cbfloat16: False
     assert any("runconfig.show_debug_metrics" in n for n in cfg.notes if n.startswith("not done by dls"))
     with pytest.raises(ConfigError, match=r"csconfig\.use_cbfloat16: write it as Release 2 does"):
         load_config(ZOO / "fc_mnist_1.9.1.yaml", ["model.name=fc_mnist", "csconfig.use_cbfloat16=true"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "optimizer.betas=[0.9,0.99]",
+            "optimizer.betas and optimizer.beta1/beta2 (Release 1.x's names) are both given",
+        ),
+        ("optimizer.disable_lr_steps_reset=true", "optimizer.disable_lr_steps_reset: only false"),
+        ("model.norm_type=layernorm", "model.norm_type and model.use_rms_norm (Release 1.x's name) are both given"),
+        (
+            "optimizer.learning_rate=[{scheduler: Linear, initial_learning_rate: 0, end_learning_rate: 1, steps: 5, "
+            "total_iters: 5}]",
+            "optimizer.learning_rate[0]: steps and total_iters are both given",
+        ),
+        ("model.use_rms_norm=2", "model.use_rms_norm must be true or false; got 2"),
+    ],
+)
+def test_release_1_keys_that_disagree_are_refused_naming_them(override: str, message: str, capsys: Any) -> None:
+    assert main(["validate", str(ZOO / "llama_7b_1.9.1.yaml"), "-o", "model.name=llama", override]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_a_model_zoo_config_without_a_model_name_is_one_line(tmp_path: Path, capsys: Any) -> None:

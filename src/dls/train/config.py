@@ -859,8 +859,15 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None, notes: Seque
     name = model.get("name") if isinstance(model, Mapping) else None
     if problem := _refused_whole(raw, layout, name):  # said first, alone: every other key would be misread
         raise ConfigError([problem], source)
+    release_1: list[str] = []
+    if layout == "legacy" and any(
+        isinstance(raw.get(s), Mapping) and set(ks) & set(raw[s]) for s, ks in _RELEASE_1.items()
+    ):
+        raw, release_1, problems = _from_release_1(dict(raw))
+        if problems:
+            raise ConfigError(problems, source)
     r = _Reader(name in ZOO_MODELS)
-    r.notes.extend(notes)
+    r.notes.extend([*notes, *release_1])
     if layout == "current":
         r.errors += [f"unknown section {n}: the current layout has trainer: alone" for n in raw if n != "trainer"]
         r.walk(raw.get("trainer"), "trainer", _TRAINER)
@@ -885,29 +892,105 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None, notes: Seque
     return TrainConfig(**built, notes=tuple(r.notes), layout=r.layout, sources=r.written)
 
 
-# Release 1.x of Model Zoo named these keys otherwise (beta1 and beta2 for betas, use_rms_norm for norm_type, a
-# schedule piece's steps for total_iters, ...), with other defaults (AdamW's correct_bias was false in 1.8).
+# Keys only Model Zoo's Release 1.x configs (1.8, 1.9) write: a legacy config holding one is read by
+# _from_release_1, as those releases' PyTorch code read it.
 _RELEASE_1 = {
     "optimizer": ("beta1", "beta2", "epsilon", "use_bias_correction", "disable_lr_steps_reset"),
     "model": ("use_rms_norm", "use_position_embedding"),
 }
 
 
+def _from_release_1(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[str]]:
+    """A Release 1.x legacy config in Release 2's keys, each key with the meaning Release 1.8's and 1.9's PyTorch
+    code gave it (``modelzoo/common/pytorch/PyTorchBaseModel.py`` and ``transformers/pytorch/gpt2/model.py`` at
+    tags Release_1.8.0 and Release_1.9.1); returns the config, a note per translation and the errors.
+
+    - ``optimizer.beta1``/``beta2`` are ``betas`` (each 0.9 / 0.999 when missing, as there);
+    - ``optimizer.epsilon`` and ``use_bias_correction`` are TensorFlow keys those releases' PyTorch optimizers never
+      read (they read ``eps``, default 1e-6, and ``correct_bias``): not used, as there;
+    - ``optimizer.disable_lr_steps_reset: false`` is Release 2's behaviour (each schedule piece counts its own
+      steps); ``true`` is refused;
+    - a schedule piece's ``steps`` or ``decay_steps`` is its ``total_iters``; ``alpha`` on a Linear piece was not
+      read (power 1): not used;
+    - ``model.use_rms_norm: true`` is ``norm_type: rmsnorm``; ``use_position_embedding: false`` is
+      ``position_embedding_type: null``.
+
+    ``correct_bias`` is the one default the two releases disagree on (1.8: false, 1.9: true); a config that leaves
+    it out gets Release 2's (true), and a note says so.
+    """
+    raw, notes, errors = dict(raw), [], []
+    opt = dict(raw["optimizer"]) if isinstance(raw.get("optimizer"), Mapping) else None
+    model = dict(raw["model"]) if isinstance(raw.get("model"), Mapping) else None
+    if opt is not None:
+        if "beta1" in opt or "beta2" in opt:
+            if "betas" in opt:
+                errors.append("optimizer.betas and optimizer.beta1/beta2 (Release 1.x's names) are both given")
+            opt["betas"] = [opt.pop("beta1", 0.9), opt.pop("beta2", 0.999)]
+            notes.append(f"optimizer.beta1, beta2 (Release 1.x): betas {opt['betas']}")
+        unread = [k for k in ("epsilon", "use_bias_correction") if opt.pop(k, None) is not None]
+        if unread:
+            keys = ", ".join(f"optimizer.{k}" for k in unread)
+            notes.append(f"{keys}: not used, as in Release 1.x's PyTorch optimizers (they read eps and correct_bias)")
+        if "disable_lr_steps_reset" in opt and opt.pop("disable_lr_steps_reset") is not False:
+            errors.append("optimizer.disable_lr_steps_reset: only false (each schedule piece counts its own "
+                          "steps, as in Release 2) is supported")  # fmt: skip
+        kind = opt.get("optimizer_type")
+        if isinstance(kind, str) and kind.lower() == "adamw" and "correct_bias" not in opt:
+            notes.append("optimizer.correct_bias: true, Release 2's default (Release 1.8's was false, 1.9's true; "
+                         "set it to choose)")  # fmt: skip
+        if "learning_rate" in opt:
+            opt["learning_rate"] = _release_1_schedule(opt["learning_rate"], notes, errors)
+        raw["optimizer"] = opt
+    if model is not None:
+        if "use_rms_norm" in model:
+            rms = model.pop("use_rms_norm")
+            if "norm_type" in model:
+                errors.append("model.norm_type and model.use_rms_norm (Release 1.x's name) are both given")
+            elif rms is True:
+                model["norm_type"] = "rmsnorm"
+            elif rms is not False:
+                errors.append(f"model.use_rms_norm must be true or false; got {rms!r}")
+            notes.append(f"model.use_rms_norm (Release 1.x): norm_type {model.get('norm_type', 'layernorm')}")
+        if "use_position_embedding" in model:
+            used = model.pop("use_position_embedding")
+            if used is False:
+                model["position_embedding_type"] = None
+                notes.append("model.use_position_embedding: false (Release 1.x): position_embedding_type null")
+            elif used is not True:
+                errors.append(f"model.use_position_embedding must be true or false; got {used!r}")
+        raw["model"] = model
+    return raw, notes, errors
+
+
+def _release_1_schedule(pieces: Any, notes: list[str], errors: list[str]) -> Any:
+    """Release 1.x's learning-rate pieces in Release 2's keys (see ``_from_release_1``)."""
+    if not isinstance(pieces, (list, Mapping)):
+        return pieces
+    translated = []
+    for i, given in enumerate(pieces if isinstance(pieces, list) else [pieces]):
+        piece = dict(given) if isinstance(given, Mapping) else given
+        where = f"optimizer.learning_rate[{i}]" if isinstance(pieces, list) else "optimizer.learning_rate"
+        steps = [k for k in ("steps", "decay_steps") if isinstance(piece, dict) and k in piece]
+        if steps and "total_iters" in piece:
+            errors.append(f"{where}: {steps[0]} and total_iters are both given")
+        elif steps:
+            piece["total_iters"] = piece.pop(steps[0])
+            piece.pop("decay_steps", None)
+            notes.append(f"{where}.{steps[0]} (Release 1.x): total_iters {piece['total_iters']}")
+        linear = isinstance(piece, dict) and str(piece.get("scheduler", "")).lower() in ("linear", "linearlr")
+        if linear and piece.pop("alpha", None) is not None:
+            notes.append(f"{where}.alpha: not used, as in Release 1.x's Linear schedule")
+        translated.append(piece)
+    return translated if isinstance(pieces, list) else translated[0]
+
+
 def _refused_whole(raw: Mapping[str, Any], layout: str, name: Any) -> str | None:
     """What refuses a config as a whole, in one line: another model family than dls builds; a model without a name
-    in Model Zoo's layouts; Model Zoo Release 1.x's key names."""
+    in Model Zoo's layouts."""
     where = "trainer.init.model.name" if layout == "current" else "model.name"
     if isinstance(name, str) and name not in get_args(ModelName):
         zoo = ", ".join(ZOO_MODELS)
         return f"{where}: {zoo} are supported (and dls's own {', '.join(MODEL_NAMES)}); this config is {name}"
-    if layout == "legacy" and any(
-        isinstance(raw.get(s), Mapping) and k in raw[s] for s, ks in _RELEASE_1.items() for k in ks
-    ):
-        found = [
-            f"{s}.{k}" for s, ks in _RELEASE_1.items() if isinstance(raw.get(s), Mapping) for k in ks if k in raw[s]
-        ]
-        return (f"{found[0]}: Model Zoo Release 1.x's key names ({', '.join(found)}) are not read by dls; write the "
-                "config as Release 2 does (betas, eps, norm_type, a schedule's total_iters)")  # fmt: skip
     if name is None and (layout == "current" or any(k in raw for k in ("train_input", "eval_input"))):
         how = f"Model Zoo picks it by its run.py: name it, e.g. -o {where}=gpt2"
         return f"{where} is required ({how}); one of {', '.join(get_args(ModelName))}"
