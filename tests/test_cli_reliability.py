@@ -428,6 +428,15 @@ def test_dls_audit_steps_has_an_upper_bound(tmp_path: Path, capsys: pytest.Captu
     assert not (tmp_path / "a").exists()
 
 
+def test_dls_demo_steps_has_an_upper_bound(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dls.train.cli import MAX_DEMO_STEPS
+
+    for steps in (MAX_DEMO_STEPS + 1, 10**18):
+        assert main(["demo", "--steps", str(steps), "--out", str(tmp_path / "d"), "--no_progress"]) == 2
+        assert f"--steps must be at most {MAX_DEMO_STEPS} (runs of" in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "d").exists()
+
+
 @pytest.mark.parametrize("kind", ["gpt", "mnist"])
 def test_dls_data_out_of_memory_leaves_no_empty_directory(
     kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

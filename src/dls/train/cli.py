@@ -75,6 +75,7 @@ RAW = argparse.RawDescriptionHelpFormatter  # keeps the line breaks of the texts
 _DATA_PROCESSOR = re.compile(r"^\s*data_processor:\s*[\"']?(\w+)", re.MULTILINE)
 _KIND = {"MNISTDataProcessor": "mnist", "GptHDF5DataProcessor": "gpt", "GptHDF5MapDataProcessor": "gpt"}
 MAX_AUDIT_STEPS = 1000  # passes per format over the first batches: more says nothing new, and each costs time
+MAX_DEMO_STEPS = 100_000  # per run, several runs: about 3 hours on 2 cores; more is a training job, not a demo
 
 
 def _config_args(parser: argparse.ArgumentParser, **config: Any) -> None:
@@ -101,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     demo = sub.add_parser("demo", help="one small model trained ten ways, side by side")
     demo.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
-    demo.add_argument("--steps", type=int, default=600, help="training steps per run (default: 600)")
+    demo.add_argument(
+        "--steps", type=int, default=600, help=f"training steps per run (default: 600, at most {MAX_DEMO_STEPS})"
+    )
     for command in (train, demo):
         command.add_argument("--no_progress", action="store_true", help="no progress bars")
     audit = sub.add_parser("audit", help="which formats fit a config's model", epilog=AUDIT_EPILOG, formatter_class=RAW)
@@ -374,6 +377,10 @@ def _audit(args: argparse.Namespace) -> None:
 def _demo(args: argparse.Namespace) -> None:
     from dls.train.demo import run_demo
 
+    if args.steps > MAX_DEMO_STEPS:
+        raise UsageError(
+            f"--steps must be at most {MAX_DEMO_STEPS} (runs of that many steps: dls train); got {args.steps}"
+        )
     run_demo(Path(args.out), steps=args.steps, progress=not args.no_progress)
 
 
