@@ -394,6 +394,13 @@ class GradScaler:
         named in a warning; an unknown key is an error naming it. Differences: no error at the minimum scale (dls
         keeps skipping overflowing steps) and no growth past float32's largest power of two.
         ``load_state_dict(vars(loss_scaler))`` continues a DeepSpeed run (``dls.scaler_state``).
+
+        Args:
+            fp16_config: the ``fp16`` section of a DeepSpeed config, a dict.
+            device: where the scale lives (``"cpu"`` or a CUDA device).
+
+        Raises:
+            ValueError: an unknown key or a bad value, named.
         """
         from dls.arguments import read_deepspeed
 
@@ -416,7 +423,20 @@ class GradScaler:
         backoff_factor, growth_interval, hysteresis)`` step by step, from its own arguments (the last four default
         to Megatron's command-line defaults). One difference: Megatron multiplies without a finite check, so its
         scale can grow to inf and then skip every step; dls drops a growth that would reach inf.
-        ``load_state_dict`` takes ``DynamicGradScaler.state_dict()`` as saved (``dls.scaler_state``)."""
+        ``load_state_dict`` takes ``DynamicGradScaler.state_dict()`` as saved (``dls.scaler_state``).
+
+        Args:
+            device: where the scale lives (``"cpu"`` or a CUDA device).
+            initial_scale: the first scale.
+            min_scale: the scale never backs off below it.
+            growth_factor: the factor of a growth.
+            backoff_factor: the factor of a back-off.
+            growth_interval: clean steps before the scale grows.
+            hysteresis: overflows tolerated before a back-off (refilled by a growth).
+
+        Raises:
+            ValueError: a bad argument, named.
+        """
         settings = ScalerSettings.megatron(
             initial_scale=initial_scale,
             min_scale=min_scale,

@@ -293,7 +293,16 @@ class ScalerSettings:
         """DeepSpeed's ``fp16`` config section, with its names and defaults: ``loss_scale`` 0 is dynamic scaling
         from ``2**initial_scale_power``, growing by 2 with DeepSpeed's timing (``dls.policy``) and backing off by half
         once ``hysteresis`` overflows spent the budget, down to ``min_loss_scale``, with no maximum below float32's
-        (DeepSpeed has none); a positive ``loss_scale`` is a static scale. Problems name DeepSpeed's keys."""
+        (DeepSpeed has none); a positive ``loss_scale`` is a static scale. Problems name DeepSpeed's keys.
+
+        Args:
+            loss_scale: 0 for dynamic scaling, else a static scale.
+            initial_scale_power: the first scale is ``2**initial_scale_power``.
+            loss_scale_window: clean steps between growths (DeepSpeed's timing).
+            hysteresis: overflows tolerated before a back-off.
+            consecutive_hysteresis: a clean step also refills the hysteresis budget.
+            min_loss_scale: the scale never backs off below it.
+        """
         problems: list[tuple[str, str]] = []
         static = python_number(loss_scale)
         if static is None or not (static == 0 or FLOAT32_TINY <= static <= FLOAT32_MAX):
@@ -356,7 +365,16 @@ class ScalerSettings:
         """Megatron-LM's ``DynamicGradScaler(initial_scale, min_scale, growth_factor, backoff_factor,
         growth_interval, hysteresis)``, with the defaults of Megatron's command line for the last four; torch's
         growth timing, no maximum below float32's. The scales and factors are rounded to float32, as Megatron holds
-        them (float32 tensors), so products round as Megatron's do. Problems name Megatron's arguments."""
+        them (float32 tensors), so products round as Megatron's do. Problems name Megatron's arguments.
+
+        Args:
+            initial_scale: the first scale.
+            min_scale: the scale never backs off below it.
+            growth_factor: the factor of a growth.
+            backoff_factor: the factor of a back-off.
+            growth_interval: clean steps before the scale grows.
+            hysteresis: overflows tolerated before a back-off (refilled by a growth).
+        """
         problems = _named(
             ("initial_scale", scale_problem("initial_scale", initial_scale)),
             ("min_scale", scale_problem("min_scale", min_scale)),
@@ -493,7 +511,11 @@ def _problems(v: dict[str, Any], skip: set[str] | frozenset[str] = frozenset()) 
 
 
 def interval_name(dialect: str) -> str:
-    """What the dialect's users call ``steps_per_increase``."""
+    """What the dialect's users call ``steps_per_increase``.
+
+    Args:
+        dialect: ``"torch"``, ``"cerebras"``, ``"deepspeed"`` or ``"megatron"``.
+    """
     return {"torch": "growth_interval", "megatron": "growth_interval", "deepspeed": "loss_scale_window"}.get(
         dialect, "steps_per_increase"
     )
