@@ -75,9 +75,10 @@ from dls.policy import count_problem
 if TYPE_CHECKING:
     from dls.scaler import GradScaler
 
-__all__ = ["TRACE_FORMAT", "TRACE_VERSION", "Recorder", "Segment", "Trace", "read_trace"]
+__all__ = ["TRACE_FILE", "TRACE_FORMAT", "TRACE_VERSION", "Recorder", "Segment", "Trace", "TraceError", "read_trace"]
 
 TRACE_FORMAT = "dls-trace"
+TRACE_FILE = "trace.jsonl"  # its name in a dls train model_dir
 TRACE_VERSION = 1
 STATE_FIELDS = (
     "loss_scale",
@@ -186,7 +187,7 @@ class Recorder:
         scale = scaler.get_scale_tensor()
         device = scale.device
         if self._rows is None or self._rows.device != device:
-            self.flush()
+            self._flush_async()
             self._rows = torch.empty((self.flush_every, _COLUMNS), dtype=torch.float32, device=device)
         groups = scaler._tracker.grads_of(self._optimizers(scaler))
         amax, amax16 = _largest_magnitudes(groups, device)
@@ -199,7 +200,7 @@ class Recorder:
             self._histograms[self._row] = _exponent_counts(groups, device)
         self._row += 1
         if self._row == self.flush_every:
-            self.flush()
+            self._flush_async()
 
     @staticmethod
     def _optimizers(scaler: GradScaler) -> list[torch.optim.Optimizer]:
@@ -210,8 +211,16 @@ class Recorder:
 
     # ------------------------------------------------------------------ writing
     def flush(self) -> None:
+        """Write every step recorded so far (on CUDA this waits for the device: not for every step; the recorder
+        itself writes every ``flush_every`` steps without waiting)."""
+        self._flush_async()
+        if self._pending is not None:
+            self._write(self._pending.lines())
+            self._pending = None
+
+    def _flush_async(self) -> None:
         """Start copying the buffered rows to the host; write the rows of the previous flush (no host
-        synchronisation on CUDA: the copy of this flush is written at the next one, or at :meth:`close`)."""
+        synchronisation on CUDA: the copy of this flush is written at the next one, or at :meth:`flush`)."""
         previous, self._pending = self._pending, None
         if self._row and self._rows is not None:
             modules = None if self._modules is None else self._modules.take(self._row)
@@ -228,9 +237,6 @@ class Recorder:
             return
         try:
             self.flush()
-            if self._pending is not None:
-                self._write(self._pending.lines())
-                self._pending = None
         finally:
             self._closed = True
             if self._modules is not None:
