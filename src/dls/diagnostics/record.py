@@ -136,6 +136,12 @@ class Recorder:
             if isinstance(start_step, int) and not isinstance(start_step, bool) and start_step >= 0
             else f"start_step must be an integer >= 0; got {start_step!r}",
             None if isinstance(append, bool) else f"append must be True or False; got {append!r}",
+            None
+            if model_format is None or model_format in formats.names()
+            else f"model_format must be None or one of {', '.join(formats.names())}; got {model_format!r}",
+            None
+            if isinstance(file, (str, os.PathLike)) or hasattr(file, "write")
+            else f"file must be a path or a binary file object; got {type(file).__name__}",
         ]
         for problem in problems:
             if problem is not None:
@@ -151,8 +157,6 @@ class Recorder:
             self._file: IO[bytes] = open(file, "ab" if append else "wb")  # noqa: SIM115  # closed by close()
             self._owns_file = True
         else:
-            if not hasattr(file, "write"):
-                raise ValueError(f"file must be a path or a binary file object; got {type(file).__name__}")
             self._file, self._owns_file = file, False
         self.steps = start_step  # the last step recorded
         self._row = 0
@@ -160,8 +164,6 @@ class Recorder:
         self._histograms: dict[int, torch.Tensor] = {}  # row -> counts per exponent field
         self._pending: _Pending | None = None  # copied to the host asynchronously, written at the next flush
         self._closed = False
-        if model_format is not None and model_format not in formats.names():
-            raise ValueError(f"model_format must be None or one of {', '.join(formats.names())}; got {model_format!r}")
         self._modules = _ModuleHooks(self, model, model_format) if model is not None else None
         settings = scaler.settings
         header = {
@@ -223,7 +225,7 @@ class Recorder:
         synchronisation on CUDA: the copy of this flush is written at the next one, or at :meth:`flush`)."""
         previous, self._pending = self._pending, None
         if self._row and self._rows is not None:
-            modules = None if self._modules is None else self._modules.take(self._row)
+            modules = None if self._modules is None else self._modules.take(self._row, self._rows.device)
             self._pending = _Pending.start(
                 self._rows[: self._row], self._histograms, modules, first_step=self.steps - self._row + 1
             )
@@ -407,10 +409,10 @@ class _ModuleHooks:
         self._claimed.clear()
         self._nodes.clear()
 
-    def take(self, rows: int) -> torch.Tensor | None:
-        """The first ``rows`` rows (a copy) and a fresh buffer."""
+    def take(self, rows: int, device: torch.device) -> torch.Tensor:
+        """The first ``rows`` rows (a copy; -1 where nothing was measured) and a fresh buffer."""
         if self._buffer is None:
-            return None
+            return torch.full((rows, len(self.names)), -1.0, device=device)
         taken = self._buffer[:rows].clone()
         self._buffer.fill_(-1.0)
         return taken
