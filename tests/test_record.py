@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import from_dls, host_reads
 
 import dls
+from conftest import from_dls, host_reads
 from dls.diagnostics.record import (
     TRACE_VERSION,
     TraceError,
@@ -240,7 +240,7 @@ def test_record_refuses_bad_arguments_before_anything_changes(tmp_path: Path) ->
         scaler.record(tmp_path / "t.jsonl", flush_every=0)
     with pytest.raises(ValueError, match="histogram_every must be an integer from 1"):
         scaler.record(tmp_path / "t.jsonl", histogram_every=-1)
-    with pytest.raises(ValueError, match="model must be a torch.nn.Module"):
+    with pytest.raises(ValueError, match=r"model must be a torch\.nn\.Module"):
         scaler.record(tmp_path / "t.jsonl", model="model")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="model_format must be None or one of"):
         scaler.record(tmp_path / "t.jsonl", model=mlp(), model_format="float17")
@@ -249,9 +249,8 @@ def test_record_refuses_bad_arguments_before_anything_changes(tmp_path: Path) ->
     assert not (tmp_path / "t.jsonl").exists() and scaler._recorder is None
     with pytest.raises(ValueError, match="the scaler is disabled"):
         dls.GradScaler("cpu", enabled=False).record(tmp_path / "t.jsonl")
-    with scaler.record(tmp_path / "t.jsonl"):
-        with pytest.raises(ValueError, match="already recording into"):
-            scaler.record(tmp_path / "u.jsonl")
+    with scaler.record(tmp_path / "t.jsonl"), pytest.raises(ValueError, match="already recording into"):
+        scaler.record(tmp_path / "u.jsonl")
 
 
 def test_a_recording_scaler_pickles_without_its_recorder(tmp_path: Path) -> None:

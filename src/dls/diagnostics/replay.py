@@ -75,6 +75,7 @@ class PolicyKind:
         defaults: the peer's own argument names and defaults (``None``: the peer derives it).
         build: ``(values, half_dtype) -> ScalerSettings`` with ``values`` the defaults, overridden.
         grid: for ``dls tune``: the values tried per argument (the others keep their defaults).
+        labels: the peer's name of a ``ScalerSettings`` argument whose name differs (for error messages).
     """
 
     name: str
@@ -82,6 +83,7 @@ class PolicyKind:
     defaults: dict[str, Any]
     build: Callable[[dict[str, Any], str], ScalerSettings]
     grid: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)  # a ScalerSettings argument -> this peer's key
 
 
 def _torch(v: dict[str, Any], half: str) -> ScalerSettings:
@@ -131,6 +133,7 @@ POLICIES: dict[str, PolicyKind] = {
             {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000},
             _torch,
             {"init_scale": POWERS, "growth_interval": (100, 250, 500, 1000, 2000)},
+            {"steps_per_increase": "growth_interval"},
         ),
         PolicyKind(
             "cerebras",
@@ -162,6 +165,7 @@ POLICIES: dict[str, PolicyKind] = {
                 "growth_interval": (250, 500, 1000),
                 "hysteresis": (1, 2, 4),
             },
+            {"init_scale": "initial_scale", "min_loss_scale": "min_scale", "steps_per_increase": "growth_interval"},
         ),
         PolicyKind(
             "deepspeed",
@@ -268,7 +272,10 @@ def _build(kind: PolicyKind, values: dict[str, Any], half: str) -> ScalerSetting
     try:
         return kind.build(values, half)
     except SettingsError as exc:
-        problems = "; ".join(message for _, message in exc.problems)
+        problems = "; ".join(
+            message.replace(argument, kind.labels[argument], 1) if argument in kind.labels else message
+            for argument, message in exc.problems
+        )
         raise ValueError(f"policy {kind.name!r}: {problems}") from None
     except ValueError as exc:
         raise ValueError(f"policy {kind.name!r}: {exc}") from None
