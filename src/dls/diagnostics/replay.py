@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 FLOAT16_MAX = 65504.0
-MAX_BRANCHES = 4096  # distinct rule states followed at once before the bounds are given up as exact
+MAX_BRANCHES = 256  # distinct rule states followed at once; beyond, the bounds of the rest are loose (documented)
 
 
 # ------------------------------------------------------------------------------------------------ the policy table
