@@ -28,8 +28,8 @@ demo: $(VENV)/.installed-demo
 	$(BIN)/dls demo
 
 lint: $(VENV)/.installed-test
-	$(BIN)/ruff check src tests benchmarks examples conftest.py
-	$(BIN)/ruff format --check src tests benchmarks examples conftest.py
+	$(BIN)/ruff check src tests benchmarks examples conftest.py scripts/gpu-check
+	$(BIN)/ruff format --check src tests benchmarks examples conftest.py scripts/gpu-check
 	$(BIN)/mypy src
 
 docs-check: $(VENV)/.installed-test  # the site must build without a warning (broken links, missing API names)
@@ -61,6 +61,13 @@ bench: $(VENV)/.installed-test  # about 11 minutes on 2 CPU cores; results and h
 
 bench-gpu:  # on a machine with CUDA and a plain python3 that has torch (no venv): the GPU tables of benchmarks/RESULTS.md
 	python3 benchmarks/bench_gpu.py && python3 benchmarks/bench_fp8_gpu.py
+
+.PHONY: gpu-check gpu-wheels
+gpu-check:  # on the lent GPU machine (a plain python3 with torch, no venv): tests + GPU tables; docs/contributing.md
+	python3 scripts/gpu-check
+
+gpu-wheels:  # here, before the device call: the wheels the GPU machine lacks (torchao for its torch 2.11) in .gpu-wheels/
+	$(PYTHON) scripts/gpu-check --fetch-wheels
 
 clean:
 	rm -rf $(VENV) build dist site .pytest_cache .mypy_cache .ruff_cache .hypothesis

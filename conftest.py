@@ -11,8 +11,16 @@ from pathlib import Path
 import pytest
 
 
+def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
+    if not pluginmanager.has_plugin("pytest_markdown_docs"):
+        # pyproject.toml's addopts name the plugin's option: accepted (and ignored) where the plugin is not installed,
+        # as under a plain python3 with pytest alone (the GPU machine), so that the test files still run there.
+        parser.addoption("--markdown-docs-syntax", help="pytest-markdown-docs's option; the plugin is not installed")
+
+
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
-    if file_path.suffix != ".md" or parent.config.option.markdowndocs:  # with the flag, the plugin collects them
+    # With the plugin's flag the plugin collects them; without the plugin (the option is missing) nothing can.
+    if file_path.suffix != ".md" or getattr(parent.config.option, "markdowndocs", True):
         return None
     from pytest_markdown_docs.plugin import MarkdownTextFile
 

@@ -27,9 +27,14 @@ torch's variant (``torch again``; ``none again`` in the step table) and prints i
 **A/A row**: the run's noise. A figure is ``ok`` when it is at most its target plus the A/A spread (the larger of
 |A/A median - 1| and half the A/A interquartile range, over the table), ``MISS`` otherwise.
 
-    python3 benchmarks/bench_gpu.py                          # all tables on CUDA (about 10 minutes on an H200)
+    python3 benchmarks/bench_gpu.py                          # all tables, every point, on CUDA (never timed yet)
     python3 benchmarks/bench_gpu.py --tables unscale clip    # some tables
     python3 benchmarks/bench_gpu.py --quick                  # seconds, on the CPU too (a smoke run, no figures)
+    python3 benchmarks/bench_gpu.py --budget 120             # about 120 s of points (as scripts/gpu-check runs it)
+
+``--budget SECONDS`` shares the time among the tables run (``BUDGET_SHARES``; what a table leaves unspent passes to
+the next). Every table runs its first point; a table past its share runs no more points and names those it left out
+under it (``budget: N of M points not run: ...``). The points still run are measured exactly as without a budget.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import argparse
 import contextlib
 import copy
 import statistics
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -67,6 +73,9 @@ from bench_scaler import (
 import dls
 
 TABLES = ("unscale", "clip", "step", "overhead", "graphs")
+# Each table's share of --budget: about what each takes on an H200 by the sizes and repetitions (tables 1 and 2 move
+# about 200 GB each, table 3 runs 8 x 44 GPT-2-small steps; 4 and 5 are small).
+BUDGET_SHARES = {"unscale": 0.3, "clip": 0.3, "step": 0.25, "overhead": 0.05, "graphs": 0.1}
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
@@ -111,6 +120,40 @@ def print_judged(title: str, header: list[str], rows: list[list[Any]], aa: AA) -
     print_table(title, header, [*judged(rows, aa), aa.row(len(header))])
 
 
+class Budget:
+    """``--budget``: per table, the moment after which it starts no more points (``None``: no budget)."""
+
+    def __init__(self, seconds: float | None, tables: Sequence[str]) -> None:
+        self.deadlines: dict[str, float] = {}
+        self.left_out: dict[str, str] = {}  # table: the line naming the points it left out
+        if seconds is None:
+            return
+        start, total, spent = time.monotonic(), sum(BUDGET_SHARES[t] for t in tables), 0.0
+        for table in tables:
+            spent += BUDGET_SHARES[table]
+            self.deadlines[table] = start + seconds * spent / total
+
+    def points(self, table: str, points: Sequence[Any], label: Callable[[Any], str] = str) -> Iterator[Any]:
+        """``points`` in order, the first always, the others while the table's share lasts; those left out are
+        named by ``report``."""
+        for i, point in enumerate(points):
+            if i and table in self.deadlines and time.monotonic() > self.deadlines[table]:
+                names = ", ".join(label(p) for p in points[i:])
+                self.left_out[table] = f"   budget: {len(points) - i} of {len(points)} points not run: {names}"
+                return
+            yield point
+
+    def report(self, table: str) -> None:
+        """Under the table just printed: the points it left out, if any."""
+        if table in self.left_out:
+            print(self.left_out[table])
+
+
+def point_label(point: tuple[str, int, int]) -> str:
+    dtype_name, numel, count = point
+    return f"{dtype_name} {human(numel)} x{count}"
+
+
 @contextlib.contextmanager
 def counted_syncs(device: torch.device) -> Iterator[list[str]]:
     """Host syncs inside the block (CUDA's sync debug mode, "warn"); an empty list on the CPU."""
@@ -150,7 +193,7 @@ def point_cells(dtype_name: str, numel: int, count: int, times: dict[str, list[f
 def table_unscale(device: torch.device, args: argparse.Namespace) -> None:
     aa = AA()
     rows: list[list[Any]] = []
-    for dtype_name, numel, count in unscale_points(args.quick):
+    for dtype_name, numel, count in args.budget_of.points("unscale", unscale_points(args.quick), point_label):
         dtype = DTYPES[dtype_name]
         grads, opt, restore = restorable_grads(numel, count, dtype, device)
         ours, theirs = scalers(device)
@@ -203,7 +246,7 @@ def table_clip(device: torch.device, args: argparse.Namespace) -> None:
     max_norm = 0.01  # below the unscaled norm at every size: the clip is active
     aa = AA()
     rows: list[list[Any]] = []
-    for dtype_name, numel, count in clip_points(args.quick):
+    for dtype_name, numel, count in args.budget_of.points("clip", clip_points(args.quick), point_label):
         dtype = DTYPES[dtype_name]
         _, opt, restore = restorable_grads(numel, count, dtype, device)
         params = [p for group in opt.param_groups for p in group["params"]]
@@ -354,7 +397,7 @@ def table_step(device: torch.device, args: argparse.Namespace) -> None:
                 ("ok" if syncs[name] == expected_syncs else "MISS") if device.type == "cuda" else "n/a",
             ]
         )
-    header = ["variant", "ms", "torch ms", "none ms", "/torch", "<=1.00", "/none", "<=1.01", "syncs", "want", ""]
+    header = ["variant", "ms", "torch ms", "none ms", "/torch", "<=1.00", "/none", "<=1.01", "syncs", "want", "verdict"]
     print_judged(
         "3. a whole training step: dls vs torch.amp and vs no scaler (A/A: fused none again / fused none)",
         header,
@@ -378,7 +421,7 @@ def table_overhead(device: torch.device, args: argparse.Namespace) -> None:
     count = 50 if args.quick else 1000
     aa = AA()
     rows: list[list[Any]] = []
-    for opt_name, make_opt in OVERHEAD_OPTIMIZERS.items():
+    for opt_name, make_opt in args.budget_of.points("overhead", list(OVERHEAD_OPTIMIZERS.items()), lambda p: p[0]):
         cases: dict[str, Case] = {}
         for name in ("dls", "torch", "torch again"):
             gen = torch.Generator().manual_seed(0)
@@ -469,7 +512,9 @@ def table_graphs(device: torch.device, args: argparse.Namespace) -> None:
     width, depth = (32, 2) if args.quick else (512, 8)
     aa = AA()
     rows: list[list[Any]] = []
-    for path, (opt_name, kwargs, sync_free, torch_too) in GRAPH_PATHS.items():
+    for path, (opt_name, kwargs, sync_free, torch_too) in args.budget_of.points(
+        "graphs", list(GRAPH_PATHS.items()), lambda p: p[0]
+    ):
         cases: dict[str, Case] = {}
         notes: dict[str, str] = {}
         if device.type != "cuda":  # eager only (a smoke run): capturable optimizers need an accelerator
@@ -523,7 +568,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few repetitions: a smoke run (CPU too)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step in the step table (default 8)")
     parser.add_argument("--preroll", type=int, default=20, help="untimed steps per step-table variant (default 20)")
+    parser.add_argument("--budget", type=float, help="seconds for the tables' points (default: no limit)")
     args = parser.parse_args(argv)
+    args.budget_of = Budget(args.budget, args.tables)
     if args.quick:
         args.reps, args.warmup, args.preroll = min(args.reps, 3), min(args.warmup, 1), min(args.preroll, 2)
     device = setup(args)
@@ -537,6 +584,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("ratios: median over repetitions of time(A) / time(B) in the same round; ok = within target + A/A spread")
     for name in args.tables:
         globals()[f"table_{name}"](device, args)
+        args.budget_of.report(name)
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -2,7 +2,8 @@
 
 Fixtures: ``_reset_half_dtype`` and ``one_thread`` (every test); ``device`` (the device the device-dependent tests
 run on: ``cpu`` unless ``--device cuda`` or ``DLS_TEST_DEVICE=cuda`` asks for CUDA, which is then an error where there
-is none); ``fresh_accelerate_state`` (requested by name). Tests marked ``cuda`` need a GPU: they skip without one.
+is none); ``fresh_accelerate_state`` (requested by name). Tests marked ``cuda`` need a GPU: they skip without one. Tests
+that take the ``device`` fixture are marked ``device``: ``-m "cuda or device"`` selects what a GPU run concerns.
 Plain helpers, imported with ``from conftest import ...``:
 
 * tiny models and losses: ``tiny_model``, ``batch``, ``loss_of``; overflow injection: ``inject``; training loops:
@@ -94,6 +95,7 @@ def requested_device(option: str | None, env: Mapping[str, str], cuda_available:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_DEVICE_KEY] = requested_device(config.getoption("--device"), os.environ, torch.cuda.is_available())
+    config.addinivalue_line("markers", "device: the test takes the device fixture (marked by tests/conftest.py)")
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -102,7 +104,12 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"dls: device-dependent tests on {device}; CUDA device: {cuda}"
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects: `-m "cuda or device"` is every test a GPU run concerns
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        parametrized = getattr(getattr(item, "callspec", None), "params", {})  # a test's own `device` argument
+        if "device" in getattr(item, "fixturenames", ()) and "device" not in parametrized:
+            item.add_marker(pytest.mark.device)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")

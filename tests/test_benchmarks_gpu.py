@@ -1,5 +1,6 @@
-"""Smoke runs of the GPU benchmark scripts on the CPU (``--quick``): every table is built and printed, with its A/A
-row. No figure is checked (timings are the scripts' business, never a unit test's)."""
+"""The GPU benchmark scripts on the CPU (``--quick``): bench_gpu.py's budget, bench_fp8_gpu.py's tables. No figure is
+checked (timings are the scripts' business, never a unit test's). Every table of both, with its A/A row, is also
+printed by ``scripts/gpu-check --dry-run`` (tests/test_gpu_check.py)."""
 
 from __future__ import annotations
 
@@ -28,19 +29,31 @@ def script(name: str) -> Any:
         sys.path.remove(str(BENCHMARKS))
 
 
-@pytest.mark.slow
-def test_bench_gpu_quick_prints_every_table_with_an_aa_row(capsys: pytest.CaptureFixture[str]) -> None:
-    script("bench_gpu").main(["--quick", "--device", "cpu", "--reps", "2", "--warmup", "0", "--preroll", "1"])
+def test_bench_gpu_budget_runs_each_tables_first_point_and_names_those_left_out(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every table once through (all five, quick, are run by scripts/gpu-check's dry run: tests/test_gpu_check.py);
+    here the tables of several points, under a budget already spent."""
+    argv = ["--quick", "--device", "cpu", "--reps", "2", "--warmup", "0", "--budget", "0"]
+    script("bench_gpu").main([*argv, "--tables", "unscale", "clip", "overhead"])
     out = capsys.readouterr().out
-    for title in (
-        "1. unscale",
-        "2. unscale + global clip",
-        "3. a whole training step",
-        "4. host overhead",
-        "5. CUDA graphs",
-    ):
-        assert title in out
-    assert out.count("A/A  ") >= 5
+    assert "   budget: 2 of 3 points not run: float32 100k x100, float16 100k x10" in out
+    assert "   budget: 1 of 2 points not run: bfloat16 100k x100" in out
+    assert "   budget: 2 of 3 points not run: SGD fused, Adam fused" in out
+    for title in ("1. unscale", "2. unscale + global clip", "4. host overhead"):
+        lines = out.split(title)[1].split("\n\n")[0].splitlines()
+        assert len([line for line in lines if line.startswith(("float", "bfloat", "      SGD"))]) == 1
+        aa = next(i for i, line in enumerate(lines) if line.lstrip().startswith("A/A  "))  # from the one point run
+        assert lines[aa + 1].startswith("   budget: ")  # printed right under the table it concerns
+
+
+def test_bench_gpu_budget_shares_the_seconds_in_order() -> None:
+    bench_gpu = script("bench_gpu")
+    budget = bench_gpu.Budget(100.0, ["unscale", "step"])
+    start = min(budget.deadlines.values()) - 100.0 * 0.3 / 0.55
+    assert budget.deadlines["step"] - start == pytest.approx(100.0, abs=0.5)
+    assert bench_gpu.Budget(None, ["unscale"]).deadlines == {}
+    assert list(bench_gpu.Budget(None, ["clip"]).points("clip", [1, 2, 3])) == [1, 2, 3]
 
 
 @pytest.mark.slow

@@ -89,6 +89,16 @@ def test_the_device_fixture_is_the_requested_device(device: torch.device, pytest
     assert device == requested_device(option, os.environ, torch.cuda.is_available())
 
 
+def test_tests_on_the_device_fixture_are_marked_device(device: torch.device, request: pytest.FixtureRequest) -> None:
+    """``-m "cuda or device"`` (scripts/gpu-check) selects them."""
+    assert request.node.get_closest_marker("device") is not None
+
+
+@pytest.mark.parametrize("device", ["a test's own argument"])
+def test_a_parametrised_device_argument_is_not_marked_device(device: str, request: pytest.FixtureRequest) -> None:
+    assert request.node.get_closest_marker("device") is None
+
+
 # ---------------------------------------------------------------------------------------------- counting host syncs
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
