@@ -191,9 +191,10 @@ class Recorder:
         if self._rows is None or self._rows.device != device:
             self._flush_async()
             self._rows = torch.empty((self.flush_every, _COLUMNS), dtype=torch.float32, device=device)
+            self._nan = torch.full((), math.nan, device=device)
         groups = scaler._tracker.grads_of(self._optimizers(scaler))
-        amax, amax16 = _largest_magnitudes(groups, device)
-        values = [scale.float(), found_inf.to(device, torch.float32), amax, amax16]
+        amax, amax16 = _largest_magnitudes(groups, device, self._nan)
+        values = [scale, found_inf.to(device, torch.float32), amax, amax16]
         torch.stack(values, out=self._rows[self._row])
         if self._modules is not None:
             self._modules.end_step()
@@ -289,8 +290,10 @@ def _dls_version() -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- the statistics
-def _largest_magnitudes(groups: kernels.Groups, home: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The largest ``|g|`` over all gradients and over the float16 ones (NaN where none), float32 on ``home``:
+def _largest_magnitudes(
+    groups: kernels.Groups, home: torch.device, nan: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest ``|g|`` over all gradients and over the float16 ones (``nan`` where none), float32 on ``home``:
     one read pass on accelerators; on a CPU two reads and two in-place negations (exact: see the module
     docstring)."""
     found: list[torch.Tensor] = []
@@ -301,18 +304,17 @@ def _largest_magnitudes(groups: kernels.Groups, home: torch.device) -> tuple[tor
             if not grads:
                 continue
             if device.type == "cpu":
-                top = torch.stack(torch._foreach_max(grads)).max()
+                top = torch._foreach_max(grads)
                 torch._foreach_neg_(grads)
-                bottom = torch.stack(torch._foreach_max(grads)).max()
+                bottom = torch._foreach_max(grads)
                 torch._foreach_neg_(grads)
-                largest = torch.maximum(top, bottom).float()
+                largest = torch.stack(top + bottom).max().float()
             else:
                 largest = torch.stack(torch._foreach_norm(grads, math.inf)).max().float()
             largest = largest.to(home, non_blocking=True)
             found.append(largest)
             if dtype == torch.float16:
                 half.append(largest)
-    nan = torch.full((), math.nan, device=home)
     return (kernels.max_flag(found) if found else nan), (kernels.max_flag(half) if half else nan)
 
 

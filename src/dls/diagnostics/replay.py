@@ -317,49 +317,66 @@ def _steps(trace: Trace) -> tuple[list[_Step], list[list[tuple[int, int]]], list
     for segment in trace.segments:
         starts.append(len(out))
         complete = bool(segment.header.get("modules"))  # every tensor of backward measured (record(model=...))
-        previous: dict[str, Any] | None = None
-        previous_step: _Step | None = None
-        for row in segment.steps:
-            scale, overflow = float(row["scale"]), bool(row["overflow"])
-            modules = _finite_scales(row)
+        rows = segment.steps
+        steps: list[_Step | None] = []
+        for row in rows:  # the clean steps first: an overflow's estimate looks at its clean neighbours
             if isinstance(row.get("exponents"), dict):
                 exponents = row["exponents"]
                 low = int(exponents.get("min", 0))
                 histograms.append([(low + i, int(c)) for i, c in enumerate(exponents.get("counts") or []) if c])
-            if overflow:
-                step = _Step(int(row["step"]), scale, True, 0.0, scale, _overflow_estimate(
-                    scale, modules, previous, previous_step), len(histograms) - 1)  # fmt: skip
-            else:
-                bounds = [v for v in modules if v is not None]
-                amax, amax16 = row.get("grad_amax"), row.get("grad_amax_float16")
-                if isinstance(amax, (int, float)) and amax > 0:
-                    bounds.append(FLOAT32_MAX / amax)
-                if isinstance(amax16, (int, float)) and amax16 > 0:
-                    bounds.append(FLOAT16_MAX / amax16)
-                above = max(min(bounds), scale) if bounds else math.inf  # it was clean at its own scale
-                measured = complete and any(v is not None for v in modules)
-                step = _Step(int(row["step"]), scale, False, above if measured else scale, above, above,
-                             len(histograms) - 1)  # fmt: skip
+            steps.append(None if row["overflow"] else _clean_step(row, complete, len(histograms) - 1))
+        histogram = out[-1].histogram if out else -1
+        for i, row in enumerate(rows):
+            step = steps[i]
+            if step is None:
+                step = _Step(int(row["step"]), float(row["scale"]), True, 0.0, float(row["scale"]),
+                             _overflow_estimate(rows, steps, i), histogram)  # fmt: skip
+            histogram = step.histogram
             out.append(step)
-            previous, previous_step = row, step
     return out, histograms, starts
 
 
-def _overflow_estimate(
-    scale: float, modules: list[float | None], previous: dict[str, Any] | None, previous_step: _Step | None
-) -> float:
-    """The estimate of the scale above which an overflowing step overflows (it did at ``scale``). With the
-    previous step clean and measured: its own such scale, divided by how much larger the tensors measured in both
-    steps were in this one (a loss spike divides it, a step like the last leaves it). Else, an overflow right after
-    the recorded scale grew is a probe: no overflow at the previous, clean, scale. Else: at every scale."""
-    if previous is None or previous_step is None or previous_step.overflow:
+def _clean_step(row: dict[str, Any], complete: bool, histogram: int) -> _Step:
+    scale = float(row["scale"])
+    modules = _finite_scales(row)
+    bounds = [v for v in modules if v is not None]
+    amax, amax16 = row.get("grad_amax"), row.get("grad_amax_float16")
+    if isinstance(amax, (int, float)) and amax > 0:
+        bounds.append(FLOAT32_MAX / amax)
+    if isinstance(amax16, (int, float)) and amax16 > 0:
+        bounds.append(FLOAT16_MAX / amax16)
+    above = max(min(bounds), scale) if bounds else math.inf  # it was clean at its own scale
+    measured = complete and any(v is not None for v in modules)
+    return _Step(int(row["step"]), scale, False, above if measured else scale, above, above, histogram)
+
+
+def _overflow_estimate(rows: list[dict[str, Any]], steps: list[_Step | None], i: int) -> float:
+    """The estimate of the scale above which the overflowing step ``i`` overflows (it did at its scale). Its
+    reference is the step before it when that one is clean, else, when no step before it in the segment was clean
+    (a run starting above the scale its gradients allow), the first clean step after it. With both measured: the
+    reference's own overflow scale, divided by how much larger the tensors measured in both steps were in this one
+    (a loss spike divides it; a step like its neighbour leaves it; a step with nothing finite measured overflows
+    at every scale: its first tensor of backward overflowed already). Unmeasured: an overflow right after the scale
+    grew is a probe, no overflow at the previous, clean, scale; one at the start, none at the first clean scale.
+    Else: an overflow at every scale."""
+    scale = float(rows[i]["scale"])
+    if i and steps[i - 1] is not None:
+        reference = i - 1
+    elif all(step is None for step in steps[:i]):
+        reference = next((j for j in range(i + 1, len(steps)) if steps[j] is not None), -1)
+        if reference < 0:
+            return 0.0
+    else:
         return 0.0
-    before = _finite_scales(previous)
-    ratios = [b / a for a, b in zip(modules, before) if a is not None and b is not None]
-    if ratios and previous_step.clean_up_to > previous_step.scale:  # measured: clean_up_to is its overflow scale
-        return min(previous_step.clean_up_to / max(ratios), scale * 0.5)
-    if previous_step.scale < scale:
-        return previous_step.scale
+    known = steps[reference]
+    assert known is not None
+    before = _finite_scales(rows[reference])
+    ratios = [b / a for a, b in zip(_finite_scales(rows[i]), before) if a is not None and b is not None]
+    if known.clean_up_to > known.scale or (ratios and known.clean_up_to == known.scale):  # measured
+        # Nothing finite measured in this step: its backward overflowed from its first tensor on (a spike).
+        return min(known.clean_up_to / max(ratios), scale * 0.5) if ratios else 0.0
+    if reference > i or known.scale < scale:
+        return known.scale
     return 0.0
 
 
