@@ -32,11 +32,10 @@ allows, undecided steps), against two measurements:
 from __future__ import annotations
 
 import argparse
-import copy
 import io
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
