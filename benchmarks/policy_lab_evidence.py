@@ -45,7 +45,7 @@ from bench_scaler import print_table
 
 import dls
 from dls.diagnostics.record import read_trace
-from dls.diagnostics.replay import Replay, parse_policy, replay
+from dls.diagnostics.replaying import Replay, parse_policy, replay
 from dls.loss_scale import LossScale
 from dls.settings import ScalerSettings
 from dls.train import config, data

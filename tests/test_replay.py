@@ -1,4 +1,4 @@
-"""Replaying policies over a trace (``dls.diagnostics.replay``): the recorded policy reproduces the recorded run
+"""Replaying policies over a trace (``dls.diagnostics.replaying``): the recorded policy reproduces the recorded run
 exactly (the demo model, a small GPT with overflow bursts); on synthetic runs whose overflow scales are known, the
 bounds hold the truth and a decided trajectory is the truth; the policy table, its errors, tune, the config lines."""
 
@@ -16,7 +16,7 @@ import torch
 import dls
 from conftest import ReferenceRule
 from dls.diagnostics.record import Segment, Trace, read_trace
-from dls.diagnostics.replay import (
+from dls.diagnostics.replaying import (
     POLICIES,
     config_lines,
     parse_policy,

@@ -793,7 +793,7 @@ class GradScaler:
         """Write a trace of this scaler's rule steps into ``file`` (JSON lines, ``dls.diagnostics.record``): per
         ``update()`` the scale used, whether the step overflowed and the largest unscaled gradient magnitude; every
         ``histogram_every`` steps a histogram of the gradients' exponents; with ``model``, per module the scale at
-        which its backward tensors would overflow. ``dls replay`` / ``dls tune`` (``dls.diagnostics.replay``) run
+        which its backward tensors would overflow. ``dls replay`` / ``dls tune`` (``dls.diagnostics.replaying``) run
         every policy over it. Statistics stay on the device and are written every ``flush_every`` steps: no host
         synchronisation on any path. Returns the recorder; ``close()`` it (or use it as a context manager)."""
         from dls.diagnostics.record import Recorder

@@ -6,7 +6,7 @@ scale the step used, whether it overflowed, the largest magnitude of the unscale
 per module the scale at which the tensors flowing backward through that module would overflow their format
 (every tensor of backward that the module's forward pass produced: its outputs' gradients, and those inside it,
 such as the half-precision gradients of its weights under autocast).
-``dls.diagnostics.replay`` runs the scale rules of ``dls.policy`` over such a trace; ``dls replay`` and
+``dls.diagnostics.replaying`` runs the scale rules of ``dls.policy`` over such a trace; ``dls replay`` and
 ``dls tune`` are its command line.
 
 The file: JSON lines, because the library needs torch alone (Parquet needs pyarrow), because a line is complete

@@ -1,4 +1,4 @@
-"""``dls replay`` and ``dls tune``: the policy lab's command line (the work is ``dls.diagnostics.replay``'s).
+"""``dls replay`` and ``dls tune``: the policy lab's command line (the work is ``dls.diagnostics.replaying``'s).
 
 ``dls replay TRACE --policy torch --policy "cerebras:steps_per_increase=500"`` prints, per policy, the steps it
 would have skipped, its steps at the minimum scale, the underflow in the run's format and the undecided steps,
@@ -76,7 +76,7 @@ def _read(path: str) -> Any:
 
 
 def run_replay(args: argparse.Namespace) -> None:
-    from dls.diagnostics.replay import POLICIES, RECORDED, replay
+    from dls.diagnostics.replaying import POLICIES, RECORDED, replay
 
     trace = _read(args.trace)
     specs = args.policy or [RECORDED, *(name for name in POLICIES if name != "static")]
@@ -102,7 +102,7 @@ def run_replay(args: argparse.Namespace) -> None:
 
 
 def _buildable(spec: str, trace: Any) -> bool:
-    from dls.diagnostics.replay import parse_policy
+    from dls.diagnostics.replaying import parse_policy
 
     try:
         parse_policy(spec, trace)
@@ -223,7 +223,7 @@ def _write(path: Path, data: bytes) -> Path:
 
 
 def run_tune(args: argparse.Namespace) -> None:
-    from dls.diagnostics.replay import config_lines, tune
+    from dls.diagnostics.replaying import config_lines, tune
 
     trace = _read(args.trace)
     text = str(args.max_underflow).strip().lower()
@@ -257,7 +257,7 @@ def run_tune(args: argparse.Namespace) -> None:
 
 
 def _tune_text(trace: Any, result: Any, top: int) -> str:
-    from dls.diagnostics.replay import config_lines
+    from dls.diagnostics.replaying import config_lines
 
     limit = "no underflow limit" if result.max_underflow is None else f"underflow <= {result.max_underflow:g}"
     lines = [

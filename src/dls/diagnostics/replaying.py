@@ -112,8 +112,8 @@ def _deepspeed(v: dict[str, Any], half: str) -> ScalerSettings:
     build = getattr(ScalerSettings, "deepspeed", None)
     if build is None:
         raise ValueError(
-            "policy 'deepspeed' needs DeepSpeed's own growth timing (its first growth after window + 1 clean "
-            "steps), which this dls does not implement yet: no other rule is substituted for it"
+            "DeepSpeed's own growth timing (its first growth after window + 1 clean steps) is not in this dls yet, "
+            "and no other rule is substituted for it"
         )
     settings: ScalerSettings = build(loss_scale=0, **v)
     return settings
