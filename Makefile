@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # What each target needs: the demo the trainer alone; the tests every integration, the docs tools and dev tools.
 DEMO_EXTRAS := train
-TEST_EXTRAS := train,dev,docs,tensorboard,lightning,hf,modelzoo
+TEST_EXTRAS := train,dev,docs,tensorboard,lightning,hf,modelzoo,peers
 
 .PHONY: setup demo test lint docs docs-check serve-docs bench bench-gpu clean
 
@@ -19,7 +19,7 @@ $(VENV)/.installed-demo: pyproject.toml requirements/dev.txt | $(BIN)/python
 
 $(VENV)/.installed-test: pyproject.toml requirements/dev.txt | $(BIN)/python
 	@echo "Installing torch and dls[$(TEST_EXTRAS)] into $(VENV) (the first time takes a few minutes)..."
-	$(BIN)/pip install --quiet -c requirements/dev.txt -e ".[$(TEST_EXTRAS)]"
+	DS_BUILD_OPS=0 $(BIN)/pip install --quiet -c requirements/dev.txt -e ".[$(TEST_EXTRAS)]"  # DeepSpeed (peers): no compiled ops
 	touch $@
 
 setup: $(VENV)/.installed-test

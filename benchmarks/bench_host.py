@@ -116,8 +116,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     makers: dict[str, Callable[[], Any]] = {
         "torch.amp": lambda: torch.amp.GradScaler("cpu"),
         "dls (torch dialect)": lambda: dls.GradScaler("cpu"),
-        "dls (Cerebras dialect)": lambda: dls.GradScaler(),
-        "dls (hysteresis=2)": lambda: dls.GradScaler(hysteresis=2),
+        "dls (Cerebras dialect)": lambda: dls.GradScaler(loss_scale="dynamic"),
+        "dls (hysteresis=2)": lambda: dls.GradScaler(loss_scale="dynamic", hysteresis=2),
     }
     results = {
         "update": time_interleaved(makers, 1, args.reps, whole=False),
@@ -140,8 +140,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     device_side: dict[str, tuple[Callable[[], Any], Optimizer]] = {
         "torch.amp (fused Adam)": (lambda: torch.amp.GradScaler("cpu"), fused_adam),
         "dls torch (fused Adam)": (lambda: dls.GradScaler("cpu"), fused_adam),
-        "dls Cerebras (fused)": (lambda: dls.GradScaler(), fused_adam),
-        "dls hysteresis=2 (fused)": (lambda: dls.GradScaler(hysteresis=2), fused_adam),
+        "dls Cerebras (fused)": (lambda: dls.GradScaler(loss_scale="dynamic"), fused_adam),
+        "dls hysteresis=2 (fused)": (lambda: dls.GradScaler(loss_scale="dynamic", hysteresis=2), fused_adam),
         "dls hyst=2+tol (fused)": (lambda: dls.GradScaler(hysteresis=2, overflow_tolerance=0.25), fused_adam),
         "dls torch (sync_free)": (lambda: dls.GradScaler("cpu", sync_free=True), sgd),
         "dls hyst=2+tol (sync_free)": (

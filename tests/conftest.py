@@ -429,7 +429,7 @@ class ReferenceRule:
                 grown = np.float32(np.float64(np.float32(self.scale)) * r.growth_factor)
             if np.isfinite(grown):  # growth that would reach inf is dropped; the counters still reset
                 self.scale = float(grown)
-            self.steps = self.overflows = 0
+            self.steps, self.overflows = r.steps_after_growth, 0
             self.budget = r.hysteresis
             event = "growth"
         elif r.consecutive_hysteresis and not f:

@@ -33,7 +33,7 @@ def _fresh_dynamo() -> Any:
 def make(opt_kwargs: dict[str, Any] | None = None, **scaler_kwargs: Any) -> tuple[Any, Any, dls.GradScaler]:
     model = tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, **(opt_kwargs or {"momentum": 0.9}))
-    return model, opt, dls.GradScaler(**scaler_kwargs)
+    return model, opt, dls.GradScaler("dynamic", **scaler_kwargs)
 
 
 def backward(model: torch.nn.Module, scaler: dls.GradScaler, overflow: bool = False) -> None:

@@ -101,7 +101,7 @@ def test_loading_a_state_dict_is_a_no_op_like_torch() -> None:
             scaler.load_state_dict(d)
         assert scaler.get_scale() == 1.0 and scaler.state_dict() == {}
     dls.set_half_dtype("bfloat16")  # default scaler of bfloat16: mode off
-    bf16_off = dls.GradScaler()
+    bf16_off = dls.GradScaler(loss_scale=None)
     bf16_off.load_state_dict(sd)
     assert bf16_off.mode == "off" and bf16_off.state_dict() == {}
 

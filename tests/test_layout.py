@@ -42,7 +42,7 @@ def _files_entered(scaler: dls.GradScaler) -> set[str]:
 
 @pytest.mark.parametrize(
     "make",
-    [lambda: dls.GradScaler("cpu"), lambda: dls.GradScaler(), lambda: dls.GradScaler(hysteresis=2)],
+    [lambda: dls.GradScaler("cpu"), lambda: dls.GradScaler("dynamic"), lambda: dls.GradScaler("dynamic", hysteresis=2)],
     ids=["torch-dialect", "cerebras-dialect", "hysteresis"],
 )
 def test_a_step_enters_at_most_four_dls_files(make: Any) -> None:

@@ -1,8 +1,8 @@
 """The pure scale rule of ``dls.policy`` (its docstring is the rule) step by step against reference state machines:
 ``conftest.ReferenceRule`` (the docstring's pseudo-code in Python numbers) and the peers' own rules re-stated from
-their public sources (Megatron-LM ``DynamicGradScaler.update``, DeepSpeed ``DynamicLossScaler.update_scale`` with and
+their sources (Megatron-LM ``DynamicGradScaler.update``, DeepSpeed ``DynamicLossScaler.update_scale`` with and
 without ``consecutive_hysteresis``, cstorch.amp ``update_scale`` with tolerance 0 and > 0), on random and bursty
-overflow traces."""
+overflow traces: the fast property tests. The real packages are driven by tests/test_peers_*.py."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from dls.policy import DynamicRule, StaticRule, initial_state
 
 rules = st.builds(
     DynamicRule,
-    growth_interval=st.integers(1, 6),
+    growth_interval=st.integers(2, 6),
+    steps_after_growth=st.sampled_from([0, 0, 1]),
     growth_factor=st.sampled_from([2.0, 1.5, 4.0, 16.0]),
     backoff_factor=st.sampled_from([0.5, 0.25, 0.9]),
     overflow_tolerance=st.sampled_from([0.0, 0.1, 0.25, 0.5, 0.75]),
@@ -131,7 +132,8 @@ class DeepSpeed:
         else:
             if self.consecutive_hysteresis:
                 self.cur_hysteresis = self.delayed_shift
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+            stable_interval = (self.cur_iter - self.last_overflow_iter) - 1
+            if (stable_interval > 0) and (stable_interval % self.scale_window == 0):
                 if not self.consecutive_hysteresis:
                     self.cur_hysteresis = self.delayed_shift
                 self.cur_scale *= self.scale_factor
@@ -189,28 +191,27 @@ def test_hysteresis_is_megatrons(trace: list[bool], interval: int, hysteresis: i
 
 @settings(max_examples=60, deadline=None)
 @given(trace=traces, window=st.integers(1, 5), hysteresis=st.integers(1, 4), consecutive=st.booleans())
-def test_hysteresis_is_deepspeeds(trace: list[bool], window: int, hysteresis: int, consecutive: bool) -> None:
-    deepspeed = DeepSpeed(2.0**10, window, min_scale=1.0, delayed_shift=hysteresis, consecutive_hysteresis=consecutive)
-    for dialect in ("torch", "cerebras"):
-        # The same trajectory in both dialects: the Cerebras one names the window steps_per_increase + 1.
-        settings = dls.ScalerSettings.torch(2.0**10, growth_interval=window, min_loss_scale=1.0)
-        if dialect == "cerebras":
-            settings = dls.ScalerSettings.cerebras("dynamic", 2.0**10, max_loss_scale=3e38, min_loss_scale=1.0)
-            settings = settings.replace(steps_per_increase=max(window - 1, 1))
-            if window == 1:
-                continue  # steps_per_increase >= 1: a Cerebras-dialect scaler grows every second update at most
-        settings = settings.replace(hysteresis=hysteresis, consecutive_hysteresis=consecutive)
-        scaler = dls.GradScaler.from_settings(settings)
-        reference = DeepSpeed(2.0**10, window, 1.0, hysteresis, consecutive)
-        for i, overflow in enumerate(trace):
-            reference.update_scale(overflow)
-            sd = _through_the_scaler(scaler, overflow)
-            assert (sd["loss_scale"], sd["hysteresis_tracker"]) == (reference.cur_scale, reference.cur_hysteresis), (
-                dialect,
-                i,
-                trace,
-            )
-    del deepspeed
+def test_the_deepspeed_dialect_is_deepspeeds_rule(trace: list[bool], window: int, hysteresis: int, consecutive: bool):
+    reference = DeepSpeed(2.0**10, window, min_scale=1.0, delayed_shift=hysteresis, consecutive_hysteresis=consecutive)
+    settings = dls.ScalerSettings.deepspeed(
+        initial_scale_power=10, loss_scale_window=window, hysteresis=hysteresis, consecutive_hysteresis=consecutive
+    )
+    scaler = dls.GradScaler.from_settings(settings)
+    for i, overflow in enumerate(trace):
+        reference.update_scale(overflow)
+        sd = _through_the_scaler(scaler, overflow)
+        got = (sd["loss_scale"], sd["hysteresis_tracker"])
+        assert got == (reference.cur_scale, reference.cur_hysteresis), (i, trace)
+        clean = reference.cur_iter - reference.last_overflow_iter - 1  # DeepSpeed's count, before its next update
+        assert sd["steps_since_rescale"] == (0 if clean == 0 else (clean - 1) % window + 1), (i, trace)
+
+
+def test_deepspeeds_first_growth_needs_one_clean_step_more_than_the_later_ones() -> None:
+    config = {"enabled": True, "initial_scale_power": 0, "loss_scale_window": 3}
+    scaler = dls.GradScaler.from_deepspeed(config, device="cpu")
+    scales = [_through_the_scaler(scaler, overflow)["loss_scale"] for overflow in [False] * 7 + [True] + [False] * 4]
+    # Growth on the 4th clean update, then every 3rd; after the overflow (absorbed by hysteresis 2) the 4th again.
+    assert scales == [1, 1, 1, 2, 2, 2, 4, 4, 4, 4, 4, 8]
 
 
 @settings(max_examples=60, deadline=None)
@@ -339,6 +340,9 @@ def test_static_rule_counts_skips_only() -> None:
         ({"min_loss_scale": 0.0}, "min_loss_scale"),
         ({"max_loss_scale": float("inf")}, "max_loss_scale"),
         ({"min_loss_scale": 8.0, "max_loss_scale": 4.0}, "min_loss_scale"),
+        ({"steps_after_growth": 2, "growth_interval": 4}, "steps_after_growth"),
+        ({"steps_after_growth": 1, "growth_interval": 1}, "steps_after_growth"),
+        ({"growth_interval": 100.0}, "growth_interval must be an integer"),
     ],
 )
 def test_invalid_rule_settings(kwargs: dict[str, float], message: str) -> None:
@@ -348,7 +352,8 @@ def test_invalid_rule_settings(kwargs: dict[str, float], message: str) -> None:
 
 torch_rules = st.builds(
     DynamicRule,
-    growth_interval=st.integers(1, 6),
+    growth_interval=st.integers(2, 6),
+    steps_after_growth=st.sampled_from([0, 0, 1]),
     consecutive_hysteresis=st.booleans(),
     growth_factor=st.sampled_from([2.0, 4.0, 16.0, 1.5]),
     backoff_factor=st.sampled_from([0.5, 0.25, 0.9]),

@@ -98,11 +98,11 @@ class _Owner:
 
 
 def test_registered_state_travels_in_the_scalers_checkpoint() -> None:
-    scaler, owner = dls.GradScaler(), _Owner()
+    scaler, owner = dls.GradScaler("cpu"), _Owner()
     scaler.register_state("kept", owner)
     saved = scaler.state_dict()
     assert saved["kept"] == ["a"]
-    other, other_owner = dls.GradScaler(init_scale=4.0), _Owner()
+    other, other_owner = dls.GradScaler("cpu", init_scale=4.0), _Owner()
     other.register_state("kept", other_owner)
     with pytest.raises(ValueError, match="kept must be a list"):
         other.load_state_dict({**saved, "kept": "b"})
@@ -110,6 +110,6 @@ def test_registered_state_travels_in_the_scalers_checkpoint() -> None:
     other.load_state_dict({**saved, "kept": ["b"]})
     assert other_owner.value == ["b"] and other.get_scale() == scaler.get_scale()
     with pytest.raises(ValueError, match="unknown keys"):
-        dls.GradScaler().load_state_dict(saved)  # nobody registered "kept"
+        dls.GradScaler("cpu").load_state_dict(saved)  # nobody registered "kept"
     with pytest.raises(ValueError, match="new state dict key"):
         scaler.register_state("loss_scale", owner)

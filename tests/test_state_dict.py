@@ -188,7 +188,9 @@ def test_a_partial_state_dict_keeps_the_missing_values_and_an_empty_one_is_an_er
         ({"num_skipped_steps": math.inf}, "num_skipped_steps"),
         ({"overflows_since_rescale": math.nan}, "overflows_since_rescale"),
         ({"hysteresis_hits": True}, "hysteresis_hits"),
-        ({"hysteresis_tracker": -1}, "hysteresis_tracker"),
+        ({"hysteresis_tracker": 2**31}, "hysteresis_tracker"),
+        ({"hysteresis_tracker": -(2**63) - 1}, "hysteresis_tracker"),
+        ({"hysteresis_tracker": 1.5}, "hysteresis_tracker"),
         ({"format_version": 3}, "format_version.*newer dls"),
         ({"format_version": "2"}, "format_version"),
         ({"loss_scale": math.nan}, "loss_scale"),
@@ -199,12 +201,18 @@ def test_a_partial_state_dict_keeps_the_missing_values_and_an_empty_one_is_an_er
         ({"growth_factor": 0.5}, "growth_factor"),
         ({"scale": 4.0}, "scale"),  # disagrees with loss_scale
         ({"_growth_tracker": 3}, "_growth_tracker"),  # disagrees with steps_since_rescale
+        ({"growth_tracker": 3}, "growth_tracker"),  # Megatron's name: disagrees with steps_since_rescale
+        # A value no scaler could hold is named as such, not as two keys that disagree (NaN != NaN).
+        ({"scale": math.nan, "loss_scale": math.nan}, r"scale'\] must be a positive finite number; got nan$"),
+        ({"_growth_tracker": -1, "steps_since_rescale": -1}, r"'\] must be an integer from 0 to 2\*\*31 - 1; got -1$"),
+        ({"los_scale": 3}, "unknown keys.*did you mean 'loss_scale'"),
+        ({"cur_scale": 4.0}, "DeepSpeed's loss scaler attributes"),
         ({"loss_scale": torch.ones(2)}, "loss_scale"),
         ({"bogus": 1}, "unknown keys.*bogus"),
     ],
 )
 def test_bad_values_are_errors_naming_the_key_and_change_nothing(changes: dict[str, Any], key: str) -> None:
-    saved = dls.GradScaler(init_scale=8.0).state_dict()
+    saved = dls.GradScaler("dynamic", init_scale=8.0).state_dict()
     target = dls.GradScaler(init_scale=2.0, steps_per_increase=5)
     before = target.state_dict()
     with pytest.raises(ValueError, match=key):

@@ -138,7 +138,7 @@ def test_torch_scaling_case_final_scale_and_control_run() -> None:
 def test_autocast_float16_training_on_cpu_reduces_the_loss() -> None:
     model = tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = dls.GradScaler()
+    scaler = dls.GradScaler("cpu")
     losses = []
     for i in range(30):
         with torch.autocast("cpu", dtype=torch.float16):
@@ -340,7 +340,7 @@ def test_fused_optimizer_through_dls_equals_torch_amp(case: str) -> None:
 def test_fused_optimizer_step_folds_unscaling_into_the_kernel(name: str) -> None:
     model = tiny_model()
     opt = getattr(torch.optim, name)(model.parameters(), lr=0.05, fused=True)
-    scaler = dls.GradScaler()
+    scaler = dls.GradScaler("cpu")
     scaler.scale(loss_of(model)).backward()
     with OpLog([p.grad for p in model.parameters() if p.grad is not None]) as log:
         scaler.step(opt)
@@ -387,7 +387,7 @@ def test_fused_sgd_momentum_first_step_overflow_is_a_clean_skip() -> None:
         model = tiny_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True)
         # Powers of two scale exactly: a run that skipped step 0 (and backed off) equals a run without step 0.
-        scaler = dls.GradScaler(init_scale=2.0**15 if overflow_first else 2.0**14)
+        scaler = dls.GradScaler("cpu", init_scale=2.0**15 if overflow_first else 2.0**14)
         for step in range(0 if overflow_first else 1, 3):
             scaler.scale(loss_of(model, step)).backward()
             if step == 0:
@@ -503,6 +503,10 @@ def test_optimizer_step_validates_before_running(kwargs: dict[str, Any], message
         dls.optimizer_step(loss_of(model, 0), opt, torch.amp.GradScaler("cpu"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="optimizer"):
         dls.optimizer_step(loss_of(model, 0), model, scaler)  # type: ignore[arg-type]
+    for not_an_optimizer in (5, None, "adam", [], [opt, 5]):  # a non-iterable was a bare TypeError
+        with pytest.raises(ValueError, match=r"^optimizer must be a torch\.optim\.Optimizer or a non-empty list"):
+            dls.optimizer_step(loss_of(model, 0), not_an_optimizer, scaler)  # type: ignore[arg-type]
+    assert all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.parametrize("started", ["unscale_", "clip", "step"])

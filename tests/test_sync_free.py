@@ -92,7 +92,7 @@ def test_scale_unscale_clip_update_read_nothing_back(device: torch.device) -> No
 def test_update_with_a_tensor_new_scale_reads_nothing_back(device: torch.device) -> None:
     model = tiny_model(device=device)
     opt = make_optimizer("SGD", model)
-    scaler = dls.GradScaler()
+    scaler = dls.GradScaler("dynamic")
     scaler.scale(loss_of(model, 0)).backward()
     scaler.unscale_(opt)
     new_scale = torch.tensor(128.0, device=device)
@@ -171,7 +171,7 @@ def test_default_step_reads_one_flag_per_optimizer(clip: float | None, n_optimiz
 def test_sync_free_with_a_fused_optimizer_uses_the_fused_path(device: torch.device) -> None:
     model = tiny_model(device=device)
     opt = make_optimizer("Adam", model, fused=True)
-    scaler = dls.GradScaler(sync_free=True)
+    scaler = dls.GradScaler("dynamic", sync_free=True)
     scaler.scale(loss_of(model, 0)).backward()
     scaler.step(opt)  # the first step is decided on the host
     scaler.update()

@@ -73,7 +73,7 @@ def exact_clip(params: list[Any], max_norm: float, scale: float = SCALE) -> list
 
 
 def scaler(**kwargs: Any) -> dls.GradScaler:
-    return dls.GradScaler(init_scale=SCALE, **kwargs)
+    return dls.GradScaler("dynamic", init_scale=SCALE, **kwargs)
 
 
 def assert_close_fp32(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:

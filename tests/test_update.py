@@ -59,28 +59,46 @@ def test_hysteresis_and_tolerance_through_the_scaler_follow_the_reference_rule(c
     assert scaler.get_num_skipped_steps() == sum(flags)
 
 
+CEREBRAS = dls.ScalerSettings.cerebras
+
+
 @pytest.mark.parametrize(
-    ("cfg", "most"),
+    ("settings", "most"),
     [
-        ({}, 5),
-        ({"hysteresis": 2}, 14),
-        ({"overflow_tolerance": 0.25}, 12),
-        ({"hysteresis": 2, "overflow_tolerance": 0.25, "consecutive_hysteresis": True}, 21),
+        (CEREBRAS("dynamic"), 5),
+        (CEREBRAS("dynamic", hysteresis=2), 14),
+        (CEREBRAS("dynamic", overflow_tolerance=0.25), 12),
+        (CEREBRAS("dynamic", hysteresis=2, overflow_tolerance=0.25, consecutive_hysteresis=True), 21),
+        (dls.ScalerSettings.deepspeed(hysteresis=1), 8),
+        (dls.ScalerSettings.deepspeed(), 15),
     ],
-    ids=["cerebras", "hysteresis", "tolerance", "all"],
+    ids=["cerebras", "hysteresis", "tolerance", "all", "deepspeed-timing", "deepspeed"],
 )
-def test_an_update_the_host_cannot_decide_runs_a_few_device_ops(cfg: dict[str, Any], most: int) -> None:
+def test_an_update_the_host_cannot_decide_runs_a_few_device_ops(settings: dls.ScalerSettings, most: int) -> None:
     """On the sync-free path update() does not know the flag: the whole rule runs on the device, where each op is
     a kernel launch (``DynamicRule.update_``: torch's fused kernel and a few masks around it)."""
     p, opt = one_parameter()
-    scaler = dls.GradScaler(sync_free=True, **cfg)
+    scaler = dls.GradScaler.from_settings(settings, sync_free=True)
     for overflow in (False, True, False, True):  # the first step is decided on the host
         scaler.scale(p.sum() * (INF if overflow else 1.0)).backward()
         scaler.step(opt)
         with OpLog() as log:
             scaler.update()
         opt.zero_grad()
-    assert len(log.ops) <= most, log.names()
+    assert "_amp_update_scale_" in log.names() and len(log.ops) <= most, log.names()
+
+
+def test_an_update_the_host_decided_runs_torchs_kernel_alone_after_a_clean_step() -> None:
+    """The host knows a clean step's flag: torch's rule is its fused kernel alone; DeepSpeed's timing adds the
+    restart of its count after a growth (two ops)."""
+    for settings, most in ((dls.ScalerSettings.torch(), 1), (dls.ScalerSettings.deepspeed(hysteresis=1), 3)):
+        p, opt = one_parameter()
+        scaler = dls.GradScaler.from_settings(settings, device="cpu")
+        scaler.scale(p.sum()).backward()
+        scaler.step(opt)
+        with OpLog() as log:
+            scaler.update()
+        assert "_amp_update_scale_" in log.names() and len(log.ops) <= most, log.names()
 
 
 def test_growth_at_max_scale_stays_at_max_and_resets_counters() -> None:
@@ -241,12 +259,26 @@ def test_a_bad_float_new_scale_raises_and_changes_nothing(bad: float) -> None:
     assert scaler.get_scale() == 8.0
 
 
-@pytest.mark.parametrize("bad", [torch.ones(2), torch.ones(1, requires_grad=True), torch.ones(1, dtype=torch.int64)])
-def test_a_tensor_new_scale_that_is_not_one_float_without_grad_raises(bad: torch.Tensor) -> None:
+@pytest.mark.parametrize(
+    "bad",
+    [
+        torch.ones(2),
+        torch.ones(1, requires_grad=True),
+        torch.ones(1, dtype=torch.bool),
+        torch.ones(1, dtype=torch.complex64),
+    ],
+)
+def test_a_tensor_new_scale_that_is_not_one_real_number_without_grad_raises(bad: torch.Tensor) -> None:
     scaler = dls.GradScaler("dynamic", init_scale=8.0)
-    with pytest.raises(ValueError, match="new_scale"):
+    with pytest.raises(ValueError, match=r"^new_scale must be a number or a 1-element real tensor"):
         scaler.update(bad)
     assert scaler.get_scale() == 8.0
+
+
+def test_an_integer_tensor_new_scale_is_a_number() -> None:
+    scaler = dls.GradScaler("dynamic", init_scale=8.0)
+    scaler.update(torch.tensor(4))
+    assert scaler.get_scale() == 4.0
 
 
 @pytest.mark.parametrize("bad", [NAN, 0.0, -4.0, INF, 1e-300, 1e-40])

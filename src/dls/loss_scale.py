@@ -202,9 +202,9 @@ class LossScale:
                 raise ValueError(problem)
             self.at_least = float(new_scale)
             return torch.tensor(float(new_scale), device=self.device)
-        if new_scale.numel() != 1 or new_scale.requires_grad or not new_scale.is_floating_point():
+        if new_scale.numel() != 1 or new_scale.requires_grad or new_scale.dtype == torch.bool or new_scale.is_complex():
             raise ValueError(
-                "new_scale must be a float or a 1-element floating-point tensor without grad; "
+                "new_scale must be a number or a 1-element real tensor without grad; "
                 f"got a tensor of shape {tuple(new_scale.shape)} and dtype {new_scale.dtype}"
             )
         value = new_scale.detach().reshape(()).to(device=self.device, dtype=torch.float32)

@@ -7,10 +7,11 @@ The dynamic rule, once per ``update()``, with ``f = 1`` if any gradient of the i
         steps = overflows = 0                                  # ...resets the growth count
         if budget == 1: scale *= backoff_factor                # budget spent: back off, now and on every
         else:           budget -= 1                            #   further overflow until the next growth
-    elif steps >= growth_interval:                             # torch: growth_interval clean steps;
-        if isfinite(scale * growth_factor):                    #   Cerebras: steps_per_increase + 1 updates
+    elif steps >= growth_interval:                             # see the growth timing below
+        if isfinite(scale * growth_factor):
             scale *= growth_factor                             # growth that would reach inf is dropped...
-        steps = overflows = 0;  budget = hysteresis            # ...but still refills the budget
+        steps = steps_after_growth;  overflows = 0             # ...but still restarts the count
+        budget = hysteresis                                    #   and refills the budget
     elif consecutive_hysteresis and not f:
         budget = hysteresis                                    # DeepSpeed's consecutive_hysteresis
     non_clamped = min(scale, max_loss_scale);  scale = max(non_clamped, min_loss_scale)
@@ -18,11 +19,21 @@ The dynamic rule, once per ``update()``, with ``f = 1`` if any gradient of the i
 ``budget`` is Megatron-LM's ``hysteresis_tracker`` (DeepSpeed's ``cur_hysteresis``), starting at ``hysteresis``:
 with ``hysteresis=1`` every counted overflow backs off. Overflows within ``overflow_tolerance`` (cstorch.amp's
 fraction of overflowing updates since the last rescale) neither spend the budget nor reset the counts. Products
-are computed in float64 and rounded once to float32: torch's own kernel computes them. ``growth_interval`` is
-``steps_per_increase`` in the torch dialect (torch.amp grows on the interval-th clean step) and
-``steps_per_increase + 1`` in the Cerebras dialect (cstorch.amp grows when ``steps_since_rescale >
-steps_per_increase``): the dialect picks it (``ScalerSettings.growth_interval``). With ``hysteresis=1`` and no
-tolerance this is torch.amp's rule plus the clamps.
+are computed in float64 and rounded once to float32: torch's own kernel computes them.
+
+The growth timing is each peer's own, set by the dialect (``ScalerSettings.growth_interval`` and ``rule()``):
+
+* torch.amp and Megatron-LM grow on the interval-th clean step after the last rescale: ``growth_interval`` is the
+  interval, ``steps_after_growth = 0``;
+* cstorch.amp grows when ``steps_since_rescale > steps_per_increase``: ``growth_interval = steps_per_increase + 1``,
+  ``steps_after_growth = 0``;
+* DeepSpeed's ``DynamicLossScaler`` grows when ``cur_iter - last_overflow_iter - 1`` (clean updates since the last
+  overflow, or since the start, before this one) is a positive multiple of ``scale_window``: its first growth
+  comes on the ``(scale_window + 1)``-th clean update, later ones every ``scale_window``, since a growth does not
+  restart its count. Here ``growth_interval = scale_window + 1`` and ``steps_after_growth = 1``: ``steps`` is then
+  that count of DeepSpeed's, taken modulo the window into ``1..scale_window`` once it is positive.
+
+With ``hysteresis=1``, no tolerance and torch's timing this is torch.amp's rule plus the clamps.
 
 ``ScaleState`` is immutable; ``update_`` writes into long-lived buffers so CUDA graphs that captured them see the
 new values.
@@ -72,12 +83,28 @@ def assign_(state: ScaleState, new: ScaleState) -> None:
 
 # Validators shared by the rules, dls.settings and the trainer's config: each returns None when ``value`` is
 # allowed, else a message that names ``name`` and says what is allowed.
-def _real(value: object) -> float | None:
-    """``value`` as a float when it is a real number (not a bool) that a float can hold, else ``None``."""
+def python_number(value: object) -> int | float | None:
+    """The Python ``int`` or ``float`` that ``value`` stands for: itself, a NumPy scalar or 0-dim array, or a 0-dim
+    tensor of a real dtype (as torch.amp takes them); ``None`` for anything else. A bool is a flag, never a number,
+    and so are NumPy's and torch's bools."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex() or value.is_meta:
+            return None
+        value = value.item()
+    elif type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+        value = value.item()  # type: ignore[attr-defined]  # NumPy scalars and 0-dim arrays: a Python number
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
+    return value
+
+
+def _real(value: object) -> float | None:
+    """``value`` as a float when it is a real number (``python_number``) that a float can hold, else ``None``."""
+    number = python_number(value)
+    if number is None:
+        return None
     try:
-        return float(value)
+        return float(number)
     except OverflowError:  # an int beyond float's range
         return None
 
@@ -101,11 +128,17 @@ def factor_problem(name: str, value: object, above_one: bool) -> str | None:
 
 
 def count_problem(name: str, value: object, maximum: int = INT32_MAX) -> str | None:
-    """A positive integer that fits the int32 counters it is compared with."""
-    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= maximum:
+    """A count (a growth interval, a hysteresis) is a positive integer — a Python int, a NumPy integer or a 0-dim
+    integer tensor, never a float such as ``100.0`` — that fits the int32 counters it is compared with. The one
+    statement of this rule: the scaler's arguments and the trainer's config both use it."""
+    number = python_number(value)
+    if isinstance(number, int) and 1 <= number <= maximum:
         return None
     limit = "2**31 - 1" if maximum == INT32_MAX else f"2**31 - {INT32_MAX + 1 - maximum}"
-    return f"{name} must be an integer from 1 to {limit} (the counters are int32, as torch's); got {value!r}"
+    return (
+        f"{name} must be an integer from 1 to {limit} (a count: an int, not a float such as 100.0; the counters "
+        f"are int32, as torch's); got {value!r}"
+    )
 
 
 def flag_problem(name: str, value: object) -> str | None:
@@ -161,10 +194,14 @@ class DynamicRule:
     consecutive_hysteresis: bool = False
     min_loss_scale: float = 2.0**-14
     max_loss_scale: float = 2.0**15
+    steps_after_growth: int = 0  # DeepSpeed's timing: 1 (see the module docstring)
 
     def __post_init__(self) -> None:
         _raise_first(
             count_problem("growth_interval", self.growth_interval),
+            None
+            if self.steps_after_growth in (0, 1) and self.steps_after_growth < self.growth_interval
+            else f"steps_after_growth must be 0, or 1 with a growth_interval above 1; got {self.steps_after_growth!r}",
             count_problem("hysteresis", self.hysteresis),
             flag_problem("consecutive_hysteresis", self.consecutive_hysteresis),
             factor_problem("growth_factor", self.growth_factor, above_one=True),
@@ -191,16 +228,17 @@ class DynamicRule:
         back off and reset the count on an overflow, else count, and grow at the interval unless the product would
         be inf, resetting the count either way). The kernel is told only of counted overflows; a counted overflow
         the budget absorbs gets its scale back. Device ops with ``saturate=False`` (2 more with it): 5 for torch's
-        rule, 14 with hysteresis, 12 with tolerance, 21 with both and ``consecutive_hysteresis``
-        (tests/test_update.py counts them).
+        rule, 14 with hysteresis, 12 with tolerance, 21 with both and ``consecutive_hysteresis``, 8 with DeepSpeed's
+        timing and 16 with its hysteresis (tests/test_update.py counts them).
 
         ``steps_since_rescale`` must be below ``growth_interval`` (the caller clamps it when it loads a state or
         shortens the interval), as after every update: the kernel grows at ``==``. ``count_skip=False`` leaves
         ``num_skipped_steps`` to the caller.
         """
         s, hysteresis, tolerance = state, self.hysteresis > 1, self.overflow_tolerance > 0
+        after = self.steps_after_growth
         # As a mask, where something below needs one (torch's rule without the skip count: nothing does).
-        overflow = found_inf > 0 if count_skip or hysteresis or tolerance else found_inf
+        overflow = found_inf > 0 if count_skip or hysteresis or tolerance or after else found_inf
         counted_inf = found_inf  # what the kernel backs off on: counted overflows only
         if tolerance:
             s.overflows_since_rescale.add_(overflow)
@@ -208,8 +246,9 @@ class DynamicRule:
             counted_inf = found_inf * (
                 s.overflows_since_rescale / (s.steps_since_rescale + 1) > self.overflow_tolerance
             )
-        if hysteresis:
+        if hysteresis or after:
             counted = counted_inf > 0 if tolerance else overflow
+        if hysteresis:
             absorbed = counted & (s.hysteresis_tracker > 1)  # the budget pays: no back-off
             before = s.loss_scale.clone()
         torch._amp_update_scale_(
@@ -221,13 +260,18 @@ class DynamicRule:
             self.growth_interval,
         )
         scale = s.loss_scale
-        if hysteresis or tolerance:
+        if hysteresis or tolerance or after:
             reset = s.steps_since_rescale == 0  # the kernel resets the count on a counted overflow or a growth
+        if tolerance:
             s.overflows_since_rescale.masked_fill_(reset, 0)
+        if hysteresis or after:
+            grew = reset > counted  # a growth event (reset & ~counted)
+        if after:
+            s.steps_since_rescale.add_(grew, alpha=after)
         if hysteresis:
             scale = torch.where(absorbed, before, scale)
             s.hysteresis_tracker.add_(absorbed, alpha=-1)  # sub_ refuses a bool
-            refill = reset > counted  # a growth event (reset & ~counted)
+            refill = grew
             if self.consecutive_hysteresis:
                 refill = refill >= overflow  # DeepSpeed: also after a clean step (refill | ~overflow)
             s.hysteresis_tracker.masked_fill_(refill, self.hysteresis)
@@ -240,8 +284,9 @@ class DynamicRule:
         """``update_`` when the host knows the flag's value (``overflow``) and the scale is within its bounds,
         without counting the skip (the caller counts it on the host). After a clean step every rule is torch's
         kernel (``steps + 1``, growth at the interval, dropped if it would reach inf, the count reset either way)
-        plus the budget refill where the count was reset, and a max clamp only when ``max_loss_scale`` is below
-        float32's max; ``non_clamped_scale`` is then left stale (it equals ``loss_scale``)."""
+        plus the budget refill where the count was reset (and DeepSpeed's count set to 1 there), and a max clamp
+        only when ``max_loss_scale`` is below float32's max; ``non_clamped_scale`` is then left stale (it equals
+        ``loss_scale``)."""
         if overflow:
             self.update_(state, found_inf, count_skip=False)
             return
@@ -255,12 +300,15 @@ class DynamicRule:
         )
         if self.hysteresis > 1 and self.consecutive_hysteresis:
             state.hysteresis_tracker.fill_(self.hysteresis)
-        if (self.hysteresis > 1 and not self.consecutive_hysteresis) or self.overflow_tolerance > 0:
+        refill = self.hysteresis > 1 and not self.consecutive_hysteresis
+        if refill or self.overflow_tolerance > 0 or self.steps_after_growth:
             grew = state.steps_since_rescale == 0  # the kernel resets the count exactly on a growth event
-            if self.hysteresis > 1 and not self.consecutive_hysteresis:
+            if refill:
                 state.hysteresis_tracker.masked_fill_(grew, self.hysteresis)
             if self.overflow_tolerance > 0:
                 state.overflows_since_rescale.masked_fill_(grew, 0)
+            if self.steps_after_growth:
+                state.steps_since_rescale.add_(grew, alpha=self.steps_after_growth)
         if self.max_loss_scale < FLOAT32_MAX:
             state.loss_scale.clamp_(max=self.max_loss_scale)
 

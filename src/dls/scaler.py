@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -32,9 +33,9 @@ import torch.distributed as dist
 from dls import distributed, kernels, sync_free
 from dls.arguments import device_kind, is_available, parse_device, read_arguments
 from dls.loss_scale import LossScale
-from dls.policy import count_problem, flag_problem, limit_problem
+from dls.policy import count_problem, flag_problem, limit_problem, python_number
 from dls.scaler_state import STATE_KEYS, TORCH_KEYS, parse_state_dict, to_state_dict
-from dls.settings import DEFAULT_STEPS_PER_INCREASE, TORCH_INIT_SCALE, ScalerSettings
+from dls.settings import DEFAULT_STEPS_PER_INCREASE, GROWTH_OFFSET, TORCH_INIT_SCALE, ScalerSettings, interval_name
 
 if TYPE_CHECKING:
     from dls.diagnostics.record import Recorder
@@ -237,22 +238,29 @@ _T = TypeVar("_T")
 class GradScaler:
     """Scales the loss so half-precision gradients neither underflow nor overflow, and skips overflowing steps.
 
-    Two dialects, chosen by whether a device is given (see ``dls.settings`` for every default):
+    Two dialects, chosen by the arguments given (``dls.arguments``; every default: ``dls.settings``):
 
-    * ``GradScaler("cuda", init_scale=2.**16, growth_factor=2., backoff_factor=.5, growth_interval=2000,
+    * ``GradScaler(device="cuda", init_scale=2.**16, growth_factor=2., backoff_factor=.5, growth_interval=2000,
       enabled=True)`` — torch.amp's signature and defaults: a ``torch.amp.GradScaler`` line swapped verbatim trains
-      bit-identically. ``device=`` selects it too.
+      bit-identically. A device (first, or ``device=``) selects it, and so does a call without a Cerebras-only
+      argument: ``GradScaler()`` is torch's ``GradScaler()``, on ``"cuda"`` (without CUDA: a warning and a
+      disabled scaler, as in torch).
     * ``GradScaler(loss_scale=None, init_scale=None, steps_per_increase=None, min_loss_scale=None,
       max_loss_scale=None, overflow_tolerance=0.0, max_gradient_norm=None)`` — cstorch.amp's signature and
-      defaults. Note the positional difference: ``GradScaler(65536.)`` is a *static* scale of 65536.
+      defaults, selected by any of those Cerebras-only arguments (``init_scale`` is torch's too) or a first
+      positional argument that is not a device. Note the positional difference: ``GradScaler(65536.)`` is a
+      *static* scale of 65536.
+
+    DeepSpeed's and Megatron-LM's scalers have their own constructors: ``from_deepspeed`` and ``from_megatron``.
 
     Args (both dialects accept every knob by keyword):
         loss_scale: ``"dynamic"``, a number (a static scale: fixed, overflowing steps still skipped), or ``None``
             (Cerebras dialect: dynamic for float16 and cbfloat16, no scaling for bfloat16).
         init_scale: the first dynamic scale. Above the default ``max_loss_scale`` it raises the maximum.
-        steps_per_increase / growth_interval: when the scale grows. The dialect picks the rule, not the name: the
-            torch dialect grows on the interval-th clean step (torch.amp), the Cerebras dialect when more than
-            ``steps_per_increase`` updates passed since the last rescale (cstorch.amp); see ``dls.policy``.
+        steps_per_increase / growth_interval: when the scale grows (an integer). The dialect picks the rule, not
+            the name: the torch dialect grows on the interval-th clean step (torch.amp), the Cerebras dialect when
+            more than ``steps_per_increase`` updates passed since the last rescale (cstorch.amp); see
+            ``dls.policy``.
         min_loss_scale, max_loss_scale: bounds of the dynamic scale (normal float32 numbers).
         overflow_tolerance: fraction of overflowing steps since the last rescale tolerated before backing off.
         max_gradient_norm: if set, ``step`` also clips all gradients to this global L2 norm (after unscaling).
@@ -270,16 +278,19 @@ class GradScaler:
         gradients_sharded: whether each rank holds a disjoint slice of the gradients, so the global norm for
             ``max_gradient_norm`` sums squared norms across ranks. ``None`` (default): ``DTensor`` gradients
             (FSDP2, tensor parallel) by their placements, plain gradients as replicated (DDP).
-        device: where the scale lives before the first ``scale()`` (after that it follows the loss). A CUDA device
-            on a machine without CUDA disables the scaler with a warning, as torch does.
+        device: where the scale lives before the first ``scale()`` (after that it follows the loss): a CPU or CUDA
+            device. A CUDA device on a machine without CUDA disables the scaler with a warning, as torch does.
 
-    Bad arguments raise ``ValueError`` naming the argument (``dls.settings.SettingsError`` lists every problem).
+    A number may be a Python number, a NumPy scalar or 0-dim array, or a 0-dim tensor; a count
+    (``growth_interval``, ``hysteresis``) must be an integer. Bad arguments raise ``ValueError`` naming the
+    argument (``dls.settings.SettingsError`` lists every problem).
     """
 
+    # The two signatures, as dls.arguments declares them (tests/test_settings.py compares them).
     @overload
     def __init__(
         self,
-        device: str | torch.device,
+        device: str | torch.device = "cuda",
         init_scale: float = TORCH_INIT_SCALE,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
@@ -294,6 +305,7 @@ class GradScaler:
         consecutive_hysteresis: bool = False,
         max_gradient_norm: float | None = None,
         half_dtype: str | torch.dtype | None = None,
+        steps_per_increase: int | None = None,
         sync_free: bool = False,
         process_group: Any = None,
         gradients_sharded: bool | None = None,
@@ -317,6 +329,7 @@ class GradScaler:
         half_dtype: str | torch.dtype | None = None,
         growth_interval: int | None = None,
         consecutive_hysteresis: bool = False,
+        device: str | torch.device | None = None,
         sync_free: bool = False,
         process_group: Any = None,
         gradients_sharded: bool | None = None,
@@ -351,6 +364,52 @@ class GradScaler:
         )
         return scaler
 
+    @classmethod
+    def from_deepspeed(cls, fp16_config: dict[str, Any], device: str | torch.device = "cuda") -> GradScaler:
+        """A scaler that follows DeepSpeed's ``DynamicLossScaler`` step by step (its scale, its skip decisions, its
+        growth timing: ``dls.policy``), built from the ``fp16`` section of a DeepSpeed config as written in
+        ds_config.json (``json.load(f)["fp16"]``).
+
+        ``loss_scale`` 0 is dynamic scaling (a positive number: a static scale), from ``2**initial_scale_power``;
+        ``loss_scale_window``, ``hysteresis``, ``consecutive_hysteresis`` and ``min_loss_scale`` are DeepSpeed's.
+        Missing keys take DeepSpeed's defaults (``enabled`` is ``False`` there: a disabled scaler, as DeepSpeed
+        would not scale); ``auto_cast`` and ``fp16_master_weights_and_grads`` configure DeepSpeed's engine and are
+        named in a warning; an unknown key is an error naming it. Differences: no error at the minimum scale (dls
+        keeps skipping overflowing steps) and no growth past float32's largest power of two.
+        ``load_state_dict(vars(loss_scaler))`` continues a DeepSpeed run (``dls.scaler_state``).
+        """
+        from dls.arguments import read_deepspeed
+
+        settings, enabled = read_deepspeed(fp16_config)
+        return cls.from_settings(settings, enabled=enabled, device=device)
+
+    @classmethod
+    def from_megatron(
+        cls,
+        device: str | torch.device = "cuda",
+        *,
+        initial_scale: float,
+        min_scale: float,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+    ) -> GradScaler:
+        """A scaler that follows Megatron-LM's ``DynamicGradScaler(initial_scale, min_scale, growth_factor,
+        backoff_factor, growth_interval, hysteresis)`` step by step, from its own arguments (the last four default
+        to Megatron's command-line defaults). One difference: Megatron multiplies without a finite check, so its
+        scale can grow to inf and then skip every step; dls drops a growth that would reach inf.
+        ``load_state_dict`` takes ``DynamicGradScaler.state_dict()`` as saved (``dls.scaler_state``)."""
+        settings = ScalerSettings.megatron(
+            initial_scale=initial_scale,
+            min_scale=min_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+        )
+        return cls.from_settings(settings, device=device)
+
     def _setup(
         self,
         settings: ScalerSettings,
@@ -367,11 +426,12 @@ class GradScaler:
         if gradients_sharded is not None and not isinstance(gradients_sharded, bool):
             raise ValueError(f"gradients_sharded must be True, False or None; got {gradients_sharded!r}")
         self._enabled = enabled and settings.mode != "off"
-        if device is not None and device.type not in ("cpu", "meta") and not is_available(device):
+        if device is not None and not is_available(device):
             # torch.amp.GradScaler("cuda", enabled=use_amp) on a machine without CUDA: warn and disable, as torch.
             if self._enabled:
                 warnings.warn(
-                    f"dls.GradScaler is enabled, but {device_kind(device)} is not available. Disabling.", stacklevel=3
+                    f"dls.GradScaler is enabled, but {device_kind(device)} is not available. Disabling.",
+                    stacklevel=_user_stacklevel(),
                 )
                 self._enabled = False
             device = None
@@ -484,15 +544,17 @@ class GradScaler:
 
     def set_growth_interval(self, new_interval: int) -> None:
         """torch.amp's meaning (see ``get_growth_interval``)."""
-        cerebras = self._scale.settings.dialect == "cerebras"
+        offset = GROWTH_OFFSET.get(self._scale.settings.dialect, 0)
         if problem := count_problem("new_interval", new_interval):
             raise ValueError(problem)
-        if cerebras and new_interval < 2:
+        interval = int(python_number(new_interval))  # type: ignore[arg-type]  # an integer: checked above
+        if interval <= offset:
+            dialect = self._scale.settings.dialect
             raise ValueError(
-                "new_interval must be at least 2 for a Cerebras-dialect scaler (it grows after steps_per_increase + 1 "
-                f"updates, steps_per_increase >= 1); got {new_interval!r}"
+                f"new_interval must be at least 2 for a {dialect}-dialect scaler (it grows after "
+                f"{interval_name(dialect)} + 1 updates, {interval_name(dialect)} >= 1); got {new_interval!r}"
             )
-        self._replace_settings(steps_per_increase=new_interval - cerebras)
+        self._replace_settings(steps_per_increase=interval - offset)
 
     def _replace_settings(self, **changes: Any) -> None:
         self._scale.replace_settings(self._scale.settings.replace(**changes))  # validates
@@ -554,6 +616,7 @@ class GradScaler:
         max_norm = self._scale.settings.max_gradient_norm if max_gradient_norm is ... else max_gradient_norm
         if problem := limit_problem("max_gradient_norm", max_norm):
             raise ValueError(problem)
+        max_norm = None if max_norm is None else float(python_number(max_norm))  # type: ignore[arg-type]
         opts = optimizer_list(optimizers, "optimizers")
         self._tracker.check_disjoint(opts)
         isfinite, norm = self._clip_and_check(opts, max_norm, return_norm)
@@ -923,6 +986,15 @@ class GradScaler:
 # ---------------------------------------------------------------------- module helpers
 
 
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of a warning raised in this module that points at the first caller outside it (the
+    constructors reach ``_setup`` through one or two frames here)."""
+    level, frame = 1, sys._getframe(1)  # the warning's frame
+    while frame.f_back is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _distributed() -> bool:
     """Whether ranks may have to agree (``dls.distributed`` decides per group); the default path never enters it."""
     return dist.is_available() and dist.is_initialized()
@@ -932,7 +1004,10 @@ def optimizer_list(
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], name: str
 ) -> list[torch.optim.Optimizer]:
     """``optimizers`` (one or a sequence) as a list without repeats; ``ValueError`` naming ``name`` otherwise."""
-    items = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+    if isinstance(optimizers, torch.optim.Optimizer):
+        items = [optimizers]
+    else:
+        items = list(optimizers) if isinstance(optimizers, Iterable) and not isinstance(optimizers, str) else []
     if not items or not all(isinstance(o, torch.optim.Optimizer) for o in items):
         raise ValueError(f"{name} must be a torch.optim.Optimizer or a non-empty list of them; got {optimizers!r}")
     return list({id(o): o for o in items}.values())  # an optimizer listed twice is still unscaled once

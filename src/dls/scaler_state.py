@@ -4,15 +4,30 @@ One dict serves both libraries. dls's own keys — ``loss_scale``, ``steps_since
 ``overflows_since_rescale``, ``num_skipped_steps`` (cstorch.amp's names), ``hysteresis_tracker`` (Megatron-LM's: the
 hysteresis budget left) and ``format_version`` — and torch.amp's — ``scale``, ``_growth_tracker`` (the same two
 values again) and the three settings ``growth_factor``, ``backoff_factor``, ``growth_interval`` — so
-``torch.amp.GradScaler.load_state_dict`` reads a dls checkpoint and follows the same trajectory (a Cerebras-dialect
-scaler writes ``growth_interval = steps_per_increase + 1``, see ``dls.policy``), and dls reads torch's. Loading
-applies torch's three settings, as torch does; the other settings stay the constructor's. Keys that appear twice
-must agree. Every value is checked before anything changes; a problem is a ``ValueError`` naming the key.
+``torch.amp.GradScaler.load_state_dict`` reads a dls checkpoint and follows the same trajectory to the next growth
+(a Cerebras- or DeepSpeed-dialect scaler writes ``growth_interval = steps_per_increase + 1``, see ``dls.policy``),
+and dls reads torch's. Loading applies torch's three settings, as torch does; the other settings stay the
+constructor's. Keys that appear twice must agree. Every value is checked before anything changes; a problem is a
+``ValueError`` naming the key, an unknown key is named with the closest known one.
 
-``hysteresis_tracker`` is brought into ``[1, hysteresis]`` (Megatron's spent tracker, 0 or below, acts as 1).
-``steps_since_rescale`` and ``overflows_since_rescale`` load as saved (torch's own tests read a seeded tracker back)
-and are clamped to ``growth_interval - 1`` at the next update, before the rule runs: the next clean update grows,
-and no counter wraps. Every state dict a scaler writes loads back unchanged.
+The peers' states load as they save them:
+
+* Megatron-LM's ``DynamicGradScaler.state_dict()``: ``scale`` (a 1-element tensor), ``growth_tracker`` (torch's
+  ``_growth_tracker`` under Megatron's name) and ``hysteresis_tracker``, which Megatron lowers without a floor
+  (``-= 1`` at every overflow): a tracker of 0 or below means "back off at the next overflow", the budget 1.
+* DeepSpeed's ``DynamicLossScaler``, as the dict of its attributes (``vars(loss_scaler)``): ``cur_scale``,
+  ``cur_iter`` and ``last_overflow_iter`` (given together), ``cur_hysteresis``, and the settings it holds
+  (``scale_factor``, ``scale_window``, ``min_scale``, ``delayed_shift``, ``consecutive_hysteresis``, ``dynamic``),
+  which must be this scaler's; ``raise_error_at_min_scale`` and ``dtype`` are read and not used. Only a
+  DeepSpeed-dialect scaler (``GradScaler.from_deepspeed``) takes it: its ``steps_since_rescale`` is DeepSpeed's
+  ``cur_iter - last_overflow_iter - 1`` taken modulo the window into ``1..loss_scale_window`` once positive, so the
+  run goes on where DeepSpeed left it. Back to DeepSpeed: ``last_overflow_iter = cur_iter - 1 -
+  steps_since_rescale``.
+
+``hysteresis_tracker`` is brought into ``[1, hysteresis]``. ``steps_since_rescale`` and ``overflows_since_rescale``
+load as saved (torch's own tests read a seeded tracker back) and are clamped to ``growth_interval - 1`` at the next
+update, before the rule runs: the next clean update grows, and no counter wraps. Every state dict a scaler writes
+loads back unchanged.
 
 Format 2 (this one) replaced format 1's ``hysteresis_hits`` (hits since the last back-off; loaded as
 ``hysteresis_tracker = hysteresis - hits``). An older dls refuses format 2 by its unknown keys; this one refuses a
@@ -21,6 +36,7 @@ newer ``format_version``.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -28,8 +44,8 @@ from typing import Any
 
 import torch
 
-from dls.policy import INT32_MAX, INT64_MAX, scale_problem
-from dls.settings import ScalerSettings, SettingsError
+from dls.policy import INT32_MAX, INT64_MAX, python_number, scale_problem
+from dls.settings import GROWTH_OFFSET, ScalerSettings, SettingsError, interval_name
 
 FORMAT_VERSION = 2
 STATE_KEYS = (
@@ -41,8 +57,17 @@ STATE_KEYS = (
 )
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 OLD_KEYS = ("hysteresis_hits",)  # format 1
-# torch's name → dls's, for the two values both write.
-SAME_VALUE = {"scale": "loss_scale", "_growth_tracker": "steps_since_rescale"}
+MEGATRON_KEYS = ("growth_tracker",)  # besides scale and hysteresis_tracker, which torch and dls write too
+# torch's and Megatron's names → dls's, for the values written under several names.
+SAME_VALUE = {"scale": "loss_scale", "_growth_tracker": "steps_since_rescale", "growth_tracker": "steps_since_rescale"}
+# DeepSpeed's DynamicLossScaler attributes: its state, the settings it holds (this scaler's, by DeepSpeed's name),
+# and attributes read but not used.
+DEEPSPEED_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+DEEPSPEED_SETTINGS = ("scale_factor", "scale_window", "min_scale", "delayed_shift", "consecutive_hysteresis", "dynamic")
+DEEPSPEED_UNUSED = ("raise_error_at_min_scale", "dtype")
+DEEPSPEED_KEYS = (*DEEPSPEED_STATE, *DEEPSPEED_SETTINGS, *DEEPSPEED_UNUSED)
+# Smallest value of each counter as loaded (0 unless listed): Megatron's tracker has no floor.
+COUNTER_MIN = {"hysteresis_tracker": -INT64_MAX - 1}
 # Largest value of each counter as stored: steps_since_rescale is int32 (torch's growth tracker), the others int64.
 COUNTER_MAX = {
     "steps_since_rescale": INT32_MAX,
@@ -98,10 +123,10 @@ def parse_state_dict(
         raise ValueError(f"state_dict must be a dict; got {type(state_dict).__name__}")
     if not state_dict:
         raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled GradScaler.")
-    allowed = (*STATE_KEYS, "format_version", *TORCH_KEYS, *OLD_KEYS, *extra)
-    unknown = sorted(str(k) for k in state_dict if k not in allowed)
-    if unknown:
-        raise ValueError(f"state_dict has unknown keys {unknown}; allowed keys: {', '.join(allowed)}")
+    own = (*STATE_KEYS, "format_version", *TORCH_KEYS, *OLD_KEYS, *MEGATRON_KEYS, *extra)
+    _check_keys(state_dict, (*own, *DEEPSPEED_KEYS))
+    if any(key in DEEPSPEED_KEYS for key in state_dict):
+        state_dict = _from_deepspeed(state_dict, settings, label, own)
     if not apply_settings:
         state_dict = {
             k: v for k, v in state_dict.items() if k not in ("growth_factor", "backoff_factor", "growth_interval")
@@ -118,6 +143,14 @@ def parse_state_dict(
         )
     if "hysteresis_hits" in numbers and "hysteresis_tracker" in numbers:
         raise ValueError("state_dict has both 'hysteresis_hits' (format 1) and 'hysteresis_tracker'; give one")
+    # Each value on its own first, so that a value no scaler could hold is named as such, not as a disagreement.
+    for key, number in numbers.items():
+        ours = SAME_VALUE.get(key, key)
+        if ours == "loss_scale":
+            if not (_finite(number) and number > 0):
+                raise ValueError(f"{label(key)} must be a positive finite number; got {number!r}")
+        elif ours in COUNTER_MAX:
+            _check_counter(key, ours, number, label)
     for theirs, ours in SAME_VALUE.items():
         if own_names_first and ours in numbers:
             numbers.pop(theirs, None)
@@ -134,16 +167,102 @@ def parse_state_dict(
     for key, number in numbers.items():
         if key == "loss_scale":
             values[key], clamped = _scale(number, settings, label)
-            continue
-        if not (_integral(number) and 0 <= number <= COUNTER_MAX[key]):
-            limit = "2**31 - 1" if COUNTER_MAX[key] == INT32_MAX else "2**63 - 1"
-            raise ValueError(f"{label(key)} must be an integer from 0 to {limit}; got {number!r}")
-        values[key] = int(number)
+        else:
+            values[key] = int(number)
     if "hysteresis_hits" in values:
         values["hysteresis_tracker"] = settings.hysteresis - int(values.pop("hysteresis_hits"))
     if "hysteresis_tracker" in values:
         values["hysteresis_tracker"] = min(max(int(values["hysteresis_tracker"]), 1), settings.hysteresis)
     return Loaded(values, settings, clamped, extras)
+
+
+def _check_keys(state_dict: dict[Any, Any], allowed: tuple[str, ...]) -> None:
+    unknown = sorted(str(k) for k in state_dict if k not in allowed)
+    if unknown:
+        hints = [difflib.get_close_matches(key, allowed, n=1) for key in unknown]
+        meant = [f"{key!r} (did you mean {hint[0]!r}?)" for key, hint in zip(unknown, hints) if hint]
+        said = f"; {', '.join(meant)}" if meant else ""
+        raise ValueError(f"state_dict has unknown keys {unknown}{said}; allowed keys: {', '.join(allowed)}")
+
+
+def _check_counter(key: str, ours: str, number: float, label: Callable[[str], str]) -> None:
+    low, high = COUNTER_MIN.get(ours, 0), COUNTER_MAX[ours]
+    if not (_integral(number) and low <= number <= high):
+        lowest = "-2**63" if low else "0"
+        limit = "2**31 - 1" if high == INT32_MAX else "2**63 - 1"
+        raise ValueError(f"{label(key)} must be an integer from {lowest} to {limit}; got {number!r}")
+
+
+def _from_deepspeed(
+    state_dict: dict[str, Any], settings: ScalerSettings, label: Callable[[str], str], own: tuple[str, ...]
+) -> dict[str, Any]:
+    """DeepSpeed's ``DynamicLossScaler`` attributes as dls's keys (module docstring), after checking that the
+    settings it holds are ``settings``."""
+    mixed = sorted(key for key in state_dict if key in own)
+    if mixed:
+        raise ValueError(
+            f"state_dict mixes DeepSpeed's loss scaler attributes with dls's or torch's keys {mixed}: give one or "
+            "the other"
+        )
+    if settings.dialect != "deepspeed":
+        raise ValueError(
+            "state_dict holds DeepSpeed's loss scaler attributes, which only a scaler built with "
+            f"GradScaler.from_deepspeed(...) can continue (this one speaks the {settings.dialect} dialect); to carry "
+            "the scale alone, load {'loss_scale': cur_scale}"
+        )
+    dynamic = settings.mode == "dynamic"
+    expected = {
+        "scale_factor": 2.0,
+        "scale_window": settings.steps_per_increase,
+        "min_scale": settings.min_loss_scale,
+        "delayed_shift": settings.hysteresis,
+        "consecutive_hysteresis": settings.consecutive_hysteresis,
+        "dynamic": dynamic,
+    }
+    names = {"scale_window": interval_name("deepspeed"), "min_scale": "min_loss_scale", "delayed_shift": "hysteresis"}
+    for key, want in expected.items():
+        if key not in state_dict:
+            continue
+        value = state_dict[key]
+        if isinstance(want, bool):
+            same = isinstance(value, bool) and value == want
+        else:
+            number = python_number(value)
+            same = number is not None and number == want
+        if not same:
+            raise ValueError(
+                f"{label(key)} is {value!r}, this scaler's {names.get(key, key)} is {want!r}: build the scaler from "
+                "the run's fp16 config (GradScaler.from_deepspeed)"
+            )
+    out: dict[str, Any] = {}
+    if "cur_scale" in state_dict:  # checked here, to be named as given
+        out["loss_scale"] = scale = _number("cur_scale", state_dict["cur_scale"], label)
+        if not (_finite(scale) and scale > 0):
+            raise ValueError(f"{label('cur_scale')} must be a positive finite number; got {scale!r}")
+    if "cur_hysteresis" in state_dict:
+        out["hysteresis_tracker"] = budget = _number("cur_hysteresis", state_dict["cur_hysteresis"], label)
+        _check_counter("cur_hysteresis", "hysteresis_tracker", budget, label)
+    given = [key for key in ("cur_iter", "last_overflow_iter") if key in state_dict]
+    if len(given) == 1:
+        missing = "last_overflow_iter" if given[0] == "cur_iter" else "cur_iter"
+        raise ValueError(
+            f"state_dict has {given[0]!r} without {missing!r}: give both (DeepSpeed counts the clean steps since the "
+            "last overflow from their difference)"
+        )
+    if given:
+        cur, last = (_number(key, state_dict[key], label) for key in ("cur_iter", "last_overflow_iter"))
+        for key, number in (("cur_iter", cur), ("last_overflow_iter", last)):
+            if not (_integral(number) and -1 <= number < 2**63):
+                raise ValueError(f"{label(key)} must be an integer from -1 to 2**63 - 1; got {number!r}")
+        if dynamic:
+            clean = int(cur) - int(last) - 1  # DeepSpeed's stable_interval at the next update
+            if clean < 0:
+                raise ValueError(
+                    f"{label('last_overflow_iter')} ({last!r}) must be below {label('cur_iter')} ({cur!r})"
+                )
+            window = settings.steps_per_increase
+            out["steps_since_rescale"] = 0 if clean == 0 else (clean - 1) % window + 1
+    return out
 
 
 def _with_torch_settings(
@@ -156,13 +275,17 @@ def _with_torch_settings(
             changes[key] = numbers.pop(key)
     if "growth_interval" in numbers:
         interval = numbers.pop("growth_interval")
-        cerebras = settings.dialect == "cerebras"
-        if cerebras and settings.mode != "dynamic" and interval == 1:
-            interval = 2  # torch's interval 1 has no Cerebras equivalent; a fixed scale never grows anyway
-        if not (_integral(interval) and 1 + cerebras <= interval <= INT32_MAX):
-            low = "2 (a Cerebras-dialect scaler grows after steps_per_increase + 1 updates)" if cerebras else "1"
+        offset = GROWTH_OFFSET.get(settings.dialect, 0)
+        if offset and settings.mode != "dynamic" and interval == 1:
+            interval = 2  # torch's interval 1 has no equivalent with an offset; a fixed scale never grows anyway
+        if not (_integral(interval) and 1 + offset <= interval <= INT32_MAX):
+            low = (
+                f"2 (a {settings.dialect}-dialect scaler grows after {interval_name(settings.dialect)} + 1 updates)"
+                if offset
+                else "1"
+            )
             raise ValueError(f"{label('growth_interval')} must be an integer from {low} to 2**31 - 1; got {interval!r}")
-        changes["steps_per_increase"] = int(interval) - cerebras
+        changes["steps_per_increase"] = int(interval) - offset
     try:
         return settings.replace(**changes)
     except SettingsError as exc:

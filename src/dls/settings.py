@@ -1,19 +1,26 @@
-"""What a loss scaler is configured to do: one frozen, validated object, built from either dialect.
+"""What a loss scaler is configured to do: one frozen, validated object, built from any dialect.
 
-``GradScaler`` speaks two dialects, and which one is decided by whether a device is given:
+``GradScaler`` speaks two dialects; which one a call speaks is decided by its arguments (``dls.arguments``):
 
 * **torch** (``GradScaler("cuda", init_scale=2.**16, growth_factor=2., backoff_factor=.5, growth_interval=2000)``,
-  or any call with ``device=``): torch.amp's defaults — start at 2**16, no upper bound below float32's max (growth
-  that would reach inf is dropped, as in torch), a floor at the smallest normal float32 — and dynamic scaling
-  whatever the half dtype. It trains bit-identically to ``torch.amp.GradScaler`` until torch's own scale would
-  leave float32's normal range.
-* **cerebras** (``GradScaler(loss_scale="dynamic", init_scale=..., steps_per_increase=..., ...)``, no device):
+  any call with a device, and any call without a Cerebras-only argument, ``GradScaler()`` included): torch.amp's
+  defaults — device ``"cuda"``, start at 2**16, no upper bound below float32's max (growth that would reach inf is
+  dropped, as in torch), a floor at the smallest normal float32 — and dynamic scaling whatever the half dtype. It
+  trains bit-identically to ``torch.amp.GradScaler`` until torch's own scale would leave float32's normal range.
+* **cerebras** (a call with ``loss_scale``, ``steps_per_increase``, ``min_loss_scale``, ``max_loss_scale``,
+  ``overflow_tolerance`` or ``max_gradient_norm``, or a first positional argument that is not a device):
   cstorch.amp's defaults — ``max_loss_scale`` 2**15 (2**31 for cbfloat16), start at the maximum, floor 2**-14,
   and ``loss_scale=None`` meaning dynamic for float16/cbfloat16 and off for bfloat16.
 
-In both, an explicit ``init_scale`` above the default maximum raises the maximum (never a silent clamp), and an
-explicit ``max_loss_scale`` below an explicit ``init_scale`` is an error naming both. Every scale is a normal
-float32 (2**-126 to float32's max), so its inverse is finite and unscaling never multiplies by inf.
+Two more are built by their own constructors, with the peers' own names and defaults:
+``GradScaler.from_deepspeed`` (**deepspeed**: DeepSpeed's ``fp16`` config section and its growth timing) and
+``GradScaler.from_megatron`` (**megatron**: Megatron-LM's ``DynamicGradScaler`` arguments; torch's timing).
+
+In the torch and Cerebras dialects, an explicit ``init_scale`` above the default maximum raises the maximum
+(never a silent clamp), and an explicit ``max_loss_scale`` below an explicit ``init_scale`` is an error naming
+both. Every scale is a normal float32 (2**-126 to float32's max), so its inverse is finite and unscaling never
+multiplies by inf. A number may be a Python ``int`` or ``float``, a NumPy scalar or 0-dim array, or a 0-dim tensor;
+a count (``steps_per_increase``/``growth_interval``, ``hysteresis``) must be an integer (``dls.policy.count_problem``).
 
 The trainer's YAML config builds the same object (``ScalerSettings.cerebras``) and re-labels each problem with
 its YAML key, so ``dls validate`` accepts exactly what ``GradScaler`` accepts.
@@ -26,6 +33,8 @@ import difflib
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from dls.formats import HALF_DTYPE_NAMES, get_half_dtype_str, half_dtype_name
 from dls.policy import (
     FLOAT32_MAX,
@@ -37,17 +46,33 @@ from dls.policy import (
     factor_problem,
     flag_problem,
     limit_problem,
+    python_number,
     scale_problem,
     tolerance_problem,
 )
 
 MODES = ("dynamic", "static", "off")
-DIALECTS = ("cerebras", "torch")
+DIALECTS = ("cerebras", "torch", "deepspeed", "megatron")
+# growth_interval - steps_per_increase, per dialect (the others: 0): cstorch.amp grows when steps_since_rescale >
+# steps_per_increase; DeepSpeed's first growth after an overflow comes on the (window + 1)-th clean update.
+GROWTH_OFFSET = {"cerebras": 1, "deepspeed": 1}
 CEREBRAS_MAX_LOSS_SCALE = 2.0**15
 CBFLOAT16_MAX_LOSS_SCALE = 2.0**31
 CEREBRAS_MIN_LOSS_SCALE = 2.0**-14
 TORCH_INIT_SCALE = 2.0**16
 DEFAULT_STEPS_PER_INCREASE = 2000
+# The fields that hold numbers (NumPy scalars and 0-dim tensors are taken as the Python numbers they stand for).
+NUMBER_FIELDS = (
+    "init_scale",
+    "min_loss_scale",
+    "max_loss_scale",
+    "steps_per_increase",
+    "growth_factor",
+    "backoff_factor",
+    "overflow_tolerance",
+    "hysteresis",
+    "max_gradient_norm",
+)
 
 
 class SettingsError(ValueError):
@@ -83,7 +108,8 @@ class ScalerSettings:
             DeepSpeed's knob of that name).
         max_gradient_norm: global gradient clipping inside ``step()``, or ``None``.
         half_dtype: ``"float16"``, ``"bfloat16"`` or ``"cbfloat16"``: the format the defaults were chosen for.
-        dialect: ``"cerebras"`` or ``"torch"``: whose defaults, and whose growth timing (``growth_interval``).
+        dialect: ``"cerebras"``, ``"torch"``, ``"deepspeed"`` or ``"megatron"``: whose defaults, and whose growth
+            timing (``growth_interval``, ``dls.policy``).
     """
 
     mode: str
@@ -101,14 +127,14 @@ class ScalerSettings:
     consecutive_hysteresis: bool = False
 
     def __post_init__(self) -> None:
-        problems = _problems(dataclasses.asdict(self))
+        problems = _problems(_plain({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}))
         if problems:
             raise SettingsError(problems)
-        for name in ("init_scale", "min_loss_scale", "max_loss_scale", "growth_factor", "backoff_factor"):
-            object.__setattr__(self, name, float(getattr(self, name)))
-        object.__setattr__(self, "overflow_tolerance", float(self.overflow_tolerance))
-        if self.max_gradient_norm is not None:
-            object.__setattr__(self, "max_gradient_norm", float(self.max_gradient_norm))
+        for name in NUMBER_FIELDS:
+            value = python_number(getattr(self, name))
+            if value is not None:  # None: max_gradient_norm off
+                whole = name in ("steps_per_increase", "hysteresis")
+                object.__setattr__(self, name, int(value) if whole else float(value))
 
     # ------------------------------------------------------------------ dialects
     @classmethod
@@ -210,12 +236,132 @@ class ScalerSettings:
         )
 
     @classmethod
+    def deepspeed(
+        cls,
+        loss_scale: float = 0,
+        initial_scale_power: int = 16,
+        loss_scale_window: int = 1000,
+        hysteresis: int = 2,
+        consecutive_hysteresis: bool = False,
+        min_loss_scale: float = 1,
+    ) -> ScalerSettings:
+        """DeepSpeed's ``fp16`` config section, with its names and defaults: ``loss_scale`` 0 is dynamic scaling
+        from ``2**initial_scale_power``, growing by 2 with DeepSpeed's timing (``dls.policy``) and backing off by half
+        once ``hysteresis`` overflows spent the budget, down to ``min_loss_scale``, with no maximum below float32's
+        (DeepSpeed has none); a positive ``loss_scale`` is a static scale. Problems name DeepSpeed's keys."""
+        problems: list[tuple[str, str]] = []
+        static = python_number(loss_scale)
+        if static is None or not (static == 0 or FLOAT32_TINY <= static <= FLOAT32_MAX):
+            problems.append(
+                (
+                    "loss_scale",
+                    "loss_scale must be 0 (dynamic loss scaling) or a static scale from 2**-126 to float32's max "
+                    f"3.4028e38; got {loss_scale!r}",
+                )
+            )
+        power = python_number(initial_scale_power)
+        if not (isinstance(power, int) and -126 <= power <= 127):
+            problems.append(
+                (
+                    "initial_scale_power",
+                    "initial_scale_power must be an integer from -126 to 127 (the first scale is "
+                    f"2**initial_scale_power, a normal float32); got {initial_scale_power!r}",
+                )
+            )
+        problems += _named(
+            ("loss_scale_window", count_problem("loss_scale_window", loss_scale_window, INT32_MAX - 1)),
+            ("hysteresis", count_problem("hysteresis", hysteresis)),
+            ("consecutive_hysteresis", flag_problem("consecutive_hysteresis", consecutive_hysteresis)),
+            ("min_loss_scale", scale_problem("min_loss_scale", min_loss_scale)),
+        )
+        floor = python_number(min_loss_scale)
+        if not problems and static == 0 and 2.0 ** int(power) < float(floor):  # type: ignore[arg-type]
+            problems.append(
+                (
+                    "initial_scale_power",
+                    f"2**initial_scale_power ({2.0 ** int(power)!r}) must not be below min_loss_scale ({floor!r})",  # type: ignore[arg-type]
+                )
+            )
+        if problems:
+            raise SettingsError(problems)
+        return cls(
+            mode="dynamic" if static == 0 else "static",
+            init_scale=2.0 ** int(power) if static == 0 else static,  # type: ignore[arg-type]
+            min_loss_scale=min_loss_scale,
+            max_loss_scale=FLOAT32_MAX,
+            steps_per_increase=loss_scale_window,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
+            half_dtype="float16",
+            dialect="deepspeed",
+        )
+
+    @classmethod
+    def megatron(
+        cls,
+        initial_scale: float,
+        min_scale: float,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+    ) -> ScalerSettings:
+        """Megatron-LM's ``DynamicGradScaler(initial_scale, min_scale, growth_factor, backoff_factor,
+        growth_interval, hysteresis)``, with the defaults of Megatron's command line for the last four; torch's
+        growth timing, no maximum below float32's. The scales and factors are rounded to float32, as Megatron holds
+        them (float32 tensors), so products round as Megatron's do. Problems name Megatron's arguments."""
+        problems = _named(
+            ("initial_scale", scale_problem("initial_scale", initial_scale)),
+            ("min_scale", scale_problem("min_scale", min_scale)),
+            ("growth_factor", factor_problem("growth_factor", growth_factor, above_one=True)),
+            ("backoff_factor", factor_problem("backoff_factor", backoff_factor, above_one=False)),
+            ("growth_interval", count_problem("growth_interval", growth_interval)),
+            ("hysteresis", count_problem("hysteresis", hysteresis)),
+        )
+        if not problems and python_number(min_scale) > python_number(initial_scale):  # type: ignore[operator]
+            problems.append(
+                ("min_scale", f"min_scale ({min_scale!r}) must not exceed initial_scale ({initial_scale!r})")
+            )
+        if problems:
+            raise SettingsError(problems)
+        given = {"growth_factor": growth_factor, "backoff_factor": backoff_factor}
+        as_held = {
+            name: float(torch.tensor(float(python_number(value)), dtype=torch.float32))  # type: ignore[arg-type]
+            for name, value in {"initial_scale": initial_scale, "min_scale": min_scale, **given}.items()
+        }
+        for name, value in given.items():  # a factor within a hair of 1 is 1 in float32
+            if factor_problem(name, as_held[name], above_one=name == "growth_factor"):
+                problems.append(
+                    (
+                        name,
+                        f"{name} is {as_held[name]!r} in float32, as Megatron holds it (given {value!r}): too close "
+                        "to 1",
+                    )
+                )
+        if problems:
+            raise SettingsError(problems)
+        return cls(
+            mode="dynamic",
+            init_scale=as_held["initial_scale"],
+            min_loss_scale=as_held["min_scale"],
+            max_loss_scale=FLOAT32_MAX,
+            steps_per_increase=growth_interval,
+            growth_factor=as_held["growth_factor"],
+            backoff_factor=as_held["backoff_factor"],
+            hysteresis=hysteresis,
+            half_dtype="float16",
+            dialect="megatron",
+        )
+
+    @classmethod
     def _build(cls, problems: list[tuple[str, str]], derived: set[str], **values: Any) -> ScalerSettings:
         """Construct, reporting the dialect's own ``problems`` together with those of the values. A value in
         ``derived`` was not given but follows another (``init_scale`` defaults to the maximum): a problem it has
         is reported under that other argument only."""
         named = {name for name, _ in problems}
-        found = [p for p in _problems(values, skip=named) if p[0] not in named]
+        found = [p for p in _problems(_plain(values), skip=named) if p[0] not in named]
         if len(found) > 1:
             found = [p for p in found if p[0] not in derived] or found
         if problems or found:
@@ -229,10 +375,12 @@ class ScalerSettings:
 
     @property
     def growth_interval(self) -> int:
-        """Updates since the last rescale after which the scale grows: torch.amp's ``growth_interval`` (torch dialect),
-        ``steps_per_increase + 1`` (Cerebras dialect: cstorch.amp grows when ``steps_since_rescale >
-        steps_per_increase``). What torch.amp is told in a state dict, so it follows the same trajectory."""
-        return self.steps_per_increase + (self.dialect == "cerebras")
+        """Updates since the last rescale after which the scale grows: torch.amp's ``growth_interval`` (torch and
+        Megatron dialects), ``steps_per_increase + 1`` (Cerebras dialect: cstorch.amp grows when
+        ``steps_since_rescale > steps_per_increase``; DeepSpeed dialect: the first growth after an overflow comes on
+        the ``(loss_scale_window + 1)``-th clean update, later ones every window, see ``dls.policy``). What
+        torch.amp is told in a state dict, so it follows the same trajectory to the next growth."""
+        return self.steps_per_increase + GROWTH_OFFSET.get(self.dialect, 0)
 
     def rule(self) -> DynamicRule | StaticRule:
         """The scale-update rule these settings describe (``off`` keeps the scale: a static rule)."""
@@ -240,6 +388,7 @@ class ScalerSettings:
             return StaticRule()
         return DynamicRule(
             growth_interval=self.growth_interval,
+            steps_after_growth=int(self.dialect == "deepspeed"),
             consecutive_hysteresis=self.consecutive_hysteresis,
             growth_factor=self.growth_factor,
             backoff_factor=self.backoff_factor,
@@ -256,7 +405,7 @@ def _problems(v: dict[str, Any], skip: set[str] | frozenset[str] = frozenset()) 
     out: list[tuple[str, str]] = []
     static = v["mode"] == "static"
     scale_name = "loss_scale" if static else "init_scale"
-    spi_max = INT32_MAX - (v["dialect"] == "cerebras")  # the Cerebras growth interval is steps_per_increase + 1
+    spi_max = INT32_MAX - GROWTH_OFFSET.get(v["dialect"], 0)  # growth_interval fits int32 too
     checks: list[tuple[str, str | None]] = [
         (
             "mode",
@@ -264,12 +413,14 @@ def _problems(v: dict[str, Any], skip: set[str] | frozenset[str] = frozenset()) 
         ),
         (
             "dialect",
-            None if v["dialect"] in DIALECTS else f"dialect must be 'cerebras' or 'torch'; got {v['dialect']!r}",
+            None
+            if v["dialect"] in DIALECTS
+            else f"dialect must be one of {', '.join(map(repr, DIALECTS))}; got {v['dialect']!r}",
         ),
         (scale_name, scale_problem(scale_name, v["init_scale"])),
         ("min_loss_scale", scale_problem("min_loss_scale", v["min_loss_scale"])),
         ("max_loss_scale", scale_problem("max_loss_scale", v["max_loss_scale"])),
-        ("steps_per_increase", count_problem("steps_per_increase", v["steps_per_increase"], spi_max)),
+        ("steps_per_increase", count_problem(interval_name(v["dialect"]), v["steps_per_increase"], spi_max)),
         ("hysteresis", count_problem("hysteresis", v["hysteresis"])),
         ("consecutive_hysteresis", flag_problem("consecutive_hysteresis", v["consecutive_hysteresis"])),
         ("growth_factor", factor_problem("growth_factor", v["growth_factor"], above_one=True)),
@@ -296,8 +447,31 @@ def _problems(v: dict[str, Any], skip: set[str] | frozenset[str] = frozenset()) 
     return out
 
 
+def interval_name(dialect: str) -> str:
+    """What the dialect's users call ``steps_per_increase``."""
+    return {"torch": "growth_interval", "megatron": "growth_interval", "deepspeed": "loss_scale_window"}.get(
+        dialect, "steps_per_increase"
+    )
+
+
+def _named(*checks: tuple[str, str | None]) -> list[tuple[str, str]]:
+    return [(name, problem) for name, problem in checks if problem is not None]
+
+
 def _above(value: Any, limit: float) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > limit
+    number = python_number(value)
+    return number is not None and number > limit
+
+
+def _plain(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with every number of ``NUMBER_FIELDS`` as the Python number it stands for (others as given, for
+    the messages)."""
+    out = dict(values)
+    for name in NUMBER_FIELDS:
+        number = python_number(out.get(name))
+        if number is not None:
+            out[name] = number
+    return out
 
 
 def _half_dtype(value: Any, problems: list[tuple[str, str]]) -> str:
@@ -313,7 +487,7 @@ def _half_dtype(value: Any, problems: list[tuple[str, str]]) -> str:
 def _mode(loss_scale: Any, half_dtype: str, problems: list[tuple[str, str]]) -> str:
     if loss_scale is None:
         return "off" if half_dtype == "bfloat16" else "dynamic"
-    if loss_scale == "dynamic":
+    if isinstance(loss_scale, str) and loss_scale == "dynamic":
         return "dynamic"
     if isinstance(loss_scale, str):
         close = difflib.get_close_matches(loss_scale.strip().lower(), ["dynamic"], n=1, cutoff=0.6)

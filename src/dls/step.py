@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from dls.policy import limit_problem
+from dls.policy import limit_problem, python_number
 from dls.scaler import GradScaler, Stage, optimizer_list
 
 
@@ -39,7 +39,8 @@ def optimizer_step(
     stepped since the last ``update()`` is the misuse error ``unscale_`` raises, with nothing changed. With several
     optimizers, one global gradient norm covers all of them and one overflow flag decides the skip for all of them.
     ``max_gradient_norm`` defaults to the scaler's own; ``max_gradient_value`` clips each gradient element to
-    ``[-value, value]`` instead of the norm. Giving both is an error.
+    ``[-value, value]`` instead of the norm. Giving both is an error. The limits are numbers (NumPy scalars and
+    0-dim tensors too); a wrong type is a ``ValueError`` naming the argument.
     """
     optimizers = optimizer_list(optimizer, "optimizer")
     if not isinstance(grad_scaler, GradScaler):
@@ -51,6 +52,11 @@ def optimizer_step(
     for name, limit in (("max_gradient_norm", max_gradient_norm), ("max_gradient_value", max_gradient_value)):
         if problem := limit_problem(name, limit):
             raise ValueError(problem)
+    # NumPy scalars and 0-dim tensors as the Python numbers they stand for (checked above).
+    max_gradient_norm, max_gradient_value = (
+        None if limit is None else float(python_number(limit))  # type: ignore[arg-type]
+        for limit in (max_gradient_norm, max_gradient_value)
+    )
     for opt in optimizers:
         stage = grad_scaler.stage(opt)
         if stage is Stage.STEPPED:
