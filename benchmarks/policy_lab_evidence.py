@@ -59,6 +59,7 @@ OTHERS = [
     "torch:growth_interval=50",
     "cerebras:steps_per_increase=50,max_loss_scale=2**24",
     "megatron:growth_interval=50",
+    "deepspeed:loss_scale_window=50",
 ]
 
 

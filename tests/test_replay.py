@@ -190,6 +190,8 @@ OTHERS = [
     "cerebras:steps_per_increase=8,max_loss_scale=2**30",
     "megatron:growth_interval=12",
     "megatron:initial_scale=2**20,hysteresis=1,growth_interval=5",
+    "deepspeed:loss_scale_window=9",
+    "deepspeed:initial_scale_power=20,hysteresis=1,loss_scale_window=6,consecutive_hysteresis=true",
     "static:loss_scale=2**17",
 ]
 
@@ -263,11 +265,14 @@ def test_each_policy_is_its_peers_defaults() -> None:
     assert parse_policy("cerebras").settings == ScalerSettings.cerebras(loss_scale="dynamic", half_dtype="float16")
     cb = parse_policy("cerebras", half_dtype="cbfloat16").settings
     assert cb.max_loss_scale == cb.init_scale == 2.0**31
-    megatron = parse_policy("megatron").settings
-    assert (megatron.init_scale, megatron.min_loss_scale, megatron.growth_interval, megatron.hysteresis) == (
-        2.0**32, 1.0, 1000, 2,
-    )  # fmt: skip
-    assert megatron.max_loss_scale == torch.finfo(torch.float32).max
+    assert parse_policy("megatron").settings == ScalerSettings.megatron(initial_scale=2.0**32, min_scale=1.0)
+    assert (
+        parse_policy("megatron").settings
+        == dls.GradScaler.from_megatron("cpu", initial_scale=2**32, min_scale=1).settings
+    )
+    assert parse_policy("deepspeed").settings == ScalerSettings.deepspeed()
+    deepspeed = parse_policy("deepspeed").settings
+    assert (deepspeed.init_scale, deepspeed.growth_interval, deepspeed.rule().steps_after_growth) == (2.0**16, 1001, 1)
     assert parse_policy("static:loss_scale=1024").settings.mode == "static"
     assert set(POLICIES) >= {"torch", "cerebras", "megatron", "deepspeed", "static"}
 
@@ -283,6 +288,9 @@ def test_overrides_and_their_errors_name_the_policy_and_the_key() -> None:
         ("torch:growth_interval=five", "policy 'torch', key 'growth_interval': 'five' is not a number"),
         ("torch:growth_interval=0", "policy 'torch': growth_interval must be an integer from 1"),
         ("cerebras:init_scale=2**20,max_loss_scale=2**10", "policy 'cerebras': "),
+        ("megatron:initial_scale=0.5", "policy 'megatron': min_scale (1.0) must not exceed initial_scale (0.5)"),
+        ("deepspeed:hysteresis=0", "policy 'deepspeed': hysteresis must be an integer from 1"),
+        ("deepspeed:loss_scale_windw=5", "policy 'deepspeed' has no key 'loss_scale_windw' (did you mean"),
         ("recorded:init_scale=1", "policy 'recorded' takes no settings"),
         ("recorded", "policy 'recorded' needs a trace"),
         ("", "a policy must be a name"),
@@ -340,16 +348,21 @@ def test_the_config_lines_configure_the_same_rule() -> None:
     from dls.train.config import parse_config, scaler_settings
 
     for spec in ["torch:growth_interval=500,init_scale=2**12", "cerebras:steps_per_increase=250",
-                 "megatron:hysteresis=4,growth_interval=250"]:  # fmt: skip
+                 "megatron:hysteresis=4,growth_interval=250", "deepspeed:loss_scale_window=500"]:  # fmt: skip
         settings = parse_policy(spec).settings
         lines = config_lines(settings)
         rule = settings.rule()
-        built = eval(lines["dls"].replace('"cuda"', '"cpu"'), {"dls": dls})  # as a user pastes it
+        pasted = lines["dls"].replace('"cuda"', '"cpu"').replace("})", '}, device="cpu")')  # as a user pastes it
+        built = eval(pasted, {"dls": dls})
         assert built.settings.rule() == rule
-        yaml = __import__("yaml").safe_load(lines["Model Zoo YAML"])
-        mixed = {"precision": {"mixed_precision": True, "fp16_type": "float16"}, "model": {"name": "mlp"}}
-        from_yaml = scaler_settings(parse_config({**yaml, **mixed}))
-        assert (from_yaml.rule(), from_yaml.init_scale) == (rule, settings.init_scale), spec
+        if "Model Zoo YAML" in lines:
+            yaml = __import__("yaml").safe_load(lines["Model Zoo YAML"])
+            mixed = {"precision": {"mixed_precision": True, "fp16_type": "float16"}, "model": {"name": "mlp"}}
+            from_yaml = scaler_settings(parse_config({**yaml, **mixed}))
+            assert (from_yaml.rule(), from_yaml.init_scale) == (rule, settings.init_scale), spec
+        if "DeepSpeed JSON" in lines:
+            fp16 = json.loads("{" + lines["DeepSpeed JSON"] + "}")["fp16"]
+            assert dls.GradScaler.from_deepspeed(fp16, device="cpu").settings.rule() == rule
         if "torch.amp" in lines:
             amp = eval(lines["torch.amp"].replace('"cuda"', '"cpu"'), {"torch": torch})
             assert (amp.get_scale(), amp.get_growth_interval()) == (settings.init_scale, settings.growth_interval)
@@ -358,6 +371,8 @@ def test_the_config_lines_configure_the_same_rule() -> None:
             assert int(flags[flags.index("--loss-scale-window") + 1]) == settings.growth_interval
             assert int(flags[flags.index("--hysteresis") + 1]) == settings.hysteresis
     assert "torch.amp" not in config_lines(parse_policy("megatron").settings)  # hysteresis: torch.amp has none
+    deepspeed = config_lines(parse_policy("deepspeed").settings)  # DeepSpeed's timing: only dls and DeepSpeed
+    assert set(deepspeed) == {"dls", "DeepSpeed JSON"}
     assert json.loads("{" + config_lines(parse_policy("static:loss_scale=2**10").settings)["DeepSpeed JSON"] + "}") == {
         "fp16": {"enabled": True, "loss_scale": 1024}
     }

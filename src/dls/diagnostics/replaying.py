@@ -96,27 +96,15 @@ def _cerebras(v: dict[str, Any], half: str) -> ScalerSettings:
 
 
 def _megatron(v: dict[str, Any], half: str) -> ScalerSettings:
-    # Megatron-LM's DynamicGradScaler is torch's rule with hysteresis and a floor, no ceiling (dls.policy).
-    return ScalerSettings.torch(
-        init_scale=v["initial_scale"],
-        min_loss_scale=v["min_scale"],
-        growth_factor=v["growth_factor"],
-        backoff_factor=v["backoff_factor"],
-        growth_interval=v["growth_interval"],
-        hysteresis=v["hysteresis"],
-        half_dtype=half,
-    )
+    from dls.scaler import GradScaler  # the library's constructor for Megatron-LM's arguments
+
+    return GradScaler.from_megatron("cpu", **v).settings
 
 
 def _deepspeed(v: dict[str, Any], half: str) -> ScalerSettings:
-    build = getattr(ScalerSettings, "deepspeed", None)
-    if build is None:
-        raise ValueError(
-            "DeepSpeed's own growth timing (its first growth after window + 1 clean steps) is not in this dls yet, "
-            "and no other rule is substituted for it"
-        )
-    settings: ScalerSettings = build(loss_scale=0, **v)
-    return settings
+    from dls.scaler import GradScaler  # the library's constructor for DeepSpeed's fp16 section (its growth timing)
+
+    return GradScaler.from_deepspeed({"enabled": True, "loss_scale": 0, **v}, device="cpu").settings
 
 
 def _static(v: dict[str, Any], half: str) -> ScalerSettings:
@@ -165,7 +153,6 @@ POLICIES: dict[str, PolicyKind] = {
                 "growth_interval": (250, 500, 1000),
                 "hysteresis": (1, 2, 4),
             },
-            {"init_scale": "initial_scale", "min_loss_scale": "min_scale", "steps_per_increase": "growth_interval"},
         ),
         PolicyKind(
             "deepspeed",
@@ -699,7 +686,18 @@ def config_lines(settings: ScalerSettings) -> dict[str, str]:
         extras.append("consecutive_hysteresis=True")
     if s.overflow_tolerance:
         extras.append(f"overflow_tolerance={_num(s.overflow_tolerance)}")
-    if s.dialect == "cerebras":
+    if s.dialect == "megatron":
+        args = [
+            '"cuda"',
+            f"initial_scale={_num(s.init_scale)}",
+            f"min_scale={_num(s.min_loss_scale)}",
+            f"growth_factor={_num(factors[0])}",
+            f"backoff_factor={_num(factors[1])}",
+            f"growth_interval={interval}",
+            f"hysteresis={s.hysteresis}",
+        ]
+        out["dls"] = f"dls.GradScaler.from_megatron({', '.join(args)})"
+    elif s.dialect == "cerebras":
         args = [
             'loss_scale="dynamic"',
             f"init_scale={_num(s.init_scale)}",
