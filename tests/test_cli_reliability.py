@@ -6,6 +6,7 @@ lock, the messages name paths and keys, and a full disk leaves no temporary file
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import shutil
 import subprocess
@@ -32,8 +33,9 @@ def write_config(path: Path, raw: dict[str, Any]) -> str:
     return str(path)
 
 
-def snapshot(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+def snapshot(directory: Path) -> dict[str, Any]:
+    """Each entry's bytes (a directory's: its snapshot)."""
+    return {p.name: p.read_bytes() if p.is_file() else snapshot(p) for p in sorted(directory.iterdir())}
 
 
 def one_line(err: str) -> str:
@@ -176,12 +178,14 @@ def test_demo_refuses_an_out_dir_another_run_holds(tmp_path: Path, capsys: pytes
 
 # ---------------------------------------------------------------------- item 13: messages
 def test_a_directory_named_metrics_jsonl_is_named_by_its_path(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    finished: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    (tmp_path / "run" / "metrics.jsonl").mkdir(parents=True)
-    assert main(["train", write_config(tmp_path / "c.yaml", tiny(tmp_path / "run")), "--no_progress"]) == 3
+    run = copy_of(finished, tmp_path)
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").mkdir()
+    assert main(["train", "--resume", str(run), "--no_progress", "-o", "runconfig.max_steps=6"]) == 3
     err = one_line(capsys.readouterr().err)
-    assert f"{tmp_path / 'run' / 'metrics.jsonl'}: Is a directory" in err
+    assert f"{run / 'metrics.jsonl'}: Is a directory" in err
 
 
 @pytest.mark.parametrize("content", [b"hello", b"pickled"])
@@ -287,13 +291,15 @@ def test_a_run_on_read_only_media_is_exit_3_naming_the_path_and_changes_nothing(
 def test_tensorboard_refuses_a_directory_others_can_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Others could plant a link where SummaryWriter reopens its event file: refused before anything is written
     (exit 2, naming the directory)."""
-    events = tmp_path / "run" / "tensorboard"
-    events.mkdir(parents=True)
+    run, events = tmp_path / "run", tmp_path / "run" / "tensorboard"
+    config = write_config(tmp_path / "c.yaml", tiny(run, runconfig={"max_steps": 2, "tensorboard": True}))
+    assert main(["train", config, "--no_progress"]) == 0
     events.chmod(0o777)
-    config = write_config(tmp_path / "c.yaml", tiny(tmp_path / "run", runconfig={"max_steps": 2, "tensorboard": True}))
-    assert main(["train", config, "--no_progress"]) == 2
+    before = snapshot(run)
+    capsys.readouterr()
+    assert main(["train", config, "--resume", str(run), "--no_progress", "-o", "runconfig.max_steps=4"]) == 2
     assert str(events) in one_line(capsys.readouterr().err)
-    assert os.listdir(tmp_path / "run") == ["tensorboard"] and os.listdir(events) == []
+    assert snapshot(run) == before
 
 
 def test_a_link_named_like_a_checkpoint_is_never_resumed_from(
@@ -310,3 +316,146 @@ def test_a_link_named_like_a_checkpoint_is_never_resumed_from(
     assert "Loading " + str(run / "checkpoint_4.mdl") in capsys.readouterr().out
     assert [s for s, _ in ckpt.list_checkpoints(run)] == [6, 8]  # rotation counts real checkpoints only
     assert ckpt.load_checkpoint(other)["global_step"] == 99  # the link's target is untouched
+
+
+# ---------------------------------------------------------------------- issue 30: command-line values
+def data_dirs(value: Any) -> list[Any]:
+    """Every data_dir value in a parsed config."""
+    if isinstance(value, dict):
+        return [v for k, v in value.items() if k == "data_dir"] + [d for v in value.values() for d in data_dirs(v)]
+    return [d for v in value for d in data_dirs(v)] if isinstance(value, list) else []
+
+
+@pytest.mark.parametrize("name", ["it's", 'say "hi"', "back\\slash", "tab\there", "new\nline", "plain: #x"])
+def test_dls_init_writes_data_dir_as_yaml_whatever_the_directory_is_called(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """C7: the value is written by the YAML library (quoted as YAML needs), and the config reads back the path."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["init", "modelzoo/fc_mnist", name]) == 0
+    config = Path(name) / "fc_mnist.yaml"
+    text = config.read_text()
+    found = data_dirs(yaml.safe_load(text))
+    assert found and all(d == str(Path(name) / "data" / "mnist") for d in found)
+    assert "# Model Zoo's own params.yaml reads the same data" in text  # the comments are kept
+    capsys.readouterr()
+    assert main(["validate", str(config)]) == 0
+    assert "on this machine" not in capsys.readouterr().out  # the data is where data_dir says
+
+
+def test_an_empty_directory_argument_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["data", "mnist", ""]) == 2
+    assert "dls data: an argument is empty" in one_line(capsys.readouterr().err)
+    assert main(["init", "mlp_fp16_dls", ""]) == 2
+    assert "DIR is empty" in one_line(capsys.readouterr().err)
+    for command in (["demo", "--steps", "1"], ["audit", str(ROOT / "configs" / "mlp_fp16_dls.yaml")]):
+        assert main([*command, "--out", ""]) == 2
+        assert "--out is empty" in one_line(capsys.readouterr().err)
+    assert main(["train", str(ROOT / "configs" / "mlp_fp16_dls.yaml"), "--resume", ""]) == 2
+    assert "--resume is empty" in one_line(capsys.readouterr().err)
+    assert os.listdir(tmp_path) == []  # nothing written into the current directory
+
+
+def test_out_of_memory_in_dls_data_names_its_own_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """C8: `dls data gpt DIR --train 1000000000000` runs out of memory in NumPy (simulated here: a machine that
+    overcommits memory would try); the advice names dls data's options, not a config key."""
+    from dls.train import modelzoo
+
+    @functools.wraps(modelzoo.write_tiny_data)  # its signature: dls data's defaults come from it
+    def write(**kwargs: Any) -> list[Path]:
+        assert kwargs["train_samples"] == 10**12
+        raise MemoryError("Unable to allocate 7.28 TiB for an array with shape (1000000000000,) and data type int64")
+
+    monkeypatch.setattr(modelzoo, "write_tiny_data", write)
+    assert main(["data", "gpt", str(tmp_path / "d"), "--train", str(10**12)]) == 3
+    err = one_line(capsys.readouterr().err)
+    assert err.startswith("dls: error: out of memory: Unable to allocate 7.28 TiB") and "lower --train" in err
+    assert "data.num_samples" not in err and "--resume" not in err
+
+
+def test_a_full_disk_in_dls_data_gives_its_own_advice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not the trainer's (another runconfig.model_dir, then --resume): dls data has neither."""
+    from dls.train import modelzoo
+
+    @functools.wraps(modelzoo.write_tiny_data)
+    def write(**kwargs: Any) -> list[Path]:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "d" / "train.h5"))
+
+    monkeypatch.setattr(modelzoo, "write_tiny_data", write)
+    assert main(["data", "gpt", str(tmp_path / "d")]) == 3
+    err = one_line(capsys.readouterr().err)
+    assert err == f"dls: error: {tmp_path / 'd' / 'train.h5'}: No space left on device (free some space or write to " \
+        "another DIR)\n"  # fmt: skip
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_full_disk_while_taking_the_lock_names_the_lock_file_and_leaves_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], existing: bool
+) -> None:
+    """C8: the lock's record cannot be written (ENOSPC): exit 3 naming the path; no empty .dls.lock is left, and a
+    model_dir the run created is removed again."""
+    run = tmp_path / "run"
+    if existing:
+        run.mkdir()
+    config = write_config(tmp_path / "c.yaml", tiny(run))
+
+    def no_space(*args: Any) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", no_space)
+    assert main(["train", config, "--no_progress"]) == 3
+    monkeypatch.undo()
+    err = one_line(capsys.readouterr().err)
+    assert err.startswith(f"dls: error: {run / ckpt.LOCK_FILE}: No space left on device")
+    assert (os.listdir(run) == []) if existing else not run.exists()
+
+
+def test_dls_audit_steps_has_an_upper_bound(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """C9: --steps runs that many passes per format; a number no audit needs is refused before anything runs."""
+    from dls.train.cli import MAX_AUDIT_STEPS
+
+    config = str(ROOT / "configs" / "mlp_fp16_dls.yaml")
+    for steps in (MAX_AUDIT_STEPS + 1, 10**18):
+        assert main(["audit", config, "--steps", str(steps), "--out", str(tmp_path / "a")]) == 2
+        assert f"--steps must be at most {MAX_AUDIT_STEPS}; got {steps}" in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("kind", ["gpt", "mnist"])
+def test_dls_data_out_of_memory_leaves_no_empty_directory(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The arrays are built before a directory is made: running out of memory (simulated at NumPy's generator)
+    leaves nothing behind."""
+    import numpy as np
+
+    class NoMemory:  # a generator whose first large draw fails as NumPy's does
+        def __init__(self, seed: int) -> None:
+            self.rng = real(seed)
+
+        def integers(self, *args: Any, **kwargs: Any) -> Any:
+            raise MemoryError(
+                "Unable to allocate 7.28 TiB for an array with shape (1000000000000,) and data type int64"
+            )
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.rng, name)
+
+    real = np.random.default_rng
+    monkeypatch.setattr(np.random, "default_rng", NoMemory)
+    assert main(["data", kind, str(tmp_path / "d"), "--train", str(10**12)]) == 3
+    assert "out of memory" in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "d").exists()
+
+
+def test_an_empty_config_path_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("train", "validate"):
+        assert main([command, ""]) == 2
+        assert "the config path is empty ('')" in one_line(capsys.readouterr().err)

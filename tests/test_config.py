@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 import dls
 from dls.settings import ScalerSettings, SettingsError
@@ -230,7 +231,7 @@ def test_unknown_section() -> None:
         (mlp(precision={"fp16_type": "float8"}), "precision.fp16_type must be one of 'float16', 'bfloat16'"),
         (mlp(runconfig={"device": "tpu"}), "runconfig.device must be one of 'auto', 'cpu', 'cuda'"),
         (mlp(runconfig={"load_checkpoint_states": "model,weights"}), "unknown checkpoint state(s) 'weights'"),
-        ({"model": {"name": "resnet"}}, "model.name must be one of 'mlp', 'transformer_lm', 'fc_mnist'"),
+        ({"model": {"name": "resnet"}}, "model.name: fc_mnist, gpt2, gpt3, llama are supported (and dls's own mlp"),
         ({"model": {}}, "model.name is required"),
         # These two crashed (exit 4) before: a name or a state list that is not text.
         ({"model": {"name": ["mlp"]}}, "model.name must be one of 'mlp', 'transformer_lm'"),
@@ -394,14 +395,8 @@ SCALER_NAMES = {v: k for k, v in YAML_NAMES.items()}
 
 
 def scaler_kwargs(optimizer: dict) -> dict:
-    """The ``dls.GradScaler`` arguments of the optimizer keys (integral floats as integers, as YAML's 1e3 reads)."""
-    return {
-        SCALER_NAMES.get(k, k): int(v) if isinstance(v, float) and v.is_integer() and k in INTEGER_KEYS else v
-        for k, v in optimizer.items()
-    }
-
-
-INTEGER_KEYS = ("steps_per_increase", "hysteresis")
+    """The ``dls.GradScaler`` arguments of the optimizer keys, as written (a count written 100.0 is not a count)."""
+    return {SCALER_NAMES.get(k, k): v for k, v in optimizer.items()}
 
 
 @pytest.mark.parametrize(
@@ -422,6 +417,8 @@ INTEGER_KEYS = ("steps_per_increase", "hysteresis")
         {"min_loss_scale": 8, "max_loss_scale": 4},
         {"initial_loss_scale": 0.5, "min_loss_scale": 1},
         {"steps_per_increase": 1e10},
+        {"steps_per_increase": 100.0},  # a count is an integer, as GradScaler's (it was read as 100)
+        {"hysteresis": 2.0},
         {"steps_per_increase": 2**31},  # torch's growth tracker is an int32
         {"steps_per_increase": 2**31 - 1},
         {"steps_per_increase": 2.5},
@@ -605,11 +602,13 @@ def test_fp8_errors_name_the_key(fp8: object, needle: str) -> None:
 
 
 def test_fp8_config_holds_every_field_and_round_trips() -> None:
-    cfg = parse_config(mlp(precision={"fp8": {"recipe": "delayed", "amax_history_len": 16.0, "margin": 1}}))
+    (msg,) = errors_of(mlp(precision={"fp8": {"recipe": "delayed", "amax_history_len": 16.0}}))
+    assert msg == "precision.fp8.amax_history_len must be an integer in [1, 65536]; got 16.0"  # as DelayedScaling
+    cfg = parse_config(mlp(precision={"fp8": {"recipe": "delayed", "amax_history_len": 16, "margin": 1}}))
     assert cfg.precision.fp8 == {
         "recipe": "delayed",
         "margin": 1,
-        "amax_history_len": 16,  # YAML's 16.0 read as the integer it is
+        "amax_history_len": 16,
         "amax_compute_algo": "max",
         "fp8_format": "hybrid",
         "saturate_gradients": True,
@@ -629,20 +628,48 @@ def test_fp8_keys_come_from_overrides_too(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------- Model Zoo layouts, as written
 MODELZOO = Path(__file__).resolve().parent / "data" / "modelzoo"
-# Copied unchanged from the Cerebras/modelzoo repository.
+# Copied unchanged from the Cerebras/modelzoo repository (tests/data/modelzoo/README.md: each file's release tag).
+MODELS, NLP = "src/cerebras/modelzoo/models", "src/cerebras/modelzoo/models/nlp"
 SOURCES = {
-    "fc_mnist_legacy_params.yaml": "modelzoo/fc_mnist/pytorch/configs/params.yaml@886a4387",
-    "fc_mnist_params.yaml": "src/cerebras/modelzoo/models/vision/fc_mnist/configs/params.yaml@4db93fed",
-    "gpt3_cerebras_gpt_111m.yaml": "src/cerebras/modelzoo/models/nlp/gpt3/configs/Cerebras_GPT/111m.yaml@ccbe5f76",
-    "llama3p2_1b_msl_8k.yaml": "src/cerebras/modelzoo/models/nlp/llama/configs/params_llama3p2_1b_msl_8k.yaml@a0c06166",
+    "fc_mnist_legacy_params.yaml": "Release_1.8.0:modelzoo/fc_mnist/pytorch/configs/params.yaml",
+    "fc_mnist_1.9.1.yaml": "Release_1.9.1:modelzoo/fc_mnist/pytorch/configs/params.yaml",
+    "fc_mnist_params.yaml": f"Release_2.10.0:{MODELS}/vision/fc_mnist/configs/params.yaml",
+    "fc_mnist_cszoov2.yaml": f"Release_2.10.0:{MODELS}/vision/fc_mnist/configs/params_cszoov2.yaml",
+    "gpt2_small_2.3.1.yaml": f"Release_2.3.1:{NLP}/gpt2/configs/params_gpt2_small.yaml",
+    "gpt2_small_ws_1.8.0.yaml": "Release_1.8.0:modelzoo/transformers/pytorch/gpt2/configs/params_gpt2_small_ws.yaml",
+    "gpt3_125m_rigl75.yaml": f"Release_2.10.0:{NLP}/gpt3/configs/sparsity/pretraining/params_gpt3_125m_rigl75.yaml",
+    "gpt3_20b_2.3.1.yaml": f"Release_2.3.1:{NLP}/gpt3/configs/params_gpt3_20b.yaml",
+    "gpt3_cerebras_gpt_111m.yaml": f"Release_2.10.0:{NLP}/gpt3/configs/Cerebras_GPT/111m.yaml",
+    "gpt3_cerebras_gpt_111m_mup.yaml": f"Release_2.10.0:{NLP}/gpt3/configs/Cerebras_GPT/111m_mup.yaml",
+    "gpt3_cerebras_gpt_111m_mup_2.3.1.yaml": f"Release_2.3.1:{NLP}/gpt3/configs/Cerebras_GPT/111m_mup.yaml",
+    "gpt3_cerebras_gpt_256m_mup_2.3.1.yaml": f"Release_2.3.1:{NLP}/gpt3/configs/Cerebras_GPT/256m_mup.yaml",
+    "gpt3_mup_40m_2.3.1.yaml": f"Release_2.3.1:{NLP}/gpt3/configs/muP/params_gpt3_40M.yaml",
+    "llama3p1_70b_msl_8k_2.3.1.yaml": f"Release_2.3.1:{NLP}/llama/configs/params_llama3p1_70b_msl_8k.yaml",
+    "llama3p1_8b_msl_8k.yaml": f"Release_2.10.0:{NLP}/llama/configs/params_llama3p1_8b_msl_8k.yaml",
+    "llama3p2_1b_msl_8k.yaml": f"Release_2.10.0:{NLP}/llama/configs/params_llama3p2_1b_msl_8k.yaml",
+    "llama3p3_70b_msl_128k.yaml": f"Release_2.10.0:{NLP}/llama/configs/params_llama3p3_70b_msl_128k.yaml",
+    "llama_7b_1.9.1.yaml": "Release_1.9.1:modelzoo/transformers/pytorch/llama/configs/params_llama_7b.yaml",
+    **{
+        f"runconfig_schema_{r}.yaml": f"Release_{r}:{where}/schema/runconfig_schema.yaml"
+        for r, where in [(r, "modelzoo/common/pytorch") for r in ("1.8.0", "1.9.1")]
+        + [(r, "src/cerebras/modelzoo/common") for r in ("2.3.1", "2.10.0")]
+    },
 }
+# The configs that name their model and validate as written (the data elsewhere: a note).
+VALID = ["fc_mnist_legacy_params.yaml", "fc_mnist_params.yaml", "gpt3_cerebras_gpt_111m.yaml"]
+VALID.append("llama3p2_1b_msl_8k.yaml")
 
 
 def test_the_model_zoo_copies_are_all_listed() -> None:
     assert sorted(p.name for p in MODELZOO.glob("*.yaml")) == sorted(SOURCES)
+    readme = (MODELZOO / "README.md").read_text()
+    for name, source in SOURCES.items():
+        release, path = source.split(":")
+        row = next(line for line in readme.splitlines() if line.startswith(f"| `{name}` |"))
+        assert release in row and f"`{path}`" in row, name
 
 
-@pytest.mark.parametrize("name", sorted(SOURCES))
+@pytest.mark.parametrize("name", VALID)
 def test_real_model_zoo_configs_validate_as_written(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     from dls.train.cli import main
 
@@ -713,7 +740,7 @@ def test_a_legacy_config_without_a_model_name_says_how_to_name_it() -> None:
         ("trainer.init.loop.max_steps='1024'", "trainer.init.loop.max_steps must be an integer >= 1; got '1024'"),
         ("trainer.init.backend.backend_type=TPU", "trainer.init.backend.backend_type must be CSX, CPU or GPU"),
         ("trainer.init.backend.backend_type=gpu", "got 'gpu' (did you mean 'GPU'?)"),  # the hint named no type
-        ("trainer.init.callbacks=[{CheckLoss: {}}]", "dls does not run the callback 'CheckLoss'"),
+        ("trainer.init.callbacks=[{Lora: {}}]", "dls does not run the callback 'Lora'"),
         ("trainer.init.schedulers=[{StepLR: {}}]", "trainer.init.schedulers[0] must be one of ConstantLR"),
         # A misspelt callback key was ignored (every state loaded); now it is refused, naming the key.
         (
@@ -721,7 +748,7 @@ def test_a_legacy_config_without_a_model_name_says_how_to_name_it() -> None:
             "unknown key trainer.init.callbacks[0].LoadCheckpointStates.load_checkpoint_state (did you mean",
         ),
         ("trainer.init.loop.grad_accum_steps=0", "trainer.init.loop.grad_accum_steps must be an integer in [1, 65536]"),
-        ("trainer.init.optimizer.AdamW.correct_bias=false", "trainer.init.optimizer.AdamW.correct_bias must be"),
+        ("trainer.init.optimizer.AdamW.correct_bias=maybe", "trainer.init.optimizer.AdamW.correct_bias must be"),
         ("trainer.init.precision.max_gradient_value=1e300", "at most float32's max"),
     ],
 )
@@ -771,18 +798,46 @@ def test_overrides_address_keys_as_written_and_aliases_are_copies(tmp_path: Path
     [
         (
             "runconfig:\n  max_steps: 3\nmodel: {name: mlp}\nrunconfig:\n  seed: 1\n",
-            "'runconfig' is given twice: lines 1 and 4",
+            "section 'runconfig' is given twice: lines 1 and 4",
         ),
-        ("model:\n  name: mlp\n  depth: 2\n  depth: 3\n", "'depth' is given twice: lines 3 and 4"),
-        ("trainer:\n  init:\n    loop: {max_steps: 1, max_steps: 2}\n", "'max_steps' is given twice: lines 3 and 3"),
+        (
+            "model:\n  name: mlp\n  optimizer: {a: 1}\n  optimizer: 2\n",
+            "section 'optimizer' is given twice: lines 3 and 4",
+        ),
+        ("trainer:\n  init:\n    loop: {}\n    loop: {max_steps: 2}\n", "section 'loop' is given twice: lines 3 and 4"),
     ],
 )
-def test_duplicate_keys_at_any_level_name_the_key_and_both_lines(tmp_path: Path, text: str, needle: str) -> None:
+def test_a_section_given_twice_is_refused_naming_it_and_both_lines(tmp_path: Path, text: str, needle: str) -> None:
     path = tmp_path / "dup.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert needle in str(info.value) and str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "lines"),
+    [
+        ("model:\n  name: mlp\n  depth: 2\n  depth: 3\n", "depth", (3, 4)),
+        ("model: {name: mlp}\nrunconfig: {max_steps: 1, max_steps: 3}\n", "max_steps", (2, 2)),
+        ("model: {name: mlp}\noptimizer:\n  betas: [0.5, 0.5]\n  betas:\n    - 0.9\n    - 0.9\n", "betas", (3, 4)),
+    ],
+)
+def test_a_value_given_twice_takes_the_last_as_model_zoo_does_with_one_note(
+    tmp_path: Path, text: str, key: str, lines: tuple[int, int]
+) -> None:
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    cfg = load_config(path)
+    said = [n for n in cfg.notes if "given twice" in n]
+    assert said == [
+        f"{path}: {key!r} is given twice (lines {lines[0]} and {lines[1]}); the value of line {lines[1]} is used, as "
+        "Model Zoo's YAML loader does"
+    ]
+    reference = yaml.safe_load(text)  # PyYAML's loader, Model Zoo's: the last value
+    section = next(s for s in reference.values() if isinstance(s, dict) and key in s)
+    value = {"depth": cfg.model.depth, "max_steps": cfg.runconfig.max_steps, "betas": list(cfg.optimizer.betas)}[key]
+    assert value == section[key]
 
 
 def test_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
@@ -814,9 +869,9 @@ def test_size_dependent_values_are_a_note_in_validate_and_exit_3_in_train(
     from dls.train.cli import main
 
     config = str(CONFIGS[0].parent / "mlp_fp16_dls.yaml")
-    assert main(["validate", config, "-o", "data.num_samples=1e11"]) == 0
+    assert main(["validate", config, "-o", "data.num_samples=100000000000"]) == 0
     assert "# note: on this machine: data.num_samples: this run needs about" in capsys.readouterr().out
-    assert main(["train", config, "-o", "data.num_samples=1e11", f"runconfig.model_dir={tmp_path / 'r'}"]) == 3
+    assert main(["train", config, "-o", "data.num_samples=100000000000", f"runconfig.model_dir={tmp_path / 'r'}"]) == 3
     assert "data.num_samples" in capsys.readouterr().err and not (tmp_path / "r").exists()
 
 
@@ -888,7 +943,7 @@ def test_validate_agrees_with_train_on_every_numeric_key(
         assert (checked == 2) == (trained == 2), (value, checked, trained, err)
 
 
-@pytest.mark.parametrize("name", sorted(SOURCES))
+@pytest.mark.parametrize("name", VALID)
 def test_a_model_zoo_config_round_trips_through_the_saved_config(name: str) -> None:
     """What a run saves (config.yaml, the checkpoint's config) reads back to the same run."""
     cfg = load_config(MODELZOO / name)

@@ -6,6 +6,8 @@ trains; in float16 every step overflows in the forward pass and no loss scale ca
 
 from __future__ import annotations
 
+import copy
+import io
 import math
 import pickle
 import warnings
@@ -20,6 +22,7 @@ from torch import nn
 import dls
 from _amplify import amplifying_model, batch, eval_loss, loss_fn, scaled_step, train
 from conftest import OpLog, launch_ranks
+from dls.keep import is_kept
 
 pytestmark = pytest.mark.filterwarnings("ignore:dls fallback:UserWarning")  # tests that check them record them
 
@@ -375,3 +378,37 @@ def test_a_kept_module_that_overflows_float32_is_not_kept_again_and_the_fallback
     assert watch.kept_in_float32 == ("amplify", "norm")
     assert watch.fallback is not None and watch.fallback.disarmed
     assert sum("disarmed" in str(w.message) for w in caught) == 1
+
+
+def test_a_model_the_fallback_kept_a_module_of_saves_whole() -> None:
+    """Issue 30 B5: ``torch.save(model)`` after the fallback kept a module (its class is a kept one)."""
+    run = train(amplifying_model(), 3, half=True, setup=fallback)
+    model = run["extra"].model
+    assert run["extra"].kept_in_float32 == ("amplify",)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert is_kept(loaded.amplify) and not is_kept(loaded.head)
+    x = batch(0)[0]
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.equal(loaded(x), model(x)) and torch.isfinite(loaded(x)).all()
+
+
+def test_an_armed_model_copies_whole_and_the_copy_is_not_armed() -> None:
+    """Between a skipped step that armed the fallback and the next forward pass, the root has a class of the
+    fallback's and hooks on every module: ``torch.save(model)`` and ``copy.deepcopy`` give a model of its own class
+    whose copies of those hooks do nothing (a copy is watched by no fallback); the original stays armed."""
+    model = amplifying_model()
+    watch = dls.GradScaler("cpu").watch(model, fallback=True)
+    assert watch.fallback is not None
+    watch.fallback.after_skip(forward=True)  # as at a skipped step whose loss was inf
+    assert watch.fallback.armed and type(model) is not nn.Sequential
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for copied in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
+        assert type(copied) is nn.Sequential
+        with torch.autocast("cpu", dtype=torch.float16):
+            copied(batch(0)[0])
+        assert watch.fallback.armed and not watch.fallback._recording  # the copy's pass was not the original's

@@ -11,6 +11,7 @@ from torch import nn
 
 import dls
 from _amplify import amplifying_model, batch
+from dls.keep import is_kept
 
 
 def float32_output(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -108,3 +109,54 @@ def test_bad_modules_raise_before_anything_changes() -> None:
         dls.keep_in_float32("model", ["amplify"])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="module names"):
         dls.keep_in_float32(model, [3])  # type: ignore[list-item]
+
+
+# ---------------------------------------------------------------------- copies of a kept model (issue 30 B5)
+def autocast_output(model: nn.Module, x: torch.Tensor) -> tuple[torch.dtype, torch.Tensor]:
+    """The dtype ``model.amplify`` returns inside float16 autocast, and the model's output."""
+    seen: list[torch.dtype] = []
+    hook = model.amplify.register_forward_hook(lambda _m, _a, out: seen.append(out.dtype))
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(x)
+    hook.remove()
+    return seen[0], out
+
+
+def run_in_child(model: nn.Module, x: torch.Tensor) -> tuple[str, bool]:
+    """What a spawned process computes with the model it was sent (pickled by multiprocessing)."""
+    dtype, out = autocast_output(model, x)
+    return str(dtype), bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("how", ["torch.save", "deepcopy"])
+def test_a_model_with_kept_modules_copies_whole_and_the_copy_is_kept(how: str) -> None:
+    import io
+
+    model = amplifying_model()
+    handle = dls.keep_in_float32(model, ["amplify"])
+    x = batch(0)[0]
+    if how == "torch.save":
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)  # a whole model: its classes are unpickled
+    else:
+        copied = copy.deepcopy(model)
+    assert is_kept(copied.amplify) and isinstance(copied.amplify, nn.Linear)
+    assert autocast_output(copied, x)[0] == torch.float32
+    assert torch.equal(autocast_output(copied, x)[1], autocast_output(model, x)[1])
+    handle.remove()  # the original's handle releases the original only
+    assert type(model.amplify) is nn.Linear and is_kept(copied.amplify)
+    dls.keep_in_float32(copied, ["amplify"]).remove()  # a copy is released by a handle of its own
+    assert type(copied.amplify) is nn.Linear
+
+
+def test_a_model_with_kept_modules_goes_to_a_spawned_process() -> None:
+    import multiprocessing
+
+    model = amplifying_model()
+    dls.keep_in_float32(model, ["amplify"])
+    x = batch(0)[0]
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        dtype, finite = pool.apply(run_in_child, (model, x))
+    assert (dtype, finite) == ("torch.float32", True)

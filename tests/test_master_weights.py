@@ -541,3 +541,57 @@ def test_fmt_may_be_a_torch_dtype_as_dls_emulate_takes() -> None:
     assert opt.fmt is dls.formats.get("bfloat16")
     assert p.dtype == torch.float32 and torch.equal(p, torch.ones(2))
     assert torch.equal(opt.master_of(p), torch.full((2,), 1.0 + 2.0**-12))
+
+
+# ---------------------------------------------------------------------------------- loaded masters (issue 30)
+@pytest.mark.parametrize(
+    ("dtype", "fmt", "value", "beyond"),
+    [
+        (torch.float16, None, torch.full((4,), 1e5), "float16"),  # finite in float32, beyond float16's 65504
+        (torch.float16, None, torch.full((4,), 3e38), "float16"),
+        (torch.bfloat16, None, torch.full((4,), 1e300, dtype=torch.float64), "float32"),  # inf once cast
+        (torch.float16, None, torch.full((4,), 1e300, dtype=torch.float64), "float32"),
+        (torch.float32, "cbfloat16", torch.full((4,), 1e10), "cbfloat16"),  # beyond cbfloat16's 4.29e9
+    ],
+)
+def test_loaded_masters_are_cast_then_checked_in_the_parameters_format(
+    dtype: torch.dtype, fmt: str | None, value: torch.Tensor, beyond: str
+) -> None:
+    """Issue 30 A1: a master that is finite as saved but not once cast to float32, or once rounded to the model's
+    parameter, is refused naming it; the model, the masters and the optimizer state stay as they were."""
+    model = torch.nn.Linear(4, 4).to(dtype)
+    opt = master_weights(torch.optim.AdamW(model.parameters(), lr=1e-3), fmt=fmt)
+    model(torch.randn(2, 4, dtype=dtype)).float().sum().backward()
+    opt.step()
+    before = snapshot(model, opt)
+    crafted = copy.deepcopy(opt.state_dict())
+    crafted["master_weights"][1] = value
+    crafted["state"][1]["exp_avg"] = torch.zeros(4)  # would change the state if anything were loaded
+    with pytest.raises(ValueError, match=rf"state_dict\['master_weights'\]\[1\] holds values beyond {beyond}'s range"):
+        opt.load_state_dict(crafted)
+    assert_identical(snapshot(model, opt), before)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_loaded_masters_that_are_inf_complex_or_float8_are_judged_by_their_values() -> None:
+    model = torch.nn.Linear(2, 2).half()
+    opt = master_weights(torch.optim.SGD(model.parameters(), lr=0.1))
+    good = copy.deepcopy(opt.state_dict())
+    before = snapshot(model, opt)
+    for value, needle in [
+        (torch.tensor([1.0, float("nan")]), "holds inf or NaN"),
+        (torch.tensor([1.0, 2.0], dtype=torch.complex64), "must be a dense real tensor"),
+        (torch.tensor([1.0, 2.0]).to_sparse(), "must be a dense real tensor"),
+        (torch.empty(2, device="meta"), "must be a dense real tensor; got a torch.strided torch.float32 tensor on the"),
+    ]:
+        with pytest.raises(ValueError, match=rf"state_dict\['master_weights'\]\[1\] {needle}"):
+            opt.load_state_dict({**good, "master_weights": {0: good["master_weights"][0], 1: value}})
+        assert_identical(snapshot(model, opt), before)
+    with pytest.raises(ValueError, match=r"holds masters for parameters none \(it is a list\)"):
+        opt.load_state_dict({**good, "master_weights": list(good["master_weights"].values())})
+    assert_identical(snapshot(model, opt), before)
+    # float8 masters (no isfinite of their own) are read through float32: 448 fits float16
+    float8 = torch.tensor([448.0, -2.0]).to(torch.float8_e4m3fn)
+    opt.load_state_dict({**good, "master_weights": {0: good["master_weights"][0], 1: float8}})
+    assert torch.equal(model.bias, torch.tensor([448.0, -2.0], dtype=torch.float16))
+    assert opt.master_of(model.bias).dtype == torch.float32

@@ -113,3 +113,12 @@ def test_registered_state_travels_in_the_scalers_checkpoint() -> None:
         dls.GradScaler("cpu").load_state_dict(saved)  # nobody registered "kept"
     with pytest.raises(ValueError, match="new state dict key"):
         scaler.register_state("loss_scale", owner)
+
+
+@pytest.mark.parametrize("state", [{"scale": 1024.0, "num_skipped_steps": 10**400}, {"scale": 10**400}])
+def test_an_absurd_value_is_named_and_cut_short_in_the_message(state):
+    scaler = dls.GradScaler("cpu")
+    with pytest.raises(ValueError, match=r"got 1000000000\d*\.\.\. \(401 characters\)") as info:
+        scaler.load_state_dict(state)
+    assert len(str(info.value)) < 200
+    assert scaler.get_scale() == 2.0**16

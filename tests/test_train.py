@@ -276,7 +276,7 @@ def test_checkpoint_contents(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------- outputs
 def test_metrics_plot_and_result(tmp_path: Path) -> None:
-    raw = tiny(tmp_path / "run", runconfig={"max_steps": 8, "log_steps": 4}, optimizer={"log_summaries": True})
+    raw = tiny(tmp_path / "run", runconfig={"max_steps": 8, "log_steps": 4}, precision={"log_underflow": True})
     raw["optimizer"]["initial_loss_scale"] = raw["optimizer"]["max_loss_scale"] = 2.0**24  # overflows at first
     trainer = Trainer(parse_config(raw), console=Console(file=io.StringIO(), width=200), progress=True)
     result = trainer.train()
@@ -311,7 +311,8 @@ def test_float16_underflow_is_measured_and_scaling_fixes_it(tmp_path: Path) -> N
         raw = tiny(
             tmp_path / name,
             model={"loss_weight": 1e-7, "dropout": 0.0},
-            optimizer={"log_summaries": True, "loss_scaling_factor": factor},
+            precision={"log_underflow": True},
+            optimizer={"loss_scaling_factor": factor},
             runconfig={"max_steps": 2},
         )
         if factor != "dynamic":

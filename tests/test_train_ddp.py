@@ -40,6 +40,7 @@ CONFIG: dict[str, Any] = {
         "fp16_type": "float16",
         "half_params": True,
         "fp8": {"recipe": "delayed", "amax_history_len": 4},
+        "log_underflow": True,
     },
     "optimizer": {
         "optimizer_type": "AdamW",
@@ -50,7 +51,6 @@ CONFIG: dict[str, Any] = {
         "max_loss_scale": 2.0**24,
         "steps_per_increase": 1000,  # the scale only moves when a step overflows
         "max_gradient_norm": 5.0,
-        "log_summaries": True,
     },
     "runconfig": {
         "max_steps": STEPS,

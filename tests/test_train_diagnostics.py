@@ -133,7 +133,7 @@ def scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
 
 def test_tensorboard_events_hold_the_logged_rows(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    raw = tiny(run, optimizer={"log_summaries": True}, runconfig={"max_steps": 4, "log_steps": 2, "tensorboard": True})
+    raw = tiny(run, precision={"log_underflow": True}, runconfig={"max_steps": 4, "log_steps": 2, "tensorboard": True})
     make_trainer(raw)[0].train()
     rows = metrics(run)
     (event_file,) = (run / TENSORBOARD_DIR).iterdir()
@@ -157,11 +157,11 @@ def test_tensorboard_refuses_a_link_in_model_dir(tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     run = tmp_path / "run"
-    run.mkdir()
-    os.symlink(elsewhere, run / TENSORBOARD_DIR)
-    raw = tiny(run, runconfig={"max_steps": 2, "tensorboard": True})
+    make_trainer(tiny(run, runconfig={"max_steps": 2}))[0].train()
+    os.symlink(elsewhere, run / TENSORBOARD_DIR)  # in a run resumed in place (a fresh run refuses any earlier file)
+    raw = tiny(run, runconfig={"max_steps": 4, "tensorboard": True})
     with pytest.raises(ModelDirError, match="is not a directory \\(or is a symbolic link"):
-        make_trainer(raw)[0].train()
+        make_trainer(raw)[0].train(resume=run)
     assert list(elsewhere.iterdir()) == []
 
 

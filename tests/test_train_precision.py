@@ -156,3 +156,149 @@ def test_per_tensor_scaling_keeps_the_gradients_that_scale_1_flushes(tmp_path: P
         flushed[name] = make_trainer(raw)[0].train().fp8_flushed
     assert flushed["static"] is not None and flushed["static"] > 0.99
     assert flushed["current"] is not None and flushed["current"] < 0.01
+
+
+# ---------------------------------------------------------------------- Model Zoo's semantics per backend (issue 31)
+ZOO = Path(__file__).resolve().parent / "data" / "modelzoo"
+GPT3 = ZOO / "gpt3_cerebras_gpt_111m.yaml"  # Release 2.10.0: bfloat16, loss_scaling_factor unset (1.0)
+FLOAT16 = ["trainer.init.precision.fp16_type=float16"]
+
+
+def test_bfloat16_trains_without_loss_scaling_as_model_zoo_unless_forced() -> None:
+    from dls.train.config import load_config, loss_scaling_mode, parse_config, scaler_settings
+
+    path = ZOO / "llama3p3_70b_msl_128k.yaml"  # Release 2.10.0: bfloat16 with loss_scaling_factor: dynamic
+    cfg = load_config(path)
+    assert cfg.precision.compute_dtype == "bfloat16" and loss_scaling_mode(cfg) == "off"
+    (note,) = [n for n in cfg.notes if "no loss scaling" in n]
+    assert note.startswith("trainer.init.precision.fp16_type bfloat16: no loss scaling, as Model Zoo trains bfloat16")
+    assert "trainer.init.precision.loss_scaling_factor" in note and "force_loss_scaling: true" in note
+    forced = load_config(path, ["trainer.init.precision.force_loss_scaling=true"])
+    assert loss_scaling_mode(forced) == "dynamic" and scaler_settings(forced).half_dtype == "bfloat16"
+    assert not any("no loss scaling" in n for n in load_config(GPT3).notes)  # the default 1.0: nothing unused
+    own = parse_config({"model": {"name": "mlp"}, "precision": {"mixed_precision": True, "fp16_type": "bfloat16"},
+                        "optimizer": {"loss_scaling_factor": "dynamic"}})  # fmt: skip
+    assert loss_scaling_mode(own) == "dynamic"  # dls's own layout: as written
+
+
+def test_gpu_backend_is_torch_amps_rule_as_model_zoos_gpu_path_builds_it() -> None:
+    from dls.policy import FLOAT32_MAX, FLOAT32_TINY
+    from dls.settings import ScalerSettings
+    from dls.train.config import GPU_NEVER, load_config, scaler_settings
+
+    gpu = [*FLOAT16, "trainer.init.backend.backend_type=GPU"]
+    dynamic = load_config(GPT3, [*gpu, "trainer.init.precision.loss_scaling_factor=dynamic",
+                                 "trainer.init.precision.steps_per_increase=7",
+                                 "trainer.init.precision.max_loss_scale=1024"])  # fmt: skip
+    assert dynamic.runconfig.device == "cuda" and dynamic.runconfig.backend == "GPU"
+    s = scaler_settings(dynamic)
+    assert s == ScalerSettings.torch(init_scale=65536.0, growth_interval=7, half_dtype="float16", max_gradient_norm=1.0)
+    assert (s.init_scale, s.growth_interval, s.min_loss_scale, s.max_loss_scale) == (
+        2.0**16,
+        7,
+        FLOAT32_TINY,
+        FLOAT32_MAX,
+    )
+    assert any(n.startswith("trainer.init.precision.max_loss_scale not used: trainer.init.backend.backend_type GPU")
+               for n in dynamic.notes)  # fmt: skip
+    started = load_config(GPT3, [*gpu, "trainer.init.precision.loss_scaling_factor=dynamic",
+                                 "trainer.init.precision.initial_loss_scale=8"])  # fmt: skip
+    assert scaler_settings(started).init_scale == 8.0
+    static = load_config(GPT3, gpu)  # Model Zoo's default loss_scaling_factor 1.0
+    s = scaler_settings(static)
+    assert (s.mode, s.init_scale, s.growth_interval, s.dialect) == ("dynamic", 1.0, GPU_NEVER, "torch")
+    assert any("it backs off on overflow and never grows" in n for n in static.notes)
+    csx = scaler_settings(load_config(GPT3, [*FLOAT16, "trainer.init.precision.loss_scaling_factor=dynamic"]))
+    assert (csx.dialect, csx.init_scale, csx.max_loss_scale) == ("cerebras", 2.0**15, 2.0**15)  # cstorch.amp's
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_the_gpu_rule_follows_torch_amp_step_by_step(static: bool) -> None:
+    """dls's scaler from the GPU settings and torch.amp.GradScaler as Model Zoo's GPU path builds it (a static factor:
+    ``growth_interval=2**63 - 1``), on the same gradients with overflows: the same scale after every step."""
+    from dls.train.config import load_config, scaler_settings
+
+    overrides = [*FLOAT16, "trainer.init.backend.backend_type=GPU"]
+    overrides += [] if static else ["trainer.init.precision.loss_scaling_factor=dynamic",
+                                    "trainer.init.precision.steps_per_increase=3"]  # fmt: skip
+    settings = scaler_settings(load_config(GPT3, overrides))
+    ours = dls.GradScaler.from_settings(settings, device="cpu")
+    theirs = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=2**63 - 1) if static else (
+        torch.amp.GradScaler("cpu", init_scale=65536.0, growth_interval=3)
+    )  # fmt: skip
+    models = [torch.nn.Linear(4, 1) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in models]
+    overflows = {2, 3, 9, 10, 11, 20}
+    for step in range(30):
+        for model, opt, scaler in zip(models, optimizers, (ours, theirs)):
+            loss = model(torch.ones(2, 4)).sum() * (float("inf") if step in overflows else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        assert ours.get_scale() == theirs.get_scale(), step
+    assert ours.get_scale() == (2.0**-6 if static else theirs.get_scale())
+
+
+def test_a_static_gpu_scale_never_grows_within_the_runs_dls_allows(tmp_path: Path, monkeypatch: Any) -> None:
+    from dls.train.config import GPU_NEVER
+
+    raw = tiny(tmp_path / "run", runconfig={"backend": "GPU", "max_steps": GPU_NEVER})
+    raw["optimizer"] = {"loss_scaling_factor": 4.0}
+    monkeypatch.setattr("dls.train.trainer.resolve_device", lambda device: torch.device("cpu"))  # no GPU here
+    with pytest.raises(ValueError, match=f"runconfig.max_steps must be below {GPU_NEVER:,} with backend_type GPU"):
+        make_trainer(raw)
+    raw["runconfig"]["max_steps"] = 3
+    trainer = make_trainer(raw)[0]
+    assert trainer.scaler.get_scale() == 4.0 and trainer.scaler.settings.growth_interval == GPU_NEVER
+
+
+def test_cpu_backend_follows_csx_numerics_with_one_note() -> None:
+    from dls.train.config import load_config, scaler_settings
+
+    cfg = load_config(GPT3, [*FLOAT16, "trainer.init.backend.backend_type=CPU",
+                             "trainer.init.precision.loss_scaling_factor=dynamic"])  # fmt: skip
+    (note,) = [n for n in cfg.notes if "backend_type CPU" in n]
+    assert note == (
+        "trainer.init.backend.backend_type CPU: the run computes float16 with cstorch.amp's loss scaling, as on "
+        "CSX; Model Zoo's own CPU path would compute in bfloat16 without loss scaling"
+    )
+    assert scaler_settings(cfg).dialect == "cerebras" and cfg.runconfig.device == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("path", "overrides", "logged"),
+    [
+        (GPT3, [*FLOAT16, "trainer.init.precision.loss_scaling_factor=dynamic"], True),  # log_loss_scale: true
+        (GPT3, [*FLOAT16, "trainer.init.precision.log_loss_scale=null"], False),  # unset, static: not logged
+        (
+            GPT3,
+            [
+                *FLOAT16,
+                "trainer.init.precision.log_loss_scale=null",
+                "trainer.init.precision.loss_scaling_factor=dynamic",
+            ],
+            True,
+        ),  # unset, dynamic: logged
+        (ZOO / "fc_mnist_legacy_params.yaml", [], False),  # legacy: with log_summaries, which it does not set
+        (ZOO / "fc_mnist_legacy_params.yaml", ["optimizer.log_summaries=true"], True),
+        (ZOO / "gpt3_cerebras_gpt_111m_mup_2.3.1.yaml", ["model.name=gpt3"], True),  # log_summaries: True
+    ],
+)
+def test_log_loss_scale_means_what_it_means_in_model_zoo(path: Path, overrides: list[str], logged: bool) -> None:
+    from dls.train.config import load_config
+
+    assert load_config(path, overrides).optimizer.log_loss_scale is logged
+
+
+def test_log_summaries_logs_the_norms_and_log_underflow_the_underflow(tmp_path: Path) -> None:
+    raw = tiny(tmp_path / "a", runconfig={"max_steps": 2}, optimizer={"log_summaries": True})
+    make_trainer(raw)[0].train()
+    rows = metrics(tmp_path / "a")
+    assert all(r["params_norm"] > 0 and "grad_underflow" not in r for r in rows)
+    assert all(r["grad_norm"] > 0 for r in rows if not r["skipped"])
+    raw = tiny(tmp_path / "b", runconfig={"max_steps": 2}, precision={"log_underflow": True})
+    make_trainer(raw)[0].train()
+    rows = metrics(tmp_path / "b")
+    assert all("params_norm" not in r and "grad_underflow" in r for r in rows)

@@ -3,6 +3,7 @@ through a symbolic link planted in it, inputs never overwritten, an unreadable m
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -79,22 +80,26 @@ def test_a_lock_held_by_another_process_then_left_by_its_kill(
 
 # ---------------------------------------------------------------------- symbolic links
 def test_links_planted_in_model_dir_are_replaced_never_written_through(tmp_path: Path) -> None:
+    """A resumed run replaces links planted under the names it writes (a fresh run refuses them: see
+    test_cli_reliability's earlier-run tests)."""
     run, outside = tmp_path / "run", tmp_path / "outside"
-    run.mkdir()
+    make_trainer(small(run))[0].train()
     outside.mkdir()
     stale = [".checkpoint_2.mdl.tmp", ".metrics.jsonl.0123456789ab.tmp"]  # temporary names of a killed run
     names = ["plots.png", "config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", *stale]
     for i, name in enumerate(names):
         (outside / f"target{i}").write_text(f"precious {i}\n")
+        with contextlib.suppress(FileNotFoundError):
+            (run / name).unlink()
         (run / name).symlink_to(outside / f"target{i}")
-    trainer = make_trainer(small(run))[0]
+    trainer = make_trainer(small(run, 4))[0]
     trainer.write_plot = True
-    trainer.train()
+    trainer.train(resume=run)
     for i, name in enumerate(names):
         assert (outside / f"target{i}").read_text() == f"precious {i}\n", name
-    for name in ("plots.png", "config.yaml", "metrics.jsonl", "checkpoint_2.mdl"):
+    for name in ("plots.png", "config.yaml", "metrics.jsonl", "checkpoint_4.mdl"):
         assert (run / name).is_file() and not (run / name).is_symlink(), name
-    assert [r["step"] for r in metrics(run)] == [1, 2]
+    assert [r["step"] for r in metrics(run)] == [3, 4]  # the rows of a link are not read
     assert not any(os.path.lexists(run / name) for name in stale)  # removed (the links, not their targets)
 
 
@@ -210,3 +215,90 @@ def test_kill_between_writing_and_renaming_a_checkpoint_leaves_the_run_resumable
     assert result.global_step == 4
     assert not [n for n in os.listdir(run) if n.endswith(".tmp") or n == LOCK_FILE]
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------------- an earlier run's files (issue 30 A2)
+def tree(directory: Path) -> dict[str, Any]:
+    """Each entry's bytes (a directory's tree; a link: where it points)."""
+    return {
+        p.name: os.readlink(p) if p.is_symlink() else p.read_bytes() if p.is_file() else tree(p)
+        for p in sorted(directory.iterdir())
+    }
+
+
+EARLIER = {  # what a run killed before its first checkpoint leaves, or a user's own files under dls's names
+    "config.yaml": lambda run: (run / "config.yaml").write_text("mine: true\n"),
+    "metrics.jsonl": lambda run: (run / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n'),
+    "plots.png": lambda run: (run / "plots.png").write_bytes(b"\x89PNG mine"),
+    "tensorboard": lambda run: (run / "tensorboard").mkdir(),
+    "a link": lambda run: (run / "metrics.jsonl").symlink_to(run.parent / "elsewhere"),
+}
+
+
+@pytest.mark.parametrize("earlier", list(EARLIER))
+def test_a_fresh_run_refuses_an_earlier_runs_files_naming_them_and_the_ways_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], earlier: str
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    EARLIER[earlier](run)
+    before = tree(run)
+    assert main(["train", write_config(tmp_path / "c.yaml", small(run)), "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"runconfig.model_dir {run} holds {os.listdir(run)[0]} of an earlier run" in err
+    assert "-o runconfig.model_dir=NEW_DIR" in err and "--overwrite" in err and "nothing is deleted" in err
+    assert tree(run) == before  # no lock file left, nothing replaced
+
+
+def test_overwrite_renames_every_earlier_file_and_deletes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", small(run))
+    assert main(["train", config, "--no_progress"]) == 0
+    (run / "tensorboard").mkdir()
+    (run / "notes.txt").write_text("a user's own file: not dls's, left where it is\n")
+    before = tree(run)
+    assert main(["train", config, "--no_progress"]) == 2  # checkpoints: resume, another model_dir, or --overwrite
+    assert "--overwrite" in capsys.readouterr().err and tree(run) == before
+    assert main(["train", config, "--no_progress", "--overwrite"]) == 0
+    out = capsys.readouterr().out
+    after = tree(run)
+    moved = {name: after[name] for name in after if ".old-" in name}
+    assert sorted(name.split(".old-")[0] for name in moved) == sorted(set(before) - {"notes.txt"})
+    for name, content in moved.items():
+        assert content == before[name.split(".old-")[0]] and f"Renamed {name.split('.old-')[0]} to {name}" in out
+    assert after["notes.txt"] == before["notes.txt"]
+    assert [r["step"] for r in metrics(run)] == [1, 2] and (run / "checkpoint_2.mdl").is_file()  # the new run's
+
+
+def test_overwrite_does_not_combine_with_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", small(run))
+    assert main(["train", config, "--no_progress"]) == 0
+    before = tree(run)
+    assert main(["train", config, "--no_progress", "--overwrite", "--resume", str(run)]) == 2
+    assert "--overwrite starts a new run without a checkpoint" in capsys.readouterr().err
+    with pytest.raises(ModelDirError, match="--overwrite starts a new run"):  # a checkpoint named by the config
+        make_trainer({**small(run), "runconfig": {**small(run)["runconfig"], "checkpoint_path": str(run)}})[0].train(
+            overwrite=True
+        )
+    assert tree(run) == before
+
+
+def test_overwrite_starts_over_where_autoload_would_resume(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    raw = small(run)
+    raw["runconfig"]["autoload_last_checkpoint"] = True
+    make_trainer(raw)[0].train()
+    assert make_trainer(raw)[0].train(overwrite=True).global_step == 2  # from step 0 again, not resumed at 2
+    assert len([name for name in os.listdir(run) if name.startswith("checkpoint_2.mdl.old-")]) == 1
+
+
+def test_a_fresh_run_takes_a_model_dir_with_other_files_and_its_own_input_config(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "README").write_text("not a name dls writes\n")
+    (run / "checkpoint_2.mdl.unreadable").write_bytes(b"kept aside by an earlier resume")
+    make_trainer(small(run))[0].train()
+    assert (run / "README").read_text() == "not a name dls writes\n" and (run / "checkpoint_2.mdl").is_file()

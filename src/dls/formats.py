@@ -10,12 +10,15 @@ Emulation: a :class:`FloatFormat` describes a binary floating-point format (sign
 ``bfloat16``, ``cbfloat16``, ``float8_e4m3fn`` and ``float8_e5m2``; :func:`get` looks a format up by name,
 :func:`register` adds or replaces one, :func:`get_half_format` returns the format of the run's half dtype.
 
-Exactness contract of ``quantize`` (tested in ``tests/test_formats.py``): for float32, float16 and bfloat16
-inputs, the result equals, bit for bit, torch's own cast ``x.to(dtype).to(x.dtype)`` for the formats torch has
-(float16, bfloat16, float8_e4m3fn, float8_e5m2; NaN compared as NaN, any payload), and equals the correctly
-rounded (round to nearest, ties to even) value for every format. float64 inputs are rounded once, correctly,
-from the float64 value; torch's casts from float64 round twice (to float32 first) and can differ from it by
-one unit in the last place on inputs within 2**-24 relative of a rounding midpoint.
+Exactness contract of ``quantize`` (tested in ``tests/test_formats.py``): for every format the result is the
+correctly rounded value (round to nearest, ties to even; overflow as ``saturate`` / ``inf_nan`` say), computed by
+dls's own arithmetic, so it is the same on every supported torch and device. For float32, float16 and bfloat16
+inputs it equals, bit for bit, torch's own cast ``x.to(dtype).to(x.dtype)`` for the formats torch has (float16,
+bfloat16, float8_e4m3fn, float8_e5m2; NaN compared as NaN, any payload), with one exception that is torch's:
+``float8_e4m3fn`` saturates values that round above 448 (and ±inf) to ±448, as torch 2.13's cast does, while
+torch 2.11's cast turns them into NaN, which ``saturate=False`` reproduces. float64 inputs are rounded once,
+correctly, from the float64 value; torch's casts from float64 round twice (to float32 first) and can differ from
+it by one unit in the last place on inputs within 2**-24 relative of a rounding midpoint.
 """
 
 from __future__ import annotations
@@ -144,10 +147,11 @@ class FloatFormat:
         saturate: what rounds above ``max``. ``True``: finite values clamp to ``±max``, and infinite inputs
             too when the format has no infinities (an IEEE format keeps ±inf). ``False``: ±inf for
             ``"ieee"``, NaN for ``"fn"``. Default: ``False`` for ``"ieee"`` (IEEE overflow), ``True`` for
-            ``"fn"`` and ``"none"``. The default for ``"fn"`` follows torch: on the pinned torch 2.13,
-            ``x.to(torch.float8_e4m3fn)`` saturates finite overflow and ±inf to ±448 (c10's conversion, shared
-            by CPU and CUDA; older torch releases returned NaN, which ``saturate=False`` reproduces).
-            ``"none"`` requires ``saturate=True``.
+            ``"fn"`` and ``"none"``. The default for ``"fn"`` is the saturating conversion of OCP FP8, which
+            torch's ``x.to(torch.float8_e4m3fn)`` has from torch 2.13 on (finite overflow and ±inf to ±448, CPU
+            and CUDA); torch 2.11's cast returns NaN there, which ``saturate=False`` reproduces. dls rounds with
+            its own arithmetic, so the result does not depend on the torch release. ``"none"`` requires
+            ``saturate=True``.
 
     Rounding is to nearest, ties to the even significand (with ``mantissa_bits=0`` every normal significand
     is 1, and a tie between two powers of two goes to the larger one).
@@ -282,7 +286,8 @@ class FloatFormat:
     @property
     def torch_dtype(self) -> torch.dtype | None:
         """The torch dtype whose casts round exactly like this format (float16, bfloat16, float8_e4m3fn,
-        float8_e5m2), or ``None``. Only the numerics count, not the name."""
+        float8_e5m2), or ``None``. Only the numerics count, not the name. float8_e4m3fn is the saturating format,
+        as torch 2.13's cast (torch 2.11's cast overflows to NaN: see the module docstring)."""
         return self._lim.torch_dtype
 
     # ------------------------------------------------------------------ rounding
@@ -294,7 +299,8 @@ class FloatFormat:
         about ten elementwise torch ops in float32 (float64 for float64 inputs, or for formats wider than
         float32 can round exactly); float16, bfloat16 and float8 inputs are upcast exactly and the result
         cast back to their dtype, so values beyond the input dtype's own range or precision are then rounded
-        again by that cast (e.g. cbfloat16 rounds 65504 to 65536, which a float16 tensor holds as inf). For
+        again to that dtype (e.g. cbfloat16 rounds 65504 to 65536, which a float16 tensor holds as inf; a
+        float8 tensor's values are rounded by dls's format of its dtype, the same on every torch release). For
         the float16 and bfloat16 formats and float32/float16/bfloat16 inputs, the result is computed as
         torch's cast ``x.to(torch_dtype).to(x.dtype)``, which the tests show to be bit-identical to the
         arithmetic.
@@ -357,7 +363,12 @@ class FloatFormat:
             raise TypeError(f"x must be a floating-point tensor; got dtype {x.dtype}")
         compute = torch.float64 if x.dtype == torch.float64 else self._lim.compute
         with torch.no_grad():
-            return self._round(x.to(compute)).to(x.dtype)
+            out = self._round(x.to(compute))
+            back = _FLOAT8_DTYPE_FORMATS.get(x.dtype)
+            if back is not None and back != self:
+                # Rounded to the float8 dtype by dls (torch's own cast of values past 448 differs by release).
+                out = back._round(out)
+            return out.to(x.dtype)
 
     def _round(self, xc: torch.Tensor) -> torch.Tensor:
         """Round ``xc`` (float32 or float64, as ``_fits`` allows) to the format.
@@ -426,7 +437,8 @@ bfloat16 = FloatFormat(8, 7, name="bfloat16")
 """bfloat16: float32's exponent range with 7 fraction bits; max ≈ 3.39e38."""
 
 float8_e4m3fn = FloatFormat(4, 3, inf_nan="fn", name="float8_e4m3fn")
-"""OCP FP8 E4M3 (``torch.float8_e4m3fn``): max 448, no inf, saturating (as torch's cast)."""
+"""OCP FP8 E4M3 (``torch.float8_e4m3fn``): max 448, no inf, saturating (as torch's cast from torch 2.13 on;
+torch 2.11's gives NaN on overflow)."""
 
 float8_e5m2 = FloatFormat(5, 2, name="float8_e5m2")
 """OCP FP8 E5M2 (``torch.float8_e5m2``): IEEE-style, max 57344, overflow to inf (as torch's cast)."""
@@ -455,6 +467,10 @@ cbfloat16 = FloatFormat(6, 9, bias=31, subnormals=True, inf_nan="ieee", name="cb
 """Cerebras cbfloat16 (1-6-9) under the ASSUMPTIONS above: max ≈ 4.29e9, min normal 2**-30."""
 
 BUILTIN_FORMATS: tuple[FloatFormat, ...] = (float16, bfloat16, cbfloat16, float8_e4m3fn, float8_e5m2)
+_FLOAT8_DTYPE_FORMATS: dict[torch.dtype, FloatFormat] = {
+    torch.float8_e4m3fn: float8_e4m3fn,
+    torch.float8_e5m2: float8_e5m2,
+}
 
 _TORCH_DTYPES: dict[torch.dtype, str] = {
     torch.float16: "float16",

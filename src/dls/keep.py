@@ -21,7 +21,11 @@ Why a class swap rather than hooks: ``torch.compile`` guards on a module's class
 ignored by Dynamo), so keeping or releasing a module recompiles. The same technique is used by FSDP2's
 ``fully_shard``. ``isinstance`` checks, ``named_modules``, parameters and state-dict keys are unchanged;
 ``remove()`` puts the original class back. A module kept by several handles stays kept until the last is removed.
-Limitation: a model with kept modules cannot be pickled whole (``torch.save(model)``); state dicts are unaffected.
+
+Copies. A kept module pickles as its original class plus the fact that it is kept, so ``torch.save(model)`` (loaded
+with ``torch.load(..., weights_only=False)``), ``copy.deepcopy`` and ``multiprocessing`` (which pickles what it sends
+to a spawned process) give a model whose copies of the kept modules compute in float32 too. No handle holds a copy:
+``keep_in_float32(copy, names).remove()`` releases it. State dicts are unaffected either way.
 """
 
 from __future__ import annotations
@@ -79,6 +83,17 @@ class _Float32Call:
                 return super().__call__(*args, **kwargs)  # type: ignore[misc]
             finally:
                 _kept_depth -= 1
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The kept class is made at run time (no importable name): pickle the original class, rebuilt kept.
+        module: nn.Module = self  # type: ignore[assignment]
+        return _new_kept, (self._dls_original_class,), module.__getstate__()
+
+
+def _new_kept(cls: type) -> Any:
+    """A new instance of ``cls`` kept in float32 (what pickles of a kept module are rebuilt from)."""
+    kept: Any = _kept_class(cls)
+    return kept.__new__(kept)
 
 
 def _kept_class(cls: type) -> type:

@@ -328,40 +328,61 @@ class MasterWeights(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of ``state_dict()``'s form: optimizer state and masters, then the model's parameters
         are the rounded masters (resuming is bit-identical). A state dict without masters (an ordinary
-        optimizer's) loads the state and takes the masters from the model's current parameters. ``ValueError``,
-        with nothing changed, when the masters do not match this optimizer's parameters or hold inf/NaN."""
+        optimizer's) loads the state and takes the masters from the model's current parameters.
+
+        Each saved master is first cast to float32 (the master's dtype), then checked: finite, and still finite
+        once rounded to what the model's parameter holds (its half dtype, or ``fmt``'s grid), so a master of 1e5
+        for a float16 parameter, or a float64 master beyond float32's range, is refused rather than written into
+        the model as inf. ``ValueError`` naming ``state_dict['master_weights'][i]``, with nothing changed, when
+        the masters do not match this optimizer's parameters, are not real tensors, or fail these checks."""
         if not isinstance(state_dict, dict):
             raise ValueError(f"state_dict must be a dict; got {type(state_dict).__name__}")
         saved = state_dict.get(STATE_KEY)
-        master_ids = {id(pr.master) for pr in self._pairs}
-        masters = {i: p for i, p in enumerate(self._flat_params()) if id(p) in master_ids}
+        master_ids = {id(pr.master): pr for pr in self._pairs}
+        masters = {i: master_ids[id(p)] for i, p in enumerate(self._flat_params()) if id(p) in master_ids}
+        loaded: dict[int, torch.Tensor] = {}  # the saved masters as float32, checked
         if saved is not None:
             if not isinstance(saved, dict) or set(saved) != set(masters):
-                have = sorted(saved) if isinstance(saved, dict) else saved
+                have = sorted(saved, key=repr) if isinstance(saved, dict) else f"none (it is a {type(saved).__name__})"
                 raise ValueError(
                     f"state_dict['{STATE_KEY}'] holds masters for parameters {have}; this optimizer keeps masters "
                     f"for parameters {sorted(masters)}"
                 )
-            for i, master in masters.items():
-                value = saved[i]
-                if not isinstance(value, torch.Tensor) or value.shape != master.shape:
-                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                    raise ValueError(
-                        f"state_dict['{STATE_KEY}'][{i}] must be a tensor of shape {tuple(master.shape)}; got {got}"
-                    )
-                # A non-finite master would be written into the model at once and stay there: the scaler's
-                # promise (no step ever writes inf/NaN) covers the state it resumes from too.
-                if not bool(torch.isfinite(value).all()):
-                    raise ValueError(f"state_dict['{STATE_KEY}'][{i}] holds inf or NaN; master weights must be finite")
+            loaded = {
+                i: self._checked_master(saved[i], pr, f"state_dict['{STATE_KEY}'][{i}]") for i, pr in masters.items()
+            }
         self._optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != STATE_KEY})
         with torch.no_grad():
-            for pr in self._pairs:
-                if saved is None:
-                    pr.master.copy_(pr.param)
-            if saved is not None:
-                for i, master in masters.items():
-                    master.copy_(saved[i])
+            for i, pr in masters.items():
+                pr.master.copy_(loaded[i] if saved is not None else pr.param)
         self._write_back()
+
+    def _checked_master(self, value: Any, pair: _Pair, field: str) -> torch.Tensor:
+        """``value`` as the float32 master of ``pair``; ``ValueError`` naming ``field`` unless it is a real tensor of
+        the master's shape that is finite in float32 and once rounded to what the model's parameter holds. A
+        non-finite master would be written into the model at once and stay there: the scaler's promise (no step
+        ever writes inf/NaN) covers the state it resumes from too."""
+        shape = tuple(pair.master.shape)
+        if not isinstance(value, torch.Tensor) or value.shape != pair.master.shape:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{field} must be a tensor of shape {shape}; got {got}")
+        if value.is_complex() or value.layout != torch.strided or value.is_quantized or value.is_meta:
+            where = " on the meta device" if value.is_meta else ""
+            raise ValueError(f"{field} must be a dense real tensor; got a {value.layout} {value.dtype} tensor{where}")
+        value = value.detach()
+        cast = value.to(pair.master.device, torch.float32)
+        held = self._fmt.quantize(cast) if pair.on_grid and self._fmt else cast.to(pair.param.dtype)
+        if not bool(torch.isfinite(held).all()):  # an inf of the cast stays inf when rounded
+            if not bool(torch.isfinite(_real_view(value)).all()):
+                raise ValueError(f"{field} holds inf or NaN; master weights must be finite")
+            kind = self._fmt.name if pair.on_grid and self._fmt else str(pair.param.dtype).removeprefix("torch.")
+            kind = kind if bool(torch.isfinite(cast).all()) else "float32"
+            largest = float(_real_view(value).abs().max())
+            raise ValueError(
+                f"{field} holds values beyond {kind}'s range (largest |value| {largest:.6g}): loaded, the model's "
+                "parameter would be inf; master weights must be finite in the parameter's format"
+            )
+        return cast
 
     def __repr__(self) -> str:
         counts: dict[str, int] = {}
@@ -473,6 +494,11 @@ def _parse_fmt(fmt: Any) -> formats.FloatFormat | None:
         f"fmt must be None, a dls.formats.FloatFormat, a torch half dtype or one of "
         f"{', '.join(repr(n) for n in formats.names())}; got {fmt!r}"
     )
+
+
+def _real_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in a dtype ``torch.isfinite`` and ``abs`` take: float8 (which they do not) as float32."""
+    return t.float() if t.is_floating_point() and t.element_size() == 1 else t
 
 
 def _check_unique(params: list[torch.Tensor], name: str = "optimizer") -> None:

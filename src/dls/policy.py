@@ -81,6 +81,15 @@ def assign_(state: ScaleState, new: ScaleState) -> None:
             dst.copy_(src)
 
 
+def shown(value: object) -> str:
+    """``value`` for an error message: a tensor by its dtype and shape, anything else by its ``repr``, cut short
+    (a 400-digit integer or a long list would bury the message)."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
+
+
 # Validators shared by the rules, dls.settings and the trainer's config: each returns None when ``value`` is
 # allowed, else a message that names ``name`` and says what is allowed.
 def python_number(value: object) -> int | float | None:
@@ -115,7 +124,7 @@ def scale_problem(name: str, value: object) -> str | None:
     v = _real(value)
     if v is not None and FLOAT32_TINY <= v <= FLOAT32_MAX:
         return None
-    return f"{name} must be a number from 2**-126 to float32's max 3.4028e38 (a normal float32); got {value!r}"
+    return f"{name} must be a number from 2**-126 to float32's max 3.4028e38 (a normal float32); got {shown(value)}"
 
 
 def factor_problem(name: str, value: object, above_one: bool) -> str | None:
@@ -124,7 +133,7 @@ def factor_problem(name: str, value: object, above_one: bool) -> str | None:
     if v is not None and (1 < v <= FLOAT32_MAX if above_one else 0 < v < 1):
         return None
     allowed = "a number > 1" if above_one else "a number in (0, 1)"
-    return f"{name} must be {allowed}; got {value!r}"
+    return f"{name} must be {allowed}; got {shown(value)}"
 
 
 def count_problem(name: str, value: object, maximum: int = INT32_MAX) -> str | None:
@@ -137,14 +146,14 @@ def count_problem(name: str, value: object, maximum: int = INT32_MAX) -> str | N
     limit = "2**31 - 1" if maximum == INT32_MAX else f"2**31 - {INT32_MAX + 1 - maximum}"
     return (
         f"{name} must be an integer from 1 to {limit} (a count: an int, not a float such as 100.0; the counters "
-        f"are int32, as torch's); got {value!r}"
+        f"are int32, as torch's); got {shown(value)}"
     )
 
 
 def flag_problem(name: str, value: object) -> str | None:
     if isinstance(value, bool):
         return None
-    return f"{name} must be True or False; got {value!r}"
+    return f"{name} must be True or False; got {shown(value)}"
 
 
 def limit_problem(name: str, value: object) -> str | None:
@@ -153,14 +162,14 @@ def limit_problem(name: str, value: object) -> str | None:
     v = _real(value)
     if value is None or (v is not None and 0 < v < math.inf):
         return None
-    return f"{name} must be a positive finite number or None; got {value!r}"
+    return f"{name} must be a positive finite number or None; got {shown(value)}"
 
 
 def tolerance_problem(name: str, value: object) -> str | None:
     v = _real(value)
     if v is not None and 0 <= v < 1:
         return None
-    return f"{name} must be a number in [0, 1); got {value!r}"
+    return f"{name} must be a number in [0, 1); got {shown(value)}"
 
 
 def _raise_first(*problems: str | None) -> None:

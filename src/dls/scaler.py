@@ -800,13 +800,7 @@ class GradScaler:
             return None
         if self._record(optimizer, state, found_inf, False if first_step else None):
             return None  # known on the host (a watch read it): nothing for the kernel to do
-        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-        try:
-            result = optimizer.step(*args, **kwargs)
-        finally:
-            del optimizer.grad_scale  # type: ignore[attr-defined]
-            del optimizer.found_inf  # type: ignore[attr-defined]
+        result = sync_free.fused_step(optimizer, grad_scale, found_inf, args, kwargs)
         if first_step:
             self._tracker.mark_stepped(optimizer)
         return result

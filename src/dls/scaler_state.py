@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from dls.policy import INT32_MAX, INT64_MAX, python_number, scale_problem
+from dls.policy import INT32_MAX, INT64_MAX, python_number, scale_problem, shown
 from dls.settings import GROWTH_OFFSET, ScalerSettings, SettingsError, interval_name
 
 FORMAT_VERSION = 2
@@ -135,7 +135,9 @@ def parse_state_dict(
     numbers = {key: _number(key, value, label) for key, value in state_dict.items() if key not in extras}
     version = numbers.pop("format_version", 1)
     if not (_integral(version) and version >= 1):
-        raise ValueError(f"{label('format_version')} must be an integer from 1 to {FORMAT_VERSION}; got {version!r}")
+        raise ValueError(
+            f"{label('format_version')} must be an integer from 1 to {FORMAT_VERSION}; got {shown(version)}"
+        )
     if version > FORMAT_VERSION:
         raise ValueError(
             f"{label('format_version')} is {version!r}: written by a newer dls; this dls reads formats 1 to "
@@ -148,7 +150,7 @@ def parse_state_dict(
         ours = SAME_VALUE.get(key, key)
         if ours == "loss_scale":
             if not (_finite(number) and number > 0):
-                raise ValueError(f"{label(key)} must be a positive finite number; got {number!r}")
+                raise ValueError(f"{label(key)} must be a positive finite number; got {shown(number)}")
         elif ours in COUNTER_MAX:
             _check_counter(key, ours, number, label)
     for theirs, ours in SAME_VALUE.items():
@@ -190,7 +192,7 @@ def _check_counter(key: str, ours: str, number: float, label: Callable[[str], st
     if not (_integral(number) and low <= number <= high):
         lowest = "-2**63" if low else "0"
         limit = "2**31 - 1" if high == INT32_MAX else "2**63 - 1"
-        raise ValueError(f"{label(key)} must be an integer from {lowest} to {limit}; got {number!r}")
+        raise ValueError(f"{label(key)} must be an integer from {lowest} to {limit}; got {shown(number)}")
 
 
 def _from_deepspeed(
@@ -238,7 +240,7 @@ def _from_deepspeed(
     if "cur_scale" in state_dict:  # checked here, to be named as given
         out["loss_scale"] = scale = _number("cur_scale", state_dict["cur_scale"], label)
         if not (_finite(scale) and scale > 0):
-            raise ValueError(f"{label('cur_scale')} must be a positive finite number; got {scale!r}")
+            raise ValueError(f"{label('cur_scale')} must be a positive finite number; got {shown(scale)}")
     if "cur_hysteresis" in state_dict:
         out["hysteresis_tracker"] = budget = _number("cur_hysteresis", state_dict["cur_hysteresis"], label)
         _check_counter("cur_hysteresis", "hysteresis_tracker", budget, label)
@@ -253,7 +255,7 @@ def _from_deepspeed(
         cur, last = (_number(key, state_dict[key], label) for key in ("cur_iter", "last_overflow_iter"))
         for key, number in (("cur_iter", cur), ("last_overflow_iter", last)):
             if not (_integral(number) and -1 <= number < 2**63):
-                raise ValueError(f"{label(key)} must be an integer from -1 to 2**63 - 1; got {number!r}")
+                raise ValueError(f"{label(key)} must be an integer from -1 to 2**63 - 1; got {shown(number)}")
         if dynamic:
             clean = int(cur) - int(last) - 1  # DeepSpeed's stable_interval at the next update
             if clean < 0:
@@ -284,7 +286,9 @@ def _with_torch_settings(
                 if offset
                 else "1"
             )
-            raise ValueError(f"{label('growth_interval')} must be an integer from {low} to 2**31 - 1; got {interval!r}")
+            raise ValueError(
+                f"{label('growth_interval')} must be an integer from {low} to 2**31 - 1; got {shown(interval)}"
+            )
         changes["steps_per_increase"] = int(interval) - offset
     try:
         return settings.replace(**changes)
@@ -297,7 +301,7 @@ def _with_torch_settings(
 def _scale(number: float, settings: ScalerSettings, label: Callable[[str], str]) -> tuple[float, float | None]:
     """The loaded scale, brought into a dynamic scaler's bounds, and the saved value when it had to be."""
     if not (_finite(number) and number > 0):
-        raise ValueError(f"{label('loss_scale')} must be a positive finite number; got {number!r}")
+        raise ValueError(f"{label('loss_scale')} must be a positive finite number; got {shown(number)}")
     scale = float(number)
     if settings.mode == "dynamic":  # a scale from elsewhere is brought into this scaler's bounds
         bounded = min(max(scale, settings.min_loss_scale), settings.max_loss_scale)
@@ -323,5 +327,5 @@ def _number(key: str, value: Any, label: Callable[[str], str]) -> float:
     if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():  # a numpy scalar
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{label(key)} must be a number; got {value!r}")
+        raise ValueError(f"{label(key)} must be a number; got {shown(value)}")
     return value

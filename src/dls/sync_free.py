@@ -1,11 +1,11 @@
-"""Sync-free steps for optimizers that cannot take the overflow flag themselves (``GradScaler(sync_free=True)``).
+"""Steps that read nothing back: ``fused_step`` for optimizers whose kernel takes the scale and the overflow flag
+(torch's ``fused=True`` optimizers), ``masked_step`` for those that cannot (``GradScaler(sync_free=True)``).
 
-The step always runs; afterwards parameters and optimizer state are put back, with ``torch.where`` on the device,
-wherever the flag says the gradients overflowed. Nothing is read back to the host, so a training loop can run ahead
-of the device (and be captured in a CUDA graph); the price is a copy of parameters and state per step.
-
-Only valid once every parameter with a gradient has taken a real step: state that does not exist yet cannot be
-restored on the device, so the scaler decides an optimizer's first step on the host.
+``masked_step``: the step always runs; afterwards parameters and optimizer state are put back, with ``torch.where``
+on the device, wherever the flag says the gradients overflowed. Nothing is read back to the host, so a training
+loop can run ahead of the device (and be captured in a CUDA graph); the price is a copy of parameters and state
+per step. Only valid once every parameter with a gradient has taken a real step: state that does not exist yet
+cannot be restored on the device, so the scaler decides an optimizer's first step on the host.
 """
 
 from __future__ import annotations
@@ -14,6 +14,53 @@ import copy
 from typing import Any
 
 import torch
+
+# Dynamo before torch 2.13 cannot set an attribute of an optimizer in a traced frame: it raises (an AssertionError
+# "Attempted setattr on a user-defined object that does not have an AttributeMutation mutation_type", pytorch
+# issue 171590), with or without fullgraph. torch 2.13 traces it.
+_DYNAMO_SETS_OPTIMIZER_ATTRIBUTES = torch.__version__ >= (2, 13)  # type: ignore[operator]
+
+
+def _hand_over_and_step(
+    optimizer: torch.optim.Optimizer,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    try:
+        return optimizer.step(*args, **kwargs)
+    finally:
+        del optimizer.grad_scale  # type: ignore[attr-defined]
+        del optimizer.found_inf  # type: ignore[attr-defined]
+
+
+_untraced_hand_over: Any = None  # torch.compiler.disable(_hand_over_and_step), made once needed (it imports Dynamo)
+
+
+def fused_step(
+    optimizer: torch.optim.Optimizer,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """``optimizer.step(*args, **kwargs)`` with the scale to divide the gradients by (``None``: already unscaled)
+    and the overflow flag handed over as torch's fused kernels read them: as the optimizer's ``grad_scale`` and
+    ``found_inf`` attributes, removed afterwards. The kernel unscales and skips by itself.
+
+    Under ``torch.compile`` with torch before 2.13, whose Dynamo cannot set an optimizer's attributes, the hand-over
+    and the step run outside the graph: one graph break, where torch's fused kernel (``torch.compiler.disable``d)
+    breaks the graph anyway.
+    """
+    if torch.compiler.is_compiling() and not _DYNAMO_SETS_OPTIMIZER_ATTRIBUTES:
+        global _untraced_hand_over
+        if _untraced_hand_over is None:
+            _untraced_hand_over = torch.compiler.disable(_hand_over_and_step)
+        return _untraced_hand_over(optimizer, grad_scale, found_inf, args, kwargs)
+    return _hand_over_and_step(optimizer, grad_scale, found_inf, args, kwargs)
 
 
 def masked_step(

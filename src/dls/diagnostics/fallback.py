@@ -207,11 +207,12 @@ class Fallback:
         # does not trace, so the armed pass runs eagerly; restoring the class finds the compiled code again.
         self._class = type(self.root)
         self.root.__class__ = _eager_class(self._class)
-        self._hooks.append(self.root.register_forward_pre_hook(self._begin))
+        self._hooks.append(self.root.register_forward_pre_hook(_Armed(self._begin)))
         for index, (_, module) in enumerate(self.modules):
-            self._hooks.append(module.register_forward_pre_hook(self._make_pre(index), with_kwargs=True, prepend=True))
-            self._hooks.append(module.register_forward_hook(self._make_post(index)))
-        self._hooks.append(self.root.register_forward_hook(self._end))
+            pre = _Armed(self._make_pre(index))
+            self._hooks.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+            self._hooks.append(module.register_forward_hook(_Armed(self._make_post(index))))
+        self._hooks.append(self.root.register_forward_hook(_Armed(self._end)))
 
     def disarm(self) -> None:
         """Take the armed pass's hooks out and give the root its own class back."""
@@ -364,6 +365,26 @@ def fallback_note(watch: OverflowWatch) -> str:
     return f"; the float32 fallback kept {tried} in float32 ({state})"
 
 
+class _Armed:
+    """A hook of the armed pass. A copy of the model (``copy.deepcopy``, pickling) is watched by no fallback: its
+    copies of these hooks do nothing."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self, hook: Callable[..., Any]) -> None:
+        self.hook = hook
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.hook(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _Armed, (_no_hook,)
+
+
+def _no_hook(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 _eager_classes: dict[type, type] = {}
 
 
@@ -377,10 +398,21 @@ def _eager_class(cls: type) -> type:
         def _call_impl(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             return cls._call_impl(self, *args, **kwargs)  # type: ignore[attr-defined]
 
-        body = {"_call_impl": torch._dynamo.disable(_call_impl), "__module__": cls.__module__}
+        def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:  # a copy is not armed: of the class's own
+            own: Any = cls.__reduce_ex__
+            if own is not object.__reduce_ex__:  # a kept class's (or one of the user's)
+                return own(self, protocol)
+            return _new_instance, (cls,), self.__getstate__()
+
+        body = {"_call_impl": torch._dynamo.disable(_call_impl), "__reduce_ex__": __reduce_ex__}
+        body["__module__"] = cls.__module__
         eager = _eager_classes[cls] = type(cls.__name__, (cls,), body)
         eager.__qualname__ = cls.__qualname__
     return eager
+
+
+def _new_instance(cls: Any) -> Any:
+    return cls.__new__(cls)
 
 
 def _all_finite(value: Any) -> torch.Tensor:

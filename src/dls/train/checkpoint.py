@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import errno
 import fcntl
+import inspect
 import io
 import itertools
 import json
@@ -22,6 +23,7 @@ import re
 import secrets
 import socket
 import stat
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -33,9 +35,10 @@ import yaml
 
 import dls.fp8
 from dls.diagnostics.scales import pow2
+from dls.policy import shown
 from dls.scaler_state import parse_state_dict
 from dls.train.config import CHECKPOINT_STATES, SCALER_KEYS, loss_scaling_mode, parse_config, scaler_settings
-from dls.train.errors import CheckpointError, ConfigError, ModelDirError
+from dls.train.errors import CheckpointError, ConfigError, ModelDirError, is_out_of_memory
 from dls.train.reporting import describe_scaling, metrics_to_keep, plot_comparison, read_metrics
 
 if TYPE_CHECKING:  # annotations only
@@ -86,6 +89,8 @@ def load_resume_checkpoint(
     """``(file, state, unreadable)``: the file ``path``, or the newest readable checkpoint of the directory
     ``path`` and the newer ones that could not be read, each with the reason. ``what``: where ``path`` came from
     (``--resume`` or the config key), named in errors."""
+    if not str(path):  # Path("") would be the current directory
+        raise CheckpointError(f"{what} is empty; give a model_dir or a checkpoint file")
     p = Path(path)
     if p.is_file():
         return p, load_checkpoint(p), []
@@ -112,6 +117,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     except (FileNotFoundError, IsADirectoryError) as exc:
         raise CheckpointError(f"checkpoint {p}: {exc.strerror}") from None
     except Exception as exc:  # one line, not torch's paragraphs of weights_only advice (which do not apply)
+        if is_out_of_memory(exc):  # the machine's limit, not the file's bytes: never set aside as unreadable
+            raise
         text = str(exc)
         if found := re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:Check the documentation|$)", text, re.S):
             text = f"not a checkpoint of tensors and plain data ({found.group(1)})"
@@ -120,7 +127,11 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{p} is not a dls training checkpoint (no 'model' state)")
     version = state.get("format_version", 1)
-    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise CheckpointError(
+            f"{p} has format_version {shown(version)}; it must be an integer from 1 to {FORMAT_VERSION}"
+        )
+    if not 1 <= version <= FORMAT_VERSION:
         raise CheckpointError(
             f"{p} has checkpoint format version {version!r}; this dls reads versions 1 to {FORMAT_VERSION} (a higher "
             "one was written by a newer dls: resume it with that dls; nothing was changed)"
@@ -137,20 +148,45 @@ def resolve_model_dir(path: str | Path, what: str = "runconfig.model_dir") -> Pa
 
 
 def check_model_dir(
-    model_dir: Path, checkpoint: Path | None, unreadable: Sequence[tuple[Path, str]], states: Sequence[str]
-) -> list[Path]:
+    model_dir: Path,
+    checkpoint: Path | None,
+    unreadable: Sequence[tuple[Path, str]],
+    states: Sequence[str],
+    *,
+    overwrite: bool = False,
+    config_file: Path | None = None,
+) -> list[tuple[Path, str]]:
     """Whether a run resuming from ``checkpoint`` (``None``: fresh) loading ``states`` may write into
-    ``model_dir``: a fresh run needs a directory without checkpoints; a fork (another directory) a new or empty
-    one; in place, only from the newest readable checkpoint and loading ``global_step``. Raises
-    :class:`ModelDirError` (reading only); returns the ``unreadable`` checkpoints to set aside (in place only)."""
+    ``model_dir``. A fresh run needs a directory without an earlier run's files (:func:`earlier_run_files`; the
+    input ``config_file`` is not one), unless ``overwrite`` moves them aside; a fork (another directory) a new or
+    empty one; in place, only from the newest readable checkpoint and loading ``global_step``. Raises
+    :class:`ModelDirError` (reading only); returns what :meth:`RunDir.open` renames before the run writes, each with
+    the suffix of its new name: the ``unreadable`` checkpoints (in place), or the earlier run's files
+    (``overwrite``)."""
+    fresh_hint = (
+        "choose another model_dir (-o runconfig.model_dir=NEW_DIR), or add --overwrite to move its files aside (each "
+        "renamed <name>.old-<time>; nothing is deleted)"
+    )
     if checkpoint is None:
+        earlier = earlier_run_files(model_dir, config_file)
+        if overwrite or not earlier:
+            stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+            return [(path, f".old-{stamp}") for path in earlier]
         if found := list_checkpoints(model_dir):
             raise ModelDirError(
                 f"runconfig.model_dir {model_dir} already holds checkpoints (latest: step {found[-1][0]}). To "
-                f"continue that run, add --resume {model_dir}; to start over, choose another model_dir "
-                f"(--override runconfig.model_dir=...) or delete {model_dir}."
+                f"continue that run, add --resume {model_dir}; to start over, {fresh_hint}."
             )
-        return []
+        names = ", ".join(p.name for p in earlier)
+        raise ModelDirError(
+            f"runconfig.model_dir {model_dir} holds {names} of an earlier run (no checkpoint to resume from), which "
+            f"a new run would replace. To keep them, {fresh_hint}."
+        )
+    if overwrite:
+        raise ModelDirError(
+            f"--overwrite starts a new run in {model_dir}, but this run loads the checkpoint {checkpoint}: resume "
+            "without --overwrite, or start without a checkpoint"
+        )
     source = resolve_model_dir(checkpoint.parent)
     if source != model_dir:
         if model_dir.is_dir() and set(os.listdir(model_dir)) - {LOCK_FILE}:
@@ -173,7 +209,23 @@ def check_model_dir(
             f"overwrite the run's metrics and leave its checkpoints behind. Add global_step to continue the run "
             f"in place, or {fork_hint}"
         )
-    return [p for p, _ in unreadable]
+    return [(p, ".unreadable") for p, _ in unreadable]
+
+
+def earlier_run_files(model_dir: Path, config_file: Path | None = None) -> list[Path]:
+    """What in ``model_dir`` a run writes under a fixed name, so that a new run would replace it or mix with it:
+    checkpoint_<step>.mdl, metrics.jsonl, config.yaml (unless it is the input ``config_file``, which is never
+    written), plots.png and tensorboard/, whatever their kind (a link under such a name too)."""
+    try:
+        names = sorted(os.listdir(model_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    fixed = (CONFIG_FILE, METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR)
+    found = [model_dir / name for name in names if name in fixed or checkpoint_step(name) >= 0]
+    config = model_dir / CONFIG_FILE
+    if config_file is not None and not config.is_symlink() and config.exists() and config.samefile(config_file):
+        found.remove(config)
+    return found
 
 
 def _holder(lock_fd: int, held: bool = True) -> str | None:
@@ -209,13 +261,14 @@ class RunDir:
     """``path`` (resolved), created if missing, opened and locked; ``what`` names it in messages. ``stale``: the
     holder of a lock left by a run that ended without releasing it. A training run then calls :meth:`open`
     and writes rows, checkpoints and plots. :meth:`close` (or the end of a ``with`` block) releases, last acquired
-    first, the session's files, the lock (its file removed) and the directory (removed if this created it and it
-    is empty)."""
+    first, the session's files, the lock (its file removed) and the directory (removed, with the parents this
+    created for it, while empty)."""
 
     def __init__(self, path: Path, what: str = "runconfig.model_dir") -> None:
         self.path, self.what = path, what
         self._held = contextlib.ExitStack()  # what close() releases, last acquired first
-        self.created = not os.path.lexists(path)
+        # The directories this creates (the path and any missing parents), removed again on close() while empty.
+        self._created = [d for d in (path, *path.parents) if not os.path.lexists(d)]
         with contextlib.suppress(FileExistsError):  # a directory, or something refused below
             path.mkdir(parents=True)
         try:
@@ -229,6 +282,7 @@ class RunDir:
         self.stale: str | None = None
         self._metrics: IO[bytes] | None = None
         self.events: Any = None  # torch.utils.tensorboard.SummaryWriter
+        self._held.callback(self._remove_if_created)  # last, once the lock and the directory are released
         self._held.callback(os.close, self.fd)
         with contextlib.ExitStack() as failed:  # the directory is closed again unless the lock is taken
             failed.callback(self.close)
@@ -263,9 +317,15 @@ class RunDir:
                 self.stale = _holder(fd, held=False)
                 now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
                 record = {"pid": os.getpid(), "host": socket.gethostname(), "since": now}
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, json.dumps(record).encode() + b"\n", 0)
-                os.fsync(fd)
+                try:
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, json.dumps(record).encode() + b"\n", 0)
+                    os.fsync(fd)
+                except OSError as exc:  # e.g. the disk is full: no lock file without its record is left
+                    with contextlib.suppress(OSError):
+                        os.unlink(LOCK_FILE, dir_fd=self.fd)
+                    exc.filename, exc.filename2 = str(self.path / LOCK_FILE), None
+                    raise
                 attempt.pop_all()
                 self._held.callback(self._unlock, fd)
                 return
@@ -274,9 +334,13 @@ class RunDir:
         with contextlib.suppress(OSError):
             os.unlink(LOCK_FILE, dir_fd=self.fd)
         os.close(fd)
-        if self.created:
-            with contextlib.suppress(OSError):  # not empty: kept
-                os.rmdir(self.path)
+
+    def _remove_if_created(self) -> None:
+        for directory in self._created:  # the deepest first
+            try:
+                os.rmdir(directory)
+            except OSError:  # not empty: kept, and so are its parents
+                return
 
     def _open(self, name: str, flags: int, kind: int = stat.S_IFREG) -> int:
         """``name`` opened through the directory's descriptor; a symbolic link (never followed) or a file of another
@@ -335,47 +399,61 @@ class RunDir:
             return f.read()
 
     def open(
-        self, log: Callable[[str], None], *, set_aside: Sequence[Path], step: int, config: dict[str, Any],
+        self, log: Callable[[str], None], *, set_aside: Sequence[tuple[Path, str]], step: int, config: dict[str, Any],
         config_file: Path | None, tensorboard: bool = False,
     ) -> None:  # fmt: skip
-        """Start a training session: set the ``set_aside`` checkpoints aside, keep metrics.jsonl up to ``step`` open,
-        write config.yaml (unless it is the input ``config_file``), start this session's TensorBoard events."""
-        events = self.path / TENSORBOARD_DIR
-        if tensorboard:  # checked before anything is written: created if missing, and refused unless a directory
-            with contextlib.suppress(FileExistsError):  # (not a link) of the run's user writable by no one else
-                os.mkdir(TENSORBOARD_DIR, 0o755, dir_fd=self.fd)
-            events_fd = self._open(TENSORBOARD_DIR, os.O_RDONLY | os.O_DIRECTORY, stat.S_IFDIR)
-            self._held.callback(os.close, events_fd)
-            info = os.fstat(events_fd)
-            if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-                raise ModelDirError(f"{events} is writable by others than this run's user: move it away")
-        keep = metrics_to_keep(self.read(METRICS_FILE), self.path / METRICS_FILE, step)  # may refuse
+        """Start a training session: rename each of ``set_aside`` (``(file, suffix)``: unreadable checkpoints, an
+        earlier run's files) to its name plus the suffix (the first free one), keep metrics.jsonl up to ``step``
+        open, write config.yaml (unless it is the input ``config_file``), start this session's TensorBoard events.
+        What can refuse (metrics.jsonl, tensorboard/ that stays) does so before anything changes."""
+        moving = {path.name for path, _ in set_aside}
+        events_fd = None if not tensorboard or TENSORBOARD_DIR in moving else self._events_dir()
+        keep = metrics_to_keep(  # may refuse
+            None if METRICS_FILE in moving else self.read(METRICS_FILE), self.path / METRICS_FILE, step
+        )
         names = set(os.listdir(self.fd))
         for name in names:  # the temporary files a killed writer left
             if name.endswith(".tmp") and name.startswith(_TEMPORARIES):
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=self.fd)
-        for bad in set_aside:  # out of the way of this run's checkpoints and rotation, under the first free name
-            free = (f"{bad.name}.unreadable" + (f"-{n}" if n > 1 else "") for n in itertools.count(1))
+        for path, suffix in set_aside:  # out of the way of this run's files and rotation, under the first free name
+            free = (f"{path.name}{suffix}" + (f"-{n}" if n > 1 else "") for n in itertools.count(1))
             kept = next(name for name in free if name not in names)
-            os.rename(bad.name, kept, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            os.rename(path.name, kept, src_dir_fd=self.fd, dst_dir_fd=self.fd)
             names.add(kept)
-            log(f"Renamed {bad.name} to {kept} (kept, never resumed from)")
+            why = "never resumed from" if suffix == ".unreadable" else "an earlier run's, moved aside by --overwrite"
+            log(f"Renamed {path.name} to {kept} (kept, {why})")
+        if tensorboard and events_fd is None:
+            events_fd = self._events_dir()
         self.replace(METRICS_FILE, keep)
         self._metrics = self._held.enter_context(os.fdopen(self._open(METRICS_FILE, os.O_WRONLY | os.O_APPEND), "ab"))
         if config_file is not None and is_same_file(self.fd, CONFIG_FILE, config_file):
             log(f"{self.path / CONFIG_FILE} is the input config: left as it is")
         else:
             self.replace(CONFIG_FILE, yaml.safe_dump(config, sort_keys=False).encode())
-        if tensorboard:
+        if events_fd is not None:
             from torch.utils.tensorboard import SummaryWriter
 
             # The directory as its descriptor's path, so that the writer cannot be redirected; a resumed session
             # purges the events a crashed one wrote after its checkpoint, as its metrics rows are dropped.
             proc = Path(f"/proc/self/fd/{events_fd}")
-            log_dir = proc if proc.is_dir() else events
+            log_dir = proc if proc.is_dir() else self.path / TENSORBOARD_DIR
             self.events = SummaryWriter(str(log_dir), purge_step=step + 1 if step else None, flush_secs=3600)
             self._held.callback(self.events.close)
+
+    def _events_dir(self) -> int:
+        """tensorboard/ opened (created if missing); refused unless a directory (not a link) of the run's user
+        writable by no one else."""
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(TENSORBOARD_DIR, 0o755, dir_fd=self.fd)
+        events_fd = self._open(TENSORBOARD_DIR, os.O_RDONLY | os.O_DIRECTORY, stat.S_IFDIR)
+        self._held.callback(os.close, events_fd)
+        info = os.fstat(events_fd)
+        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise ModelDirError(
+                f"{self.path / TENSORBOARD_DIR} is writable by others than this run's user: move it away"
+            )
+        return events_fd
 
     def write_row(self, row: dict[str, Any]) -> None:
         """Append one metrics row (on disk before this returns) and its numbers as TensorBoard scalars."""
@@ -427,7 +505,7 @@ def rng_state() -> dict[str, Any]:
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed % 2**64)  # its limit (a rank's seed grows with the global step)
 
 
 # ---------------------------------------------------------------------- restoring a checkpoint into a trainer
@@ -435,109 +513,227 @@ _LOAD_ERRORS = (ValueError, KeyError, RuntimeError, TypeError, AttributeError, I
 
 
 def restore(trainer: Any, path: Path, state: dict[str, Any], states: Sequence[str]) -> None:
-    """Load ``states`` of the checkpoint ``state`` (read from ``path``) into ``trainer`` (a ``Trainer``), every field
-    checked before use; a field that does not fit raises :class:`CheckpointError` naming it and the file. The config
-    defines the loss scaler's mode and settings; the checkpoint contributes only its dynamic state, each difference
+    """Load ``states`` of the checkpoint ``state`` (read from ``path``) into ``trainer`` (a ``Trainer``), one state
+    after another in ``_RESTORERS``' order, each checked whole before it changes its part of the trainer: every
+    field before it is used, every tensor after conversion to the dtype it is loaded into (:func:`tensor_problem`).
+    A field that does not fit raises :class:`CheckpointError` naming it and the file. Nothing is written: the
+    trainer writes into its model_dir only after this returns. The config defines the optimizer, the LR schedule
+    and the loss scaler's mode and settings; the checkpoint contributes their state, each scaling difference
     logged."""
     log = trainer.log
     log(f"Loading {path} (step {state.get('global_step', '?')}): {', '.join(states)}")
     if fresh := [s for s in CHECKPOINT_STATES if s not in states]:
         log(f"Not loaded (fresh from the config): {', '.join(fresh)}")
-    if "global_step" in states:  # first: what a bad file most often gets wrong (and the rng of more ranks uses it)
-        with _loading("global_step", path):
-            trainer.global_step = _number(state.get("global_step", 0), "global_step")
-            if not isinstance(extra := state.get("trainer", {}), dict):
-                raise ValueError(f"trainer must be a mapping; got {type(extra).__name__}")
-            trainer.elapsed = float(_number(extra.get("elapsed", 0.0), "trainer.elapsed", integer=False))
-            trainer.overflows_at_floor = _number(extra.get("overflows_at_floor", 0), "trainer.overflows_at_floor")
-    if "model" in states:
-        weights = {n for n, _ in trainer.model.named_parameters()}  # buffers may hold inf by design (masks)
-        saved = state["model"] if isinstance(state["model"], dict) else {}
-        if broken := [k for k, v in saved.items() if k in weights and not _finite(v)]:
-            raise CheckpointError(
-                f"the model in {path} holds inf/NaN values ({', '.join(map(str, broken[:4]))}): resume from an "
-                "earlier checkpoint"
-            )
-        strict = not trainer.cfg.runconfig.disable_strict_checkpoint_loading
-        try:
-            trainer.model.load_state_dict(state["model"], strict=strict)
-        except _LOAD_ERRORS as exc:
-            first = (str(exc).strip().splitlines() or [str(exc)])[0]
-            raise CheckpointError(
-                f"the model in {path} does not fit model: in this config ({first}); resume with the config the "
-                "checkpoint was trained with"
-            ) from None
-        fp8, handle = state.get("fp8"), trainer.fp8  # loads with the model when its recipe is the config's
-        if handle is None and fp8 is not None:
-            log(f"the fp8 state in {path} is not used: this config has no precision.fp8")
-        elif handle is not None and fp8 is None:
-            log(f"{path} has no fp8 state (a run without precision.fp8 wrote it); FP8 scaling starts fresh")
-        elif handle is not None and fp8 is not None:
-            with _loading("fp8", path):
-                if (then := dls.fp8.recipe_from_dict(fp8["recipe"])) == handle.recipe:
-                    handle.load_state_dict(fp8)
-                else:
-                    log(f"the fp8 state in {path} is for {then!r}; the config's recipe {handle.recipe!r} starts fresh")
-    saved_cfg: TrainConfig | None = None  # when unreadable, the scaling is not compared
+    saved_cfg: TrainConfig | None = None  # when unreadable, the optimizer type and the scaling are not compared
     with contextlib.suppress(ConfigError):
         saved_cfg = parse_config(state["config"]) if isinstance(state.get("config"), dict) else None
-    targets = {"optimizer": trainer.optimizer, "lr_scheduler": trainer.scheduler, "dataloader": trainer.batches}
-    for key, target in targets.items():
-        if key in states and key not in state:
+    for key, load in _RESTORERS.items():
+        if key in states and key in ("optimizer", "lr_scheduler", "dataloader") and key not in state:
             log(f"{path} has no {key} state; {key} starts fresh")
         elif key in states:
             with _loading(key, path):
-                if key == "optimizer":
-                    _check_optimizer(state[key], trainer, saved_cfg.optimizer.optimizer_type if saved_cfg else None)
-                elif key == "lr_scheduler":
-                    _check_scheduler(state[key], len(trainer.optimizer.param_groups))
-                target.load_state_dict(state[key])
-            if key == "lr_scheduler" and state.get("format_version", 1) == 1:
-                log(
-                    f"{path} has checkpoint format 1, whose LR schedule advanced on skipped steps too: it goes on from "
-                    f"its position ({state[key]['last_epoch']} steps) and from now on advances on applied steps only"
-                )
-    if "grad_scaler" in states:
-        with _loading("grad_scaler", path):
-            _restore_scaler(trainer, path, state.get("grad_scaler"), saved_cfg)
-    if "rng" in states:  # last: building the run above must not consume the restored RNG
-        ranks: Any = state.get("rng_ranks")  # saved by as many ranks as now: each its own
-        own = trainer.world_size > 1 and isinstance(ranks, list) and len(ranks) == trainer.world_size
-        if not own and "rng" not in state:
-            log(f"{path} has no rng state; random-number generators start from runconfig.seed")
-        else:
-            rng = ranks[trainer.rank] if own else state["rng"]  # else rank 0's, as rng_state() wrote it
-            with _loading("rng", path):
-                torch.set_rng_state(rng["torch"])
-                random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
-                np.random.set_state(rng["numpy"])  # as rng_state() saved it: numpy takes the keys as a list
-                if "cuda" in rng and torch.cuda.is_available():
-                    torch.cuda.set_rng_state_all(rng["cuda"])
-            if trainer.rank > 0 and not own:  # saved by fewer ranks: a stream of its own, not a copy of rank 0's
-                seed_everything(trainer.cfg.runconfig.seed + trainer.rank + 1_000_003 * trainer.global_step)
+                load(trainer, path, state, saved_cfg)
 
 
 @contextlib.contextmanager
 def _loading(key: str, path: Path) -> Iterator[None]:
-    """An error while checking or loading the ``key`` state of ``path`` as a :class:`CheckpointError` naming both."""
+    """An error while checking or loading the ``key`` state of ``path`` as a :class:`CheckpointError` naming both
+    (running out of memory stays what it is: the machine's limit, exit 3)."""
     try:
         yield
+    except CheckpointError:
+        raise
     except _LOAD_ERRORS as exc:
+        if is_out_of_memory(exc):
+            raise
         raise CheckpointError(f"cannot load the {key} state of {path}: {exc}") from None
 
 
+def _restore_step(trainer: Any, path: Path, state: dict[str, Any], saved_cfg: TrainConfig | None) -> None:
+    """``global_step`` and the trainer's counters (first: what a bad file most often gets wrong, and the rng of more
+    ranks uses it)."""
+    step = _number(state.get("global_step", 0), "global_step")
+    if not isinstance(extra := state.get("trainer", {}), dict):
+        raise ValueError(f"trainer must be a mapping; got {type(extra).__name__}")
+    elapsed = _number(extra.get("elapsed", 0.0), "trainer.elapsed", integer=False)
+    at_floor = _number(extra.get("overflows_at_floor", 0), "trainer.overflows_at_floor")
+    trainer.global_step, trainer.elapsed, trainer.overflows_at_floor = step, float(elapsed), at_floor
+
+
+def _restore_model(trainer: Any, path: Path, state: dict[str, Any], saved_cfg: TrainConfig | None) -> None:
+    """The model's weights and buffers, each tensor checked as it will be held (:func:`tensor_problem`: weights
+    finite, buffers, which may hold inf by design (masks), not made inf by the conversion); then the FP8 state."""
+    saved, model = state["model"], trainer.model
+    unfit = f"the model in {path} does not fit model: in this config"
+    if not isinstance(saved, dict):
+        raise CheckpointError(
+            f"{unfit} (it is a {type(saved).__name__}, not a state dict); resume with a dls checkpoint"
+        )
+    own, weights = model.state_dict(), {name for name, _ in model.named_parameters()}
+    broken = []
+    for key, value in saved.items():
+        like = own.get(key)
+        if not isinstance(like, torch.Tensor):  # not the model's (strict loading refuses it below) or extra state
+            continue
+        problem = tensor_problem(value, like, finite=key in weights)
+        if problem == NON_FINITE:
+            broken.append(str(key))
+        elif problem is not None:
+            raise CheckpointError(
+                f"{unfit}: model.{key} {problem}; resume with the config the checkpoint was trained with"
+            )
+    if broken:
+        listed = ", ".join(broken[:4]) + (f" and {len(broken) - 4} more" if len(broken) > 4 else "")
+        raise CheckpointError(f"the model in {path} holds inf/NaN values ({listed}): resume from an earlier checkpoint")
+    try:
+        model.load_state_dict(saved, strict=not trainer.cfg.runconfig.disable_strict_checkpoint_loading)
+    except _LOAD_ERRORS as exc:
+        raise CheckpointError(
+            f"{unfit} ({_one_line(exc)}); resume with the config the checkpoint was trained with"
+        ) from None
+    fp8, handle, log = (
+        state.get("fp8"),
+        trainer.fp8,
+        trainer.log,
+    )  # loads with the model when its recipe is the config's
+    if handle is None and fp8 is not None:
+        log(f"the fp8 state in {path} is not used: this config has no precision.fp8")
+    elif handle is not None and fp8 is None:
+        log(f"{path} has no fp8 state (a run without precision.fp8 wrote it); FP8 scaling starts fresh")
+    elif handle is not None and fp8 is not None:
+        with _loading("fp8", path):
+            if not isinstance(fp8, dict):
+                raise ValueError(f"fp8 must be a mapping (recipe, modules); got {shown(fp8)}")
+            if (then := dls.fp8.recipe_from_dict(fp8["recipe"])) == handle.recipe:
+                handle.load_state_dict(fp8)
+            else:
+                log(f"the fp8 state in {path} is for {then!r}; the config's recipe {handle.recipe!r} starts fresh")
+
+
+def _restore_optimizer(trainer: Any, path: Path, state: dict[str, Any], saved_cfg: TrainConfig | None) -> None:
+    then = saved_cfg.optimizer.optimizer_type if saved_cfg else None
+    trainer.optimizer.load_state_dict(_check_optimizer(state["optimizer"], trainer, then))
+
+
+def _restore_scheduler(trainer: Any, path: Path, state: dict[str, Any], saved_cfg: TrainConfig | None) -> None:
+    saved = state["lr_scheduler"]
+    trainer.scheduler.load_state_dict(_check_scheduler(saved, trainer.scheduler, len(trainer.optimizer.param_groups)))
+    if state.get("format_version", 1) == 1:
+        trainer.log(
+            f"{path} has checkpoint format 1, whose LR schedule advanced on skipped steps too: it goes on from "
+            f"its position ({saved['last_epoch']} steps) and from now on advances on applied steps only"
+        )
+
+
+def _restore_dataloader(trainer: Any, path: Path, state: dict[str, Any], saved_cfg: TrainConfig | None) -> None:
+    trainer.batches.load_state_dict(state["dataloader"])  # checked whole by the iterator before it changes
+
+
+def _restore_grad_scaler(trainer: Any, path: Path, state: dict[str, Any], saved_cfg: TrainConfig | None) -> None:
+    _restore_scaler(trainer, path, state.get("grad_scaler"), saved_cfg)
+
+
+def _restore_rng(trainer: Any, path: Path, state: dict[str, Any], saved_cfg: TrainConfig | None) -> None:
+    """Last: building the run must not consume the restored generators."""
+    ranks: Any = state.get("rng_ranks")  # saved by as many ranks as now: each its own
+    own = trainer.world_size > 1 and isinstance(ranks, list) and len(ranks) == trainer.world_size
+    if not own and "rng" not in state:
+        trainer.log(f"{path} has no rng state; random-number generators start from runconfig.seed")
+        return
+    set_rng_state(ranks[trainer.rank] if own else state["rng"], f"rng_ranks[{trainer.rank}]" if own else "rng")
+    if trainer.rank > 0 and not own:  # saved by fewer ranks: a stream of its own, not a copy of rank 0's
+        seed_everything(trainer.cfg.runconfig.seed + trainer.rank + 1_000_003 * trainer.global_step)
+
+
+# What restore() loads, in its order.
+_RESTORERS: dict[str, Callable[[Any, Path, dict[str, Any], TrainConfig | None], None]] = {
+    "global_step": _restore_step,
+    "model": _restore_model,
+    "optimizer": _restore_optimizer,
+    "lr_scheduler": _restore_scheduler,
+    "dataloader": _restore_dataloader,
+    "grad_scaler": _restore_grad_scaler,
+    "rng": _restore_rng,
+}
+
+
+def set_rng_state(rng: Any, field: str = "rng") -> None:
+    """Set the generators to ``rng`` (as :func:`rng_state` saved it; ``field`` names it in errors). A ``ValueError``
+    names the first part that is not a state of its generator, and every generator is left as it was."""
+    if not isinstance(rng, dict) or not {"torch", "python", "numpy"} <= set(rng):
+        raise ValueError(f"{field} must be a mapping with torch, python and numpy generator states; got {shown(rng)}")
+    before = rng_state()
+    setters: dict[str, Callable[[Any], Any]] = {
+        "torch": torch.set_rng_state,
+        "python": lambda s: random.setstate((s[0], tuple(s[1]), s[2])),
+        "numpy": np.random.set_state,  # as rng_state() saved it: numpy takes the keys as a list
+        "cuda": torch.cuda.set_rng_state_all,
+    }
+    for key, setter in setters.items():
+        if key not in rng or (key == "cuda" and not torch.cuda.is_available()):
+            continue
+        try:
+            setter(rng[key])
+        except _LOAD_ERRORS as exc:
+            set_rng_state(before)
+            raise ValueError(f"{field}.{key} is not a state of {key}'s generator ({_one_line(exc)})") from None
+
+
+NON_FINITE = "holds inf/NaN values"
+
+
+def tensor_problem(value: Any, like: torch.Tensor, finite: bool = True) -> str | None:
+    """What keeps ``value`` from being loaded into a tensor like ``like`` (``None``: nothing), checked in this order:
+    a dense tensor of ``like``'s shape (before anything reads its values: a crafted view of 10^12 elements costs
+    nothing until then); real unless ``like`` is complex; then, converted to ``like``'s dtype as loading converts
+    it, representable: :data:`NON_FINITE` where it holds inf/NaN and ``finite`` is asked, and values that the
+    conversion turned into inf (a float64 1e300 into float32) in any case. Complex values count by both parts;
+    float8 values are read through a float32 view. Integer targets take integer values within their range."""
+    if not isinstance(value, torch.Tensor):
+        return f"is {shown(value)}, not a tensor"
+    if value.layout != torch.strided or value.is_quantized or value.is_meta:
+        return f"is a {value.layout} {value.dtype} tensor{' on meta' if value.is_meta else ''}; a dense one is needed"
+    if value.shape != like.shape:
+        return f"is a tensor of shape {tuple(value.shape)}; this run's needs shape {tuple(like.shape)}"
+    dtype, name = like.dtype, str(like.dtype).removeprefix("torch.")
+    if value.is_complex() and not dtype.is_complex:
+        return f"is complex ({value.dtype}); it loads into {name}, which is real"
+    if not (dtype.is_floating_point or dtype.is_complex):
+        if value.is_floating_point() or value.is_complex():
+            return f"is a {value.dtype} tensor; it loads into {name}, which holds integers"
+        info = torch.iinfo(dtype) if dtype != torch.bool else None
+        low, high = (int(value.min()), int(value.max())) if value.numel() and info else (0, 0)
+        return None if info is None or info.min <= low <= high <= info.max else f"holds values beyond {name}'s range"
+    was = torch.isfinite(_real_view(value))
+    if finite and not bool(was.all()):
+        return NON_FINITE
+    now = torch.isfinite(_real_view(value.to(dtype)))
+    if not bool((now | ~was).all()):
+        largest = float(_real_view(value).abs()[was & ~now].max())
+        return f"holds values beyond {name}'s range (largest |value| {largest:.6g}), which loading would make inf"
+    return None
+
+
+def _real_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in a dtype ``torch.isfinite`` takes: float8 (which it does not) as float32."""
+    return t.float() if t.is_floating_point() and t.element_size() == 1 else t
+
+
 def _number(value: Any, what: str, integer: bool = True, low: int = 0) -> Any:
-    """``value`` if it is an integer (``integer``; else any finite number) >= ``low``; else a ``ValueError``."""
-    kind, limit = (int, 2**63) if integer else ((int, float), math.inf)
-    if isinstance(value, bool) or not isinstance(value, kind) or not low <= value < limit:
-        raise ValueError(f"{what} must be {'an integer' if integer else 'a number'} >= {low}; got {value!r}")
+    """``value`` if it is an integer in [``low``, 2^63) (``integer``; else a finite number >= ``low``); else a
+    ``ValueError`` naming ``what``."""
+    limit = 2**63 if integer else sys.float_info.max  # compared exactly: a 400-digit integer is beyond both
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or not low <= value < limit:
+        raise ValueError(f"{what} must be {'an integer' if integer else 'a number'} >= {low}; got {shown(value)}")
     return value
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:400] or type(exc).__name__
+
+
 def _finite(value: Any) -> bool:
-    """Whether every number and floating-point tensor in ``value`` (nested in lists, tuples, dicts) is finite."""
-    if isinstance(value, torch.Tensor):
-        return not value.is_floating_point() or bool(torch.isfinite(value).all())
+    """Whether every number in ``value`` (nested in lists, tuples, dicts) is finite."""
     if isinstance(value, float):
         return math.isfinite(value)
     if isinstance(value, (list, tuple, dict)):
@@ -545,56 +741,167 @@ def _finite(value: Any) -> bool:
     return True
 
 
-def _check_optimizer(saved: Any, trainer: Any, then: str | None) -> None:
-    """What torch's ``load_state_dict`` does not check (it checks the rest, and MasterWeights its master weights,
-    before changing anything): the optimizer family, finite hyperparameters, each parameter's state of its shape and
-    a floating dtype, ``step`` a number >= 0, the state the family needs once it has stepped. ``then``: the
-    checkpoint's optimizer_type (``None``: its config is unreadable). A ``ValueError`` names the first bad field."""
+def _same_kind(value: Any, like: Any) -> bool:
+    """Whether ``value`` is of ``like``'s kind: a number for a float, an integer for an integer (never a bool), a
+    sequence of ``like``'s length item by item for a sequence, else the same type."""
+    if isinstance(like, bool) or not isinstance(like, (int, float, list, tuple)):
+        return type(value) is type(like)
+    if isinstance(like, (list, tuple)):
+        return isinstance(value, (list, tuple)) and len(value) == len(like) and all(map(_same_kind, value, like))
+    return not isinstance(value, bool) and isinstance(value, int if isinstance(like, int) else (int, float))
+
+
+def _check_optimizer(saved: Any, trainer: Any, then: str | None) -> dict[str, Any]:
+    """The optimizer state dict to load, checked for what torch's ``load_state_dict`` does not check (it checks the
+    group sizes, and MasterWeights its master weights, before changing anything): the optimizer family, each
+    group's hyperparameters (:func:`_check_group`), each parameter's state of its shape and a floating dtype,
+    finite once converted to the parameter's dtype, ``step`` a number >= 0, the state the family needs once it has
+    stepped. ``then``: the checkpoint's optimizer_type (``None``: its config is unreadable). A ``ValueError``
+    names the first bad field."""
     groups, entries = (saved.get("param_groups"), saved.get("state")) if isinstance(saved, dict) else (None, None)
     if not isinstance(groups, list) or not isinstance(entries, dict) or not all(isinstance(g, dict) for g in groups):
         raise ValueError("it is not an optimizer state dict (state, param_groups)")
     now, now_groups = trainer.cfg.optimizer.optimizer_type, trainer.optimizer.param_groups
-    # SGD's groups hold 'momentum', Adam's and AdamW's 'betas': a state of the other family breaks the first step.
-    family = "Adam" if all("betas" in g for g in groups) else "SGD"
-    if (family == "SGD") != (now == "SGD"):
-        name = then if then is not None and (then == "SGD") == (family == "SGD") else family  # else a crafted file
+    if (family := _family(groups, now, then)) != now:
         raise ValueError(
-            f"its param_groups are {name}'s and optimizer.optimizer_type is {now} now: resume without it "
+            f"its param_groups are {family}'s and optimizer.optimizer_type is {now} now: resume without it "
             "(--load_checkpoint_states with every state but optimizer; in the run's own directory keep global_step) "
             "or with the checkpoint's optimizer_type"
         )
     sizes = [len(g["params"]) if isinstance(g.get("params"), list) else None for g in groups]
     if sizes != (now_sizes := [len(g["params"]) for g in now_groups]):
         raise ValueError(f"its param_groups hold {sizes} parameters; this run's optimizer {now_sizes}")
-    needs = {"SGD": ("momentum_buffer",), "Adam": ("step", "exp_avg", "exp_avg_sq")}[family]  # once it has stepped
-    params: dict[Any, tuple[torch.Tensor, dict[str, Any]]] = {}
-    for g, (group, now_group) in enumerate(zip(groups, now_groups)):
-        if bad := [k for k, v in group.items() if k != "params" and not _finite(v)]:
-            raise ValueError(f"optimizer.param_groups[{g}].{bad[0]} must be finite; got {group[bad[0]]!r}")
-        params.update((i, (p, now_group)) for i, p in zip(group["params"], now_group["params"]))
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # MasterWeights: the optimizer it wraps
+    section, cls = trainer.cfg.optimizer, type(inner)
+    loaded = [_check_group(g, group, ng, cls, section) for g, (group, ng) in enumerate(zip(groups, now_groups))]
+    needs = ("momentum_buffer",) if now == "SGD" else ("step", "exp_avg", "exp_avg_sq")  # once it has stepped
+    known = (*needs, "max_exp_avg_sq") if any(g.get("amsgrad") for g in loaded) else needs
+    params = {i: (p, ng) for group, ng in zip(groups, now_groups) for i, p in zip(group["params"], ng["params"])}
     for index, entry in entries.items():
-        field = f"optimizer.state[{index!r}]"
-        if index not in params or not isinstance(entry, dict):
+        field = f"optimizer.state[{shown(index)}]"
+        if not isinstance(index, int) or index not in params or not isinstance(entry, dict):
             raise ValueError(f"{field} is not the state of a parameter of this run's optimizer")
         param, group = params[index]
-        required = [k for k in needs if k != "momentum_buffer" or group["momentum"]]
-        if missing := [k for k in required if k not in entry]:
+        if missing := [k for k in needs if k not in entry and (k != "momentum_buffer" or group["momentum"])]:
             raise ValueError(f"{field} lacks {', '.join(missing)}")
+        if unknown := [k for k in entry if k not in known]:
+            raise ValueError(
+                f"{field} holds {shown(unknown[0])}, which is not state of this run's {now} ({', '.join(known)})"
+            )
         for key, value in entry.items():
-            if key == "step":
-                count = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
-                _number(count, f"{field}.step", integer=False)
-            elif isinstance(value, torch.Tensor) and (not value.is_floating_point() or value.shape != param.shape):
+            _check_state_value(f"{field}.{key}", key, value, param)
+    return {**saved, "param_groups": loaded}
+
+
+def _family(groups: list[dict[str, Any]], now: str, then: str | None) -> str:
+    """The optimizer type whose groups ``groups`` are: SGD's have no ``betas``; Adam's and AdamW's tell each other
+    apart by ``decoupled_weight_decay`` (without it, written by an older torch: the checkpoint's config's type
+    ``then``, else ``now``'s)."""
+    if not all("betas" in g for g in groups):
+        return "SGD"
+    decoupled = {g.get("decoupled_weight_decay") for g in groups}
+    if decoupled in ({True}, {False}):
+        return "AdamW" if decoupled == {True} else "Adam"
+    return then if then in ("Adam", "AdamW") else now if now != "SGD" else "Adam"
+
+
+def _check_group(g: int, group: dict[str, Any], now_group: dict[str, Any], cls: type, section: Any) -> dict[str, Any]:
+    """The hyperparameters of the checkpoint's group ``g`` as loaded, checked against this run's group (the config's
+    optimizer ``cls``, as its groups are once it has stepped: an optimizer may keep state there, as cstorch's Adam
+    its bias-correction powers). A key it does not hold is left out (it would not use it: a torch Adam's state
+    loads into cstorch's Adam, as cstorch loads one; the LR schedule's state is loaded the same way); a key it
+    holds that the checkpoint lacks (an older torch's) keeps the config's value. Each value must be of the config's
+    type and finite; the flags (booleans, ``foreach``, ``fused``: they change the state's layout, where and how it
+    computes, or the direction of the step) the config's; ``betas``, ``eps``, ``weight_decay`` and ``momentum``
+    within the config's own ranges (its ``optimizer:`` ``section``); and all of them values ``cls`` takes, with
+    which one step of it on a throwaway parameter is finite."""
+    field, name = f"optimizer.param_groups[{g}]", cls.__name__
+    known = _step_once(cls, {k: v for k, v in now_group.items() if k != "params"})[0]
+    for key, value in group.items():
+        mine = known.get(key, ...)
+        if key == "params" or mine is ...:
+            continue
+        if isinstance(mine, bool) or key in ("foreach", "fused"):
+            if type(value) is not type(mine) or value != mine:
                 raise ValueError(
-                    f"{field}.{key} is a {value.dtype} tensor of shape {tuple(value.shape)}; this run's parameter "
-                    f"needs a floating-point tensor of shape {tuple(param.shape)}"
+                    f"{field}.{key} is {shown(value)}; this config's {name} has {key}={mine!r}, and a flag of the "
+                    "optimizer is the config's: resume without the optimizer state (--load_checkpoint_states)"
                 )
-            if not _finite(value):
-                raise ValueError(f"{field}.{key} holds inf/NaN values")
+        elif not _same_kind(value, mine):
+            raise ValueError(
+                f"{field}.{key} must be of type {type(mine).__name__} as in this config's {name} ({mine!r}); got "
+                f"{shown(value)}"
+            )
+        elif not _finite(value):
+            raise ValueError(f"{field}.{key} must be finite; got {value!r}")
+    loaded = {**now_group, **{k: v for k, v in group.items() if k in known or k == "params"}}
+    _check_config_ranges(
+        field, {k: loaded[k] for k in ("betas", "eps", "weight_decay", "momentum") if k in loaded}, section
+    )
+    try:
+        finite = _step_once(cls, {k: v for k, v in loaded.items() if k != "params"})[1]
+    except (ValueError, TypeError, RuntimeError, KeyError) as exc:
+        raise ValueError(f"{field} holds hyperparameters {name} refuses: {_one_line(exc)}") from None
+    if not finite:
+        raise ValueError(f"{field} holds hyperparameters with which a step of {name} gives inf/NaN")
+    return loaded
 
 
-def _check_scheduler(saved: Any, num_groups: int) -> None:
-    """A ``ValueError`` naming the first field of the LR schedule's state that is not what ``LambdaLR`` wrote."""
+def _step_once(cls: type, hyper: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """One step of ``cls`` with the hyperparameters ``hyper`` on a throwaway one-element parameter (1, gradient 1):
+    its group as it then is, and whether the parameter stayed finite."""
+    param = torch.ones(1, requires_grad=True)
+    param.grad = torch.ones(1)
+    accepted = inspect.signature(cls).parameters
+    optimizer = cls([param], **{k: v for k, v in hyper.items() if k in accepted})
+    optimizer.param_groups[0].update(hyper)  # also what the constructor does not take (initial_lr, kept state)
+    optimizer.step()
+    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    return group, bool(torch.isfinite(param).all())
+
+
+def _check_config_ranges(field: str, values: dict[str, Any], section: Any) -> None:
+    """``values`` (hyperparameters named as the config's keys) within the ranges the config's ``optimizer:``
+    ``section`` takes (pydantic's judgement; a section it cannot judge again as it is is not used)."""
+    schema, own = type(section), section.model_dump(exclude_unset=True)
+    try:
+        schema.model_validate(own)
+    except ValueError:
+        return
+    try:
+        schema.model_validate({**own, **values})
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        first: dict[str, Any] = exc.errors()[0] if hasattr(exc, "errors") else {"loc": (), "msg": str(exc)}
+        key = ".".join(map(str, first["loc"]))
+        rule = first["msg"].replace("Input should", "must")
+        raise ValueError(f"{field}.{key} {rule}, as optimizer.{key} in a config; got {first.get('input')!r}") from None
+
+
+def _check_state_value(field: str, key: str, value: Any, param: torch.Tensor) -> None:
+    """One value of a parameter's optimizer state: ``step`` a number >= 0; a tensor of the parameter's shape and a
+    floating dtype, finite once converted to the parameter's dtype (as torch's loading converts it)."""
+    if key == "step":
+        count = (
+            value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() else value
+        )
+        _number(count, field, integer=False)
+    elif isinstance(value, torch.Tensor):
+        if not (value.is_floating_point() or value.is_complex()) or value.shape != param.shape:
+            raise ValueError(
+                f"{field} is a {value.dtype} tensor of shape {tuple(value.shape)}; this run's parameter "
+                f"needs a floating-point tensor of shape {tuple(param.shape)}"
+            )
+        if problem := tensor_problem(value, param):
+            raise ValueError(f"{field} {problem}")
+    elif not _finite(value):
+        raise ValueError(f"{field} holds inf/NaN values")
+
+
+def _check_scheduler(saved: Any, scheduler: Any, num_groups: int) -> dict[str, Any]:
+    """The LR schedule's state to load: the keys ``scheduler``'s own ``state_dict()`` has (any other is left out:
+    loading sets attributes), each of the type it holds there (a key the checkpoint lacks keeps its value);
+    ``last_epoch`` an integer >= -1, ``base_lrs`` (and ``_last_lr``) ``num_groups`` finite numbers. A ``ValueError``
+    names the first field that does not fit."""
     if not isinstance(saved, dict):
         raise ValueError(f"a mapping is expected; got {type(saved).__name__}")
     _number(saved.get("last_epoch"), "last_epoch", low=-1)
@@ -602,7 +909,20 @@ def _check_scheduler(saved: Any, num_groups: int) -> None:
         values: Any = saved.get(key)
         numbers = isinstance(values, list) and all(type(v) in (int, float) and math.isfinite(v) for v in values)
         if not numbers or len(values) != num_groups:
-            raise ValueError(f"{key} must be a list of {num_groups} finite numbers; got {values!r}")
+            raise ValueError(f"{key} must be a list of {num_groups} finite numbers; got {shown(values)}")
+    loaded = {}
+    for key, mine in scheduler.state_dict().items():
+        value = saved.get(key, mine)
+        if key == "_last_lr" and value is None:  # not written by every torch: the scheduler's own
+            value = mine
+        if not _same_kind(value, mine):
+            kind = type(getattr(scheduler, "__wrapped__", scheduler)).__name__
+            raise ValueError(
+                f"{key} must be of type {type(mine).__name__} as in this run's {kind} ({shown(mine)}); got "
+                f"{shown(value)}"
+            )
+        loaded[key] = value
+    return loaded
 
 
 def _restore_scaler(trainer: Any, path: Path, saved: Any, saved_cfg: TrainConfig | None) -> None:

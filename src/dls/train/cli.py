@@ -19,13 +19,16 @@ from typing import Any
 
 from dls.train import lab
 from dls.train.errors import (
+    SPACE_ERRORS,
     CheckpointError,
     ConfigError,
     ExitStatus,
     MissingExtras,
+    OutOfMemory,
     UsageError,
     describe,
     exit_status,
+    is_out_of_memory,
     write_crash_report,
 )
 from dls.train.launch import init_distributed, shutdown_distributed, torchrun_env
@@ -61,9 +64,8 @@ exit status: 0 done (whatever the verdicts); 2 bad config or arguments."""
 RAW = argparse.RawDescriptionHelpFormatter  # keeps the line breaks of the texts above
 
 _DATA_PROCESSOR = re.compile(r"^\s*data_processor:\s*[\"']?(\w+)", re.MULTILINE)
-# The shipped Model Zoo configs keep their data under ./data/<kind>/ (as the `dls data` line in their header writes it)
-_DATA_DIR = re.compile(r"^(?P<key>[ \t]*data_dir:[ \t]*)[\"']?\./data/(?P<rest>[^\"'\n]*)[\"']?[ \t]*$", re.MULTILINE)
 _KIND = {"MNISTDataProcessor": "mnist", "GptHDF5DataProcessor": "gpt", "GptHDF5MapDataProcessor": "gpt"}
+MAX_AUDIT_STEPS = 1000  # passes per format over the first batches: more says nothing new, and each costs time
 
 
 def _config_args(parser: argparse.ArgumentParser, **config: Any) -> None:
@@ -81,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(train, nargs="?")
     train.add_argument("--resume", metavar="DIR_OR_FILE", help="continue from DIR's latest checkpoint (or FILE)")
     train.add_argument(
+        "--overwrite", action="store_true",
+        help="start a new run in a model_dir holding an earlier run's files: they are renamed <name>.old-<time>",
+    )  # fmt: skip
+    train.add_argument(
         "--load_checkpoint_states", metavar="STATES",
         help="states to load (model, optimizer, dataloader, grad_scaler, lr_scheduler, global_step, rng; default all)",
     )  # fmt: skip
@@ -92,7 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     audit = sub.add_parser("audit", help="which formats fit a config's model", epilog=AUDIT_EPILOG, formatter_class=RAW)
     _config_args(audit)
     audit.add_argument("--formats", nargs="+", metavar="FORMAT", help="default: float16 bfloat16 cbfloat16")
-    audit.add_argument("--steps", type=int, default=4, help="forward/backward passes per format (default 4)")
+    audit.add_argument(
+        "--steps",
+        type=int,
+        default=4,
+        help=f"forward/backward passes per format (default 4, at most {MAX_AUDIT_STEPS})",
+    )
     audit.add_argument("--out", metavar="DIR", help="write DIR/audit.png")
     audit.add_argument("--fp8-recipes", nargs="*", metavar="RECIPE", help="compare FP8 recipes (none given: all)")
     _config_args(sub.add_parser("validate", help="check a config; print it with every default and the scaler's"))
@@ -125,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             if getattr(args, "steps", 1) < 1:  # dls demo and dls audit
                 raise UsageError(f"--steps must be >= 1; got {args.steps}")
+            if getattr(args, "out", None) == "":  # dls demo and dls audit: not the current directory
+                raise UsageError("--out is empty; give the directory to write into")
             return COMMANDS[args.command](args) or 0
     except (Exception, KeyboardInterrupt) as exc:
         return _report(exc, args.crash_dir)
@@ -200,26 +213,28 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
-    from dls.train.config import memory_problem, parse_checkpoint_states, parse_config, read_config
+    from dls.train.config import default_model_dir, memory_problem, parse_checkpoint_states, parse_config, read_config
     from dls.train.trainer import Trainer
 
     try:
         states = None if args.load_checkpoint_states is None else parse_checkpoint_states(args.load_checkpoint_states)
     except ValueError as exc:
         raise UsageError(f"--load_checkpoint_states: {exc}") from None
+    notes: list[str] = []
     if args.config is not None:
-        raw, source = read_config(args.config, args.override), args.config
+        raw, source = read_config(args.config, args.override, notes), args.config
     elif args.resume is not None:
         raw, source = _saved_config(args.resume, args.override)
     else:
         raise UsageError("give a YAML config (dls train CONFIG.yaml), or --resume DIR to continue a run")
-    section = raw.get("runconfig")
-    if args.resume is not None and not (isinstance(section, dict) and "model_dir" in section):
+    if args.resume is not None:  # the run continues in DIR, unless the config names another model_dir
         resume = Path(args.resume)
-        directory = resume.parent if resume.is_file() else resume
-        raw = {**raw, "runconfig": {**(section if isinstance(section, dict) else {}), "model_dir": str(directory)}}
-    cfg = parse_config(raw, source=source)
+        raw = default_model_dir(raw, str(resume.parent if resume.is_file() else resume))
+    cfg = parse_config(raw, source=source, notes=notes)
     rc = cfg.runconfig
+    if args.overwrite and (args.resume is not None or states is not None):
+        given = "--resume" if args.resume is not None else "--load_checkpoint_states"
+        raise UsageError(f"--overwrite starts a new run without a checkpoint; it cannot be combined with {given}")
     if states is not None and args.resume is None and rc.checkpoint_path is None and not rc.autoload_last_checkpoint:
         raise UsageError(
             "--load_checkpoint_states needs a checkpoint to load from: --resume DIR_OR_FILE (or the config's "
@@ -233,7 +248,7 @@ def _train(args: argparse.Namespace) -> None:
         with config_errors(source):
             trainer = Trainer(cfg, progress=not args.no_progress, config_file=args.config)
         try:
-            trainer.train(resume=args.resume, load_states=states)
+            trainer.train(resume=args.resume, load_states=states, overwrite=args.overwrite)
         finally:
             args.crash_dir = trainer.crash_dir
             trainer.close()  # data-parallel: every rank waits for rank 0's outputs; DDP released
@@ -270,6 +285,8 @@ def _audit(args: argparse.Namespace) -> None:
     from dls.train.checkpoint import RunDir, resolve_model_dir
     from dls.train.config import load_config, loss_scaling_mode, scaler_settings
 
+    if args.steps > MAX_AUDIT_STEPS:
+        raise UsageError(f"--steps must be at most {MAX_AUDIT_STEPS}; got {args.steps}")
     names = args.formats if args.formats is not None else ["float16", "bfloat16", "cbfloat16"]
     if unknown := [name for name in names if name not in dls.formats.names()]:
         raise UsageError(f"--formats: unknown format {unknown[0]!r}; allowed: {', '.join(dls.formats.names())}")
@@ -331,7 +348,21 @@ def _demo(args: argparse.Namespace) -> None:
 def _data(args: argparse.Namespace) -> int:
     from dls.train.modelzoo import main as write_data  # parses its own arguments
 
-    return write_data(args.args)
+    if "" in args.args:  # as a directory, '' would be the current one
+        raise UsageError(
+            "dls data: an argument is empty ('' is no directory); give DIR, e.g. dls data mnist data/mnist"
+        )
+    try:
+        return write_data(args.args)
+    except OSError as exc:
+        if exc.errno in SPACE_ERRORS:
+            exc.advice = "free some space or write to another DIR"  # type: ignore[attr-defined]
+        raise
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise OutOfMemory(first, "lower --train, --val, --msl or --files (or free memory)") from None
 
 
 def shipped_configs() -> dict[str, Path]:
@@ -360,6 +391,8 @@ def _init(args: argparse.Namespace) -> None:
         raise UsageError(f"no shipped config {args.name!r}; shipped: {', '.join(configs)}")
     if args.directory is None:
         raise UsageError(f"give the directory to write it into (dls init {args.name} DIR)")
+    if not args.directory:
+        raise UsageError(f"DIR is empty ('' is no directory); give one, e.g. dls init {args.name} my_run")
     directory = Path(args.directory)
     target = directory / (args.name.rsplit("/", 1)[-1] + ".yaml")
     if target.exists() or target.is_symlink():
@@ -382,11 +415,41 @@ def _init(args: argparse.Namespace) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     if processor is not None:
         write_tiny_data(kind, directory / "data" / kind)
-        text = _DATA_DIR.sub(lambda m: f"{m.group('key')}{str(directory / 'data' / m.group('rest'))!r}", text)
+        text = _point_data_dirs(text, directory / "data")
         print(f"Wrote a tiny {processor.group(1)} data set into {directory / 'data' / kind}")
     with open(target, "x") as file:  # never over an existing file or through a link
         file.write(text)
     print(f"Wrote {target} (needs {_extras(args.name, text)}). Next: dls train {target}")
+
+
+def _point_data_dirs(text: str, data: Path) -> str:
+    """The config ``text`` with each ``data_dir: ./data/<rest>`` (where the shipped Model Zoo configs keep their
+    data, as the ``dls data`` line in their header writes it) pointing at ``data/<rest>``, its comments kept: the
+    YAML library finds the values (their exact places in the text) and writes the new ones, double-quoted with
+    every character a path may hold escaped as YAML needs (quotes, backslashes, tabs, newlines)."""
+    import yaml
+
+    spans: list[tuple[int, int, str]] = []
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    nodes: list[yaml.Node] = [root] if root is not None else []
+    seen: set[int] = set()  # an alias reaches its anchor's node again
+    while nodes:
+        node = nodes.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if key.value == "data_dir" and isinstance(value, yaml.ScalarNode) and value.value.startswith("./data/"):
+                    path = str(data / value.value.removeprefix("./data/"))
+                    spans.append((value.start_mark.index, value.end_mark.index, path))
+                nodes.append(value)
+        elif isinstance(node, yaml.SequenceNode):
+            nodes.extend(node.value)
+    for start, end, path in sorted(spans, reverse=True):  # from the end: earlier places stay where they are
+        quoted = yaml.safe_dump(path, default_style='"', width=float("inf"), allow_unicode=True).strip()
+        text = text[:start] + quoted + text[end:]
+    return text
 
 
 # What each subcommand of build_parser() runs (its status; None: 0).

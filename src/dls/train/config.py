@@ -1,7 +1,8 @@
 """Training configs: YAML in either Cerebras Model Zoo layout (or dls's own), read safely and mapped key by key onto
 dls's sections, each key declared once below as a pydantic field (its type, bounds, default and help for ``dls
 keys``). Numbers are strict (``true`` is not 1, ``"1024"`` is not 1024), finite and at most float32's max in size;
-counts have fixed upper bounds; every error names the key as written. The loss-scaling keys are judged by
+counts are integers (``100.0`` is not a count, as ``GradScaler`` and the FP8 recipes refuse it) with fixed upper
+bounds; every error names the key as written. The loss-scaling keys are judged by
 ``ScalerSettings.cerebras``, so the config accepts exactly what ``GradScaler`` accepts."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from dls.settings import ScalerSettings, SettingsError
+from dls.settings import TORCH_INIT_SCALE, ScalerSettings, SettingsError
 from dls.train.errors import ConfigError
 
 F32_MAX = 3.4028234663852886e38
@@ -35,11 +36,44 @@ CHECKPOINT_STATES = ("model", "optimizer", "dataloader", "grad_scaler", "lr_sche
 # Keys that matter only on Cerebras hardware (or to Model Zoo's launcher): accepted, listed once as ignored.
 CEREBRAS_ONLY = {
     "num_workers", "prefetch_factor", "persistent_workers", "precision_opt_level", "enable_distributed",
-    "num_csx", "mode", "log_loss_scale", "save_losses", "num_wgt_servers", "num_act_servers", "mgmt_address",
+    "num_csx", "save_losses", "num_wgt_servers", "num_act_servers", "mgmt_address",
     "credentials_path", "mount_dirs", "python_paths", "compile_dir", "job_labels", "compile_only",
-    "validate_only", "execute_crd_memory_gb", "use_cs_grad_accum", "micro_batch_size", "enable_act_frequency",
-    "log_level", "wsc_log_level", "ScopedTrainFlags", "ScopedValidateFlags", "ComputeNorm", "GlobalFlags",
+    "validate_only", "use_cs_grad_accum", "micro_batch_size", "enable_act_frequency",
+    "log_level", "wsc_log_level", "ScopedTrainFlags", "ScopedValidateFlags", "GlobalFlags",
     "DebugArgsPath", "to_float16", "use_worker_cache", "sync_batchnorm",
+}  # fmt: skip
+CEREBRAS, NOT_DONE = "Cerebras only", "not done by dls"
+# Model Zoo's runconfig keys (the legacy layout's; runconfig_schema.yaml of Releases 1.8.0, 1.9.1, 2.3.1 and 2.10.0,
+# copied into tests/data/modelzoo): the dls runconfig key each sets, or CEREBRAS (no meaning off Cerebras hardware or
+# outside Model Zoo's launcher) or NOT_DONE (a meaning dls does not carry out): both accepted and listed once. What
+# each means, and what dls does: the Model Zoo table of docs/guides/trainer.md.
+ZOO_RUNCONFIG: dict[str, str] = {
+    **{k: k for k in (
+        "autoload_last_checkpoint", "checkpoint_path", "checkpoint_steps", "disable_strict_checkpoint_loading",
+        "eval_frequency", "eval_steps", "load_checkpoint_states", "log_steps", "max_steps", "model_dir", "num_epochs",
+        "num_steps", "save_initial_checkpoint", "seed", "steps_per_epoch", "keep_checkpoint_max",
+    )},
+    "max_checkpoints": "keep_checkpoint_max", "target_device": "backend",
+    **dict.fromkeys((
+        "act_memory_gi", "cbcore_image", "chf_memory_gi", "cmd_memory_gi", "compile_crd_memory_gi", "compile_dir",
+        "compile_only", "credentials_path", "debug_args", "debug_args_path", "disable_version_check", "drop_data",
+        "dump_activations", "enable_act_frequency", "execute_crd_memory_gi", "fabric_type_blacklist", "ini",
+        "job_labels", "job_priority", "job_time_sec", "lazy_initialization", "legacy_event_dirs", "log_initialization",
+        "mgmt_address", "mgmt_namespace", "mount_dirs", "num_act_servers", "num_csx", "num_wgt_servers",
+        "num_workers_per_csx", "precision_opt_level", "python_paths", "retrace_every_iteration", "transfer_processes",
+        "validate_only", "variant", "wgt_memory_gi", "wrk_memory_gi", "wsc_log_level",
+        # Releases 1.8 and 1.9 only
+        "autogen_policy", "execution_strategy", "experimental_api", "multireplica", "num_replicas", "save_losses",
+        "save_stream_size", "service_dir", "skip_train_recv_activations", "use_appliance_data", "use_cs_grad_accum",
+        "use_cstorch_optimizer_step",
+    ), CEREBRAS),
+    **dict.fromkeys((
+        "check_loss_values", "dist_addr", "dist_backend", "enable_distributed", "experimental", "hf_cache_dir",
+        "init_method", "log_input_summaries", "logging", "main_process_id", "mode", "op_profiler_config",
+        "summary_dir", "sync_batchnorm",
+        # Releases 1.8 and 1.9 only
+        "enable_summaries", "is_pretrained_checkpoint", "save_summary_steps", "show_debug_metrics",
+    ), NOT_DONE),
 }  # fmt: skip
 # Names from other frameworks, pointed at the one key that does the same thing here.
 _HINTS = {
@@ -63,11 +97,6 @@ def _unknown(path: str, key: Any, allowed: Sequence[str]) -> str:
 
 
 # ---------------------------------------------------------------------- the sections' keys
-def _integral(value: Any) -> Any:
-    """YAML's ``1e3`` for an integer key is the integer it is."""
-    return int(value) if isinstance(value, float) and value.is_integer() and abs(value) <= INT64_MAX else value
-
-
 def Bounds(ge: int = 0, le: int = INT64_MAX) -> Any:
     """An integer key's bounds (strict: ``true`` and ``"1"`` are not integers)."""
     return Field(strict=True, ge=ge, le=le)
@@ -96,17 +125,16 @@ def parse_checkpoint_states(value: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(items))
 
 
-INTEGRAL = BeforeValidator(_integral)
 LISTED = BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)  # a YAML list as a tuple
 SCHEDULE = BeforeValidator(lambda v: (v,) if isinstance(v, dict) else tuple(v) if isinstance(v, list) else v)
 CASELESS = BeforeValidator(lambda v: _CANONICAL.get(v.lower(), v) if isinstance(v, str) else v)  # Model Zoo: adamw
 Unit = Annotated[float, Finite(ge=0, lt=1)]
 NonNegative = Annotated[float, Finite(ge=0)]
-Steps = Annotated[int, INTEGRAL, Bounds(1)]
-Seed = Annotated[int, INTEGRAL, Bounds(0, 2**32 - 1)]  # NumPy's seeds are 32-bit
-Size = Annotated[int, INTEGRAL, Bounds(1, 1 << 20)]
-Length = Annotated[int, INTEGRAL, Bounds(1, 1 << 22)]
-Layers = Annotated[int, INTEGRAL, Bounds(1, 4096)]
+Steps = Annotated[int, Bounds(1)]
+Seed = Annotated[int, Bounds(0, 2**32 - 1)]  # NumPy's seeds are 32-bit
+Size = Annotated[int, Bounds(1, 1 << 20)]
+Length = Annotated[int, Bounds(1, 1 << 22)]
+Layers = Annotated[int, Bounds(1, 4096)]
 
 
 def help_(default: Any, text: str, only: str = "") -> Any:
@@ -144,11 +172,11 @@ class DataConfig(Section):
         None, "generated teacher_regression, or the character corpus shipped with dls (default: the model's)"
     )
     data_processor: ZooProcessor | None = help_(None, "a Model Zoo reader: " + " | ".join(ZOO_PROCESSORS))
-    batch_size: Annotated[int, INTEGRAL, Bounds(1, 1 << 24)] = help_(64, "samples (sequences) per step and rank")
+    batch_size: Annotated[int, Bounds(1, 1 << 24)] = help_(64, "samples (sequences) per step and rank")
     shuffle: bool = help_(True, "reshuffle the samples every epoch")
     shuffle_seed: Seed | None = help_(None, "seed of the sample order (null: the seed)")
     drop_last_batch: bool = help_(True, "drop an incomplete last batch (dls's built-in data sets always do)")
-    num_samples: Annotated[int, INTEGRAL, Bounds(1, 1 << 40)] = help_(
+    num_samples: Annotated[int, Bounds(1, 1 << 40)] = help_(
         4096, "samples in the generated data set", "teacher_regression"
     )
     input_dim: Size = help_(32, "features per sample", "teacher_regression")
@@ -180,6 +208,7 @@ class PrecisionConfig(Section):
     fallback: bool | None = help_(
         None, "keep the module where a forward overflow starts in float32 (null: on for float16 and cbfloat16)"
     )
+    log_underflow: bool = help_(False, "also log the fraction of gradients that underflow (slower)")
 
     @property
     def fallback_on(self) -> bool:
@@ -225,21 +254,34 @@ class OptimizerConfig(Section):
     momentum: Unit = help_(0.0, "SGD momentum", "SGD")
     weight_decay: NonNegative = help_(0.0, "weight decay")
     betas: Annotated[tuple[Unit, Unit], LISTED] = help_((0.9, 0.999), "Adam/AdamW betas", "Adam AdamW")
-    eps: Annotated[float, Finite(gt=0)] = help_(1e-8, "Adam/AdamW epsilon", "Adam AdamW")
-    correct_bias: Literal[True] = help_(True, "AdamW bias correction (torch's AdamW always corrects)", "AdamW")
+    eps: Annotated[float, Finite(gt=0)] = help_(
+        1e-8, "Adam/AdamW epsilon (Model Zoo's layouts: 1e-6, cstorch's)", "Adam AdamW"
+    )
+    correct_bias: bool = help_(
+        True, "AdamW's bias correction, as cstorch's (Model Zoo's layouts); Adam always corrects", "Adam AdamW"
+    )
+    adjust_learning_rate: dict[str, Annotated[float, Finite(gt=0)]] = help_(
+        {}, "Model Zoo's learning-rate factors of parameter groups (muP): {group: factor}"
+    )
     loss_scaling_factor: Any = help_(None, "'dynamic', a static scale, or null: dynamic for float16/cbfloat16")
     initial_loss_scale: Any = help_(None, "first dynamic scale (null: the max)")
-    steps_per_increase: Annotated[Any, INTEGRAL] = help_(None, "the scale grows on the next clean step after this many")
+    steps_per_increase: Any = help_(None, "the scale grows on the next clean step after this many")
     min_loss_scale: Any = help_(None, "floor of the dynamic scale")
     max_loss_scale: Any = help_(None, "ceiling of the dynamic scale")
     overflow_tolerance: Any = help_(None, "fraction of overflowing steps tolerated before backing off")
     growth_factor: Any = help_(None, "multiplies the scale when it grows")
     backoff_factor: Any = help_(None, "multiplies the scale on overflow")
-    hysteresis: Annotated[Any, INTEGRAL] = help_(None, "overflows per back-off (DeepSpeed/Megatron)")
+    hysteresis: Any = help_(None, "overflows per back-off (DeepSpeed/Megatron)")
     consecutive_hysteresis: Any = help_(None, "hysteresis counts consecutive overflows only")
     max_gradient_norm: Any = help_(None, "clip the global gradient L2 norm")
     max_gradient_value: Annotated[float, Finite(gt=0)] | None = help_(None, "clip each gradient to [-value, value]")
-    log_summaries: bool = help_(False, "also log gradient underflow statistics (slower)")
+    force_loss_scaling: bool = help_(
+        False, "bfloat16 in Model Zoo's layouts: scale the loss as loss_scaling_factor says (Model Zoo does not)"
+    )
+    log_summaries: bool = help_(False, "also log the parameter norm and per-layer gradient norms (Model Zoo's)")
+    log_loss_scale: bool | None = help_(
+        None, "log the loss scale (null: yes; Model Zoo's layouts: with log_summaries (legacy), when dynamic (current))"
+    )
 
 
 class RunConfig(Section):
@@ -249,20 +291,23 @@ class RunConfig(Section):
     num_steps: Steps | None = help_(None, "train this many steps in this run (then stop)")
     num_epochs: Size | None = help_(None, "train this many epochs (when max_steps is not given)")
     steps_per_epoch: Steps | None = help_(None, "steps per epoch (default: the training data's batches)")
-    grad_accum_steps: Annotated[int, INTEGRAL, Bounds(1, 65536)] = help_(1, "micro-batches per optimizer step")
+    grad_accum_steps: Annotated[int, Bounds(1, 65536)] = help_(1, "micro-batches per optimizer step")
     eval_frequency: Steps | Annotated[float, Finite(gt=0, le=1)] | None = help_(
         None, "evaluate every N steps (an integer) or every fraction of the run (a float in (0, 1])"
     )
     eval_steps: Steps | None = help_(None, "batches per evaluation (null: the whole eval data)")
-    checkpoint_steps: Annotated[int, INTEGRAL, Bounds(0)] = help_(0, "checkpoint every N steps (0: only at the end)")
+    checkpoint_steps: Annotated[int, Bounds(0)] = help_(0, "checkpoint every N steps (0: only at the end)")
     save_initial_checkpoint: bool = help_(False, "also checkpoint step 0")
     keep_checkpoint_max: Size = help_(5, "keep only the last N checkpoints")
     log_steps: Steps = help_(10, "write metrics every N steps (skipped steps are always written)")
     model_dir: Annotated[str, Field(min_length=1)] = help_("model_dir", "directory for checkpoints and metrics")
     seed: Seed = help_(0, "seed of initialisation, data order and dropout")
     device: Literal["auto", "cpu", "cuda"] = help_("cpu", "'cpu', 'cuda', or 'auto' (cuda when available)")
+    backend: Literal["CSX", "CPU", "GPU"] | None = help_(
+        None, "Model Zoo's backend_type: whose loss-scaling rule the run follows (null and CSX: cstorch.amp's)"
+    )
     # More threads than any machine has cores only oversubscribes them.
-    num_threads: Annotated[int, INTEGRAL, Bounds(1, 1024)] | None = help_(
+    num_threads: Annotated[int, Bounds(1, 1024)] | None = help_(
         None,
         "torch CPU threads for the run, restored after (null: leave torch's setting). Tiny models on busy cores "
         "train fastest with 1: a tiny MLP on 2 cores shared with other work ran 25-40x faster with 1 thread than 2",
@@ -273,7 +318,7 @@ class RunConfig(Section):
         "record the loss scaler's steps into model_dir/trace.jsonl for dls replay / dls tune (false: not); 'model': "
         "also every tensor flowing backward, which decides more steps and costs more (not under emulation or FP8)",
     )
-    max_overflows_at_min_loss_scale: Annotated[int, INTEGRAL, Bounds(1, 1 << 31)] = help_(
+    max_overflows_at_min_loss_scale: Annotated[int, Bounds(1, 1 << 31)] = help_(
         10, "stop after N overflows pinned at the floor"
     )
     load_checkpoint_states: Annotated[tuple[str, ...], BeforeValidator(parse_checkpoint_states)] | None = help_(
@@ -379,17 +424,26 @@ def _problems(exc: ValidationError, section: str, r: _Reader) -> None:
 
 # ---------------------------------------------------------------------- YAML
 class _Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 floats (``1e-3`` is a number) that refuses a key given twice in one mapping."""
+    """SafeLoader with YAML 1.2 floats (``1e-3`` is a number). A key given twice in one mapping: a section (a mapping
+    value) is refused; any other value is taken from the last, as Model Zoo's loader (PyYAML's) does, and each such
+    key is listed in ``repeated`` as ``(key, first line, last line)``."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.repeated: list[tuple[str, int, int]] = []
 
     def flatten_mapping(self, node: yaml.MappingNode) -> None:
-        """Refuses a key given twice in a mapping; merged keys (``<<: [*a, *b]``) count once, the last value wins."""
-        seen: dict[Any, int] = {}
-        for key, _ in node.value:
+        """Merged keys (``<<: [*a, *b]``) count once, the last value wins."""
+        seen: dict[Any, tuple[int, yaml.Node]] = {}
+        for key, value in node.value:
             if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
                 line = key.start_mark.line + 1
                 if key.value in seen:
-                    raise ConfigError([f"key {key.value!r} is given twice: lines {seen[key.value]} and {line}"])
-                seen[key.value] = line
+                    first, before = seen[key.value]
+                    if isinstance(value, yaml.MappingNode) or isinstance(before, yaml.MappingNode):
+                        raise ConfigError([f"section {key.value!r} is given twice: lines {first} and {line}"])
+                    self.repeated.append((key.value, first, line))
+                seen[key.value] = (line, value)
         super().flatten_mapping(node)  # the merged keys first: without de-duplication they can multiply
         index = {
             (k.tag, k.value) if isinstance(k, yaml.ScalarNode) else id(k): i for i, (k, _) in enumerate(node.value)
@@ -418,22 +472,48 @@ def _unshare(data: Any, budget: list[int]) -> Any:
     return data
 
 
-def load_yaml(text: str, source: str = "<string>") -> Any:
-    """Parse YAML text into plain data, aliases expanded into copies. Raises :class:`ConfigError`."""
+def _where(exc: yaml.YAMLError, text: str) -> str:
+    """Where in ``text`` PyYAML failed, as ``line:column`` (1-based), and what it found there."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or getattr(exc, "context", None)
+    if isinstance(exc, yaml.reader.ReaderError):  # a character YAML does not allow: a position in the text
+        line = text.count("\n", 0, exc.position) + 1
+        column = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
+        return f"{line}:{column}: character {exc.character!r} is not allowed in YAML"
+    if mark is None or problem is None:
+        return f"1:1: {str(exc).splitlines()[0]}"
+    return f"{mark.line + 1}:{mark.column + 1}: {problem}"
+
+
+def load_yaml(text: str, source: str = "<string>", notes: list[str] | None = None) -> Any:
+    """Parse YAML text into plain data, aliases expanded into copies. Raises :class:`ConfigError`; a syntax error is
+    one line, ``source:line:column: what``. A key repeated with a value that is not a section takes the last value,
+    as Model Zoo's loader does: each is added to ``notes``."""
+    loader = _Loader(text)
     try:
-        return _unshare(yaml.load(text, Loader=_Loader), [MAX_CONFIG_NODES])  # a SafeLoader subclass
+        data = _unshare(loader.get_single_data(), [MAX_CONFIG_NODES])
     except ConfigError as exc:
         raise ConfigError(exc.errors, source) from None
     except yaml.YAMLError as exc:
-        raise ConfigError([f"not valid YAML: {exc}"], source) from None
+        raise ConfigError([f"{source}:{_where(exc, text)} (not valid YAML)"]) from None
     except RecursionError:
         raise ConfigError(["not a config: nested too deeply, or an alias contains itself"], source) from None
     except ValueError as exc:
         raise ConfigError([f"the config expands to {exc}"], source) from None
+    finally:
+        loader.dispose()
+    said = [f"{source}: {key!r} is given twice (lines {a} and {b}); the value of line {b} is used, as Model Zoo's "
+            "YAML loader does" for key, a, b in loader.repeated]  # fmt: skip
+    if notes is not None:
+        notes.extend(said)
+    return data
 
 
-def read_config(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """The YAML file ``path`` (a regular file of at most 1 MiB of UTF-8) as a dict, ``overrides`` applied."""
+def read_config(path: str | Path, overrides: Sequence[str] = (), notes: list[str] | None = None) -> dict[str, Any]:
+    """The YAML file ``path`` (a regular file of at most 1 MiB of UTF-8) as a dict, ``overrides`` applied; what the
+    run should say about the file (a repeated key) is added to ``notes``."""
+    if not str(path):
+        raise ConfigError(["the config path is empty (''): give a YAML file, e.g. one `dls init` copies"])
     try:  # opened non-blocking: a FIFO without a writer must not block
         with open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK)) as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
@@ -448,8 +528,13 @@ def read_config(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, An
     except UnicodeDecodeError as exc:
         why = f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); save the config as UTF-8"
         raise ConfigError([why], str(path)) from None
-    raw = load_yaml(text, str(path))
+    raw = load_yaml(text, str(path), notes)
     return apply_overrides({} if raw is None else raw, overrides, source=str(path))
+
+
+def _shown(text: str, most: int = 120) -> str:
+    """``text`` quoted, cut to ``most`` characters (an override echoed back in an error)."""
+    return repr(text) if len(text) <= most else f"{text[:most]!r}... ({len(text):,} characters)"
 
 
 def apply_overrides(raw: Any, overrides: Sequence[str], source: str | None = None) -> dict[str, Any]:
@@ -465,12 +550,12 @@ def apply_overrides(raw: Any, overrides: Sequence[str], source: str | None = Non
         path, sep, text = item.partition("=")
         keys = path.strip().split(".")
         if not sep or len(keys) < 2 or not all(keys):
-            errors.append(f"override {item!r} must look like section.key=value, e.g. runconfig.max_steps=20")
+            errors.append(f"override {_shown(item)} must look like section.key=value, e.g. runconfig.max_steps=20")
             continue
         try:
-            value = load_yaml(text, "<override>") if text.strip() else ""
+            value = load_yaml(text, "value") if text.strip() else ""
         except ConfigError as exc:
-            errors.append(f"override {item!r}: value is not valid YAML ({exc.errors[0]})")
+            errors.append(f"override {_shown(item)}: {exc.errors[0]}")
             continue
         node = result
         for i, k in enumerate(keys[:-1]):
@@ -478,7 +563,7 @@ def apply_overrides(raw: Any, overrides: Sequence[str], source: str | None = Non
                 node[k] = {}
             node = node[k]
             if not isinstance(node, dict):
-                errors.append(f"override {item!r}: {'.'.join(keys[: i + 1])} is not a section/mapping")
+                errors.append(f"override {_shown(item)}: {'.'.join(keys[: i + 1])} is not a section/mapping")
                 break
         else:
             node[keys[-1]] = value
@@ -487,9 +572,27 @@ def apply_overrides(raw: Any, overrides: Sequence[str], source: str | None = Non
     return result
 
 
+def default_model_dir(raw: Mapping[str, Any], directory: str) -> dict[str, Any]:
+    """``raw`` with ``directory`` as its model_dir where its layout keeps it (``runconfig.model_dir``; the current
+    layout's ``trainer.init.model_dir``) when it names none: ``--resume DIR`` continues in DIR unless the config (or
+    an override) names another model_dir."""
+    out = dict(raw)
+    trainer = out.get("trainer")
+    if isinstance(trainer, Mapping):  # the current layout
+        init: Mapping[str, Any] = trainer["init"] if isinstance(trainer.get("init"), Mapping) else {}
+        if "model_dir" not in init:
+            out["trainer"] = {**trainer, "init": {**init, "model_dir": directory}}
+        return out
+    section = out.get("runconfig")
+    if not (isinstance(section, Mapping) and "model_dir" in section):
+        out["runconfig"] = {**(section if isinstance(section, Mapping) else {}), "model_dir": directory}
+    return out
+
+
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
     """Read a YAML config file, apply overrides, validate. Raises :class:`ConfigError`."""
-    return parse_config(read_config(path, overrides), source=str(path))
+    notes: list[str] = []
+    return parse_config(read_config(path, overrides, notes), source=str(path), notes=notes)
 
 
 # ---------------------------------------------------------------------- layouts → sections
@@ -499,14 +602,15 @@ def _same(section: str, keys: str) -> dict[str, tuple[str, str]]:
 
 _LEGACY = {"train_input": "data", "data": "data", "eval_input": "eval_data"}  # a legacy section -> dls's
 _LEGACY.update({k: k for k in ("model", "optimizer", "runconfig", "precision")})
-_MOVED = {  # a legacy section's keys that are read into another section's key
+_MOVED: dict[str, dict[str, Any]] = {  # a legacy section's keys that are read into another section's key
     "model": _same("precision", "mixed_precision fp16_type"),
-    "optimizer": {"weight_decay_rate": ("optimizer", "weight_decay")},
+    "optimizer": {"weight_decay_rate": ("optimizer", "weight_decay"), **_same("runconfig", "grad_accum_steps")},
 }
 _DLS_FIELDS = ("name", "data_processor", "batch_size", "shuffle", "shuffle_seed", "drop_last_batch")
-_OPTIMIZER_ARGS = _same("optimizer", "learning_rate momentum weight_decay betas eps correct_bias")
+_OPTIMIZER_ARGS = _same("optimizer", "learning_rate momentum weight_decay betas eps correct_bias adjust_learning_rate")
 _OPTIMIZER_ARGS["lr"] = ("optimizer", "learning_rate")  # torch's name
 _SCHEDULERS = {"ConstantLR": "Constant", "LinearLR": "Linear", "CosineDecayLR": "CosineDecay"}
+ZOO_ADAM_EPS = 1e-6  # cstorch's Adam and AdamW: Model Zoo's default epsilon
 # Model Zoo's defaults where they differ from dls's: (section, key) -> {the key as written in each layout: default}.
 _ZOO_DEFAULTS: dict[tuple[str, str], dict[str, Any]] = {
     ("precision", "fp16_type"): {"model.fp16_type": "float16", "trainer.init.precision.fp16_type": "bfloat16"},
@@ -527,8 +631,10 @@ class _Reader:
         self.sections: dict[str, dict[str, Any]] = {name: {} for name in [*SECTION_CLASSES, "eval_data"]}
         self.written: dict[str, str] = {}  # "section.key" -> the key as written
         self.errors: list[str] = []
-        self.ignored: list[str] = []
+        self.ignored: list[str] = []  # Cerebras-only keys
+        self.not_done: list[str] = []  # Model Zoo keys whose meaning dls does not carry out
         self.notes: list[str] = []
+        self.layout = "dls"  # dls, legacy or current: whose trainer's semantics the config asks for
 
     def at(self, section: str, key: str) -> str:
         """``section.key`` as the config wrote it."""
@@ -537,6 +643,8 @@ class _Reader:
     def put(self, section: str, key: str, value: Any, path: str) -> None:
         if f"{section}.{key}" in self.written:
             other, before = self.written[f"{section}.{key}"], self.sections[section][key]
+            if key == "learning_rate" and _constant(before) == _constant(value) is not None:
+                return  # an optimizer's learning rate and a constant schedule of it: Model Zoo's own configs
             if before != value:
                 self.errors.append(f"{other} ({before!r}) and {path} ({value!r}) disagree; give it in one place")
             elif path.split(".")[-1] != other.split(".")[-1]:
@@ -550,10 +658,13 @@ class _Reader:
             self.errors.append(f"{'section ' * ('.' not in path)}{path} must be a mapping of keys; got {value!r}")
         return value if isinstance(value, Mapping) else {}
 
-    def walk(self, body: Any, path: str, table: Mapping[str, Any], params: dict[str, Any] | None = None) -> None:
+    def walk(
+        self, body: Any, path: str, table: Mapping[str, Any], params: dict[str, Any] | None = None, ignore: bool = False
+    ) -> None:
         """Each key of the mapping ``body`` (written at ``path``) where ``table`` sends it: to a ``(section, key)``,
-        through a nested table, or to a reader ``(reader, value, path)``. Other keys: ignored if Cerebras only, else
-        into ``params`` (a Model Zoo model's or reader's own keys) unless one of dls's, else refused."""
+        through a nested table, or to a reader ``(reader, value, path)``. Other keys: ignored if Cerebras only (or
+        ``ignore``: all), else into ``params`` (a Model Zoo model's or reader's own keys) unless one of dls's, else
+        refused."""
         for key, value in self.mapping(body, path).items():
             where, to = f"{path}.{key}", table.get(key)
             if isinstance(to, tuple):
@@ -562,7 +673,7 @@ class _Reader:
                 self.walk(value, where, to)
             elif to is not None:
                 to(self, value, where)
-            elif key in CEREBRAS_ONLY:
+            elif key in CEREBRAS_ONLY or ignore:
                 self.ignored.append(where)
             elif params is not None and key not in _DLS_FIELDS:
                 params[key] = value
@@ -584,8 +695,12 @@ class _Reader:
         seen: dict[str, str] = {}
         for name, body in raw.items():
             section = _LEGACY.get(name)
-            if section is None:
-                hint = did_you_mean(name, _LEGACY)
+            if name == "sparsity":
+                self.sparsity(body, name)
+            elif name == "csconfig":  # Release 1.x: the Cerebras system's settings
+                self.walk(body, name, {"use_cbfloat16": _Reader.use_cbfloat16}, ignore=True)
+            elif section is None:
+                hint = did_you_mean(name, [*_LEGACY, "sparsity"])
                 self.errors.append(f"unknown section {name}{hint}; allowed: {', '.join(_LEGACY)}")
             elif section in seen:
                 self.errors.append(f"give section {section!r} once: both {seen[section]!r} and {name!r} are present")
@@ -595,15 +710,33 @@ class _Reader:
 
     def backend(self, value: Any, path: str) -> None:
         backend = self.mapping(value, path)
-        kind = backend.get("backend_type")
+        if "backend_type" in backend:
+            self.backend_type(backend["backend_type"], f"{path}.backend_type")
+        self.ignored.extend(f"{path}.{k}" for k in backend if k != "backend_type")
+
+    def backend_type(self, kind: Any, path: str) -> None:
+        """``backend_type`` (legacy: ``runconfig.target_device``): the device, and whose semantics the run follows."""
         if kind in ("CPU", "GPU", "CSX"):
-            self.put("runconfig", "device", {"CPU": "cpu", "GPU": "cuda", "CSX": "auto"}[kind], f"{path}.backend_type")
+            self.put("runconfig", "device", {"CPU": "cpu", "GPU": "cuda", "CSX": "auto"}[kind], path)
+            self.put("runconfig", "backend", kind, path)
             if kind == "CSX":
-                self.notes.append(f"{path}.backend_type CSX: not this hardware; the run uses the best device here")
+                self.notes.append(f"{path} CSX: not this hardware; the run uses the best device here")
         elif kind is not None:
             hint = did_you_mean(kind, ("CSX", "CPU", "GPU"))
-            self.errors.append(f"{path}.backend_type must be CSX, CPU or GPU; got {kind!r}{hint}")
-        self.ignored.extend(f"{path}.{k}" for k in backend if k != "backend_type")
+            self.errors.append(f"{path} must be CSX, CPU or GPU; got {kind!r}{hint}")
+
+    def use_cbfloat16(self, value: Any, path: str) -> None:
+        """Release 1.x's ``csconfig.use_cbfloat16``: cbfloat16 for the half format, as ``fp16_type: cbfloat16``."""
+        if value is True:
+            self.errors.append(f"{path}: write it as Release 2 does, model.fp16_type: cbfloat16 (dls reads that)")
+        elif value is not False:
+            self.errors.append(f"{path} must be true or false; got {value!r}")
+
+    def sparsity(self, value: Any, path: str) -> None:
+        """Model Zoo's ``sparsity``: refused (dls trains dense models), unless removed with ``-o PATH=null``."""
+        if value is not None:
+            how = f"to train the model dense, remove the section: -o {path}=null"
+            self.errors.append(f"{path}: Model Zoo's sparsity is not implemented in dls ({how})")
 
     def optimizer(self, value: Any, path: str) -> None:
         body = self.mapping(value, path)
@@ -619,8 +752,8 @@ class _Reader:
             name = next(iter(item)) if isinstance(item, Mapping) and len(item) == 1 else None
             if name is None:
                 self.errors.append(f"{path}[{i}] must be {{CallbackName: {{...}}}}; got {item!r}")
-            elif name in CEREBRAS_ONLY or name == "LoadCheckpointStates":
-                self.walk(item, f"{path}[{i}]", {"LoadCheckpointStates": _same("runconfig", "load_checkpoint_states")})
+            elif name in CEREBRAS_ONLY or name in _CALLBACKS:
+                self.walk(item, f"{path}[{i}]", _CALLBACKS)
             else:
                 self.errors.append(f"{path}[{i}]: dls does not run the callback {name!r}; remove it")
 
@@ -649,6 +782,38 @@ class _Reader:
         self.put("optimizer", "learning_rate", pieces, path)
 
 
+def _constant(learning_rate: Any) -> Any:
+    """A learning rate that is one number (also a schedule of one ``Constant`` piece): that number; else ``None``."""
+    if isinstance(learning_rate, list) and len(learning_rate) == 1 and isinstance(learning_rate[0], Mapping):
+        piece = learning_rate[0]
+        one = piece.get("scheduler") == "Constant" and set(piece) <= {"scheduler", "learning_rate", "total_iters"}
+        learning_rate = piece.get("learning_rate") if one else None
+    number = isinstance(learning_rate, (int, float)) and not isinstance(learning_rate, bool)
+    return learning_rate if number else None
+
+
+def _listed_as(kind: str) -> Any:
+    """The reader of a key that is accepted and listed once: Cerebras only, or a meaning dls does not carry out."""
+    return lambda r, value, path: (r.ignored if kind == CEREBRAS else r.not_done).append(path)
+
+
+# A legacy runconfig: Model Zoo's keys (ZOO_RUNCONFIG), besides dls's own.
+_MOVED["runconfig"] = {
+    key: (
+        _Reader.backend_type if to == "backend" else _listed_as(to) if to in (CEREBRAS, NOT_DONE) else ("runconfig", to)
+    )
+    for key, to in ZOO_RUNCONFIG.items()
+}
+_MOVED["optimizer"]["ws_summary"] = _listed_as(NOT_DONE)  # TensorFlow Model Zoo's summaries; no PyTorch code reads it
+# Model Zoo's callbacks of the current layout that dls honours (Cerebras-only ones: CEREBRAS_ONLY).
+_CALLBACKS: dict[str, Any] = {
+    "LoadCheckpointStates": _same("runconfig", "load_checkpoint_states"),
+    "KeepNCheckpoints": {"n": ("runconfig", "keep_checkpoint_max")},
+    "ComputeNorm": lambda r, value, path: r.put("optimizer", "log_summaries", True, path),
+    "CheckLoss": _listed_as(NOT_DONE),
+    "LogInputSummaries": _listed_as(NOT_DONE),
+}
+
 # The current layout's trainer: each key -> (section, key), a table of its keys, or the reader of its value.
 _TRAINER: dict[str, Any] = {
     "init": {
@@ -658,10 +823,14 @@ _TRAINER: dict[str, Any] = {
         "optimizer": _Reader.optimizer,
         "schedulers": _Reader.schedulers,
         "callbacks": _Reader.callbacks,
+        "sparsity": _Reader.sparsity,
         "precision": {
             "enabled": ("precision", "mixed_precision"),
-            **_same("optimizer", " ".join([*SCALER_KEYS, "max_gradient_value", "log_summaries"])),
+            **_same(
+                "optimizer", " ".join([*SCALER_KEYS, "max_gradient_value", "log_loss_scale", "force_loss_scaling"])
+            ),
             **_same("precision", "fp16_type keep_in_float32 fallback emulate half_params master_weights fp8"),
+            **_same("precision", "log_underflow"),
         },
         "loop": _same(
             "runconfig", "max_steps num_epochs steps_per_epoch eval_frequency eval_steps grad_accum_steps num_steps"
@@ -671,7 +840,7 @@ _TRAINER: dict[str, Any] = {
             **_same("runconfig", "save_initial_checkpoint disable_strict_checkpoint_loading autoload_last_checkpoint"),
             **_same("runconfig", "keep_checkpoint_max"),
         },
-        "logging": {"log_steps": ("runconfig", "log_steps"), "log_summaries": ("optimizer", "log_summaries")},
+        "logging": {"log_steps": ("runconfig", "log_steps")},
     },
     "fit": {
         "train_dataloader": lambda r, value, path: r.section("data", value, path),
@@ -684,34 +853,82 @@ _TRAINER["validate_all"] = _TRAINER["validate"]
 
 
 # ---------------------------------------------------------------------- validation
-def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConfig:
+def parse_config(raw: Mapping[str, Any], source: str | None = None, notes: Sequence[str] = ()) -> TrainConfig:
     """Validate a config dict (the parsed YAML, either layout) and build the :class:`TrainConfig`. Raises
-    :class:`ConfigError` listing every problem, each naming its key as written."""
+    :class:`ConfigError` listing every problem, each naming its key as written. ``notes``: what the run should say
+    first (from reading the file: :func:`read_config`)."""
     raw = apply_overrides(raw, (), source)  # a mapping, aliases expanded into copies
     layout = "current" if "trainer" in raw else "legacy"
     holder = raw if layout == "legacy" else (raw["trainer"] if isinstance(raw["trainer"], Mapping) else {}).get("init")
     model = holder.get("model") if isinstance(holder, Mapping) else None
-    r = _Reader(isinstance(model, Mapping) and model.get("name") in ZOO_MODELS)
+    name = model.get("name") if isinstance(model, Mapping) else None
+    if problem := _refused_whole(raw, layout, name):  # said first, alone: every other key would be misread
+        raise ConfigError([problem], source)
+    r = _Reader(name in ZOO_MODELS)
+    r.notes.extend(notes)
     if layout == "current":
         r.errors += [f"unknown section {n}: the current layout has trainer: alone" for n in raw if n != "trainer"]
         r.walk(raw.get("trainer"), "trainer", _TRAINER)
     else:
         r.legacy(raw)
+    r.layout = _defaults(r, layout)
+    built = _build(r)
+    if built["optimizer"] is not None:
+        _check_loss_scaling(built, r)
+    if not r.errors:
+        _check_combinations(built, r)
+        _check_zoo(built, r)
+    if not r.errors and built["precision"].fp8 is not None:
+        built["precision"] = built["precision"].model_copy(update={"fp8": _fp8(built["precision"].fp8, r)})
+    if r.errors:
+        raise ConfigError(list(dict.fromkeys(r.errors)), source)
+    if r.ignored:
+        r.notes.append(f"ignored on this hardware (Cerebras only): {', '.join(dict.fromkeys(r.ignored))}")
+    if r.not_done:
+        table = "docs/guides/trainer.md, Model Zoo's keys"
+        r.notes.append(f"not done by dls (what each means: {table}): {', '.join(dict.fromkeys(r.not_done))}")
+    return TrainConfig(**built, notes=tuple(r.notes), layout=r.layout, sources=r.written)
+
+
+# Release 1.x of Model Zoo named these keys otherwise (beta1 and beta2 for betas, use_rms_norm for norm_type, a
+# schedule piece's steps for total_iters, ...), with other defaults (AdamW's correct_bias was false in 1.8).
+_RELEASE_1 = {
+    "optimizer": ("beta1", "beta2", "epsilon", "use_bias_correction", "disable_lr_steps_reset"),
+    "model": ("use_rms_norm", "use_position_embedding"),
+}
+
+
+def _refused_whole(raw: Mapping[str, Any], layout: str, name: Any) -> str | None:
+    """What refuses a config as a whole, in one line: another model family than dls builds; a model without a name
+    in Model Zoo's layouts; Model Zoo Release 1.x's key names."""
+    where = "trainer.init.model.name" if layout == "current" else "model.name"
+    if isinstance(name, str) and name not in get_args(ModelName):
+        zoo = ", ".join(ZOO_MODELS)
+        return f"{where}: {zoo} are supported (and dls's own {', '.join(MODEL_NAMES)}); this config is {name}"
+    if layout == "legacy" and any(
+        isinstance(raw.get(s), Mapping) and k in raw[s] for s, ks in _RELEASE_1.items() for k in ks
+    ):
+        found = [
+            f"{s}.{k}" for s, ks in _RELEASE_1.items() if isinstance(raw.get(s), Mapping) for k in ks if k in raw[s]
+        ]
+        return (f"{found[0]}: Model Zoo Release 1.x's key names ({', '.join(found)}) are not read by dls; write the "
+                "config as Release 2 does (betas, eps, norm_type, a schedule's total_iters)")  # fmt: skip
+    if name is None and (layout == "current" or any(k in raw for k in ("train_input", "eval_input"))):
+        how = f"Model Zoo picks it by its run.py: name it, e.g. -o {where}=gpt2"
+        return f"{where} is required ({how}); one of {', '.join(get_args(ModelName))}"
+    return None
+
+
+def _defaults(r: _Reader, layout: str) -> str:
+    """The defaults a config leaves to its trainer: Model Zoo's (each noted) or dls's; the layout (``dls`` for
+    dls's own configs). The keys that apply to another variant of their section are refused."""
     s = r.sections
     name = s["model"].get("name")
     if name is None:
         hint = "Model Zoo picks it by its run.py: name it, e.g. -o model.name=gpt2"
         r.errors.append(f"model.name is required ({hint}); one of {', '.join(get_args(ModelName))}")
     if layout == "current" or name in ZOO_MODELS or "data_processor" in s["data"]:
-        other = "legacy" if layout == "current" else "current"
-        for (section, key), given in _ZOO_DEFAULTS.items():
-            ours = {p: v for p, v in given.items() if p.startswith("trainer.") == (layout == "current")}
-            if ours and f"{section}.{key}" not in r.written:
-                ((path, value),) = ours.items()
-                s[section][key] = value
-                theirs = [v for v in given.values() if v != value]
-                differs = f" ({other} layout: {theirs[0]!r})" if theirs else ""
-                r.notes.append(f"{path}: {value!r}, Model Zoo's default in the {layout} layout{differs}")
+        _zoo_defaults(r, layout)
     else:
         layout = "dls"
     if name in MODEL_NAMES and "data_processor" not in s["data"]:
@@ -726,7 +943,37 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
             only = " or ".join(map(repr, ONLY[key]))
             r.errors.append(f"{r.at(section, key)} applies only when {section}.{selector} is {only}; it is {value!r}")
             del s[section][key]
-    built: dict[str, Any] = {"eval_data": None}  # the sections built (None: refused, or not given)
+    return layout
+
+
+def _zoo_defaults(r: _Reader, layout: str) -> None:
+    """Model Zoo's defaults where they differ from dls's, each noted: :data:`_ZOO_DEFAULTS`, and cstorch's Adam
+    epsilon 1e-6; and whether the loss scale is logged (``log_loss_scale``), as Model Zoo decides it."""
+    s, other = r.sections, "legacy" if layout == "current" else "current"
+    for (section, key), given in _ZOO_DEFAULTS.items():
+        ours = {p: v for p, v in given.items() if p.startswith("trainer.") == (layout == "current")}
+        if ours and f"{section}.{key}" not in r.written:
+            ((path, value),) = ours.items()
+            s[section][key] = value
+            theirs = [v for v in given.values() if v != value]
+            differs = f" ({other} layout: {theirs[0]!r})" if theirs else ""
+            r.notes.append(f"{path}: {value!r}, Model Zoo's default in the {layout} layout{differs}")
+    if s["optimizer"].get("log_loss_scale") is None:  # Model Zoo's: legacy, with log_summaries; current, if dynamic
+        opt = s["optimizer"]
+        legacy = opt.get("log_summaries") is True
+        s["optimizer"]["log_loss_scale"] = legacy if layout == "legacy" else opt.get("loss_scaling_factor") == "dynamic"
+    kind = s["optimizer"].get("optimizer_type", "Adam")
+    if isinstance(kind, str) and _CANONICAL.get(kind.lower()) in ("Adam", "AdamW") and "optimizer.eps" not in r.written:
+        s["optimizer"]["eps"] = ZOO_ADAM_EPS
+        path = f"{r.at('optimizer', 'optimizer_type')}.{kind}.eps" if layout == "current" else "optimizer.eps"
+        r.notes.append(f"{path}: {ZOO_ADAM_EPS:g}, Model Zoo's default (cstorch's {kind}; dls's own layout: 1e-08)")
+
+
+def _build(r: _Reader) -> dict[str, Any]:
+    """Each section built from what was read (``None``: refused, its problems said; ``eval_data``: also when not
+    given)."""
+    s = r.sections
+    built: dict[str, Any] = {"eval_data": None}
     classes: dict[str, type[Section]] = {**SECTION_CLASSES, **({"eval_data": DataConfig} if s["eval_data"] else {})}
     for section, cls in classes.items():
         try:
@@ -734,18 +981,7 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None) -> TrainConf
         except ValidationError as exc:
             built[section] = None
             _problems(exc, section, r)
-    if built["optimizer"] is not None:
-        _check_loss_scaling(built, r)
-    if not r.errors:
-        _check_combinations(built, r)
-        _check_zoo(built, r)
-    if not r.errors and built["precision"].fp8 is not None:
-        built["precision"] = built["precision"].model_copy(update={"fp8": _fp8(built["precision"].fp8, r)})
-    if r.errors:
-        raise ConfigError(list(dict.fromkeys(r.errors)), source)
-    if r.ignored:
-        r.notes.append(f"ignored on this hardware (Cerebras only): {', '.join(dict.fromkeys(r.ignored))}")
-    return TrainConfig(**built, notes=tuple(r.notes), layout=layout, sources=r.written)
+    return built
 
 
 def _fp8(recipe: Mapping[str, Any], r: _Reader) -> Any:
@@ -759,7 +995,7 @@ def _fp8(recipe: Mapping[str, Any], r: _Reader) -> Any:
         r.errors.append(f"{path}.recipe must be one of {', '.join(map(repr, RECIPE_NAMES))}; got {got}")
         return None
     types = {f.name: f.type for f in dataclasses.fields(cls)}
-    fields = {f: _integral(v) if types.get(f) == "int" else v for f, v in recipe.items() if f != "recipe"}
+    fields = {f: v for f, v in recipe.items() if f != "recipe"}
     for key, value in fields.items():
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if key not in types:
@@ -816,8 +1052,9 @@ def _check_combinations(b: dict[str, Any], r: _Reader) -> None:
 
 
 def _check_zoo(b: dict[str, Any], r: _Reader) -> None:
-    """A Model Zoo model's and readers' own keys, judged by ``dls.train.modelzoo``'s parsers (no torch, no files)."""
-    from dls.train.modelzoo import parse_loader, parse_model
+    """A Model Zoo model's and readers' own keys, judged by ``dls.train.modelzoo``'s parsers (no torch, no files), and
+    the optimizer keys of Model Zoo's optimizers."""
+    from dls.train.modelzoo import LR_GROUPS, parse_loader, parse_model
 
     for section, default in (("model", "model"), ("data", "train_input"), ("eval_data", "eval_input")):
         part, where = b[section], r.written.get(f"{section}.params", default)
@@ -828,6 +1065,24 @@ def _check_zoo(b: dict[str, Any], r: _Reader) -> None:
                 r.ignored.extend(parse_loader(part.data_processor, part.loader_params, where)[1])
         except ConfigError as exc:
             r.errors.extend(exc.errors)
+    opt, name = b["optimizer"], b["model"].name
+    if opt.adjust_learning_rate and name not in ("gpt2", "gpt3", "llama"):
+        r.errors.append(f"{r.at('optimizer', 'adjust_learning_rate')} applies to gpt2, gpt3 and llama; this is {name}")
+    elif bad := [k for k in opt.adjust_learning_rate if k not in LR_GROUPS]:
+        key = f"{r.at('optimizer', 'adjust_learning_rate')}.{bad[0]}"
+        r.errors.append(f"{key}: not a group of Model Zoo's {name}{did_you_mean(bad[0], LR_GROUPS)}; its groups: "
+                        f"{', '.join(LR_GROUPS)}")  # fmt: skip
+    if opt.optimizer_type == "Adam" and "optimizer.correct_bias" in r.written:
+        how = "cstorch's Adam always corrects the bias (Model Zoo warns that the key is unused)"
+        r.notes.append(f"{r.at('optimizer', 'correct_bias')} is not used: {how}")
+    if not opt.correct_bias and opt.optimizer_type == "AdamW" and r.layout == "dls":
+        torch_s = "dls's own layout trains with torch's AdamW, which always corrects the bias"
+        r.errors.append(
+            f"{r.at('optimizer', 'correct_bias')}: false is cstorch's AdamW, Model Zoo's layouts'; {torch_s}"
+        )
+    if opt.force_loss_scaling and r.layout == "dls":
+        r.notes.append(f"{r.at('optimizer', 'force_loss_scaling')} has no effect: dls's own layout scales bfloat16 as "
+                       "loss_scaling_factor says")  # fmt: skip
 
 
 # ---------------------------------------------------------------------- loss scaling
@@ -854,6 +1109,9 @@ def _check_loss_scaling(b: dict[str, Any], r: _Reader) -> None:
         return
     if (norm := opt.max_gradient_norm) is not None and norm > F32_MAX:  # the scaler takes any finite norm
         r.errors.append(f"{names['max_gradient_norm']} must be at most float32's max 3.4e38; got {norm!r}")
+    if r.layout != "dls" and prec.compute_dtype == "bfloat16" and not opt.force_loss_scaling:
+        _bfloat16_as_model_zoo(b, r, names)
+        return
     if prec.compute_dtype == "float32":
         mode, why = "off", "the run computes in float32, without loss scaling"
     elif prec.fp16_type == "cbfloat16" and mode != "dynamic":
@@ -868,13 +1126,81 @@ def _check_loss_scaling(b: dict[str, Any], r: _Reader) -> None:
         r.notes.extend(f"{names[SCALER_KEYS[k]]} is ignored: {why}" for k in ignored)
         update.update(dict.fromkeys(ignored))
     b["optimizer"] = opt.model_copy(update=update)
+    if mode != "off":
+        _backend_notes(b, r, names)
+
+
+def _bfloat16_as_model_zoo(b: dict[str, Any], r: _Reader, names: dict[str, str]) -> None:
+    """Model Zoo's layouts in bfloat16: no loss scaling, as Model Zoo's trainer (its precision callback drops the
+    grad scaler for bfloat16); one note when a loss-scaling key written is not used."""
+    opt = b["optimizer"]
+    unused = [k for k, arg in SCALER_KEYS.items() if arg != "max_gradient_norm" and getattr(opt, k) is not None]
+    b["optimizer"] = opt.model_copy(update=dict.fromkeys(unused))
+    if [k for k in unused if k != "loss_scaling_factor" or opt.loss_scaling_factor != 1.0]:
+        current = r.layout == "current"
+        force = r.written.get("optimizer.force_loss_scaling", f"{'trainer.init.precision' if current else 'optimizer'}"
+                              ".force_loss_scaling")  # fmt: skip
+        half = r.written.get("precision.fp16_type", f"{'trainer.init.precision' if current else 'model'}.fp16_type")
+        listed = ", ".join(names[SCALER_KEYS[k]] for k in unused)
+        r.notes.append(
+            f"{half} bfloat16: no loss scaling, as Model Zoo trains bfloat16 ({listed} not "
+            f"used; {force}: true scales the loss)"
+        )
+
+
+def _backend_notes(b: dict[str, Any], r: _Reader, names: dict[str, str]) -> None:
+    """What a Model Zoo backend_type means for a run with loss scaling: GPU, Model Zoo's torch.amp rule (the bounds
+    unused); CPU, CSX's numerics here, unlike Model Zoo's own CPU path."""
+    opt, where = b["optimizer"], r.at("runconfig", "backend")
+    backend = b["runconfig"].backend if b["runconfig"] is not None else None
+    if backend == "GPU":
+        bounds = [k for k in ("min_loss_scale", "max_loss_scale") if getattr(opt, k) is not None]
+        if bounds:
+            b["optimizer"] = opt.model_copy(update=dict.fromkeys(bounds))
+            listed = " and ".join(names[SCALER_KEYS[k]] for k in bounds)
+            r.notes.append(f"{listed} not used: {where} GPU scales as Model Zoo's GPU path, torch.amp.GradScaler")
+        if b["precision"].compute_dtype == "cbfloat16":
+            r.notes.append(
+                f"{where} GPU: the run computes cbfloat16 (dls.emulate); Model Zoo's GPU path computes bfloat16"
+            )
+        if isinstance(opt.loss_scaling_factor, float):
+            r.notes.append(
+                f"{where} GPU: the static {names['loss_scale']} {opt.loss_scaling_factor:g} is torch.amp.GradScaler's "
+                "starting scale, as in Model Zoo's GPU path: it backs off on overflow and never grows (dls: growth "
+                f"every {GPU_NEVER:,} clean steps, which a run of at most {GPU_NEVER - 1:,} steps never reaches)"
+            )
+    elif backend == "CPU":
+        half = b["precision"].compute_dtype
+        r.notes.append(
+            f"{where} CPU: the run computes {half} with cstorch.amp's loss scaling, as on CSX; Model Zoo's own CPU "
+            "path would compute in bfloat16 without loss scaling"
+        )
+
+
+# Model Zoo's GPU path never grows a static scale (torch.amp's growth_interval 2**63 - 1); dls's count of clean steps
+# is int32, as torch's: its largest growth interval, which a run of fewer steps (the trainer's limit) never reaches.
+GPU_NEVER = 2**31 - 1
 
 
 def scaler_settings(cfg: TrainConfig) -> ScalerSettings:
-    """The loss scaler's settings of ``cfg`` (Cerebras' dialect, ``precision.fp16_type`` as the half dtype)."""
+    """The loss scaler's settings of ``cfg``: cstorch.amp's (Cerebras' dialect, ``precision.fp16_type`` as the half
+    dtype); with ``backend_type: GPU``, what Model Zoo's GPU path builds, ``torch.amp.GradScaler``: dynamic from
+    ``initial_loss_scale`` (else 2**16) growing every ``steps_per_increase`` clean steps, or a static factor as a
+    starting scale that backs off and never grows (:data:`GPU_NEVER`), without bounds."""
     opt, fp16_type = cfg.optimizer, cfg.precision.fp16_type
+    half = "float16" if fp16_type == "float32" else fp16_type
     args = {arg: getattr(opt, key) for key, arg in SCALER_KEYS.items() if getattr(opt, key) is not None}
-    return ScalerSettings.cerebras(**args, half_dtype="float16" if fp16_type == "float32" else fp16_type)
+    settings = ScalerSettings.cerebras(**args, half_dtype=half)
+    if cfg.runconfig.backend != "GPU" or settings.mode == "off":
+        return settings
+    rule = {k: v for k, v in args.items() if k not in ("loss_scale", "init_scale", "steps_per_increase")}
+    if settings.mode == "static":
+        return ScalerSettings.torch(init_scale=args["loss_scale"], growth_interval=GPU_NEVER, half_dtype=half, **rule)
+    start, interval = (
+        args.get("init_scale", TORCH_INIT_SCALE),
+        args.get("steps_per_increase", settings.steps_per_increase),
+    )
+    return ScalerSettings.torch(init_scale=start, growth_interval=interval, half_dtype=half, **rule)
 
 
 def loss_scaling_mode(cfg: TrainConfig) -> str:
@@ -892,7 +1218,8 @@ def to_dict(cfg: TrainConfig) -> dict[str, Any]:
     out["data"] = {"dataset": cfg.data.dataset, **out["data"]} if cfg.data.dataset else out["data"]  # first
     for body in (out["model"], out["data"], out.get("eval_input", {})):
         body.update(body.pop("params", {}))
-    for section, key in _ZOO_DEFAULTS if cfg.layout != "dls" else ():  # Model Zoo's defaults differ from dls's
+    zoo = [*_ZOO_DEFAULTS, *[("optimizer", "eps")] * (cfg.optimizer.optimizer_type != "SGD")]
+    for section, key in zoo if cfg.layout != "dls" else ():  # Model Zoo's defaults differ from dls's
         out[section].setdefault(key, getattr(getattr(cfg, section), key))
     return out
 

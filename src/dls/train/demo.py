@@ -46,8 +46,8 @@ def base_config(steps: int, model_dir: Path) -> dict[str, Any]:
     return {
         "model": {"name": "mlp", "hidden_size": 128, "depth": 3, "activation_fn": "tanh", "loss_weight": LOSS_WEIGHT},
         "data": {"dataset": "teacher_regression", "batch_size": 128, "num_samples": 4096, "input_dim": 32},
-        "precision": {},
-        "optimizer": {"optimizer_type": "Adam", "learning_rate": 1e-3, "log_summaries": True},
+        "precision": {"log_underflow": True},
+        "optimizer": {"optimizer_type": "Adam", "learning_rate": 1e-3},
         "runconfig": {
             "max_steps": steps,
             "log_steps": 10,

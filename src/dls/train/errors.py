@@ -64,6 +64,14 @@ class MissingExtras(ImportError):
     """An extra's dependency cannot be imported (exit 2)."""
 
 
+class OutOfMemory(MemoryError):
+    """Out of memory where the command knows what to lower: ``advice`` replaces the trainer's (exit 3)."""
+
+    def __init__(self, message: str, advice: str) -> None:
+        super().__init__(message)
+        self.advice = advice
+
+
 class RankError(RuntimeError):
     """Rank 0 failed in a step only it performs; the other ranks raise this with its message and exit status."""
 
@@ -83,28 +91,37 @@ def exit_status(exc: BaseException) -> ExitStatus:
         return ExitStatus.STOPPED
     if isinstance(exc, (ConfigError, CheckpointError, ModelDirError, MissingExtras, UsageError)):
         return ExitStatus.USAGE
-    if isinstance(exc, OSError) or _out_of_memory(exc):
+    if isinstance(exc, OSError) or is_out_of_memory(exc):
         return ExitStatus.ENVIRONMENT
     return ExitStatus.INTERNAL
 
 
+SPACE_ERRORS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
 def describe(exc: BaseException) -> str:
-    """The text after ``dls: error:``; an ``OSError`` names its path(s) and the system's reason."""
+    """The text after ``dls: error:``; an ``OSError`` names its path(s) and the system's reason. The advice for a
+    full disk or for memory is the trainer's, unless the error carries its command's as ``advice``."""
     if isinstance(exc, OSError):
         reason = exc.strerror or str(exc) or type(exc).__name__
-        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            reason += " (free some space or choose another runconfig.model_dir, then --resume)"
+        if exc.errno in SPACE_ERRORS:
+            advice = getattr(exc, "advice", "free some space or choose another runconfig.model_dir, then --resume")
+            reason += f" ({advice})"
         where = "" if exc.filename is None else f"{exc.filename}: "
         where = f"{exc.filename} -> {exc.filename2}: " if exc.filename2 is not None else where
         return f"{where}{reason}"
-    if _out_of_memory(exc):
+    if is_out_of_memory(exc):
         first = (str(exc).strip().splitlines() or [""])[0]
-        advice = "lower data.num_samples, data.batch_size or the model's size (or free memory), then --resume"
+        advice = exc.advice if isinstance(exc, OutOfMemory) else TRAIN_MEMORY_ADVICE
         return f"out of memory{': ' if first else ''}{first}; {advice}"
     return str(exc) or type(exc).__name__
 
 
-def _out_of_memory(exc: BaseException) -> bool:
+TRAIN_MEMORY_ADVICE = "lower data.num_samples, data.batch_size or the model's size (or free memory), then --resume"
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says that memory ran out (exit 3)."""
     # torch's CPU allocator raises a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory: ...")
     return (
         isinstance(exc, MemoryError)

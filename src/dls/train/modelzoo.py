@@ -90,6 +90,12 @@ class Initializer(_Keys):
                 raise ValueError(f"{', '.join(unused)} not used by the {data['name']} initializer")
         return data
 
+    def scaled(self, factor: float) -> Initializer:
+        """The initializer with its std (and truncation bounds) times ``factor``: Model Zoo's muP scaling
+        (scale_initializers_by_dimension)."""
+        bounds = {k: None if getattr(self, k) is None else getattr(self, k) * factor for k in ("a", "b")}
+        return self.model_copy(update={"std": self.std * factor, **(bounds if self.name == "truncated_normal" else {})})
+
     def fill_(self, tensor: Any) -> None:
         if self.name == "truncated_normal":
             a, b = (-2 * self.std if self.a is None else self.a), (2 * self.std if self.b is None else self.b)
@@ -170,6 +176,64 @@ class GptKeys(_Keys):
     loss_weight: PositiveFloat = 1.0
     mixed_precision: bool | None = None  # read by the trainer's precision set-up
     fp16_type: Literal["float16", "bfloat16", "cbfloat16"] | None = None
+    # muP (Model Zoo's GPT2LMHeadModel): the base model's widths, and what they scale
+    mup_base_hidden_size: PositiveFloat | None = None
+    mup_base_filter_size: PositiveFloat | None = None
+    embeddings_scale: Number = 1.0  # multiplies the embeddings (token plus position), muP or not
+    scale_qk_dot_by_d: bool | None = None  # None: with muP
+    attention_logits_alpha: Number = 1.0  # multiplies the attention logits, muP or not
+    scale_output_logits_by_d: bool = True
+    output_logits_alpha: Number | None = None
+    output_logits_scale: Number | None = None  # muP before Release 2.3: the logits' factor itself
+
+    @model_validator(mode="after")
+    def _mup(self) -> GptKeys:
+        widths = [k for k in ("mup_base_hidden_size", "mup_base_filter_size") if getattr(self, k) is not None]
+        if len(widths) == 1:
+            raise ValueError(f"{widths[0]} needs mup_base_hidden_size and mup_base_filter_size both (Model Zoo's muP)")
+        if widths and self.output_logits_scale is not None:
+            raise ValueError("output_logits_scale is muP before Release 2.3: with mup_base_hidden_size, give "
+                             "output_logits_alpha (Model Zoo refuses both)")  # fmt: skip
+        inits = [
+            self.initializer,
+            self.ffn_initializer,
+            self.output_layer_initializer,
+            self.ffn_output_layer_initializer,
+        ]
+        if widths and any(i is not None and i.name == "uniform" for i in inits):
+            raise ValueError("muP scales normal and truncated_normal initializers only (as Model Zoo)")
+        return self
+
+    @property
+    def mup(self) -> bool:
+        return self.mup_base_hidden_size is not None
+
+    @property
+    def logits_scale(self) -> float | None:
+        """What multiplies the output logits: muP's ``output_logits_alpha / width multiplier`` (its square root
+        without ``scale_output_logits_by_d``), else ``output_logits_scale``."""
+        if self.mup_base_hidden_size is None:
+            return self.output_logits_scale or None  # Model Zoo: a factor of 0 is none
+        alpha, widening = self.output_logits_alpha or 1.0, self.hidden_size / self.mup_base_hidden_size
+        return alpha / widening if self.scale_output_logits_by_d else alpha / widening**0.5
+
+    @property
+    def attention_factor(self) -> float:
+        """What multiplies the query-key products beyond the usual 1/sqrt(head size) of scaled_dot_product attention
+        (and 1/(layer+1) of scale_qk_dot_by_layer_idx): ``attention_logits_alpha``, and 1/sqrt(head size) more with
+        ``scale_qk_dot_by_d`` (on with muP; scaled_dot_product only), so that the logits are divided by the head
+        size."""
+        by_d = self.mup if self.scale_qk_dot_by_d is None else self.scale_qk_dot_by_d
+        head = self.hidden_size // self.num_heads
+        return self.attention_logits_alpha * (head**-0.5 if by_d and self.attention_type == "scaled_dot_product" else 1)
+
+    def lr_scales(self) -> dict[str, float]:
+        """muP's learning-rate factors of Model Zoo's parameter groups (:data:`LR_GROUPS`): 1 / width multiplier of
+        the attention and the FFN input, 1 / filter multiplier of the FFN output."""
+        if self.mup_base_hidden_size is None or self.mup_base_filter_size is None:
+            return {}
+        width, filter_ = self.hidden_size / self.mup_base_hidden_size, self.filter_size / self.mup_base_filter_size
+        return {"decoder_attention": 1 / width, "decoder_input_ffn": 1 / width, "decoder_output_ffn": 1 / filter_}
 
 
 _GPT_DEFAULT_ONLY: dict[str, Any] = {
@@ -177,16 +241,14 @@ _GPT_DEFAULT_ONLY: dict[str, Any] = {
         "constant_pos_embedding", "attention_inner_dim", "attention_sliding_window_length", "attention_sink_tokens",
         "attention_vertical_column_spacing", "attention_vertical_column_width", "attention_chunk_size",
         "attention_qk_norm_layer", "attention_logit_softcapping", "final_logit_softcapping", "fixed_sparse_attention",
-        "memory_tokens", "rel_distance_extra_args", "mup_base_hidden_size", "mup_base_filter_size",
-        "scale_qk_dot_by_d", "output_logits_alpha", "output_logits_scale", "lr_adjustment_groups", "moe", "moe_params",
+        "memory_tokens", "rel_distance_extra_args", "lr_adjustment_groups", "moe", "moe_params",
     ), None),
     **dict.fromkeys((
         "embedding_layer_norm", "alibi_trainable_slopes", "sliding_window_every_other_decoder_layer",
         "norm_first_sandwich",
     ), False),
     "position_embedding_offset": 0, "num_extra_input_vocab_tokens": 0, "extra_ffn_params": {},
-    "cross_attention_layers": [], "rel_distance_mode": "default", "embeddings_scale": 1.0,
-    "attention_logits_alpha": 1.0, "scale_output_logits_by_d": True,
+    "cross_attention_layers": [], "rel_distance_mode": "default",
 }  # fmt: skip
 _GPT_IGNORED = (
     "attention_kernel", "attention_softmax_fp32", "fold_rope_consts", "pad_rope", "use_experimental_flex_api",
@@ -396,11 +458,26 @@ class CausalLM(TrainModel):
                     if isinstance(child, hf.Conv1D):
                         setattr(parent, child_name, nn.Linear(child.nx, child.nf))
         _initialize(self.hf, k)
+        self.keys = k
         self.loss_scaling = k.loss_scaling
         self.loss_weight = k.loss_weight if k.loss_scaling == "batch_size" else 1.0
+        self.logits_scale = k.logits_scale
+        if (factor := k.attention_factor) != 1.0:  # on the keys, as Model Zoo scales them: the logits follow
+            keys = (h for m, h in self.hf.named_modules() if m.endswith(".k_proj" if name == "llama" else ".c_attn"))
+            for projection in keys:  # GPT-2's c_attn holds the queries, keys and values side by side
+                part = None if name == "llama" else (k.hidden_size, 2 * k.hidden_size)
+                projection.register_forward_hook(_Times(factor, output=True, part=part))
+        if k.embeddings_scale != 1.0:  # the embeddings (tokens plus positions), before GPT-2's embedding dropout
+            llama = name == "llama"
+            target = self.hf.model.embed_tokens if llama else self.hf.transformer.drop
+            register = target.register_forward_hook if llama else target.register_forward_pre_hook
+            register(_Times(k.embeddings_scale, output=llama))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=input_ids).logits
+        logits = self.hf(input_ids=input_ids).logits
+        if self.logits_scale:  # muP: in the logits' dtype, as Model Zoo multiplies them
+            logits = logits * torch.tensor(self.logits_scale, dtype=logits.dtype, device=logits.device)
+        return logits
 
     def loss(self, batch: Batch) -> torch.Tensor:
         input_ids, labels = batch
@@ -411,27 +488,63 @@ class CausalLM(TrainModel):
         return total / labels.shape[0] * self.loss_weight
 
 
+def _initializers(k: GptKeys) -> dict[str, Initializer]:
+    """Model Zoo's initializer of each role (GPT2LMHeadModel): attention ``initializer``; FFN ``ffn_initializer``
+    (else ``initializer``); the output layers of attention and FFN ``output_layer_initializer`` (``ffn_output_
+    layer_initializer``), by default truncated normal with std initializer_range / sqrt(2 layers) unless
+    ``initializer`` is set; all truncated normal with std initializer_range by default. muP scales them by the width
+    multipliers: attention and FFN by its inverse square root, the output layers by that of the hidden (FFN output:
+    the filter) width and of 2 layers."""
+    default = Initializer(name="truncated_normal", std=k.initializer_range)
+    depth = (2 * k.num_hidden_layers) ** -0.5
+    attention, ffn = k.initializer or default, k.ffn_initializer or k.initializer or default
+    output, ffn_output = k.output_layer_initializer, k.ffn_output_layer_initializer
+    if k.mup_base_hidden_size is not None:
+        width = (k.hidden_size / k.mup_base_hidden_size) ** -0.5
+        attention, ffn, output = attention.scaled(width), ffn.scaled(width), (output or default).scaled(width * depth)
+    if k.mup_base_filter_size is not None:
+        ffn_output = (ffn_output or default).scaled((k.filter_size / k.mup_base_filter_size) ** -0.5 * depth)
+    if output is None and k.initializer is None:
+        output = default.scaled(depth)
+    return {
+        "embedding": k.embedding_initializer or default, "attention": attention, "ffn": ffn,
+        "output": output or attention, "ffn_output": ffn_output or output or ffn,
+    }  # fmt: skip
+
+
+class _Times:
+    """A hook multiplying a module's input (``output``: its output) by ``factor`` in its dtype, as Model Zoo multiplies
+    by a tensor of it; ``part``: only the columns ``[start, stop)`` of the last dimension. Picklable."""
+
+    def __init__(self, factor: float, output: bool, part: tuple[int, int] | None = None) -> None:
+        self.factor, self.output, self.part = factor, output, part
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], *result: Any) -> Any:
+        x = result[0] if self.output else args[0]
+        factor = torch.tensor(self.factor, dtype=x.dtype, device=x.device)
+        if self.part is None:
+            scaled = x * factor
+        else:
+            start, stop = self.part
+            scaled = torch.cat([x[..., :start], x[..., start:stop] * factor, x[..., stop:]], dim=-1)
+        return scaled if self.output else (scaled, *args[1:])
+
+
 @torch.no_grad()
 def _initialize(hf: nn.Module, k: GptKeys) -> None:
-    """Model Zoo's initialisation: embeddings ``embedding_initializer``; attention ``initializer``; FFN
-    ``ffn_initializer`` (else ``initializer``); the output layers of attention and FFN ``output_layer_initializer``
-    (``ffn_output_layer_initializer``), by default truncated normal with std initializer_range / sqrt(2 layers)
-    unless ``initializer`` is set; an untied LM head normal(0, initializer_range); biases 0, norms 1."""
-    default = Initializer(name="truncated_normal", std=k.initializer_range)
-    ffn = k.ffn_initializer or k.initializer or default
-    output = k.output_layer_initializer
-    if output is None and k.initializer is None:
-        output = Initializer(name="truncated_normal", std=k.initializer_range / math.sqrt(2 * k.num_hidden_layers))
+    """Model Zoo's initialisation (:func:`_initializers`); an untied LM head normal(0, initializer_range); biases 0,
+    norms 1."""
+    init = _initializers(k)
     roles = {
-        **dict.fromkeys(("c_attn", "q_proj", "k_proj", "v_proj"), k.initializer or default),
-        **dict.fromkeys(("attn.c_proj", "o_proj"), output or k.initializer or default),
-        **dict.fromkeys(("c_fc", "gate_proj", "up_proj"), ffn),
-        **dict.fromkeys(("mlp.c_proj", "down_proj"), k.ffn_output_layer_initializer or output or ffn),
+        **dict.fromkeys(("c_attn", "q_proj", "k_proj", "v_proj"), init["attention"]),
+        **dict.fromkeys(("attn.c_proj", "o_proj"), init["output"]),
+        **dict.fromkeys(("c_fc", "gate_proj", "up_proj"), init["ffn"]),
+        **dict.fromkeys(("mlp.c_proj", "down_proj"), init["ffn_output"]),
         "lm_head": Initializer(name="normal", std=k.initializer_range),
     }
     for name, module in hf.named_modules():
         if isinstance(module, nn.Embedding):
-            (k.embedding_initializer or default).fill_(module.weight)
+            init["embedding"].fill_(module.weight)
         elif isinstance(module, nn.Linear):
             if not (k.share_embedding_weights and name == "lm_head"):
                 roles[next(r for r in roles if name == r or name.endswith("." + r))].fill_(module.weight)
@@ -448,6 +561,148 @@ def build_model(name: str, params: dict[str, Any], *, prefix: str = "model") -> 
     keys are ignored here), ``MissingExtras`` without transformers."""
     keys = parse_model(name, params, prefix)[0]
     return FcMnist(keys) if isinstance(keys, FcMnistKeys) else CausalLM(name, keys)
+
+
+# ---------------------------------------------------------------------- Model Zoo's optimizer: groups, cstorch's Adam
+# Model Zoo's learning-rate groups of its GPT models (GPT2LMHeadModelConfig.create_default_lr_adjustment_groups,
+# patterns over its own parameter names), as the Hugging Face modules whose weights they hold: embedding
+# ("*embedding*weight": token and position embeddings), decoder_attention ("*decoder*attn*dense*weight": the query,
+# key, value and output projections), decoder_input_ffn and decoder_output_ffn (the FFN's first and last layers),
+# decoder_kernel (every decoder weight: the three before, Model Zoo's group before Release 2.3).
+_GROUP_MODULES = {
+    "embedding": ("wte", "wpe", "embed_tokens"),
+    "decoder_attention": ("c_attn", "attn.c_proj", "q_proj", "k_proj", "v_proj", "o_proj"),
+    "decoder_input_ffn": ("c_fc", "gate_proj", "up_proj"),
+    "decoder_output_ffn": ("mlp.c_proj", "down_proj"),
+}
+_GROUP_MODULES["decoder_kernel"] = sum((_GROUP_MODULES[g] for g in _GROUP_MODULES if g != "embedding"), ())
+LR_GROUPS = ("embedding", "decoder_kernel", "decoder_attention", "decoder_input_ffn", "decoder_output_ffn")
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.RMSNorm)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A normalisation layer (Model Zoo's list, and Hugging Face's RMSNorm classes, which Model Zoo's RMSNorm is)."""
+    return isinstance(module, _NORMS) or type(module).__name__.endswith("RMSNorm")
+
+
+def param_groups(
+    model: nn.Module, weight_decay: float, adjust: dict[str, float], prefix: str = "optimizer.adjust_learning_rate"
+) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups as Model Zoo's ``configure_param_groups`` makes them: no weight decay for
+    biases and normalisation layers; each group's learning-rate factor (its ``lr``, which the LR schedule multiplies)
+    from muP (:meth:`GptKeys.lr_scales`) overridden by ``adjust`` (``adjust_learning_rate``: :data:`LR_GROUPS`).
+    Groups in Model Zoo's order (with weight decay first; adjusted ones first), empty and equal ones merged.
+    ``ConfigError`` when a parameter would take two different factors (Model Zoo would put it in two groups)."""
+    keys = getattr(model, "keys", None)
+    scales = {**(keys.lr_scales() if isinstance(keys, GptKeys) else {}), **adjust}
+    scales = {g: v for g, v in scales.items() if v != 1.0}
+    norms = {f"{n}.{p}" for n, m in model.named_modules() if _is_norm(m) for p, _ in m.named_parameters(recurse=False)}
+    order = [(decay, scale) for decay in (weight_decay, 0.0) for scale in [*dict.fromkeys(scales.values()), 1.0]]
+    groups: dict[tuple[float, float], list[nn.Parameter]] = {key: [] for key in order}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        module = name.removeprefix("hf.").removesuffix(".weight")
+        found = {g: v for g, v in scales.items() if name.endswith(".weight") and _holds(module, _GROUP_MODULES[g])}
+        if len(set(found.values())) > 1:
+            listed = ", ".join(f"{g} ({v:g})" for g, v in found.items())
+            where = name.removeprefix("hf.")
+            raise ConfigError([f"{prefix}: {where} is in groups of different factors: {listed}; give them one factor"])
+        decay = 0.0 if "bias" in name or name in norms else weight_decay
+        groups[(decay, next(iter(found.values()), 1.0))].append(param)
+    return [{"params": p, "weight_decay": decay, "lr": scale} for (decay, scale), p in groups.items() if p]
+
+
+def _holds(module: str, names: tuple[str, ...]) -> bool:
+    return any(module == n or module.endswith("." + n) for n in names)
+
+
+class CerebrasAdam(torch.optim.Optimizer):
+    """cstorch's Adam and AdamW (``cerebras.pytorch.optim.AdamBase``, Release 2.10), the optimizers of Model Zoo's
+    configs: ``exp_avg`` and ``exp_avg_sq`` as torch's Adam; the update ``exp_avg / (sqrt(exp_avg_sq) + eps)`` (eps
+    added before the bias correction, unlike torch's), times ``sqrt(1 - beta2^t) / (1 - beta1^t)`` with
+    ``correct_bias`` (the powers kept in float32, multiplied by beta each step, as cstorch keeps them; per group
+    here, for the parameters step together); then decoupled weight decay (AdamW: ``+ weight_decay * p``) or none
+    (Adam: its ``weight_decay`` is an L2 term added to the gradient, and it always corrects the bias); times ``lr``,
+    subtracted. Each parameter's ``step`` is counted as torch's Adam counts it. Foreach operations per group."""
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        correct_bias: bool = True,
+        decoupled_weight_decay: bool = True,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, correct_bias=correct_bias,
+            decoupled_weight_decay=decoupled_weight_decay,
+        )  # fmt: skip
+        super().__init__(params, defaults)
+
+    @staticmethod
+    def _power(value: float, beta: float) -> float:
+        """``value * beta`` in float32, as cstorch multiplies its float32 power by beta."""
+        return float(torch.tensor(value, dtype=torch.float32) * beta)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._step_group(group, params)
+        return loss
+
+    def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        beta1, beta2 = group["betas"]
+        for p in params:  # the state of a parameter's first step (not on the hot path afterwards)
+            if not self.state[p]:
+                zeros = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self.state[p].update(step=torch.tensor(0.0), exp_avg=zeros, exp_avg_sq=zeros.clone())
+        states = [self.state[p] for p in params]
+        grads: list[torch.Tensor] | tuple[torch.Tensor, ...] = [p.grad for p in params if p.grad is not None]
+        if not group["decoupled_weight_decay"] and group["weight_decay"]:  # Adam: an L2 term
+            grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+        exp_avg, exp_avg_sq = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        torch._foreach_mul_(exp_avg, beta1)
+        torch._foreach_add_(exp_avg, grads, alpha=1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sq, beta2)
+        torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1.0 - beta2)
+        denom = torch._foreach_sqrt(exp_avg_sq)
+        torch._foreach_add_(denom, group["eps"])
+        update = torch._foreach_div(exp_avg, denom)
+        if group["correct_bias"] or not group["decoupled_weight_decay"]:  # cstorch's Adam always corrects
+            power1 = group.setdefault("beta1_power", float(torch.tensor(beta1, dtype=torch.float32)))
+            power2 = group.setdefault("beta2_power", float(torch.tensor(beta2, dtype=torch.float32)))
+            one = torch.tensor(1.0, dtype=torch.float32)
+            size = torch.sqrt(one - power2) / (one - power1)  # float32, as cstorch's
+            torch._foreach_mul_(update, float(size))
+            group["beta1_power"], group["beta2_power"] = self._power(power1, beta1), self._power(power2, beta2)
+        if group["decoupled_weight_decay"] and group["weight_decay"]:
+            torch._foreach_add_(update, torch._foreach_mul(params, group["weight_decay"]))
+        torch._foreach_mul_(update, group["lr"])
+        torch._foreach_sub_(params, update)
+        torch._foreach_add_([s["step"] for s in states], 1.0)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A state saved by this class, or by torch's Adam/AdamW (as cstorch loads one): a group without this class's
+        keys takes the constructor's, and its bias-correction powers come from the parameters' step count ``t``:
+        ``beta ** (t + 1)`` in float32, the powers of the next step."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            steps = [self.state[p]["step"] for p in group["params"] if "step" in self.state[p]]
+            if steps and "beta1_power" not in group:
+                count = float(steps[0])
+                for i, beta in enumerate(group["betas"], 1):
+                    group[f"beta{i}_power"] = float(torch.tensor(beta ** (count + 1), dtype=torch.float32))
 
 
 def read_idx(path: Path, magic: int) -> np.ndarray:
@@ -556,7 +811,9 @@ def _open(processor: str, keys: LoaderKeys, split: str, prefix: str, headers_onl
     else:
         h5py = require("h5py")
         msl, dirs = keys.max_sequence_length, [keys.data_dir] if isinstance(keys.data_dir, str) else keys.data_dir or []
-        problems = [f"{d} is not a directory" for d in dirs if not Path(d).is_dir()]
+        if missing := [str(d) for d in dirs if not Path(d).is_dir()]:  # one problem, however many directories
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            problems.append(f"{shown} {'is not a directory' if len(missing) == 1 else 'are not directories'}")
         paths = [p for d in dirs if Path(d).is_dir() for p in sorted(Path(d).glob("*.h5"))]
         if not paths and not problems:
             problems.append(f"no *.h5 files in {', '.join(dirs)}")
@@ -585,7 +842,7 @@ def _open(processor: str, keys: LoaderKeys, split: str, prefix: str, headers_onl
     gpt_layout = "*.h5 files with a dataset 'data' of shape [N, 3, max_sequence_length]"
     layout = "<data_dir>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte (plain or .gz)" if mnist else gpt_layout
     write = "dls data " + ("mnist DIR" if mnist else "gpt DIR --corpus" if map_style else "gpt DIR")
-    where = f"{prefix}.data_dir ({keys.data_dir or './'})"
+    where = f"{prefix}.data_dir" + ("" if isinstance(keys.data_dir, list) else f" ({keys.data_dir or './'})")
     return dataset, [f"{where}: {p}; {processor} reads {layout} (a tiny set: {write})" for p in problems]
 
 
@@ -645,7 +902,6 @@ def write_tiny_data(
     root, written = Path(directory), []
     if kind == "mnist":  # each digit's lit segments, as on a seven-segment display
         segments = ("abcdef", "bc", "abdeg", "abcdg", "bcfg", "acdfg", "acdefg", "abc", "abcdefg", "abcdfg")
-        (root / "MNIST" / "raw").mkdir(parents=True, exist_ok=True)
         for stem, count in (("train", train_samples), ("t10k", val_samples)):
             labels = rng.integers(0, 10, count).astype(np.uint8)
             images = rng.integers(0, 40, (count, 28, 28)).astype(np.float32)  # noise, then the lit segments
@@ -658,6 +914,7 @@ def write_tiny_data(
                 for segment in segments[label]:
                     top, height, left, width = boxes[segment]
                     image[y + top : y + top + height, x + left : x + left + width] += rng.uniform(150, 215)
+            (root / "MNIST" / "raw").mkdir(parents=True, exist_ok=True)  # after the arrays, as for gpt
             for name, array in zip(("images-idx3", "labels-idx1"), (np.clip(images, 0, 255).astype(np.uint8), labels)):
                 path = root / "MNIST" / "raw" / f"{stem}-{name}-ubyte{'.gz' if compress else ''}"
                 header = (0x800 + array.ndim).to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
@@ -668,12 +925,12 @@ def write_tiny_data(
         raise ValueError(f"kind must be 'mnist' or 'gpt'; got {kind!r}")
     h5py = require("h5py")
     for split, count in (("train", train_samples), ("val", val_samples)):
-        (root / split).mkdir(parents=True, exist_ok=True)
         steps = rng.choice([1, 2, 3, 5, 7], count)[:, None]  # arithmetic progressions: quickly learnt
         tokens = (rng.integers(0, vocab, count)[:, None] + steps * np.arange(msl + 1)) % vocab
         pads = rng.integers(0, max(msl // 4, 1), count) * (rng.random(count) < 0.25)  # a quarter end in padding
         mask = (np.arange(msl) < msl - pads[:, None]).astype(np.int32)  # a loss mask: 0 on the padding
         sequences = np.stack([tokens[:, :-1] * mask, mask, tokens[:, 1:] * mask], axis=1).astype(np.int32)
+        (root / split).mkdir(parents=True, exist_ok=True)  # after the arrays: running out of memory leaves nothing
         for i, part in enumerate(np.array_split(sequences, files)):
             written.append(root / split / f"data_{i}.h5")
             with h5py.File(written[-1], "w") as f:  # a corpus: the sequences' tokens back to back

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import math
 import os
@@ -116,15 +117,26 @@ class Trainer:
             ckpt.seed_everything(rc.seed + self.rank)
         # The settings carry the half dtype (fp16_type): nothing process-global is read or set.
         enabled = prec.compute_dtype != "float32"
-        self.scaler = dls.GradScaler.from_settings(config.scaler_settings(cfg), enabled=enabled, device=self.device)
-        self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
+        settings = config.scaler_settings(cfg)
+        never = cfg.runconfig.backend == "GPU" and settings.steps_per_increase == config.GPU_NEVER and enabled
+        if never and self.max_steps >= config.GPU_NEVER:  # else the static scale of Model Zoo's GPU path could grow
+            key = where("runconfig.max_steps", "runconfig.max_steps")
+            raise ValueError(
+                f"{key} must be below {config.GPU_NEVER:,} with backend_type GPU and a static loss_scaling_factor "
+                "(a scale that never grows)"
+            )
+        self.scaler = dls.GradScaler.from_settings(settings, enabled=enabled, device=self.device)
+        # The loss scale is logged unless log_loss_scale says no (Model Zoo's layouts decide it: dls.train.config).
+        self.log_loss_scale = cfg.optimizer.log_loss_scale is not False
+        self.optimizer = build_optimizer(cfg, self.model)
         if prec.half_params and prec.master_weights:  # float32 masters step for the half parameters
             self.optimizer = dls.master_weights(
                 self.optimizer, fmt="cbfloat16" if prec.fp16_type == "cbfloat16" else None
             )
         if not self.scaler.is_enabled():  # nothing can skip a step: inf/NaN gradients stop the run
             self.optimizer.register_step_pre_hook(self._refuse_nonfinite_gradients)
-        schedule = cfg.optimizer.learning_rate  # the optimizer's own LR is 1.0; LambdaLR does not store a lambda
+        # Each group's own LR is its factor (1.0 but for Model Zoo's muP groups); LambdaLR does not store a lambda.
+        schedule = cfg.optimizer.learning_rate
         lambda_lr = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: learning_rate_at(schedule, step))
         self.scheduler = dls.skip_aware(lambda_lr, self.scaler)  # it advances on applied steps only
         # Where an overflow starts (hooks of Python only; a report on overflowing steps alone); the modules kept in
@@ -175,9 +187,13 @@ class Trainer:
             raise error
 
     # ------------------------------------------------------------------ run
-    def train(self, resume: str | Path | None = None, load_states: Sequence[str] | None = None) -> TrainResult:
+    def train(
+        self, resume: str | Path | None = None, load_states: Sequence[str] | None = None, overwrite: bool = False
+    ) -> TrainResult:
         """Train to ``runconfig.max_steps``; with ``resume`` (a model_dir or a checkpoint file) continue from the
-        checkpoint, loading ``load_states`` (default: ``runconfig.load_checkpoint_states``, else all)."""
+        checkpoint, loading ``load_states`` (default: ``runconfig.load_checkpoint_states``, else all). A run without
+        a checkpoint refuses a model_dir holding an earlier run's files, unless ``overwrite`` (which never loads one)
+        renames them ``<name>.old-<time>``."""
         if self.fp8 is not None and not self.fp8.active:
             raise RuntimeError("a Trainer with precision.fp8 trains once: build a new Trainer (with resume=...)")
         self._session_start = time.perf_counter()
@@ -185,7 +201,8 @@ class Trainer:
         torch.set_num_threads(rc.num_threads or threads)
         self._ended_together, self.crash_dir = False, None
         states, what = tuple(load_states or config.CHECKPOINT_STATES), "--resume"
-        aside: list[Path] = []  # unreadable checkpoints of this run's own directory
+        aside: list[tuple[Path, str]] = []  # renamed before the run writes: unreadable checkpoints, overwritten files
+        self._resumed_from: Path | None = None  # the checkpoint this session started from
 
         def lock() -> None:  # first: nothing of model_dir is read before its lock is held
             run_dir = self.run_dir = ckpt.RunDir(self.model_dir)
@@ -215,7 +232,8 @@ class Trainer:
             if resume is None and rc.checkpoint_path is not None:
                 key = "runconfig.checkpoint_path"  # or trainer.fit.ckpt_path: errors name the key as written
                 resume, what = rc.checkpoint_path, self.cfg.sources.get(key, key)
-            if resume is None and rc.autoload_last_checkpoint and ckpt.list_checkpoints(self.model_dir):
+            autoload = rc.autoload_last_checkpoint and not overwrite  # --overwrite starts a new run
+            if resume is None and autoload and ckpt.list_checkpoints(self.model_dir):
                 key = "runconfig.autoload_last_checkpoint"  # the same command again continues the run (--resume DIR)
                 resume, what = self.model_dir, self.cfg.sources.get(key, key)
             path, state, unreadable = (None, None, []) if resume is None else ckpt.load_resume_checkpoint(resume, what)
@@ -224,10 +242,13 @@ class Trainer:
                 states = rc.load_checkpoint_states
             for bad, reason in unreadable:
                 self.log(f"Skipping {bad}: {reason}")
-            self._on_rank0(lambda: aside.extend(ckpt.check_model_dir(self.model_dir, path, unreadable, states)))
+            check = functools.partial(ckpt.check_model_dir, overwrite=overwrite, config_file=self.config_file)
+            self._on_rank0(lambda: aside.extend(check(self.model_dir, path, unreadable, states)))
             if path is not None and state is not None:
                 ckpt.restore(self, path, state, states)
                 del state
+            self._resumed_from = path
+            self._session_from = (self.global_step, self.scaler.get_num_skipped_steps())  # for the stop messages
             self._on_rank0(open_run_dir)
             return self._train()
         finally:
@@ -248,7 +269,7 @@ class Trainer:
         tail = max(1, (max_steps - start_step) // 10)  # the final loss: mean over the last 10% of the session
         self._tail_from, self._tail_sum = max(max_steps - tail, start_step) + 1, torch.zeros((), device=self.device)
         if prec.emulated:
-            self.emulation = dls.emulate(self.model, prec.compute_dtype, track_stats=cfg.optimizer.log_summaries)
+            self.emulation = dls.emulate(self.model, prec.compute_dtype, track_stats=prec.log_underflow)
         shown = self.show_progress and self.is_main
         self._display = reporting.ProgressDisplay(self.console, shown, max_steps, start_step, cfg.model.name)
         if rc.save_initial_checkpoint and start_step == 0:
@@ -390,7 +411,7 @@ class Trainer:
         log_now = step % rc.log_steps == 0 or step == self.max_steps or step == 1
         weight, underflow = cfg.model.loss_weight / rc.grad_accum_steps, None
         # Logged steps measure the underflow with one emulated backward pass (half precision, no emulation or FP8).
-        probe = opt_cfg.log_summaries and cfg.precision.compute_dtype != "float32"
+        probe = cfg.precision.log_underflow and cfg.precision.compute_dtype != "float32"
         probe = probe and self.emulation is None and self.fp8 is None
         losses: list[torch.Tensor] = []
         for later in range(rc.grad_accum_steps - 1, -1, -1):  # micro-batches before the last: gradients add up
@@ -403,7 +424,9 @@ class Trainer:
                 if later:
                     self.scaler.scale(loss * weight).backward()
                     losses.append(loss.detach())
-        lr = float(self.optimizer.param_groups[0]["lr"])
+        group = self.optimizer.param_groups[0]
+        lr = float(group["lr"]) / float(group["initial_lr"])  # the schedule's: the group's own factor divided out
+        params_norm = parameter_norm(self.model) if opt_cfg.log_summaries and log_now else None  # before the update
         weighted = loss * weight if weight != 1.0 else loss
         if losses:
             loss = torch.stack([*losses, loss.detach()]).mean()
@@ -430,7 +453,7 @@ class Trainer:
         stop = self._at_floor(skipped, report)
         if not (log_now or skipped):
             return
-        # Under dls.emulate (its statistics kept with log_summaries): the underflow counted since the last logged step.
+        # Under dls.emulate (its statistics kept with log_underflow): the underflow counted since the last logged step.
         if log_now and self.emulation is not None and (stats := self.emulation.stats) is not None:
             underflow = stats.underflow_fraction
             stats.reset()
@@ -455,12 +478,15 @@ class Trainer:
         enabled = self.scaler.is_enabled()
         skipped_total = self.scaler.get_num_skipped_steps() if enabled else None
         row: dict[str, Any] = {
-            "step": step, "loss": json_number(loss_value), "loss_scale": scale_used if enabled else None,
+            "step": step, "loss": json_number(loss_value),
+            "loss_scale": scale_used if enabled and self.log_loss_scale else None,
             "skipped": skipped, "grad_norm": json_number(grad_norm), "lr": lr,
             "time": round(self.elapsed + time.perf_counter() - self._session_start, 4),
         }  # fmt: skip
-        if opt_cfg.log_summaries:
+        if cfg.precision.log_underflow:
             row.update(skipped_total=skipped_total, grad_underflow=underflow)
+        if params_norm is not None:  # Model Zoo's ComputeNorm: the parameters' norm (the gradients': grad_norm)
+            row["params_norm"] = json_number(float(params_norm))
         if fp8:
             row["fp8_grad_output_flushed"], row["fp8_grad_output_saturated"] = fp8
         if skipped:  # where the overflow started
@@ -547,19 +573,8 @@ class Trainer:
         """Checkpoint the current state (every rank calls it; rank 0 writes); inf/NaN weights stop the run instead."""
         named = [(n, t) for n, t in self.model.named_parameters() if t.is_floating_point()]  # not buffers: they may
         finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist() if named else []  # hold inf
-        if broken := [n for (n, _), ok in zip(named, finite) if not ok]:  # an applied step broke the weights
-            last, prec = self._last_checkpoint, self.cfg.precision
-            then, newest = "start again", "the run has no checkpoint"
-            if last:
-                then = f"then --resume {self.model_dir} (its metrics rows after that step are dropped)"
-                newest = f"the newest checkpoint, {last}, is the last with finite weights"
-            repair = "precision.master_weights: true, " if prec.half_params and not prec.master_weights else ""
-            raise TrainingStopped(
-                f"Step {self.global_step}: the model's weights hold inf/NaN ({_listed(broken, 4)}): an applied step "
-                f"broke them, so every step after it would overflow. No checkpoint of them was written; {newest}. To "
-                f"try: {repair}a lower optimizer.learning_rate or clipping (optimizer.max_gradient_norm), {then}",
-                last,
-            )
+        if broken := [n for (n, _), ok in zip(named, finite) if not ok]:
+            raise self._broken_weights(broken)
         rng_ranks: list[Any] = [None] * self.world_size
         if self.world_size > 1:
             dist.all_gather_object(rng_ranks, ckpt.rng_state())
@@ -588,15 +603,58 @@ class Trainer:
         self._last_checkpoint = ckpt.checkpoint_path(self.model_dir, self.global_step)
         return self._last_checkpoint
 
+    def _broken_weights(self, broken: list[str]) -> TrainingStopped:
+        """The stop for weights found inf/NaN at a checkpoint, told from what is true: how many of this session's
+        steps were applied (skipped steps change nothing), and which checkpoints there are to go back to."""
+        (start, skipped_before), prec, dir_ = self._session_from, self.cfg.precision, self.model_dir
+        steps = self.global_step - start
+        applied = steps - (self.scaler.get_num_skipped_steps() - skipped_before)
+        if applied > 0:
+            how = f"{applied} of this session's {steps} steps were applied and one broke them, so every step after it "
+            how += "would overflow"
+        else:  # the weights it started from were inf/NaN already
+            how = f"no step of this session was applied ({steps} skipped), so they held inf/NaN when it started"
+        found, origin = ckpt.list_checkpoints(dir_), self._resumed_from
+        newest, then = "the run has no checkpoint", "start again"
+        if found:
+            newest = f"the newest checkpoint is {found[-1][1]}"
+            then = f"then --resume {dir_} (its metrics rows after that step are dropped)"
+        elif origin is not None:
+            newest = f"{dir_} holds no checkpoint; this run started from {origin}"
+            then = f"then start from {origin} again"
+        repair = "precision.master_weights: true, " if prec.half_params and not prec.master_weights else ""
+        return TrainingStopped(
+            f"Step {self.global_step}: the model's weights hold inf/NaN ({_listed(broken, 4)}): {how}. No checkpoint "
+            f"of them was written; {newest}. To try: {repair}a lower optimizer.learning_rate or clipping "
+            f"(optimizer.max_gradient_norm), {then}",
+            found[-1][1] if found else None,
+        )
+
 
 # ---------------------------------------------------------------------- the optimizer, its LR schedule, stop messages
-def build_optimizer(cfg: config.OptimizerConfig, params: Any) -> torch.optim.Optimizer:
-    """``optimizer:``'s optimizer with learning rate 1.0: the LR schedule (a ``LambdaLR``) sets the real one. Model
-    Zoo's argument names (``correct_bias`` is torch's only behaviour: the config accepts only true)."""
-    if cfg.optimizer_type == "SGD":
-        return torch.optim.SGD(params, lr=1.0, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    cls = torch.optim.Adam if cfg.optimizer_type == "Adam" else torch.optim.AdamW
-    return cls(params, lr=1.0, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+def build_optimizer(cfg: config.TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """``optimizer:``'s optimizer, each group's learning rate its factor (1.0; Model Zoo's muP and
+    ``adjust_learning_rate`` groups their own): the LR schedule (a ``LambdaLR``) multiplies it. Model Zoo's models
+    take Model Zoo's parameter groups and optimizers (``dls.train.modelzoo``: no weight decay on biases and norms;
+    cstorch's Adam/AdamW, whose ``correct_bias`` is honoured); dls's own, torch's (whose AdamW always corrects)."""
+    opt = cfg.optimizer
+    if cfg.model.name not in config.ZOO_MODELS:
+        params: Any = model.parameters()
+    else:
+        from dls.train import modelzoo  # imported only by runs of Model Zoo models
+
+        where = cfg.sources.get("optimizer.adjust_learning_rate", "optimizer.adjust_learning_rate")
+        params = modelzoo.param_groups(model, opt.weight_decay, dict(opt.adjust_learning_rate), where)
+        if opt.optimizer_type != "SGD":  # cstorch's SGD is torch's
+            decoupled = opt.optimizer_type == "AdamW"
+            return modelzoo.CerebrasAdam(
+                params, lr=1.0, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
+                correct_bias=opt.correct_bias, decoupled_weight_decay=decoupled,
+            )  # fmt: skip
+    if opt.optimizer_type == "SGD":
+        return torch.optim.SGD(params, lr=1.0, momentum=opt.momentum, weight_decay=opt.weight_decay)
+    cls = torch.optim.Adam if opt.optimizer_type == "Adam" else torch.optim.AdamW
+    return cls(params, lr=1.0, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
 
 
 def learning_rate_at(schedule: float | Sequence[Any], step: int) -> float:
@@ -616,6 +674,12 @@ def learning_rate_at(schedule: float | Sequence[Any], step: int) -> float:
     if piece.scheduler == "Linear":
         return start + (end - start) * frac
     return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+def parameter_norm(model: torch.nn.Module) -> torch.Tensor:
+    """The L2 norm of all of ``model``'s trainable parameters (Model Zoo's model_wise_params_norm), on the device."""
+    params = [p.detach() for p in model.parameters() if p.requires_grad]
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(params)]))
 
 
 class _LossOf(torch.nn.Module):
