@@ -5,8 +5,12 @@ BIN := $(VENV)/bin
 # What each target needs: the demo the trainer alone; the tests every integration, the docs tools and dev tools.
 DEMO_EXTRAS := train
 TEST_EXTRAS := train,dev,docs,tensorboard,lightning,hf,modelzoo,peers
+# The CPU benchmarks, in the order `make bench` runs them; `make bench-smoke` (part of `make test`) runs each with
+# --smoke, its smallest sizes, so that a script that no longer runs fails the tests rather than a user's `make bench`.
+BENCH_CPU := bench_scaler bench_clip bench_step bench_overhead bench_scale_below_one bench_quantize bench_fp8 \
+	bench_watch bench_master_weights bench_host frameworks_fp16
 
-.PHONY: setup demo test lint docs docs-check serve-docs bench bench-gpu clean
+.PHONY: setup demo test lint docs docs-check serve-docs bench bench-smoke bench-gpu clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +39,7 @@ lint: $(VENV)/.installed-test
 docs-check: $(VENV)/.installed-test  # the site must build without a warning (broken links, missing API names)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir build/site
 
-test: lint docs-check
+test: lint docs-check bench-smoke
 	$(BIN)/pytest -q
 
 docs: $(VENV)/.installed-test  # the site, in site/
@@ -44,20 +48,19 @@ docs: $(VENV)/.installed-test  # the site, in site/
 serve-docs: $(VENV)/.installed-test  # the site at http://127.0.0.1:8000, rebuilt on every change
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
-bench: $(VENV)/.installed-test  # about 11 minutes on 2 CPU cores; results and how to read them: benchmarks/RESULTS.md
-	$(BIN)/python benchmarks/bench_scaler.py --threads 1
-	$(BIN)/python benchmarks/bench_clip.py --threads 1
-	$(BIN)/python benchmarks/bench_step.py --threads 1
-	$(BIN)/python benchmarks/bench_overhead.py --threads 1
-	$(BIN)/python benchmarks/bench_scale_below_one.py --threads 1
-	$(BIN)/python benchmarks/bench_quantize.py --threads 1
-	$(BIN)/python benchmarks/bench_fp8.py --threads 1
-	$(BIN)/python benchmarks/bench_watch.py --threads 1
-	$(BIN)/python benchmarks/bench_master_weights.py --threads 1
-	$(BIN)/python benchmarks/frameworks_fp16.py
+bench: $(VENV)/.installed-test  # about 12 minutes on 2 CPU cores; results and how to read them: benchmarks/RESULTS.md
+	@for name in $(BENCH_CPU); do echo "== benchmarks/$$name.py"; $(BIN)/python benchmarks/$$name.py || exit 1; done
 	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
 	  $(BIN)/python benchmarks/bench_gpu.py && $(BIN)/python benchmarks/bench_fp8_gpu.py; \
 	else echo "no CUDA device: GPU tables skipped (benchmarks/bench_gpu.py, benchmarks/bench_fp8_gpu.py)"; fi
+
+bench-smoke: $(VENV)/.installed-test  # every CPU benchmark at its smallest sizes (about a minute): each runs to its end
+	@mkdir -p build/bench-smoke
+	@for name in $(BENCH_CPU); do \
+	  if $(BIN)/python benchmarks/$$name.py --smoke > build/bench-smoke/$$name.log 2>&1; then \
+	    echo "benchmarks/$$name.py --smoke: ran to the end"; \
+	  else cat build/bench-smoke/$$name.log; echo "benchmarks/$$name.py --smoke failed"; exit 1; fi; \
+	done
 
 bench-gpu:  # on a machine with CUDA and a plain python3 that has torch (no venv): the GPU tables of benchmarks/RESULTS.md
 	python3 benchmarks/bench_gpu.py && python3 benchmarks/bench_fp8_gpu.py

@@ -5,6 +5,7 @@ checkout."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,4 +34,8 @@ def _code_blocks_run_in_a_fresh_directory(
 ) -> Iterator[None]:
     if request.node.get_closest_marker("markdown-docs") is not None:
         monkeypatch.chdir(tmp_path_factory.mktemp("code_block"))
+        # The plugin runs each block with pytest's capture suspended: a block's prints, progress bars and log lines
+        # would land in `pytest -q`'s output. Keep capturing, as for any test (shown when the block fails).
+        capture = request.config.pluginmanager.getplugin("capturemanager")
+        monkeypatch.setattr(capture, "global_and_fixture_disabled", contextlib.nullcontext)
     yield

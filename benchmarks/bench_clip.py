@@ -21,6 +21,7 @@ Every ratio is the median over repetitions of ``time(A) / time(B)`` measured in 
 
     python benchmarks/bench_clip.py            # 10M and 100M float32 elements in 10, 100, 1000 tensors
     python benchmarks/bench_clip.py --quick    # 1M and 10M
+    python benchmarks/bench_clip.py --smoke    # 64k elements, 2 repetitions: runs, nothing to read
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from bench_scaler import (
     GRAD_STD,
     Case,
     add_common_args,
+    add_smoke_arg,
     describe,
     human,
     interleave,
@@ -90,7 +92,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tensors", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["float32"])
     parser.add_argument("--quick", action="store_true", help="1M and 10M elements")
+    add_smoke_arg(parser)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.tensors, args.reps, args.warmup = [2**16], [10, 100], 2, 1
     device = setup(args)
     sizes = [int(s) for s in (args.sizes or ([1e6, 1e7] if args.quick else [1e7, 1e8]))]
 

@@ -35,6 +35,7 @@ rather than arithmetic, puts them above it. ``handle.stats`` costs about 0.3x of
 
     python benchmarks/bench_fp8.py
     python benchmarks/bench_fp8.py --quick
+    python benchmarks/bench_fp8.py --smoke      # a tiny model, 2 repetitions: runs, nothing to read
     python benchmarks/bench_fp8.py --width 256 --layers 4 --device cuda
 """
 
@@ -43,11 +44,22 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from bench_scaler import Case, add_common_args, describe, interleave, median_ms, print_table, ratio, setup, spread
+from bench_scaler import (
+    Case,
+    add_common_args,
+    add_smoke_arg,
+    describe,
+    interleave,
+    median_ms,
+    print_table,
+    ratio,
+    setup,
+    spread,
+)
 from torch import nn
 from torch.nn import functional as F
 
@@ -118,7 +130,7 @@ def make_step(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> 
     return step
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser, reps=30, warmup=3)
     parser.add_argument("--width", type=int, default=64)
@@ -129,9 +141,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=65)
     parser.add_argument("--quick", action="store_true", help="10 rounds")
-    args = parser.parse_args()
+    add_smoke_arg(parser)
+    args = parser.parse_args(argv)
     if args.quick:
         args.reps = min(args.reps, 10)
+    if args.smoke:
+        args.reps, args.warmup, args.width, args.layers, args.ffn, args.batch, args.context = 2, 1, 32, 1, 64, 2, 16
     device = setup(args)
     base = TinyLM(args.vocab, args.width, args.layers, args.heads, args.ffn, args.context).to(device)
     gen = torch.Generator().manual_seed(args.seed)

@@ -1,4 +1,4 @@
-"""Host cost of dls.GradScaler against torch.amp.GradScaler, side by side from one run (issue 19).
+"""Host cost of dls.GradScaler against torch.amp.GradScaler, side by side from one run.
 
 On CPU every tensor op runs synchronously, so wall time is host time plus the (tiny) kernels. Timed interleaved,
 medians over ``--reps`` repetitions:
@@ -11,6 +11,7 @@ medians over ``--reps`` repetitions:
   on the device, against torch.amp's ``update()`` after a fused Adam step.
 
     python benchmarks/bench_host.py
+    python benchmarks/bench_host.py --smoke     # 10 repetitions, 8 parameters: runs, nothing to read
 """
 
 from __future__ import annotations
@@ -111,7 +112,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=2000)
     parser.add_argument("--params", type=int, default=200)
+    parser.add_argument(
+        "--smoke", action="store_true", help="10 repetitions, 8 parameters: checks that the script runs (seconds)"
+    )
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.reps, args.params = 10, 8
     torch.set_num_threads(1)
     makers: dict[str, Callable[[], Any]] = {
         "torch.amp": lambda: torch.amp.GradScaler("cpu"),

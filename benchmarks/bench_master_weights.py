@@ -18,6 +18,7 @@ For plain SGD (no state) and AdamW, and for a small and a large batch (parameter
 
     python benchmarks/bench_master_weights.py              # bfloat16 on CPU (float16 on CUDA)
     python benchmarks/bench_master_weights.py --quick
+    python benchmarks/bench_master_weights.py --smoke    # a tiny model, 2 rounds: runs, nothing to read
     python benchmarks/bench_master_weights.py --dtype float16 --device cuda
 """
 
@@ -35,7 +36,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 import torch
-from bench_scaler import Case, add_common_args, describe, interleave, print_table, ratio, setup, spread
+from bench_scaler import Case, add_common_args, add_smoke_arg, describe, interleave, print_table, ratio, setup, spread
 from bench_step import TinyLM, token_batches
 
 import dls
@@ -238,9 +239,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="8 timed rounds, one batch size per table")
+    add_smoke_arg(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.reps, args.warmup = 8, 2
+    if args.smoke:
+        args.quick, args.reps, args.warmup, args.batches = True, 2, 1, [2]
+        args.context, args.vocab, args.width, args.layers, args.heads = 16, 64, 32, 1, 2
     device = setup(args)
     dtype_name = args.dtype or ("float16" if device.type == "cuda" else "bfloat16")
     dtype = getattr(torch, dtype_name)

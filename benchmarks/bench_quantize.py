@@ -21,17 +21,20 @@ the same round of one run.
 
     python benchmarks/bench_quantize.py                  # 64k, 1M, 16M elements on CPU, 1 thread
     python benchmarks/bench_quantize.py --quick          # 64k and 1M
+    python benchmarks/bench_quantize.py --smoke          # 4k elements, 2 repetitions: runs, nothing to read
     python benchmarks/bench_quantize.py --device cuda --sizes 1e6 1e8
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 import torch
 from bench_scaler import (
     Case,
     add_common_args,
+    add_smoke_arg,
     describe,
     human,
     interleave,
@@ -54,14 +57,17 @@ def random_values(n: int, device: torch.device) -> torch.Tensor:
     return (sign * mantissa * torch.exp2(exponent)).to(device)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=float, nargs="+", default=[2**16, 2**20, 2**24])
     parser.add_argument("--quick", action="store_true", help="64k and 1M elements only")
     add_common_args(parser, reps=30, warmup=3)
-    args = parser.parse_args()
+    add_smoke_arg(parser)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.reps, args.warmup = [2**12], 2, 1
     device = setup(args)
-    sizes = [2**16, 2**20] if args.quick else [int(s) for s in args.sizes]
+    sizes = [2**16, 2**20] if args.quick and not args.smoke else [int(s) for s in args.sizes]
     print(f"quantize vs x.to(torch.float16).float(); {describe(device, args.threads)}")
     methods = {
         "cbfloat16": lambda x: formats.cbfloat16.quantize(x),

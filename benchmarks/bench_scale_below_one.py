@@ -34,6 +34,7 @@ time(B)``, both measured in the same round of one run (``[iqr]``: 25th and 75th 
 
     python benchmarks/bench_scale_below_one.py             # float32/bfloat16/float16, 1M and 10M, 10/100/1000
     python benchmarks/bench_scale_below_one.py --quick     # float32, 1M and 10M
+    python benchmarks/bench_scale_below_one.py --smoke     # 64k elements, 2 repetitions: runs, nothing to read
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from bench_scaler import (
     DTYPES,
     Case,
     add_common_args,
+    add_smoke_arg,
     close_iteration,
     describe,
     fused_step_check,
@@ -169,7 +171,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="gradient dtypes (default all three)")
     parser.add_argument("--steps", type=int, default=200, help="iterations of the step-path count (default 200)")
     parser.add_argument("--quick", action="store_true", help="float32 only")
+    add_smoke_arg(parser)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.tensors, args.reps, args.warmup, args.steps = [2**16], [10, 100], 2, 1, 20
     device = setup(args)
     sizes = [int(s) for s in (args.sizes or [1e6, 1e7])]
     dtypes = args.dtypes or (["float32"] if args.quick else list(DTYPES))

@@ -33,6 +33,7 @@ within a few % of a target can fall either way from run to run: compare with the
 
     python benchmarks/bench_scaler.py                 # 1M, 10M, 100M elements; float32, bfloat16, float16
     python benchmarks/bench_scaler.py --quick         # 1M and 10M, float32 only: seconds
+    python benchmarks/bench_scaler.py --smoke         # 64k elements, 2 repetitions: runs, nothing to read
     python benchmarks/bench_scaler.py --sizes 1e6 1e7 1e8 --dtypes float32 bfloat16 float16 --device cuda
 
 The other scripts of this directory import the timing helpers below.
@@ -84,6 +85,14 @@ def add_common_args(parser: argparse.ArgumentParser, reps: int, warmup: int) -> 
     parser.add_argument("--reps", type=int, default=reps, help=f"timed repetitions per method (default {reps})")
     parser.add_argument("--warmup", type=int, default=warmup, help=f"untimed repetitions first (default {warmup})")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def add_smoke_arg(parser: argparse.ArgumentParser) -> None:
+    """``--smoke``: the smallest sizes and two repetitions, so that every code path and table of the script runs in
+    seconds (``make bench-smoke``, part of ``make test``); its figures mean nothing."""
+    parser.add_argument(
+        "--smoke", action="store_true", help="smallest sizes, 2 repetitions: checks that the script runs (seconds)"
+    )
 
 
 def load_average() -> str:
@@ -377,7 +386,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="gradient dtypes (default all three)")
     parser.add_argument("--quick", action="store_true", help="1M and 10M elements, float32 only")
     parser.add_argument("--no-check-table", action="store_true", help="skip the fused-optimizer inf-check table")
+    add_smoke_arg(parser)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.tensors, args.reps, args.warmup = [2**16], [10, 100], 2, 1
     device = setup(args)
     sizes = [int(s) for s in (args.sizes or ([1e6, 1e7] if args.quick else [1e6, 1e7, 1e8]))]
     dtypes = args.dtypes or (["float32"] if args.quick else list(DTYPES))

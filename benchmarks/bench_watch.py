@@ -15,6 +15,7 @@ small layers, the worst case for hooks that cost per parameter. ``us/param``: th
 
     python benchmarks/bench_watch.py
     python benchmarks/bench_watch.py --quick
+    python benchmarks/bench_watch.py --smoke    # tiny models, 2 repetitions: runs, nothing to read
 """
 
 from __future__ import annotations
@@ -26,7 +27,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from bench_scaler import Case, add_common_args, describe, interleave, print_table, ratio, setup, spread, verdict
+from bench_scaler import (
+    Case,
+    add_common_args,
+    add_smoke_arg,
+    describe,
+    interleave,
+    print_table,
+    ratio,
+    setup,
+    spread,
+    verdict,
+)
 from bench_step import TinyLM, token_batches
 
 import dls
@@ -137,9 +149,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--mlp-depth", type=int, default=64, help="Linear layers of the deep MLP (2 params each)")
     parser.add_argument("--mlp-width", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="20 repetitions")
+    add_smoke_arg(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.reps, args.warmup = 20, 3
+    if args.smoke:
+        args.reps, args.warmup, args.batch, args.context, args.vocab, args.width = 2, 1, 2, 16, 64, 32
+        args.layers, args.heads, args.mlp_depth, args.mlp_width = 1, 2, 4, 16
     device = setup(args)
     print(f"bench_watch: {describe(device, args.threads)}")
     print(

@@ -23,6 +23,7 @@ minus its own step count); ``scale`` the loss scale at the end.
 
     python benchmarks/frameworks_fp16.py              # 600 steps per run, about a minute and a half
     python benchmarks/frameworks_fp16.py --steps 200
+    python benchmarks/frameworks_fp16.py --smoke      # 3 steps per run: every run starts and ends, nothing to read
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -303,11 +304,16 @@ def print_table(results: list[Result], steps: int) -> None:
     print(f"\nwall time per run: {', '.join(f'{r.framework}/{r.run} {r.seconds:.1f}s' for r in results)}")
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--frameworks", default="lightning,accelerate,trainer")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--smoke", action="store_true", help="3 steps per run: checks that the script runs (seconds), no figures"
+    )
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps = 3
     torch.set_num_threads(1)
     builders = {"lightning": lightning_runs, "accelerate": accelerate_runs, "trainer": trainer_runs}
     results = []

@@ -98,3 +98,32 @@ def _params(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
         p.grad = g
         out.append(p)
     return out
+
+
+def test_check_nonfinite_falls_back_to_norms_where_the_amp_kernel_lacks_the_dtype(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CUDA builds have no bfloat16 AMP kernel ("not implemented for 'BFloat16'"): the check then takes the max-abs
+    norms, remembers the refusal, and still finds inf and NaN; any other error is not swallowed."""
+    calls = []
+
+    def refuse(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+        calls.append(len(grads))
+        raise NotImplementedError("\"_amp_foreach_non_finite_check_and_unscale_cuda\" not implemented for 'BFloat16'")
+
+    monkeypatch.setattr(kernels, "_AMP_KERNEL_LACKS", set())
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", refuse)
+    for bad, expected in ((1.0, 0.0), (math.inf, 1.0), (math.nan, 1.0)):
+        grads = [torch.ones(3, dtype=torch.bfloat16), torch.tensor([2.0, bad], dtype=torch.bfloat16)]
+        found = torch.zeros(())
+        kernels.check_nonfinite(grads, found)
+        assert found.item() == expected
+    assert calls == [2]  # asked once, then remembered
+    assert {("cpu", torch.bfloat16)} == kernels._AMP_KERNEL_LACKS
+
+    def broken(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+        raise RuntimeError("Expected all tensors to be on the same device")
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", broken)
+    with pytest.raises(RuntimeError, match="same device"):
+        kernels.check_nonfinite([torch.ones(2)], torch.zeros(()))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+from typing import Any
 
 import pytest
 
@@ -48,3 +49,53 @@ def test_writes_a_png() -> None:
     out = io.BytesIO()
     plot_comparison(RUNS[:2], out)
     assert out.getvalue().startswith(b"\x89PNG")
+
+
+def demo_groups() -> list:
+    from dls.train.reporting import PlotGroup, PlotRun
+
+    reference = PlotRun("float32", rows([1.0, 0.5, 0.25, 0.2, 0.15, 0.1]))
+    runs = [
+        PlotRun("matches float32", rows([1.0, 0.5, 0.25, 0.2, 0.15, 0.1], scale=2.0**36)),
+        PlotRun("backs off", [{**r, "loss_scale": 2.0 ** (40 - min(i, 4))} for i, r in enumerate(rows([1.0] * 6))]),
+        PlotRun("broke", rows([1.0, 0.9, math.nan, math.nan, math.nan], scale=2.0**10), stopped=5, why="weights"),
+        PlotRun("no scale", rows([0.9, 0.8, 0.7, 0.6, 0.5, 0.4])),
+    ]
+    healed = PlotRun("heals", rows([math.inf, 0.5, 0.3], scale=2.0**14, skipped=(1,)), event=(1, "kept"))
+    return [PlotGroup("model", reference, runs), PlotGroup("second model", reference, [healed])]
+
+
+def test_the_demo_picture_draws_each_run_over_float32_with_its_own_scale_axis() -> None:
+    from dls.train.reporting import plot_demo
+
+    out = io.BytesIO()
+    fig = plot_demo(demo_groups(), out, title="t")
+    assert out.getvalue().startswith(b"\x89PNG")
+    assert [sub._suptitle.get_text() for sub in fig.subfigs] == ["model", "second model"]
+    axes = {ax.get_title().split("  (")[0]: ax for sub in fig.subfigs for ax in sub.axes if ax.get_title()}
+    assert set(axes) == {"matches float32", "backs off", "broke", "no scale", "heals"}  # every run has a panel
+    reference, run = axes["matches float32"].lines[:2]
+    # the reference is drawn first, wider than the run: a run that matches float32 lies inside it, both visible
+    assert reference.get_linewidth() > 2 * run.get_linewidth() and list(run.get_ydata()) == list(reference.get_ydata())
+
+    def below(ax: Any) -> Any:  # the scale axis under a loss axis
+        spec = ax.get_subplotspec()
+        return next(
+            other
+            for other in ax.figure.axes
+            if other.get_subplotspec().rowspan.start == spec.rowspan.stop
+            and other.get_subplotspec().colspan == spec.colspan
+        )
+
+    scale_axes = {title: below(ax) for title, ax in axes.items()}
+    backs_off = scale_axes["backs off"]
+    low, high = (math.log2(v) for v in backs_off.get_ylim())
+    assert 35 < low < 36 and 40 < high < 41  # its own range, not every run's
+    assert [t.get_text() for t in backs_off.get_yticklabels()] == [f"$2^{{{k}}}$" for k in range(36, 41)]
+    broke = axes["broke"]
+    notes = " ".join(t.get_text() for t in broke.texts)
+    assert "loss inf/NaN from step 3 on" in notes and "stopped at step 5" in notes
+    assert any(list(line.get_xdata()) == [5, 5] for line in broke.lines)  # the stop, marked
+    assert any(line.get_marker() == "x" and list(line.get_xdata()) == [2] for line in broke.lines)  # its last loss
+    assert "no loss scaling" in [t.get_text() for t in scale_axes["no scale"].texts]
+    assert "loss inf/NaN at 1 step" in " ".join(t.get_text() for t in axes["heals"].texts)

@@ -156,12 +156,12 @@ _Slot = tuple[nn.Module, str, torch.Tensor]
 
 
 class EmulationHandle(Removable):
-    """What :func:`emulate` returns: ``remove()`` uninstalls the hooks (idempotent), and the handle is a
-    context manager that removes them on exit.
+    """What [`emulate`][dls.emulate.emulate] returns: ``remove()`` uninstalls the hooks (idempotent), and the handle is
+    a context manager that removes them on exit.
 
     Attributes:
-        fmt: the :class:`~dls.formats.FloatFormat` emulated.
-        stats: :class:`EmulationStats` of the backward rounding (``None`` when ``track_stats=False``).
+        fmt: the [`FloatFormat`][dls.formats.FloatFormat] emulated.
+        stats: `EmulationStats` of the backward rounding (``None`` when ``track_stats=False``).
         modules: the modules that carry hooks.
     """
 
@@ -283,7 +283,7 @@ def emulate(
 
     Args:
         model: any ``nn.Module``; parameters stay float32 (or whatever they are) and are never modified.
-        fmt: a :class:`~dls.formats.FloatFormat`, a registered name (``"float16"``, ``"bfloat16"``,
+        fmt: a [`FloatFormat`][dls.formats.FloatFormat], a registered name (``"float16"``, ``"bfloat16"``,
             ``"cbfloat16"``, ``"float8_e4m3fn"``, ``"float8_e5m2"``, or one added with
             ``dls.formats.register``) or a torch dtype of those formats.
         round_weights: round the parameters each module computes with (straight-through gradient).
@@ -293,7 +293,7 @@ def emulate(
         track_stats: count underflow/overflow of that gradient rounding in ``handle.stats``.
 
     Returns:
-        An :class:`EmulationHandle`; use ``handle.remove()`` or ``with dls.emulate(model, fmt): ...``.
+        An `EmulationHandle`; use ``handle.remove()`` or ``with dls.emulate(model, fmt): ...``.
 
     Raises:
         ValueError: ``model`` is not an ``nn.Module``, ``fmt`` is unknown, or a flag is not a bool.

@@ -4,11 +4,12 @@
 the torch dtype that stands in for it. cbfloat16 has no torch dtype; its proxy is ``torch.float16`` (as on
 Cerebras) and its numerics come from emulation.
 
-Emulation: a :class:`FloatFormat` describes a binary floating-point format (sign, ``exponent_bits``,
+Emulation: a [`FloatFormat`][dls.formats.FloatFormat] describes a binary floating-point format (sign, ``exponent_bits``,
 ``mantissa_bits``, bias, subnormals, inf/NaN encodings) and rounds tensors to it with
-:meth:`FloatFormat.quantize`, using elementwise torch ops only (CPU and CUDA alike). Built in: ``float16``,
-``bfloat16``, ``cbfloat16``, ``float8_e4m3fn`` and ``float8_e5m2``; :func:`get` looks a format up by name,
-:func:`register` adds or replaces one, :func:`get_half_format` returns the format of the run's half dtype.
+[`FloatFormat.quantize`][dls.formats.FloatFormat.quantize], using elementwise torch ops only (CPU and CUDA alike). Built
+in: ``float16``, ``bfloat16``, ``cbfloat16``, ``float8_e4m3fn`` and ``float8_e5m2``; [`get`][dls.formats.get] looks a
+format up by name, [`register`][dls.formats.register] adds or replaces one,
+[`get_half_format`][dls.formats.get_half_format] returns the format of the run's half dtype.
 
 Exactness contract of ``quantize`` (tested in ``tests/test_formats.py``): for every format the result is the
 correctly rounded value (round to nearest, ties to even; overflow as ``saturate`` / ``inf_nan`` say), computed by
@@ -18,7 +19,7 @@ bfloat16, float8_e4m3fn, float8_e5m2; NaN compared as NaN, any payload), with on
 ``float8_e4m3fn`` saturates values that round above 448 (and ±inf) to ±448, as torch 2.13's cast does, while
 torch 2.11's cast turns them into NaN, which ``saturate=False`` reproduces. float64 inputs are rounded once,
 correctly, from the float64 value; torch's casts from float64 round twice (to float32 first) and can differ from
-it by one unit in the last place on inputs within 2**-24 relative of a rounding midpoint.
+it by one unit in the last place on inputs within ``2**-24`` relative of a rounding midpoint.
 """
 
 from __future__ import annotations
@@ -42,7 +43,11 @@ _half_dtype_str = "float16"
 
 def half_dtype_name(value: str | torch.dtype) -> str:
     """The name (``"float16"``, ``"bfloat16"``, ``"cbfloat16"``) of a half dtype given by name or torch dtype;
-    ``ValueError`` naming the allowed values otherwise."""
+    ``ValueError`` naming the allowed values otherwise.
+
+    Args:
+        value: a half dtype's name or torch dtype.
+    """
     if isinstance(value, torch.dtype):
         for name in ("float16", "bfloat16"):
             if value == _PROXY_DTYPES[name]:
@@ -56,7 +61,17 @@ def half_dtype_name(value: str | torch.dtype) -> str:
 
 
 def set_half_dtype(value: str | torch.dtype) -> torch.dtype:
-    """Choose the half format of the run; returns the torch dtype that computes in it (cbfloat16 → float16)."""
+    """Choose the half format of the run; returns the torch dtype that computes in it (cbfloat16 → float16).
+
+    Args:
+        value: ``"float16"``, ``"bfloat16"``, ``"cbfloat16"``, ``torch.float16`` or ``torch.bfloat16``.
+
+    Returns:
+        The torch dtype that computes in that format.
+
+    Raises:
+        ValueError: any other value (the message lists the allowed ones).
+    """
     global _half_dtype_str
     _half_dtype_str = half_dtype_name(value)
     return _PROXY_DTYPES[_half_dtype_str]
@@ -143,7 +158,8 @@ class FloatFormat:
               NaN, the rest of the top binade holds finite values (float8_e4m3fn).
             * ``"none"``: every encoding is finite (no inf, no NaN); NaN inputs still come out NaN, since the
               emulation has nothing better to return.
-        name: label used by :func:`get` / :func:`register` and in ``repr``; default ``"e{E}m{M}"``.
+        name: label used by [`get`][dls.formats.get] / [`register`][dls.formats.register] and in ``repr``;
+            default ``"e{E}m{M}"``.
         saturate: what rounds above ``max``. ``True``: finite values clamp to ``±max``, and infinite inputs
             too when the format has no infinities (an IEEE format keeps ±inf). ``False``: ±inf for
             ``"ieee"``, NaN for ``"fn"``. Default: ``False`` for ``"ieee"`` (IEEE overflow), ``True`` for
@@ -324,14 +340,22 @@ class FloatFormat:
             return self._quantize_generic(x)
 
     def fraction_underflow(self, x: torch.Tensor) -> float:
-        """Fraction of the nonzero finite elements of ``x`` that ``quantize`` flushes to zero (0.0 if none)."""
+        """Fraction of the nonzero finite elements of ``x`` that ``quantize`` flushes to zero (0.0 if none).
+
+        Args:
+            x: a floating-point tensor, on any device.
+        """
         nonzero, under, _ = self.count_underflow_overflow(x)
         n = int(nonzero.item())
         return int(under.item()) / n if n else 0.0
 
     def fraction_overflow(self, x: torch.Tensor) -> float:
         """Fraction of the nonzero finite elements of ``x`` that round above ``max`` (to inf, NaN or a
-        saturated ``±max``, by ``saturate`` / ``inf_nan``); 0.0 if there are none."""
+        saturated ``±max``, by ``saturate`` / ``inf_nan``); 0.0 if there are none.
+
+        Args:
+            x: a floating-point tensor, on any device.
+        """
         nonzero, _, over = self.count_underflow_overflow(x)
         n = int(nonzero.item())
         return int(over.item()) / n if n else 0.0
@@ -339,13 +363,21 @@ class FloatFormat:
     def count_underflow_overflow(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(nonzero, underflow, overflow)`` element counts of ``x`` as int64 0-dim tensors on ``x``'s device
         (no host sync): nonzero finite elements, those of them that round to zero, and those that round above
-        ``max``. The building block of the ``fraction_*`` methods."""
+        ``max``. The building block of the ``fraction_*`` methods.
+
+        Args:
+            x: a floating-point tensor, on any device.
+        """
         _, nonzero, under, over = self.quantize_and_count(x)
         return nonzero, under, over
 
     def quantize_and_count(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``quantize(x)`` together with ``count_underflow_overflow(x)``: ``(q, nonzero, underflow, overflow)``
-        (no host sync, no autograd)."""
+        (no host sync, no autograd).
+
+        Args:
+            x: a floating-point tensor, on any device.
+        """
         q = self.quantize(x)
         with torch.no_grad():
             a = (x if x.dtype in (torch.float32, torch.float64) else x.float()).abs()  # thresholds exact in a
@@ -431,7 +463,7 @@ class _StraightThrough(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------------
 
 float16 = FloatFormat(5, 10, name="float16")
-"""IEEE 754 binary16: max 65504, min normal 2**-14, min subnormal 2**-24."""
+"""IEEE 754 binary16: max 65504, min normal ``2**-14``, min subnormal ``2**-24``."""
 
 bfloat16 = FloatFormat(8, 7, name="bfloat16")
 """bfloat16: float32's exponent range with 7 fraction bits; max ≈ 3.39e38."""
@@ -464,7 +496,7 @@ float8_e5m2 = FloatFormat(5, 2, name="float8_e5m2")
 # ``register(dls.formats.cbfloat16)`` restores the default.
 # ---------------------------------------------------------------------------------------------------------
 cbfloat16 = FloatFormat(6, 9, bias=31, subnormals=True, inf_nan="ieee", name="cbfloat16")
-"""Cerebras cbfloat16 (1-6-9) under the ASSUMPTIONS above: max ≈ 4.29e9, min normal 2**-30."""
+"""Cerebras cbfloat16 (1-6-9) under the ASSUMPTIONS above: max ≈ 4.29e9, min normal ``2**-30``."""
 
 BUILTIN_FORMATS: tuple[FloatFormat, ...] = (float16, bfloat16, cbfloat16, float8_e4m3fn, float8_e5m2)
 _FLOAT8_DTYPE_FORMATS: dict[torch.dtype, FloatFormat] = {
@@ -483,9 +515,13 @@ _registry: dict[str, FloatFormat] = {fmt.name: fmt for fmt in BUILTIN_FORMATS}
 
 
 def register(fmt: FloatFormat) -> FloatFormat | None:
-    """Make ``fmt`` the format :func:`get` returns for ``fmt.name``, replacing any format of that name (the
+    """Make ``fmt`` the format [`get`][dls.formats.get] returns for ``fmt.name``, replacing any format of that name (the
     built-ins included: this is how the cbfloat16 ASSUMPTIONS are overridden). Returns the replaced format, or
-    ``None``, so a caller can put it back with ``register(previous)``."""
+    ``None``, so a caller can put it back with ``register(previous)``.
+
+    Args:
+        fmt: the format to register under its ``name``.
+    """
     if not isinstance(fmt, FloatFormat):
         raise ValueError(f"fmt must be a FloatFormat; got {fmt!r}")
     previous = _registry.get(fmt.name)
@@ -494,13 +530,16 @@ def register(fmt: FloatFormat) -> FloatFormat | None:
 
 
 def names() -> tuple[str, ...]:
-    """Names :func:`get` accepts, in registration order."""
+    """Names [`get`][dls.formats.get] accepts, in registration order."""
     return tuple(_registry)
 
 
 def get(name_or_format: str | FloatFormat | torch.dtype) -> FloatFormat:
     """The registered format of that name (e.g. ``"cbfloat16"``); a ``FloatFormat`` is returned as is, and a
     torch dtype (float16, bfloat16, float8_e4m3fn, float8_e5m2) gives the registered format of its name.
+
+    Args:
+        name_or_format: a registered name, a ``FloatFormat``, or a torch dtype.
 
     Raises:
         ValueError: unknown name or dtype (the message lists the allowed names).
@@ -519,5 +558,5 @@ def get(name_or_format: str | FloatFormat | torch.dtype) -> FloatFormat:
 
 
 def get_half_format() -> FloatFormat:
-    """The (registered) format of the half dtype chosen by :func:`set_half_dtype`."""
+    """The (registered) format of the half dtype chosen by [`set_half_dtype`][dls.formats.set_half_dtype]."""
     return get(get_half_dtype_str())

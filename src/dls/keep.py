@@ -150,8 +150,8 @@ def floating_tensors(value: Any) -> list[torch.Tensor]:
 
 
 class KeptInFloat32(Removable):
-    """What :func:`keep_in_float32` returns: ``names`` are the kept modules' qualified names, in the order given;
-    ``remove()`` (idempotent; also on leaving a ``with`` block) restores the modules' classes."""
+    """What [`keep_in_float32`][dls.keep_in_float32] returns: ``names`` are the kept modules' qualified names, in the
+    order given; ``remove()`` (idempotent; also on leaving a ``with`` block) restores the modules' classes."""
 
     def __init__(self, model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
         self.model = model
@@ -231,7 +231,7 @@ def keep_in_float32(model: nn.Module, modules: Iterable[str | nn.Module]) -> Kep
         modules: qualified names as in ``model.named_modules()`` (``""`` is the whole model), or module objects.
 
     Returns:
-        A :class:`KeptInFloat32` handle; ``handle.remove()`` restores the model exactly.
+        A `KeptInFloat32` handle; ``handle.remove()`` restores the model exactly.
 
     Raises:
         ValueError: ``model`` is not an ``nn.Module``, or an entry of ``modules`` is not one of its modules (nothing

@@ -169,20 +169,32 @@ def mul_and_raise(groups: Groups, factor: torch.Tensor, found_inf: torch.Tensor,
     return found_inf if flags is None else max_flag([found_inf, *(f.to(found_inf.device) for f in flags.values())])
 
 
+_AMP_KERNEL_LACKS: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) the AMP kernel was not built for
+
+
 def check_nonfinite(grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
     """Raise ``found_inf`` if any element of ``grads`` (same device and dtype) is inf or NaN.
 
-    On accelerators one read pass: the max-abs norm of a tensor is inf for an inf element, NaN for a NaN element
-    and finite otherwise. On CPU torch's max-abs norm is a slow scalar loop, so the AMP kernel with a factor of 1
-    does the check instead (values unchanged; measured 12-19x faster there, see benchmarks/RESULTS.md).
+    torch's AMP kernel with a factor of 1 where it takes the dtype (it writes every value back unchanged: ``x * 1``
+    is exact), as torch.amp checks for fused optimizers. On an H200 (2026-11-28, ``benchmarks/profile_gpu.py``) it
+    took 9 us of host time against 181 us for the per-tensor max-abs norms over 10 tensors, 0.16 ms against 3.7 ms
+    over 1,000, and less device time too (253 us against 508 us, 100M float32 elements in 100 tensors); on CPU it
+    is 12-19x faster than the norms (benchmarks/RESULTS.md). Where the kernel lacks the dtype (bfloat16 on CUDA),
+    one read pass of max-abs norms: inf for an inf element, NaN for a NaN element, finite otherwise.
     """
     if not grads:
         return
     grads = list(grads)
-    if grads[0].device.type == "cpu":
-        one = torch.ones((), dtype=torch.float32)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
-        return
+    key = (grads[0].device.type, grads[0].dtype)
+    if key not in _AMP_KERNEL_LACKS:
+        one = torch.ones((), dtype=torch.float32, device=grads[0].device)
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
+            return
+        except (RuntimeError, NotImplementedError) as error:
+            if "implemented" not in str(error):  # "not implemented for", "not currently implemented for the MPS device"
+                raise
+            _AMP_KERNEL_LACKS.add(key)
     amax = torch.stack(torch._foreach_norm(grads, float("inf"), dtype=torch.float32))
     torch.maximum(found_inf, (~torch.isfinite(amax)).any().to(found_inf.dtype), out=found_inf)
 
@@ -194,17 +206,17 @@ def check_unscaled_(
     factor_may_exceed_one: bool,
 ) -> None:
     """Raise ``found_inf[device]`` where some ``g * factor[device]`` would be inf/NaN once rounded to ``g``'s dtype
-    (what an unscale would write), without writing anything: for optimizers that unscale inside their own kernel.
+    (what an unscale would write), leaving every value as it was: for optimizers that unscale inside their own kernel.
 
     One read pass: the largest ``|g|`` of each tensor (NaN if it holds a NaN) times the factor, rounded as the
-    unscale would, is non-finite exactly when some element's product is (a float multiply is monotonic). On CPU,
-    when the factor cannot exceed 1, torch's AMP kernel with a factor of 1 is the faster check.
+    unscale would, is non-finite exactly when some element's product is (a float multiply is monotonic). When the
+    factor cannot exceed 1 (the scale is at least 1: nearly always), ``check_nonfinite``, the faster check.
     """
     for (device, dtype), all_grads in groups.items():
         grads = [g for g in all_grads if g.numel()]
         if not grads:
             continue
-        if device.type == "cpu" and not factor_may_exceed_one:
+        if not factor_may_exceed_one:
             check_nonfinite(grads, found_inf[device])
             continue
         if device.type == "cpu":

@@ -194,7 +194,11 @@ class MasterWeights(torch.optim.Optimizer):
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor:
         """The tensor the inner optimizer steps for the model parameter ``param``: its float32 master, or
-        ``param`` itself when it passes through. ``ValueError`` for a tensor this optimizer does not hold."""
+        ``param`` itself when it passes through. ``ValueError`` for a tensor this optimizer does not hold.
+
+        Args:
+            param: a parameter of the wrapped optimizer's param groups.
+        """
         self._reload_changed_params()
         master = self._master_of.get(id(param))
         if master is not None:
@@ -245,6 +249,12 @@ class MasterWeights(torch.optim.Optimizer):
         changed by user code since ``unscale_``) are taken from the model's gradients first. ``grad_scale`` and
         ``found_inf`` set by a scaler are handed to the inner optimizer. A ``closure`` is called with the current
         (written back) parameters, and the gradients it produces are taken over; its loss is returned.
+
+        Args:
+            closure: recomputes the loss, as for any torch optimizer.
+
+        Returns:
+            The closure's loss, or ``None`` without a closure.
         """
         self._reload_changed_params()
         self._take_gradients([pr for pr in self._pairs if not pr.grad_is_current()])
@@ -271,7 +281,11 @@ class MasterWeights(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of the masters, of the parameters passing through and of the model's parameters
-        (``None``, or zero with ``set_to_none=False``)."""
+        (``None``, or zero with ``set_to_none=False``).
+
+        Args:
+            set_to_none: set the gradients to ``None`` rather than zero them.
+        """
         self._optimizer.zero_grad(set_to_none)
         model_grads = [pr.param.grad for pr in self._pairs if pr.param.grad is not None]
         if set_to_none:
@@ -288,7 +302,11 @@ class MasterWeights(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of model parameters: its half parameters get masters, the inner optimizer the group.
-        ``ValueError`` for a parameter this optimizer already holds (nothing changes)."""
+        ``ValueError`` for a parameter this optimizer already holds (nothing changes).
+
+        Args:
+            param_group: a param group as for ``torch.optim.Optimizer.add_param_group``, of model parameters.
+        """
         if not isinstance(param_group, dict):
             raise ValueError(f"param_group must be a dict; got {type(param_group).__name__}")
         if "params" not in param_group:
@@ -334,7 +352,11 @@ class MasterWeights(torch.optim.Optimizer):
         once rounded to what the model's parameter holds (its half dtype, or ``fmt``'s grid), so a master of 1e5
         for a float16 parameter, or a float64 master beyond float32's range, is refused rather than written into
         the model as inf. ``ValueError`` naming ``state_dict['master_weights'][i]``, with nothing changed, when
-        the masters do not match this optimizer's parameters, are not real tensors, or fail these checks."""
+        the masters do not match this optimizer's parameters, are not real tensors, or fail these checks.
+
+        Args:
+            state_dict: what ``state_dict()`` returned (or an ordinary optimizer's state dict).
+        """
         if not isinstance(state_dict, dict):
             raise ValueError(f"state_dict must be a dict; got {type(state_dict).__name__}")
         saved = state_dict.get(STATE_KEY)

@@ -253,18 +253,22 @@ class GradScaler:
 
     DeepSpeed's and Megatron-LM's scalers have their own constructors: ``from_deepspeed`` and ``from_megatron``.
 
-    Args (both dialects accept every knob by keyword):
+    Both dialects accept every argument below by keyword.
+
+    Args:
         loss_scale: ``"dynamic"``, a number (a static scale: fixed, overflowing steps still skipped), or ``None``
             (Cerebras dialect: dynamic for float16 and cbfloat16, no scaling for bfloat16).
         init_scale: the first dynamic scale. Above the default ``max_loss_scale`` it raises the maximum.
-        steps_per_increase / growth_interval: when the scale grows (an integer). The dialect picks the rule, not
-            the name: the torch dialect grows on the interval-th clean step (torch.amp), the Cerebras dialect when
-            more than ``steps_per_increase`` updates passed since the last rescale (cstorch.amp); see
-            ``dls.policy``.
-        min_loss_scale, max_loss_scale: bounds of the dynamic scale (normal float32 numbers).
+        steps_per_increase: when the scale grows (an integer). The dialect picks the rule, not the name: the torch
+            dialect grows on the interval-th clean step (torch.amp), the Cerebras dialect when more than
+            ``steps_per_increase`` updates passed since the last rescale (cstorch.amp); see ``dls.policy``.
+        growth_interval: the same as ``steps_per_increase``, by torch.amp's name.
+        min_loss_scale: the lower bound of the dynamic scale (a normal float32 number).
+        max_loss_scale: the upper bound of the dynamic scale (a normal float32 number).
         overflow_tolerance: fraction of overflowing steps since the last rescale tolerated before backing off.
         max_gradient_norm: if set, ``step`` also clips all gradients to this global L2 norm (after unscaling).
-        growth_factor, backoff_factor: multiply the scale on growth / back-off.
+        growth_factor: multiplies the scale on growth.
+        backoff_factor: multiplies the scale on back-off.
         hysteresis: Megatron-LM's and DeepSpeed's: the scale backs off on the ``hysteresis``-th (non-tolerated)
             overflow, then on every further one until the next growth refills the budget.
         consecutive_hysteresis: DeepSpeed's: the budget also refills after every clean step.
@@ -282,8 +286,11 @@ class GradScaler:
             device. A CUDA device on a machine without CUDA disables the scaler with a warning, as torch does.
 
     A number may be a Python number, a NumPy scalar or 0-dim array, or a 0-dim tensor; a count
-    (``growth_interval``, ``hysteresis``) must be an integer. Bad arguments raise ``ValueError`` naming the
-    argument (``dls.settings.SettingsError`` lists every problem).
+    (``growth_interval``, ``hysteresis``) must be an integer.
+
+    Raises:
+        ValueError: a bad argument, named ([`dls.settings.SettingsError`][dls.settings.SettingsError] lists every
+            problem).
     """
 
     # The two signatures, as dls.arguments declares them (tests/test_settings.py compares them).
@@ -350,7 +357,19 @@ class GradScaler:
         process_group: Any = None,
         gradients_sharded: bool | None = None,
     ) -> GradScaler:
-        """A scaler with ``settings`` as they are (the trainer builds them from its YAML config)."""
+        """A scaler with ``settings`` as they are (the trainer builds them from its YAML config).
+
+        Args:
+            settings: the validated settings ([`ScalerSettings`][dls.settings.ScalerSettings]), used unchanged.
+            enabled: as the constructor's ``enabled``.
+            device: as the constructor's ``device`` (``None``: the scale follows the first loss).
+            sync_free: as the constructor's ``sync_free``.
+            process_group: as the constructor's ``process_group``.
+            gradients_sharded: as the constructor's ``gradients_sharded``.
+
+        Raises:
+            ValueError: ``settings`` is not a ``ScalerSettings``, or another argument is invalid.
+        """
         if not isinstance(settings, ScalerSettings):
             raise ValueError(f"settings must be a dls.settings.ScalerSettings; got {type(settings).__name__}")
         scaler = cls.__new__(cls)
@@ -488,14 +507,25 @@ class GradScaler:
         return self._scale.tensor
 
     def stage(self, optimizer: torch.optim.Optimizer) -> Stage:
-        """Where ``optimizer`` is in the current iteration."""
+        """Where ``optimizer`` is in the current iteration.
+
+        Args:
+            optimizer: an optimizer of this iteration (one the scaler has not seen yet is ``Stage.READY``).
+        """
         return self._tracker.state(optimizer).stage
 
     def step_was_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the last ``step(optimizer)`` (or ``step_if_finite``) through this scaler was skipped because the
         gradients overflowed; valid until the next step of that optimizer, so LR schedulers, EMA and step counters
         can follow real updates (``dls.skip_aware``). Free where ``step`` decided on the host; after a fused or
-        ``sync_free`` step one read of the flag. ``RuntimeError`` before the optimizer's first step."""
+        ``sync_free`` step one read of the flag. ``RuntimeError`` before the optimizer's first step.
+
+        Args:
+            optimizer: the optimizer whose last step is asked about.
+
+        Raises:
+            RuntimeError: ``optimizer`` has not stepped through this scaler yet.
+        """
         last = self._last_step(optimizer)
         if last.skipped is None:  # the fused and sync-free paths did not read the flag
             assert last.flag is not None
@@ -515,7 +545,14 @@ class GradScaler:
 
     def step_was_skipped_tensor(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """``step_was_skipped`` as a 0-dim bool tensor on the scale's device, never read back to the host: to
-        select on the device (``torch.where(skipped, old, new)``) in sync-free loops."""
+        select on the device (``torch.where(skipped, old, new)``) in sync-free loops.
+
+        Args:
+            optimizer: the optimizer whose last step is asked about.
+
+        Raises:
+            RuntimeError: ``optimizer`` has not stepped through this scaler yet.
+        """
         last = self._last_step(optimizer)
         if last.flag is None:
             return torch.tensor(bool(last.skipped), device=self._scale.device)
@@ -535,15 +572,28 @@ class GradScaler:
         return self._scale.settings.growth_interval
 
     def set_growth_factor(self, new_factor: float) -> None:
-        """torch.amp's setter: validated like the constructor's ``growth_factor``."""
+        """torch.amp's setter: validated like the constructor's ``growth_factor``.
+
+        Args:
+            new_factor: the factor the scale grows by (greater than 1).
+        """
         self._replace_settings(growth_factor=new_factor)
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """torch.amp's setter: validated like the constructor's ``backoff_factor``."""
+        """torch.amp's setter: validated like the constructor's ``backoff_factor``.
+
+        Args:
+            new_factor: the factor the scale backs off by (between 0 and 1).
+        """
         self._replace_settings(backoff_factor=new_factor)
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """torch.amp's meaning (see ``get_growth_interval``)."""
+        """torch.amp's meaning (see ``get_growth_interval``).
+
+        Args:
+            new_interval: updates without a counted overflow before the scale grows (at least 2 in the Cerebras
+                and DeepSpeed dialects).
+        """
         offset = GROWTH_OFFSET.get(self._scale.settings.dialect, 0)
         if problem := count_problem("new_interval", new_interval):
             raise ValueError(problem)
@@ -562,7 +612,15 @@ class GradScaler:
     # ------------------------------------------------------------------ scale
     def scale(self, outputs: _T) -> _T:
         """Multiply a loss (or nested lists/tuples of them) by the scale. Half-precision losses are scaled in float32
-        (a float16 loss times 2**15 would overflow); the scale moves to the loss's device on first use."""
+        (a float16 loss times ``2**15`` would overflow); the scale moves to the loss's device on first use.
+
+        Args:
+            outputs: a loss tensor, or a list, tuple or other iterable of them (nested).
+
+        Returns:
+            ``outputs`` times the scale, in the same structure (float32 for half-precision losses); ``outputs``
+            unchanged when the scaler is disabled.
+        """
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor) and not self._tracker.iteration:
@@ -591,7 +649,14 @@ class GradScaler:
     # ------------------------------------------------------------------ unscale / clip
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale in place and record whether any is inf/NaN (one fused pass
-        per device and dtype, no host sync). At most once per optimizer per iteration, before ``step``."""
+        per device and dtype, no host sync). At most once per optimizer per iteration, before ``step``.
+
+        Args:
+            optimizer: the optimizer whose gradients to unscale.
+
+        Raises:
+            RuntimeError: ``unscale_`` or ``step`` was already called for ``optimizer`` in this iteration.
+        """
         if not self._enabled:
             return
         state = self._tracker.state(optimizer)
@@ -612,7 +677,16 @@ class GradScaler:
         """Unscale the optimizers' gradients, clip them together to ``max_gradient_norm`` (one global norm over
         all their gradients; default: the scaler's own; ``None``: no clipping) and return whether that norm is
         finite, as a bool tensor on the device: the skip decision for all of them. ``return_norm=True`` returns
-        ``(isfinite, norm)``, the float32 L2 norm of the unscaled gradients before clipping."""
+        ``(isfinite, norm)``, the float32 L2 norm of the unscaled gradients before clipping.
+
+        Args:
+            optimizers: one optimizer or a list of them; their gradients are clipped together.
+            max_gradient_norm: the global L2 norm to clip to; default: the scaler's own; ``None``: no clipping.
+            return_norm: also return the norm.
+
+        Returns:
+            A 0-dim bool tensor, true when the gradients are finite; ``(isfinite, norm)`` with ``return_norm=True``.
+        """
         max_norm = self._scale.settings.max_gradient_norm if max_gradient_norm is ... else max_gradient_norm
         if problem := limit_problem("max_gradient_norm", max_norm):
             raise ValueError(problem)
@@ -720,7 +794,19 @@ class GradScaler:
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (and clip, with ``max_gradient_norm``) if not done yet, then ``optimizer.step(*args,
         **kwargs)`` unless the gradients overflowed. Returns what ``optimizer.step`` returned, or ``None`` when
-        the step was skipped."""
+        the step was skipped.
+
+        Args:
+            optimizer: the optimizer to step.
+            *args: passed to ``optimizer.step`` (no closure while the scaler is enabled).
+            **kwargs: passed to ``optimizer.step``.
+
+        Returns:
+            What ``optimizer.step`` returned, or ``None`` when the step was skipped.
+
+        Raises:
+            RuntimeError: ``step`` was already called for ``optimizer`` in this iteration, or a closure was given.
+        """
         max_norm = self._scale.settings.max_gradient_norm
         if not self._enabled:
             # No scaling, no skipping; max_gradient_norm still clips (bfloat16 runs use it too).
@@ -742,7 +828,19 @@ class GradScaler:
 
     def step_if_finite(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step(*args, **kwargs)`` if the flag recorded by ``unscale_`` or
-        ``clip_gradients_and_return_isfinite`` is clean; returns its value, or ``None`` when skipped."""
+        ``clip_gradients_and_return_isfinite`` is clean; returns its value, or ``None`` when skipped.
+
+        Args:
+            optimizer: the optimizer to step, unscaled or clipped in this iteration.
+            *args: passed to ``optimizer.step``.
+            **kwargs: passed to ``optimizer.step``.
+
+        Returns:
+            What ``optimizer.step`` returned, or ``None`` when the step was skipped.
+
+        Raises:
+            RuntimeError: no overflow flag was recorded for ``optimizer`` in this iteration.
+        """
         if not self._enabled:
             return self._step_unchecked(optimizer, args, kwargs)
         state = self._state_to_step(optimizer, args, kwargs)
@@ -833,6 +931,13 @@ class GradScaler:
         (``dls.diagnostics.fallback``; ``watch.kept_in_float32``, carried by the scaler's state dict). Clean steps
         cost no kernel: a Python hook per parameter in backward (about 1 µs each on a CPU); on the fused and
         sync-free paths ``step`` reads the flag while a watch is active. ``watch(...).remove()`` takes it out.
+
+        Args:
+            model: the model whose backward to follow.
+            fallback: also keep in float32 the modules whose half-precision output overflows.
+
+        Returns:
+            The [`OverflowWatch`][dls.diagnostics.OverflowWatch] (a handle: ``remove()``, or a ``with`` block).
         """
         return self._reports.watch(model, fallback, self._process_group)
 
@@ -871,7 +976,15 @@ class GradScaler:
         """Apply the scale rule (``dls.policy``) to this iteration's overflow flag, or set ``new_scale``, then start
         the next iteration. ``new_scale`` must be a normal float32: a float outside raises ``ValueError``; a tensor
         is checked on the device (no host read): a bad value (NaN, inf, 0, negative, subnormal) keeps the previous
-        scale, is counted, and the next ``get_scale()`` or ``state_dict()`` warns."""
+        scale, is counted, and the next ``get_scale()`` or ``state_dict()`` warns.
+
+        Args:
+            new_scale: ``None``: apply the scale rule; a float or a 0-dim tensor: the new scale.
+
+        Raises:
+            ValueError: ``new_scale`` is a float that is not a normal float32 number.
+            RuntimeError: no optimizer of this iteration was unscaled or stepped.
+        """
         if not self._enabled:
             self._tracker.new_iteration()  # only clipping was recorded
             return
@@ -885,7 +998,11 @@ class GradScaler:
 
     def update_scale(self, optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> None:
         """Apply the scale rule to the flags of ``optimizers`` without starting a new iteration
-        (``update()`` is ``update_scale`` over every optimizer of the iteration, then the reset)."""
+        (``update()`` is ``update_scale`` over every optimizer of the iteration, then the reset).
+
+        Args:
+            optimizers: one optimizer or a list of them, stepped in this iteration.
+        """
         if not self._enabled:
             return
         opts = optimizer_list(optimizers, "optimizers")
@@ -918,7 +1035,15 @@ class GradScaler:
     def register_state(self, name: str, owner: Any) -> None:
         """Keep ``owner``'s state in this scaler's checkpoint under ``name``. ``owner`` has ``state_dict()``
         (``None``: no key), ``check_state(value)`` (raises ``ValueError``; called before anything changes) and
-        ``load_state_dict(value)``."""
+        ``load_state_dict(value)``.
+
+        Args:
+            name: a key not yet in the state dict.
+            owner: the object whose state travels under ``name``.
+
+        Raises:
+            ValueError: ``name`` is not a new key.
+        """
         if not isinstance(name, str) or name in self.state_dict_keys():
             raise ValueError(f"name must be a new state dict key; got {name!r}")
         self._extra_state[name] = owner
@@ -930,7 +1055,14 @@ class GradScaler:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dls or a ``torch.amp.GradScaler`` state dict: keys present replace, missing keys keep their
         values; torch's settings (growth factor, backoff factor, interval) are applied as torch does; a scale
-        outside this scaler's bounds is clamped into them, with a warning. Nothing changes on a bad value."""
+        outside this scaler's bounds is clamped into them, with a warning. Nothing changes on a bad value.
+
+        Args:
+            state_dict: what a dls or a ``torch.amp`` scaler's ``state_dict()`` returned.
+
+        Raises:
+            ValueError: a key holds a bad value, or the state dict is of a newer format; nothing is loaded.
+        """
         if not self._enabled:
             return
         loaded = parse_state_dict(state_dict, self._scale.settings, extra=tuple(self._extra_state))

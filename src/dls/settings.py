@@ -1,16 +1,16 @@
 """What a loss scaler is configured to do: one frozen, validated object, built from any dialect.
 
-``GradScaler`` speaks two dialects; which one a call speaks is decided by its arguments (``dls.arguments``):
+``GradScaler``'s constructor speaks two dialects; its arguments decide which (``dls.arguments``):
 
 * **torch** (``GradScaler("cuda", init_scale=2.**16, growth_factor=2., backoff_factor=.5, growth_interval=2000)``,
   any call with a device, and any call without a Cerebras-only argument, ``GradScaler()`` included): torch.amp's
-  defaults — device ``"cuda"``, start at 2**16, no upper bound below float32's max (growth that would reach inf is
+  defaults — device ``"cuda"``, start at ``2**16``, no upper bound below float32's max (growth that would reach inf is
   dropped, as in torch), a floor at the smallest normal float32 — and dynamic scaling whatever the half dtype. It
   trains bit-identically to ``torch.amp.GradScaler`` until torch's own scale would leave float32's normal range.
 * **cerebras** (a call with ``loss_scale``, ``steps_per_increase``, ``min_loss_scale``, ``max_loss_scale``,
   ``overflow_tolerance`` or ``max_gradient_norm``, or a first positional argument that is not a device):
-  cstorch.amp's defaults — ``max_loss_scale`` 2**15 (2**31 for cbfloat16), start at the maximum, floor 2**-14,
-  and ``loss_scale=None`` meaning dynamic for float16/cbfloat16 and off for bfloat16.
+  cstorch.amp's defaults — ``max_loss_scale`` ``2**15`` (``2**31`` for cbfloat16), start at the maximum, floor
+  ``2**-14``, and ``loss_scale=None`` meaning dynamic for float16/cbfloat16 and off for bfloat16.
 
 Two more are built by their own constructors, with the peers' own names and defaults:
 ``GradScaler.from_deepspeed`` (**deepspeed**: DeepSpeed's ``fp16`` config section and its growth timing) and
@@ -18,7 +18,7 @@ Two more are built by their own constructors, with the peers' own names and defa
 
 In the torch and Cerebras dialects, an explicit ``init_scale`` above the default maximum raises the maximum
 (never a silent clamp), and an explicit ``max_loss_scale`` below an explicit ``init_scale`` is an error naming
-both. Every scale is a normal float32 (2**-126 to float32's max), so its inverse is finite and unscaling never
+both. Every scale is a normal float32 (``2**-126`` to float32's max), so its inverse is finite and unscaling never
 multiplies by inf. A number may be a Python ``int`` or ``float``, a NumPy scalar or 0-dim array, or a 0-dim tensor;
 a count (``steps_per_increase``/``growth_interval``, ``hysteresis``) must be an integer (``dls.policy.count_problem``).
 
@@ -89,14 +89,19 @@ class SettingsError(ValueError):
 
 
 def default_max_loss_scale(half_dtype: str) -> float:
-    """cstorch.amp's default ``max_loss_scale`` (and initial scale) for a half dtype."""
+    """cstorch.amp's default ``max_loss_scale`` (and initial scale) for a half dtype.
+
+    Args:
+        half_dtype: ``"float16"``, ``"bfloat16"`` or ``"cbfloat16"``.
+    """
     return CBFLOAT16_MAX_LOSS_SCALE if half_dtype == "cbfloat16" else CEREBRAS_MAX_LOSS_SCALE
 
 
 @dataclass(frozen=True)
 class ScalerSettings:
-    """The resolved, validated settings of a loss scaler. Build it with :meth:`cerebras` or :meth:`torch`, which
-    fill in each dialect's defaults; constructing it directly validates the given values as they are.
+    """The resolved, validated settings of a loss scaler. Build it with
+    [`cerebras`][dls.settings.ScalerSettings.cerebras] or [`torch`][dls.settings.ScalerSettings.torch], which fill in
+    each dialect's defaults; constructing it directly validates the given values as they are.
 
     Attributes:
         mode: ``"dynamic"``, ``"static"`` (a fixed scale; overflowing steps are still skipped) or ``"off"``.
@@ -154,8 +159,28 @@ class ScalerSettings:
         consecutive_hysteresis: bool = False,
     ) -> ScalerSettings:
         """cstorch.amp's dialect: ``loss_scale`` ``"dynamic"``, a number (static) or ``None`` (dynamic for
-        float16/cbfloat16, off for bfloat16); ``max_loss_scale`` 2**15 (2**31 for cbfloat16), ``init_scale`` the
-        maximum, ``min_loss_scale`` 2**-14. ``half_dtype`` ``None`` takes ``dls.get_half_dtype_str()``."""
+        float16/cbfloat16, off for bfloat16); ``max_loss_scale`` ``2**15`` (``2**31`` for cbfloat16), ``init_scale`` the
+        maximum, ``min_loss_scale`` ``2**-14``. ``half_dtype`` ``None`` takes ``dls.get_half_dtype_str()``.
+
+        Each argument means what it means for [`GradScaler`][dls.GradScaler].
+
+        Args:
+            loss_scale: ``"dynamic"``, a number (static) or ``None``.
+            init_scale: the first dynamic scale.
+            steps_per_increase: the scale grows when more updates than this passed since the last rescale.
+            min_loss_scale: the lower bound of the dynamic scale.
+            max_loss_scale: the upper bound of the dynamic scale.
+            overflow_tolerance: fraction of overflowing steps tolerated before backing off.
+            max_gradient_norm: global gradient clipping inside ``step()``, or ``None``.
+            growth_factor: multiplies the scale on growth.
+            backoff_factor: multiplies the scale on back-off.
+            hysteresis: overflows per back-off (Megatron-LM's and DeepSpeed's rule).
+            consecutive_hysteresis: a clean step also refills the hysteresis budget (DeepSpeed's).
+            half_dtype: the format the defaults are chosen for.
+
+        Raises:
+            SettingsError: every problem with the arguments, each naming its argument.
+        """
         problems: list[tuple[str, str]] = []
         half = _half_dtype(half_dtype, problems)
         mode = _mode(loss_scale, half, problems)
@@ -208,9 +233,29 @@ class ScalerSettings:
         max_gradient_norm: float | None = None,
         half_dtype: Any = None,
     ) -> ScalerSettings:
-        """torch.amp's dialect: start at 2**16, grow every ``growth_interval`` clean steps up to float32's max,
+        """torch.amp's dialect: start at ``2**16``, grow every ``growth_interval`` clean steps up to float32's max,
         floor at the smallest normal float32; dynamic whatever the half dtype (``loss_scale`` may still name a
-        static scale)."""
+        static scale).
+
+        Each argument means what it means for [`GradScaler`][dls.GradScaler].
+
+        Args:
+            init_scale: the first scale.
+            growth_interval: the scale grows on this many-th clean step.
+            loss_scale: ``"dynamic"`` or a number (static).
+            min_loss_scale: the lower bound of the dynamic scale.
+            max_loss_scale: the upper bound of the dynamic scale.
+            overflow_tolerance: fraction of overflowing steps tolerated before backing off.
+            max_gradient_norm: global gradient clipping inside ``step()``, or ``None``.
+            growth_factor: multiplies the scale on growth.
+            backoff_factor: multiplies the scale on back-off.
+            hysteresis: overflows per back-off (Megatron-LM's and DeepSpeed's rule).
+            consecutive_hysteresis: a clean step also refills the hysteresis budget (DeepSpeed's).
+            half_dtype: the format the defaults are chosen for.
+
+        Raises:
+            SettingsError: every problem with the arguments, each naming its argument.
+        """
         problems: list[tuple[str, str]] = []
         half = _half_dtype(half_dtype, problems)
         if loss_scale is None:

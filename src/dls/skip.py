@@ -29,7 +29,7 @@ _MAX_WRAPPER_DEPTH = 8  # .optimizer chains longer than this are not optimizer w
 
 class SkipAware:
     """A stand-in for ``obj`` whose gated method does nothing after a skipped optimizer step. Build it with
-    :func:`skip_aware`.
+    [`skip_aware`][dls.skip_aware].
 
     Attribute reads, writes and calls go to ``obj``; ``isinstance(wrapper, type(obj))`` holds (``__class__``
     reports the wrapped class, as ``unittest.mock`` does), so frameworks that check for an ``LRScheduler`` or an
@@ -214,13 +214,14 @@ def skip_aware(
         attribute pass through.
 
     Decisions, per optimizer step:
-        * The gated method follows the outcome of the optimizer's most recent ``scaler.step``, however often it is
-          called in between: with gradient accumulation the decision is made per optimizer step, not per
-          micro-batch, so call the gated method once per optimizer step, as you would without dls. A scheduler
-          stepped per epoch must not be wrapped: it would follow only the epoch's last step.
-        * Before the optimizer's first step through ``scaler`` nothing has been skipped, and the wrapper behaves
-          exactly like ``obj``.
-        * A disabled scaler never skips.
+
+    * The gated method follows the outcome of the optimizer's most recent ``scaler.step``, however often it is
+      called in between: with gradient accumulation the decision is made per optimizer step, not per
+      micro-batch, so call the gated method once per optimizer step, as you would without dls. A scheduler
+      stepped per epoch must not be wrapped: it would follow only the epoch's last step.
+    * Before the optimizer's first step through ``scaler`` nothing has been skipped, and the wrapper behaves
+      exactly like ``obj``.
+    * A disabled scaler never skips.
 
     Raises:
         ValueError: ``scaler`` is not a ``dls.GradScaler``, ``obj`` has no such method, ``optimizer`` holds no

@@ -41,6 +41,21 @@ def optimizer_step(
     ``max_gradient_norm`` defaults to the scaler's own; ``max_gradient_value`` clips each gradient element to
     ``[-value, value]`` instead of the norm. Giving both is an error. The limits are numbers (NumPy scalars and
     0-dim tensors too); a wrong type is a ``ValueError`` naming the argument.
+
+    Args:
+        loss: the loss to scale and differentiate.
+        optimizer: one optimizer or a list of them, stepped together.
+        grad_scaler: the [`GradScaler`][dls.GradScaler] to step through.
+        max_gradient_norm: the global L2 norm to clip to; ``None``: the scaler's own ``max_gradient_norm``.
+        max_gradient_value: clip each gradient element to ``[-value, value]`` instead.
+        gradient_norm: also return the gradient norm when not clipping by norm.
+
+    Returns:
+        A [`StepResult`][dls.StepResult] of device tensors.
+
+    Raises:
+        ValueError: a bad limit, both limits, or an optimizer given twice.
+        RuntimeError: an optimizer already unscaled or stepped since the last ``update()``.
     """
     optimizers = optimizer_list(optimizer, "optimizer")
     if not isinstance(grad_scaler, GradScaler):

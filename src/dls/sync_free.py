@@ -71,7 +71,7 @@ def masked_step(
     Only called once every parameter with a gradient has stepped since the optimizer's state was last reset
     (``Tracker.has_stepped`` in ``dls.scaler``), so the state the step touches exists before it. Exact:
     ``torch.where`` selects the old bits. The state must live on the flag's device (e.g. ``capturable=True`` for
-    Adam on CUDA), or each ``torch.where`` copies the flag over. State that
+    Adam on CUDA), or the flag is copied to the state's device once per step (one host sync). State that
     is not a tensor (a custom optimizer's Python step count) cannot be selected on the device: when the step
     changed some, the flag is read once and the old values are put back on overflow.
 
@@ -87,10 +87,19 @@ def masked_step(
     }
     result = optimizer.step(*args, **kwargs)
     overflow = found_inf > 0
+    # One copy of the flag per device: state kept on the host (AdamW's step counts without capturable=True) costs
+    # one sync per step, not one per parameter.
+    flags = {overflow.device: overflow}
+
+    def on(device: torch.device) -> torch.Tensor:
+        if device not in flags:
+            flags[device] = overflow.to(device)
+        return flags[device]
+
     host_values: list[tuple[dict[str, Any], str, Any]] = []
     with torch.no_grad():
         for p, old in zip(params, before_params):
-            p.copy_(torch.where(overflow.to(p.device), old, p))
+            p.copy_(torch.where(on(p.device), old, p))
         for p in params:
             new_state = optimizer.state.get(p)
             if not new_state:
@@ -106,8 +115,8 @@ def masked_step(
                     # A state entry this step created for a parameter that had stepped: zero is what the
                     # optimizers that create entries lazily start from.
                     old_value = torch.zeros_like(value)
-                value.copy_(torch.where(overflow.to(value.device), old_value, value))
-    if host_values and overflow.item():
+                value.copy_(torch.where(on(value.device), old_value, value))
+    if host_values and bool(on(torch.device("cpu"))):
         for state, key, old_value in host_values:
             state[key] = old_value
     restored = getattr(optimizer, "dls_state_restored", None)

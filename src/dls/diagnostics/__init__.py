@@ -1,10 +1,11 @@
 """Diagnostics: where a step's gradients overflowed, and whether a format can hold a model at all.
 
-* :class:`OverflowWatch` (``watch.py``): names a model's parameters and modules and records the order in which
-  backward produces their gradients; after an overflow, ``build_report(loss)`` returns an :class:`OverflowReport`
-  (first module, parameters with inf/NaN gradients in backward order, whether the forward pass overflowed).
-* :func:`audit` (``auditing.py``): forward/backward passes under exact emulation of several formats, without
-  touching the model's parameters, gradients or RNG states; returns per-format forward overflows, verdicts,
+* [`OverflowWatch`][dls.diagnostics.OverflowWatch] (``watch.py``): names a model's parameters and modules and records
+  the order in which backward produces their gradients; after an overflow, ``build_report(loss)`` returns an
+  [`OverflowReport`][dls.diagnostics.OverflowReport] (first module, parameters with inf/NaN gradients in backward order,
+  whether the forward pass overflowed).
+* [`audit`][dls.diagnostics.audit] (``auditing.py``): forward/backward passes under exact emulation of several formats,
+  without touching the model's parameters, gradients or RNG states; returns per-format forward overflows, verdicts,
   recommended initial loss scales and a per-module table (``report.py`` renders it as text and as a PNG).
 * :class:`Recorder` (``record.py``, made by ``GradScaler.record``): a trace of the scaler's steps (JSON lines);
   :func:`read_trace` reads it. :func:`replay` (``replaying.py``) runs every peer's loss-scaling policy over a trace

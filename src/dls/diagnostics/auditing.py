@@ -16,8 +16,9 @@ per module, with hooks of its own:
 Values computed inside a module's ``forward`` and not returned (attention scores inside ``nn.MultiheadAttention``,
 a functional ``exp`` in a parent's ``forward``) are not seen on their own; they show in the outputs they feed.
 
-From those, one initial loss scale per format (see :func:`recommend_exponent` for the rule), checked by one more
-emulated pass at that scale with the gradients rounded too (``FormatAudit.measured``), and one verdict sentence.
+From those, one initial loss scale per format (see [`recommend_exponent`][dls.diagnostics.recommend_exponent] for the
+rule), checked by one more emulated pass at that scale with the gradients rounded too (``FormatAudit.measured``), and
+one verdict sentence.
 
 Nothing of the model is left changed: parameters are never written, every parameter's ``.grad`` (the tensor
 object itself) and every buffer's values are put back, and so are the global random number generators (torch's
@@ -279,12 +280,13 @@ def audit(
             ``FloatFormat`` objects or torch dtypes; results are keyed by the format's name.
         steps: passes per format (plus, per format, one checking pass at the recommended scale).
         underflow_tolerance: the share of nonzero gradient values that may be flushed to zero at the smallest
-            acceptable scale (see :func:`recommend_exponent`), from 0 up to (not including) 1.
+            acceptable scale (see [`recommend_exponent`][dls.diagnostics.recommend_exponent]), from 0 up to (not
+            including) 1.
 
     Returns:
-        An :class:`AuditResult`: ``forward_overflow[fmt]``, ``verdicts[fmt]``, ``recommended_init_scale[fmt]``,
-        ``audits[fmt].modules`` (the per-module table), ``keep_in_float32[fmt]``, ``to_text()``,
-        ``save_plot(path)``.
+        An [`AuditResult`][dls.diagnostics.AuditResult]: ``forward_overflow[fmt]``, ``verdicts[fmt]``,
+        ``recommended_init_scale[fmt]``, ``audits[fmt].modules`` (the per-module table), ``keep_in_float32[fmt]``,
+        ``to_text()``, ``save_plot(path)``.
 
         ``keep_in_float32[fmt]``: the module names to keep in float32 (``dls.keep_in_float32``) so that the forward
         pass fits the format, found by auditing the forward pass again with the modules found so far kept (fresh
@@ -294,9 +296,10 @@ def audit(
         ``recommended_init_scale[fmt]`` is a power of two at which, over all the gradient values seen, at most
         ``underflow_tolerance`` of them flush to zero with three binades to spare (gradients may shrink 8x) and
         the largest one stays at most half the format's max: of the scales that satisfy both, the one closest to
-        1; where none does, the largest scale that does not overflow (:func:`recommend_exponent` states it
-        exactly). Pass it as ``GradScaler(init_scale=...)``. ``None`` where loss scaling cannot help (forward
-        overflow or NaN, non-finite gradients) or no nonzero gradient was seen.
+        1; where none does, the largest scale that does not overflow
+        ([`recommend_exponent`][dls.diagnostics.recommend_exponent] states it exactly). Pass it as
+        ``GradScaler(init_scale=...)``. ``None`` where loss scaling cannot help (forward overflow or NaN, non-finite
+        gradients) or no nonzero gradient was seen.
 
     Raises:
         ValueError: a bad argument (nothing has run then), or ``loss_fn`` returned something other than a scalar

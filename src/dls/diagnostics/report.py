@@ -1,11 +1,11 @@
-"""What :func:`~dls.diagnostics.audit` returns, and its renderings: a text table and a PNG.
+"""What [`audit`][dls.diagnostics.audit] returns, and its renderings: a text table and a PNG.
 
 The PNG has one panel per format: a row per module, a column per binade (``floor(log2 |gradient|)``), the colour
 the share of the module's nonzero gradient values in that binade. Vertical lines mark the format's range for
 unscaled gradients (solid: values left of the flush line round to zero, values right of the overflow line
 overflow) and for gradients multiplied by the recommended scale (dashed: the same limits shifted left by its
-exponent). matplotlib is imported only inside :meth:`AuditResult.save_plot`, on its Agg canvas (no display, no
-global backend change).
+exponent). matplotlib is imported only inside [`AuditResult.save_plot`][dls.diagnostics.AuditResult.save_plot], on its
+Agg canvas (no display, no global backend change).
 """
 
 from __future__ import annotations
@@ -65,12 +65,22 @@ class ModuleStats:
 
     def underflow(self, fmt: FloatFormat, scale: float = 1.0) -> float:
         """Share of the nonzero gradient values that ``fmt`` flushes to zero at loss scale ``scale`` (a power of
-        two), 0.0 if there are none."""
+        two), 0.0 if there are none.
+
+        Args:
+            fmt: the format.
+            scale: the loss scale (a power of two).
+        """
         n = self.nonzero
         return count_flushed(self.histogram, fmt, scale_exponent(scale)) / n if n else 0.0
 
     def overflow(self, fmt: FloatFormat, scale: float = 1.0) -> float:
-        """Share of the nonzero gradient values that overflow ``fmt`` at loss scale ``scale`` (a power of two)."""
+        """Share of the nonzero gradient values that overflow ``fmt`` at loss scale ``scale`` (a power of two).
+
+        Args:
+            fmt: the format.
+            scale: the loss scale (a power of two).
+        """
         n = self.nonzero
         return count_overflowed(self.histogram, fmt, scale_exponent(scale)) / n if n else 0.0
 
@@ -80,14 +90,15 @@ class FormatAudit:
     """The audit of one format.
 
     Attributes:
-        format: the :class:`~dls.formats.FloatFormat`.
+        format: the [`FloatFormat`][dls.formats.FloatFormat].
         modules: per-module statistics, in the order their outputs were first produced.
         forward_overflow: the first module whose output exceeded the format's max, in the order outputs are
             produced (so the innermost module, never a parent that merely returns it), or ``None``.
         forward_overflow_value: its largest ``|output|`` then.
         forward_nan: the first module whose output held NaN while no output had overflowed, or ``None``.
-        recommended_init_scale: ``2**k`` from :func:`recommend_exponent`; ``None`` when the forward pass
-            overflows or produces NaN, when gradients are inf/NaN, or when no nonzero gradient was seen.
+        recommended_init_scale: ``2**k`` from [`recommend_exponent`][dls.diagnostics.recommend_exponent]; ``None``
+            when the forward pass overflows or produces NaN, when gradients are inf/NaN, or when no nonzero gradient
+            was seen.
         verdict: one sentence (starts with the format's name).
         measured: ``EmulationStats.as_dict()`` of one more pass at the recommended scale with the gradients
             rounded too (flushed values then also zero what flows upstream of them), or ``None``.
@@ -113,13 +124,21 @@ class FormatAudit:
         return max(values) if values else None
 
     def underflow(self, scale: float = 1.0) -> float:
-        """Share of all nonzero gradient values flushed at loss scale ``scale``."""
+        """Share of all nonzero gradient values flushed at loss scale ``scale``.
+
+        Args:
+            scale: the loss scale (a power of two).
+        """
         hist = self.histogram
         n = sum(hist)
         return count_flushed(hist, self.format, scale_exponent(scale)) / n if n else 0.0
 
     def overflow(self, scale: float = 1.0) -> float:
-        """Share of all nonzero gradient values overflowing at loss scale ``scale``."""
+        """Share of all nonzero gradient values overflowing at loss scale ``scale``.
+
+        Args:
+            scale: the loss scale (a power of two).
+        """
         hist = self.histogram
         n = sum(hist)
         return count_overflowed(hist, self.format, scale_exponent(scale)) / n if n else 0.0
@@ -127,15 +146,16 @@ class FormatAudit:
 
 @dataclasses.dataclass(frozen=True)
 class AuditResult:
-    """What :func:`audit` returns (immutable). ``str(result)`` is :meth:`to_text`.
+    """What [`audit`][dls.diagnostics.audit] returns (immutable). ``str(result)`` is
+    [`to_text`][dls.diagnostics.AuditResult.to_text].
 
     Attributes:
-        audits: one :class:`FormatAudit` per format name, in the order given.
+        audits: one [`FormatAudit`][dls.diagnostics.FormatAudit] per format name, in the order given.
         steps: forward/backward passes per format.
         underflow_tolerance: the tolerance the recommendations used.
         keep_in_float32: per format name, the modules to keep in float32 (``dls.keep_in_float32``) so that the
             forward pass fits the format: ``[]`` when it fits already, ``None`` when nothing found within the bound
-            of rounds fits (see :func:`~dls.diagnostics.audit`).
+            of rounds fits (see [`audit`][dls.diagnostics.audit]).
     """
 
     audits: Mapping[str, FormatAudit]
@@ -157,7 +177,8 @@ class AuditResult:
 
     @property
     def recommended_init_scale(self) -> Mapping[str, float | None]:
-        """Per format: a power of two to start loss scaling at (see :func:`recommend_exponent`), or ``None``."""
+        """Per format: a power of two to start loss scaling at (see
+        [`recommend_exponent`][dls.diagnostics.recommend_exponent]), or ``None``."""
         return types.MappingProxyType({k: a.recommended_init_scale for k, a in self.audits.items()})
 
     def to_text(self) -> str:
@@ -169,7 +190,14 @@ class AuditResult:
 
     def save_plot(self, path: str | Path) -> Path:
         """Write a PNG: per format, per module, the distribution of gradient exponents against the format's range
-        at scale 1 and at the recommended scale. Needs matplotlib (imported here, Agg canvas)."""
+        at scale 1 and at the recommended scale. Needs matplotlib (imported here, Agg canvas).
+
+        Args:
+            path: the PNG file to write.
+
+        Returns:
+            ``path``, as a ``Path``.
+        """
         return save_plot(self, path)
 
 

@@ -71,13 +71,19 @@ def recommend_exponent(
     1. ``k_hi``: the largest ``k`` with ``max_gradient * 2**k <= fmt.max / 2**OVERFLOW_HEADROOM``: no gradient
        overflows, and the largest one may still double before it would.
     2. ``k_lo``: the smallest ``k`` at which at most ``underflow_tolerance`` of the nonzero gradient values are
-       flushed to zero (:func:`count_flushed`).
+       flushed to zero (`count_flushed`).
     3. If ``k_lo + UNDERFLOW_MARGIN <= k_hi``: the ``k`` of ``[k_lo + UNDERFLOW_MARGIN, k_hi]`` closest to 0
        (no scaling when 1 already fits with the margins; otherwise the least scaling that leaves gradients room to
        shrink by ``2**UNDERFLOW_MARGIN`` before they flush).
     4. Otherwise ``k_hi``: the margins do not both fit (or, if ``k_lo > k_hi``, no scale holds the gradients),
        and the largest scale that does not overflow flushes the fewest values. An overflow costs a dynamic scaler
        one skipped step; a flushed gradient is lost silently.
+
+    Args:
+        histogram: counts of nonzero finite gradient values per binade, from ``2**HIST_LOW`` up.
+        max_gradient: the largest gradient magnitude.
+        fmt: the format the gradients are cast to.
+        underflow_tolerance: the share of nonzero values that may flush to zero, in ``[0, 1)``.
     """
     total = sum(histogram)
     if total == 0 or not max_gradient > 0 or not math.isfinite(max_gradient):

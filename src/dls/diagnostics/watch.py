@@ -2,9 +2,9 @@
 
 ``watch = OverflowWatch(model)`` names every parameter and module of ``model`` and records the order in which
 backward finishes each parameter's gradient. After a step whose gradients overflowed, ``watch.build_report(loss)``
-scans the gradients once and returns an :class:`OverflowReport`: the first parameter in backward order whose
-gradient is inf/NaN, the innermost module that owns it, every parameter with a non-finite gradient, and whether
-the loss itself was already non-finite (a forward overflow, which no loss scale can fix).
+scans the gradients once and returns an [`OverflowReport`][dls.diagnostics.OverflowReport]: the first parameter in
+backward order whose gradient is inf/NaN, the innermost module that owns it, every parameter with a non-finite gradient,
+and whether the loss itself was already non-finite (a forward overflow, which no loss scale can fix).
 
 How the order is recorded, and why this way. Each watched parameter gets a ``Tensor.register_post_accumulate_grad_
 hook`` whose callable is ``OrderedDict.move_to_end`` of one dict holding every parameter: when autograd has
@@ -94,7 +94,8 @@ class NonFiniteGradient:
 
 @dataclasses.dataclass(frozen=True)
 class OverflowReport:
-    """Where a step's gradients overflowed: what :meth:`OverflowWatch.build_report` returns (immutable).
+    """Where a step's gradients overflowed: what
+    [`OverflowWatch.build_report`][dls.diagnostics.OverflowWatch.build_report] returns (immutable).
 
     Attributes:
         first_module: qualified name of the innermost module owning the first parameter, in backward order, whose
@@ -103,7 +104,7 @@ class OverflowReport:
             parameters are never named (see the module docstring).
         first_module_type: that module's class name, or ``None``.
         parameters: names of the parameters with non-finite gradients, in backward order.
-        gradients: one :class:`NonFiniteGradient` per name in ``parameters``, same order.
+        gradients: one [`NonFiniteGradient`][dls.diagnostics.NonFiniteGradient] per name in ``parameters``, same order.
         forward: ``True`` when the loss given to ``build_report`` was already inf/NaN (the forward pass
             overflowed: loss scaling cannot fix that), ``False`` when it was finite, ``None`` when no loss was given.
         watched: how many parameters the watch covers.
@@ -169,12 +170,14 @@ class OverflowReport:
 
 class OverflowWatch(Removable):
     """Names the parameters and modules of ``model`` and records the order in which backward produces the
-    parameters' gradients, so that :meth:`build_report` can say where an overflow started.
+    parameters' gradients, so that [`build_report`][dls.diagnostics.OverflowWatch.build_report] can say where an
+    overflow started.
 
     Installing it adds one Python-only hook per parameter that requires grad (see the module docstring for the
     cost and the reasons); nothing else runs until a report is built. Parameters added to the model (or
     replaced by new ``Parameter`` objects) after the watch was created are not watched. The watch is a context
-    manager; :meth:`remove` takes every hook out and may be called any number of times.
+    manager; [`remove`][dls.diagnostics.OverflowWatch.remove] takes every hook out and may be called any number of
+    times.
 
     Args:
         model: an ``nn.Module``; a ``DistributedDataParallel`` or ``torch.compile`` wrapper is named through the
@@ -224,8 +227,8 @@ class OverflowWatch(Removable):
 
     @property
     def kept_in_float32(self) -> tuple[str, ...]:
-        """Names of the modules kept in float32 (by the fallback, or by :meth:`keep`), in the order they were
-        added."""
+        """Names of the modules kept in float32 (by the fallback, or by [`keep`][dls.diagnostics.OverflowWatch.keep]),
+        in the order they were added."""
         return self._kept.names if self.fallback is None else self.fallback.names
 
     @property
@@ -234,7 +237,11 @@ class OverflowWatch(Removable):
         return tuple(self._names[p] for p in self._params)
 
     def owner(self, parameter_name: str) -> str:
-        """Qualified name of the innermost module that owns the named parameter (``""`` is the root)."""
+        """Qualified name of the innermost module that owns the named parameter (``""`` is the root).
+
+        Args:
+            parameter_name: a parameter's qualified name, as in ``model.named_parameters()``.
+        """
         for p, name in self._names.items():
             if name == parameter_name:
                 return self._owners[p][0]
@@ -243,7 +250,12 @@ class OverflowWatch(Removable):
     def keep(self, names: Any, what: str = "names") -> None:
         """Keep the named modules in float32 (``dls.keep_in_float32``) until ``remove()``; with ``fallback=True``
         they join ``kept_in_float32`` (and the scaler's state dict). Every name is checked first: ``ValueError``
-        naming ``what`` and the first name the watched model does not have."""
+        naming ``what`` and the first name the watched model does not have.
+
+        Args:
+            names: qualified module names, as in ``model.named_modules()``.
+            what: how the error message calls ``names`` (e.g. a config key).
+        """
         if self.fallback is not None:
             self.fallback.keep(self.fallback.check_names(names, what))
             return
@@ -254,7 +266,11 @@ class OverflowWatch(Removable):
 
     def after_skip(self, report: OverflowReport) -> OverflowReport:
         """The scaler skipped a step and built ``report``: let the fallback keep, arm or give up (every rank calls
-        this at the same skipped steps). Returns the report, naming non-finite parameters when there are some."""
+        this at the same skipped steps). Returns the report, naming non-finite parameters when there are some.
+
+        Args:
+            report: what the scaler built for the skipped step.
+        """
         if self.fallback is None or self._removed:
             return report
         broken = self.fallback.after_skip(report.forward)

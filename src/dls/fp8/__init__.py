@@ -1,21 +1,21 @@
 """FP8 training recipes, emulated exactly on any hardware.
 
 Loss scaling gives all gradients one scale; FP8 needs one per tensor (or per row, or per block of 32), because
-E4M3 spans only 2**-9 .. 448 and E5M2 2**-16 .. 57344. This package makes the FP8 recipes of
+E4M3 spans only ``2**-9`` .. 448 and E5M2 ``2**-16`` .. 57344. This package makes the FP8 recipes of
 TransformerEngine and torchao runnable on a laptop, bit-exactly, so "will this model train in FP8, and with
 which recipe?" can be answered before renting an FP8 GPU:
 
-* :func:`scale_from_amax`: the current-scaling rule (float32-exact);
-* recipes: :class:`CurrentScaling` (per tensor or per row, from the tensor itself: torchao's ``tensorwise`` /
-  ``rowwise``), :class:`DelayedScaling` (TransformerEngine's amax history), :class:`MXFP8` (blocks of 32 with
-  power-of-two E8M0 scales: torchao's ``to_mx``), :class:`StaticScaling` (one fixed scale: FP8 without
-  per-tensor scaling);
-* :func:`emulate`: every ``nn.Linear`` computes its three GEMMs on FP8 operands per the recipe, with
-  ``handle.stats``, ``handle.state_dict()`` for exact resume, DDP-consistent delayed scaling, and
+* [`scale_from_amax`][dls.fp8.scale_from_amax]: the current-scaling rule (float32-exact);
+* recipes: [`CurrentScaling`][dls.fp8.CurrentScaling] (per tensor or per row, from the tensor itself: torchao's
+  ``tensorwise`` / ``rowwise``), [`DelayedScaling`][dls.fp8.DelayedScaling] (TransformerEngine's amax history),
+  [`MXFP8`][dls.fp8.MXFP8] (blocks of 32 with power-of-two E8M0 scales: torchao's ``to_mx``),
+  [`StaticScaling`][dls.fp8.StaticScaling] (one fixed scale: FP8 without per-tensor scaling);
+* [`emulate`][dls.fp8.emulate.emulate]: every ``nn.Linear`` computes its three GEMMs on FP8 operands per the recipe,
+  with ``handle.stats``, ``handle.state_dict()`` for exact resume, DDP-consistent delayed scaling, and
   ``dls.GradScaler`` on top;
-* :func:`mx_quantize`: an MXFP8 cast, byte-compatible with torchao;
-* :func:`compare_recipes`: one model under each recipe on the same batches, without training: the shares of
-  gradients saturated and flushed, and the loss beside float32's, as a table by ``to_text()`` (what
+* [`mx_quantize`][dls.fp8.mx_quantize]: an MXFP8 cast, byte-compatible with torchao;
+* [`compare_recipes`][dls.fp8.compare_recipes]: one model under each recipe on the same batches, without training: the
+  shares of gradients saturated and flushed, and the loss beside float32's, as a table by ``to_text()`` (what
   ``dls audit --fp8-recipes`` prints).
 
 ::

@@ -39,9 +39,10 @@ class RecipeResult:
 
 @dataclasses.dataclass(frozen=True)
 class RecipeComparison:
-    """What :func:`compare_recipes` returns: ``results`` (one :class:`RecipeResult` per recipe, in order), the
-    float32 ``reference`` loss (the mean over the same passes, no FP8), the ``loss_scale`` the gradients were cast
-    at and the number of ``passes`` per recipe; ``to_text()`` renders them as a table."""
+    """What [`compare_recipes`][dls.fp8.compare_recipes] returns: ``results`` (one
+    [`RecipeResult`][dls.fp8.RecipeResult] per recipe, in order), the float32 ``reference`` loss (the mean over the same
+    passes, no FP8), the ``loss_scale`` the gradients were cast at and the number of ``passes`` per recipe;
+    ``to_text()`` renders them as a table."""
 
     results: tuple[RecipeResult, ...]
     reference: float
@@ -77,7 +78,8 @@ def compare_recipes(
     seed: int = 0,
 ) -> RecipeComparison:
     """Run ``loss_fn(batch)`` (``model``'s loss on ``batch``) for every batch of ``batches`` in float32 (no backward),
-    then with ``model`` under :func:`dls.fp8.emulate` with each recipe in turn (forward and backward), and compare.
+    then with ``model`` under [`dls.fp8.emulate`][dls.fp8.emulate.emulate] with each recipe in turn (forward and
+    backward), and compare.
 
     ``batches`` is iterated once for the float32 reference and once per recipe, so it must yield the same batches
     each time (a list, or an object whose ``__iter__`` starts over). Pass ``i`` of each iteration runs with torch's
@@ -87,10 +89,19 @@ def compare_recipes(
     factor of the gradients the reported loss leaves out. No optimizer step is taken: parameters are never written
     and every parameter's ``.grad`` (the tensor object itself) is put back.
 
+    Args:
+        model: the model, in float32; every ``nn.Linear`` in it is emulated under each recipe in turn.
+        loss_fn: ``loss_fn(batch)`` computes ``model``'s loss on ``batch``.
+        batches: the batches, iterable more than once.
+        recipes: the recipes to compare (``dls.fp8`` recipes).
+        loss_weight: a factor of the gradients that the reported loss leaves out.
+        loss_scale: the loss scale the gradients are cast at.
+        seed: torch's RNGs are seeded ``seed + i`` for pass ``i``.
+
     Returns:
-        A :class:`RecipeComparison`: ``results[i]`` for ``recipes[i]``, the float32 ``reference`` loss, ``to_text()``.
-        A delayed-scaling recipe starts from fresh amax histories: its first pass casts at scale 1, as a run's first
-        step does.
+        A [`RecipeComparison`][dls.fp8.RecipeComparison]: ``results[i]`` for ``recipes[i]``, the float32 ``reference``
+        loss, ``to_text()``. A delayed-scaling recipe starts from fresh amax histories: its first pass casts at scale 1,
+        as a run's first step does.
 
     Raises:
         ValueError: a recipe that is not a ``dls.fp8`` recipe, or a ``loss_weight`` / ``loss_scale`` that is not a

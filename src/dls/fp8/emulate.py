@@ -10,7 +10,7 @@ instance attribute: the class, parameters, state-dict keys, hooks and the optimi
   the bias gradient is the sum of the unquantized output gradient (as torchao and TransformerEngine do).
 
 This is the computation of torchao's ``Float8Linear`` with ``emulate=True`` (tested equal for
-:class:`~dls.fp8.CurrentScaling`), on any device. Real FP8 GEMMs apply the two scales to the float32
+[`CurrentScaling`][dls.fp8.CurrentScaling]), on any device. Real FP8 GEMMs apply the two scales to the float32
 accumulator instead of to each operand, and accumulate in a different order: results differ from hardware by
 float32 rounding, never by FP8 rounding. Inputs of other dtypes (bfloat16 models, autocast) are computed in
 float32 the same way; the output has the dtype ``F.linear`` would give (the autocast dtype under autocast).
@@ -19,8 +19,8 @@ A layer kept in float32 (``dls.keep_in_float32``) computes a plain float32 ``F.l
 
 **Loss scaling.** The output gradient that reaches a layer carries the loss scale of a ``dls.GradScaler``.
 Per-tensor recipes divide it out again when they scale the gradient to E5M2's range, so the loss scale matters
-for FP8 only where the FP8 scale does not follow the gradient: :class:`~dls.fp8.StaticScaling` (the loss scale
-is the only scale the gradients get) and :class:`~dls.fp8.DelayedScaling` (whose gradient scale lags by one
+for FP8 only where the FP8 scale does not follow the gradient: [`StaticScaling`][dls.fp8.StaticScaling] (the loss scale
+is the only scale the gradients get) and [`DelayedScaling`][dls.fp8.DelayedScaling] (whose gradient scale lags by one
 step: a gradient that grew, or a loss scale that doubled, exceeds E5M2's max). What happens then is the
 recipe's ``saturate_gradients``: ``True`` clamps to ±max, hiding the overflow from the scaler (the step is
 taken with clipped gradients); ``False`` produces inf/NaN, which the scaler detects, skipping the step and
@@ -355,13 +355,13 @@ class Fp8Stats:
 
 
 class Fp8Handle(Removable):
-    """What :func:`emulate` returns. ``remove()`` restores the modules (idempotent); the handle is a context
-    manager that removes on exit.
+    """What [`emulate`][dls.fp8.emulate.emulate] returns. ``remove()`` restores the modules (idempotent); the handle is
+    a context manager that removes on exit.
 
     Attributes:
         recipe: the recipe in use.
         modules: ``{name: module}`` of the emulated ``nn.Linear`` layers (names from ``model.named_modules()``).
-        stats: :class:`Fp8Stats`.
+        stats: [`Fp8Stats`][dls.fp8.Fp8Stats].
     """
 
     def __init__(
@@ -414,7 +414,10 @@ class Fp8Handle(Removable):
         return {"recipe": self.recipe.to_dict(), "modules": modules}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (tensors are copied to each module's device).
+        """Restore [`state_dict`][dls.fp8.Fp8Handle.state_dict]'s output (tensors are copied to each module's device).
+
+        Args:
+            state: what ``state_dict()`` returned.
 
         Raises:
             ValueError: a different recipe, different module names, histories of another length, or a scale
@@ -480,8 +483,8 @@ def emulate(
     Args:
         model: any ``nn.Module`` (a bare ``nn.Linear`` too); its parameters stay as they are (the master
             weights) and are cast at every forward.
-        recipe: :class:`~dls.fp8.CurrentScaling`, :class:`~dls.fp8.DelayedScaling`, :class:`~dls.fp8.MXFP8`
-            or :class:`~dls.fp8.StaticScaling`.
+        recipe: [`CurrentScaling`][dls.fp8.CurrentScaling], [`DelayedScaling`][dls.fp8.DelayedScaling],
+            [`MXFP8`][dls.fp8.MXFP8] or [`StaticScaling`][dls.fp8.StaticScaling].
         module_filter: ``fn(name, linear) -> bool``; only the Linear layers it accepts are emulated (e.g. keep
             the output layer in high precision). Default: every ``nn.Linear`` (and subclass) that uses
             ``nn.Linear.forward``. Subclasses with their own ``forward`` are left alone, and so are layers whose
@@ -491,7 +494,7 @@ def emulate(
         track_stats: keep ``handle.stats`` (a few extra reductions per cast).
 
     Returns:
-        An :class:`Fp8Handle`.
+        An [`Fp8Handle`][dls.fp8.Fp8Handle].
 
     Raises:
         ValueError: ``model`` is not an ``nn.Module`` or is already emulated by another handle, ``recipe`` not a

@@ -15,10 +15,11 @@ into the layer's output, already multiplied by the loss scale when a ``dls.GradS
 backward pass. ``fp8_format="hybrid"`` (default) casts inputs and weights to E4M3 (max 448, 3 mantissa bits)
 and gradients to E5M2 (max 57344, more range); ``"e4m3"`` uses E4M3 for all three.
 
-Per-tensor recipes (:class:`CurrentScaling` with ``granularity="tensor"``, :class:`DelayedScaling`,
-:class:`StaticScaling`) cast each operand once and reuse the forward casts of input and weight in backward.
-Per-row and per-block recipes (``granularity="row"``, :class:`MXFP8`) scale along the reduction axis of each
-GEMM, so they cast an operand once per GEMM it enters, from its high-precision values.
+Per-tensor recipes ([`CurrentScaling`][dls.fp8.CurrentScaling] with ``granularity="tensor"``,
+[`DelayedScaling`][dls.fp8.DelayedScaling], [`StaticScaling`][dls.fp8.StaticScaling]) cast each operand once and reuse
+the forward casts of input and weight in backward. Per-row and per-block recipes (``granularity="row"``,
+[`MXFP8`][dls.fp8.MXFP8]) scale along the reduction axis of each GEMM, so they cast an operand once per GEMM it enters,
+from its high-precision values.
 
 ``saturate_gradients`` (every recipe) decides what happens to a gradient whose scaled value exceeds the
 format's max. ``True`` (default, as TransformerEngine and torchao): it is clamped to ±max. The step then goes
@@ -63,7 +64,8 @@ class _Recipe:
         return "float8_e5m2" if role == "grad_output" and self.fp8_format == "hybrid" else "float8_e4m3fn"
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"recipe": short name, **fields}`` (plain values): :func:`recipe_from_dict` rebuilds it."""
+        """``{"recipe": short name, **fields}`` (plain values): [`recipe_from_dict`][dls.fp8.recipe_from_dict] rebuilds
+        it."""
         name = next(n for n, cls in RECIPE_NAMES.items() if cls is type(self))
         return {"recipe": name, **dataclasses.asdict(self)}  # type: ignore[call-overload]
 
@@ -78,8 +80,8 @@ class _Recipe:
 class CurrentScaling(_Recipe):
     """Scale each tensor from its own amax, at the moment it is cast (dynamic, stateless).
 
-    ``granularity="tensor"``: one scale per operand, :func:`dls.fp8.scale_from_amax` of the tensor's amax.
-    With the defaults this is torchao's ``tensorwise`` recipe (``Float8LinearConfig()``), tested equal to
+    ``granularity="tensor"``: one scale per operand, [`dls.fp8.scale_from_amax`][dls.fp8.scale_from_amax] of the
+    tensor's amax. With the defaults this is torchao's ``tensorwise`` recipe (``Float8LinearConfig()``), tested equal to
     ``convert_to_float8_training(..., Float8LinearConfig(emulate=True))``: same payloads and scales, outputs and
     gradients equal to float32 rounding. (torchao clamps the amax at 1e-12: ``amax_epsilon=1e-12`` reproduces
     it for tensors whose amax is below that, all-zero ones included.) TransformerEngine's
@@ -119,10 +121,10 @@ class DelayedScaling(_Recipe):
     casts with a scale computed from the *earlier* ones.
 
     For every (module, role): the first cast uses scale 1. Each cast records the amax of its unscaled values
-    (all-reduced with MAX across the process group given to :func:`dls.fp8.emulate` when
+    (all-reduced with MAX across the process group given to [`dls.fp8.emulate`][dls.fp8.emulate.emulate] when
     ``torch.distributed`` is initialised) at the front of a rolling history of ``amax_history_len`` entries
-    (zeros at first). The next cast's scale is :func:`dls.fp8.scale_from_amax` of the history's maximum
-    (``"max"``) or of the latest amax (``"most_recent"``), with ``margin``; when that amax is 0, inf or NaN the
+    (zeros at first). The next cast's scale is [`dls.fp8.scale_from_amax`][dls.fp8.scale_from_amax] of the history's
+    maximum (``"max"``) or of the latest amax (``"most_recent"``), with ``margin``; when that amax is 0, inf or NaN the
     previous scale is kept. With ``"max"`` an inf or NaN amax (an overflowed step) therefore freezes the
     role's scale until it leaves the history, ``amax_history_len`` casts later, as in TransformerEngine.
 
@@ -161,9 +163,9 @@ class DelayedScaling(_Recipe):
 @dataclasses.dataclass(frozen=True)
 class MXFP8(_Recipe):
     """OCP microscaling FP8: blocks of 32 consecutive values along each GEMM's reduction axis share one E8M0
-    (power-of-two) scale; casts saturate. Byte for byte torchao's ``to_mx`` (see :func:`dls.fp8.mx_quantize`
-    for the one deliberate difference). A reduction axis whose length is not a multiple of 32 is padded with
-    zeros (which change neither the block scales nor the GEMM).
+    (power-of-two) scale; casts saturate. Byte for byte torchao's ``to_mx`` (see
+    [`dls.fp8.mx_quantize`][dls.fp8.mx_quantize] for the one deliberate difference). A reduction axis whose length is
+    not a multiple of 32 is padded with zeros (which change neither the block scales nor the GEMM).
 
     Args:
         scale_mode: ``"rceil"``: the block scale is ``amax / fp8_max`` rounded up to a power of two (NVIDIA's
@@ -215,12 +217,15 @@ RECIPE_NAMES: dict[str, type[Any]] = {
     "mxfp8": MXFP8,
     "static": StaticScaling,
 }
-"""The short name of each recipe, as :meth:`to_dict` writes it and a config file would (``recipe: delayed``)."""
+"""The short name of each recipe, as `to_dict` writes it and a config file would (``recipe: delayed``)."""
 
 
 def recipe_from_dict(d: dict[str, Any]) -> Recipe:
-    """Build a recipe from ``{"recipe": name, **fields}`` (:meth:`to_dict`'s output, or a config section
+    """Build a recipe from ``{"recipe": name, **fields}`` (`to_dict`'s output, or a config section
     such as ``{"recipe": "delayed", "margin": 0, "amax_history_len": 16}``); absent fields take defaults.
+
+    Args:
+        d: the mapping: ``recipe`` (``current``, ``delayed``, ``mxfp8`` or ``static``) and the recipe's fields.
 
     Raises:
         ValueError: an unknown ``recipe`` name or field, or a bad value (each message names the key).

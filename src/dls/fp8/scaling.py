@@ -1,8 +1,8 @@
 """Exact FP8 scaling arithmetic: per-tensor scales from an amax, per-row casts, and MX block casts.
 
 Everything here is elementwise torch ops and reductions (CPU or CUDA, no host sync, no Python loop over
-elements or blocks). Rounding to float8 is :meth:`dls.formats.FloatFormat.quantize`, which is bit-identical to
-torch's own casts to ``torch.float8_e4m3fn`` and ``torch.float8_e5m2`` (``tests/test_formats.py``).
+elements or blocks). Rounding to float8 is [`dls.formats.FloatFormat.quantize`][dls.formats.FloatFormat.quantize], which
+is bit-identical to torch's own casts to ``torch.float8_e4m3fn`` and ``torch.float8_e5m2`` (``tests/test_formats.py``).
 
 Conventions. A *scale* multiplies values before the cast: ``payload = fp8(value * scale)``, and the cast is
 undone by dividing by it (``payload / scale``, one float32 division, as torchao's ``emulate=True`` GEMMs do).
@@ -44,7 +44,7 @@ _MAX_MARGIN = 1000  # fp8_max * 2**-margin and the quotient below stay normal, f
 
 
 def fp8_format(value: object, arg: str = "fp8_dtype") -> FloatFormat:
-    """The :class:`~dls.formats.FloatFormat` of an FP8 dtype: ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``,
+    """The [`FloatFormat`][dls.formats.FloatFormat] of an FP8 dtype: ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``,
     their names, ``"e4m3"`` / ``"e5m2"``, or those two formats themselves.
 
     Raises:
@@ -211,13 +211,13 @@ _THRESHOLDS = {fmt: _thresholds(fmt) for fmt in (_E4M3, _E5M2)}
 
 
 def _sum(t: torch.Tensor) -> torch.Tensor:
-    """NaN-ignoring sum, exact for the 0-or-constant terms summed here (float64 beyond 2**24 elements)."""
+    """NaN-ignoring sum, exact for the 0-or-constant terms summed here (float64 beyond ``2**24`` elements)."""
     return t.nansum(dtype=torch.float64 if t.numel() > 2**24 else None)
 
 
 def cast_count_sums(scaled_abs: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     """Raw counts of a cast to ``fmt`` of values with magnitudes ``scaled_abs`` (already scaled): a
-    3-element device tensor that :func:`cast_counts` turns into ``(nonzero, saturated, flushed)`` (sums of
+    3-element device tensor that `cast_counts` turns into ``(nonzero, saturated, flushed)`` (sums of
     them over several casts of the same format too).
 
     Float arithmetic only (CPU comparisons into bool tensors and ``count_nonzero`` are several times slower):
@@ -234,7 +234,7 @@ def cast_count_sums(scaled_abs: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 
 
 def cast_counts(sums: list[float], fmt: FloatFormat) -> tuple[float, float, float]:
-    """``(nonzero, saturated, flushed)`` from :func:`cast_count_sums`: values nonzero after scaling, those
+    """``(nonzero, saturated, flushed)`` from `cast_count_sums`: values nonzero after scaling, those
     whose magnitude rounds above ``fmt.max`` (saturated, or inf/NaN without saturation; inf included) and
     those the cast flushed to zero."""
     low, low_up, high, high_up = _THRESHOLDS[fmt]
@@ -257,7 +257,7 @@ def cast_scaled(
     x: torch.Tensor, scale: torch.Tensor, fmt: FloatFormat, saturate: bool, count: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Quantize float32 ``x`` with positive ``scale`` (0-dim, or broadcastable: one per row) and dequantize:
-    ``fp8(x * scale) / scale`` in float32. Returns it with :func:`cast_count_sums` when ``count``."""
+    ``fp8(x * scale) / scale`` in float32. Returns it with `cast_count_sums` when ``count``."""
     scaled = x * scale
     dq = round_scaled(scaled, fmt, saturate).div_(scale)
     return dq, cast_count_sums(scaled.abs_(), fmt) if count else None
@@ -301,7 +301,7 @@ def mx_block_scale(e: torch.Tensor) -> torch.Tensor:
 
 
 class MxCast(NamedTuple):
-    """An MX cast (see :func:`mx_cast`)."""
+    """An MX cast (see `mx_cast`)."""
 
     exponents: torch.Tensor  # int32, x's shape with dim split into (blocks, 1)
     payload: torch.Tensor  # float32 on the FP8 grid, x's shape with dim split into (blocks, 32)
@@ -342,7 +342,7 @@ def mx_quantize(
     Args:
         x: float32, float16 or bfloat16; its size along ``dim`` must be a multiple of 32.
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (or their names).
-        scale_mode: ``"rceil"`` or ``"floor"`` (see :func:`mx_exponents`).
+        scale_mode: ``"rceil"`` or ``"floor"`` (see `mx_exponents`).
         dim: the axis the blocks run along (the GEMM's reduction axis).
         saturate: clamp scaled values to ``±max`` before the cast (as torchao); ``False`` lets FLOOR's
             overflow become inf/NaN.

@@ -164,7 +164,11 @@ class DLSAcceleratedOptimizer(AcceleratedOptimizer):
     scaler: GradScaler
 
     def step(self, closure: Any = None) -> None:
-        """Step through the dls scaler (skipped on overflow) once gradients are synchronised."""
+        """Step through the dls scaler (skipped on overflow) once gradients are synchronised.
+
+        Args:
+            closure: passed to the optimizer's ``step`` when the scaler is disabled (a closure is refused otherwise).
+        """
         if not self.gradient_state.sync_gradients:
             return
         self.scaler.step(self.optimizer, *(() if closure is None else (closure,)))

@@ -108,7 +108,16 @@ class DLSPrecision(MixedPrecision):
 
     def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple[Any, list[Any], list[Any]]:
         """Wrap step-interval LR schedulers with ``dls.skip_aware`` and, with ``fallback=True``, watch the
-        LightningModule (called by the Trainer during setup, for every ``fit``, ``validate``, ...)."""
+        LightningModule (called by the Trainer during setup, for every ``fit``, ``validate``, ...).
+
+        Args:
+            model: the LightningModule.
+            optimizers: its optimizers.
+            lr_schedulers: its LR scheduler configurations.
+
+        Returns:
+            ``(model, optimizers, lr_schedulers)``, the step-interval schedulers wrapped.
+        """
         model, optimizers, lr_schedulers = super().connect(model, optimizers, lr_schedulers)
         if self.fallback:
             self._watch(unwrap(model))  # the LightningModule inside DDP: its names are the same for every strategy
@@ -146,7 +155,11 @@ class DLSPrecision(MixedPrecision):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Resume from a checkpoint of Lightning's ``MixedPrecision`` (torch's scaler state) when it has no dls
-        state; the Trainer then loads ``checkpoint["DLSPrecision"]`` itself where it exists."""
+        state; the Trainer then loads ``checkpoint["DLSPrecision"]`` itself where it exists.
+
+        Args:
+            checkpoint: the Lightning checkpoint being loaded.
+        """
         super().on_load_checkpoint(checkpoint)
         torch_state = checkpoint.get(MixedPrecision.__qualname__)
         if type(self).__qualname__ not in checkpoint and torch_state:

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib.resources
 import importlib.util
 import re
+import shutil
 import sys
 import tempfile
+import textwrap
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -40,8 +43,15 @@ INSTALL_HINT = "pip install 'dls[train]'"
 
 DESCRIPTION = """\
 dls: train PyTorch models in mixed precision with dynamic loss scaling, from Cerebras-Model-Zoo-style YAML
-configs (optimizer.loss_scaling_factor: "dynamic"). Start with: dls demo; dls train configs/mlp_fp16_dls.yaml;
-dls audit configs/mlp_fp16_dls.yaml; dls keys (every config key)."""
+configs (optimizer.loss_scaling_factor: "dynamic").
+
+Start with:
+  dls demo                               ten ways to train one small model, side by side
+  dls init                               the configs shipped with dls
+  dls init mlp_fp16_dls my_run           copy one into my_run/
+  dls train my_run/mlp_fp16_dls.yaml     train from it (in a clone: configs/mlp_fp16_dls.yaml)
+  dls audit my_run/mlp_fp16_dls.yaml     which formats can hold its model, from which loss scale
+  dls keys                               every config key, its default and meaning"""
 
 TRAIN_EPILOG = """\
 examples:
@@ -90,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--load_checkpoint_states", metavar="STATES",
         help="states to load (model, optimizer, dataloader, grad_scaler, lr_scheduler, global_step, rng; default all)",
     )  # fmt: skip
-    demo = sub.add_parser("demo", help="float32 / float16 / loss scaling / master weights / FP8 on a small model")
+    demo = sub.add_parser("demo", help="one small model trained ten ways, side by side")
     demo.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
     demo.add_argument("--steps", type=int, default=600, help="training steps per run (default: 600)")
     for command in (train, demo):
@@ -106,12 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     audit.add_argument("--out", metavar="DIR", help="write DIR/audit.png")
     audit.add_argument("--fp8-recipes", nargs="*", metavar="RECIPE", help="compare FP8 recipes (none given: all)")
-    _config_args(sub.add_parser("validate", help="check a config; print it with every default and the scaler's"))
+    _config_args(sub.add_parser("validate", help="check a config; print it with every default"))
     sub.add_parser("keys", help="list every config key with its default and meaning")
     # dls.train.modelzoo.main parses its own arguments (--help included: no option of this parser's own)
     data = sub.add_parser("data", help="write a tiny data set in a Model Zoo format", add_help=False, prefix_chars="\0")
     data.add_argument("args", nargs=argparse.REMAINDER)
-    init = sub.add_parser("init", help="list the shipped configs, or copy one (and the data it needs) into DIR")
+    init = sub.add_parser("init", help="list the shipped configs, or copy one (and its data) into DIR")
     init.add_argument("name", nargs="?", metavar="NAME", help="a shipped config, as listed by dls init")
     init.add_argument("directory", nargs="?", metavar="DIR", help="where to write the config (and its data)")
     lab.add_commands(sub, RAW)  # dls replay, dls tune
@@ -174,6 +184,30 @@ def _report(exc: BaseException, crash_dir: Path | None) -> int:
     return int(status)
 
 
+def _width() -> int:
+    """Where to wrap text: the terminal's width, or 100 columns when the output is not a terminal (a file, a pipe:
+    nothing is cut, lines are wrapped as in this command's other texts)."""
+    return shutil.get_terminal_size((100, 24)).columns if sys.stdout.isatty() else 100
+
+
+def existing_config(path: str) -> str:
+    """``path`` if it names a file; else a ``UsageError`` with the nearest config file of its directory, or the
+    shipped config of that name (``dls init`` copies it out), and where to find configs."""
+    given = Path(path)
+    if given.is_file() or given.is_symlink() or given.exists():
+        return path  # anything else that exists: read_config says what is wrong with it
+    nearby = sorted(p.name for p in given.parent.glob("*.y*ml")) if given.parent.is_dir() else []
+    close = difflib.get_close_matches(given.name, nearby, n=1, cutoff=0.6)
+    shipped = shipped_configs()
+    hint = f"did you mean {given.parent / close[0]}? " if close else ""
+    if given.stem in shipped or any(name.endswith(f"/{given.stem}") for name in shipped):
+        name = next(n for n in shipped if n == given.stem or n.endswith(f"/{given.stem}"))
+        hint += f"dls ships {name}: `dls init {name} DIR` copies it into DIR"
+    else:
+        hint += "`dls init` lists the configs shipped with dls, `dls init NAME DIR` copies one out"
+    raise UsageError(f"no config file {path} ({hint})")
+
+
 @contextlib.contextmanager
 def config_errors(source: str) -> Iterator[None]:
     """What a run's set-up rejects (the device, a batch larger than the data) is an error of the config ``source``."""
@@ -184,9 +218,9 @@ def config_errors(source: str) -> Iterator[None]:
 
 
 def _keys(args: argparse.Namespace) -> None:
-    from dls.train.config import describe_keys
+    from dls.train.reference import keys_text
 
-    print(describe_keys())
+    print(keys_text(_width()))
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -196,7 +230,7 @@ def _validate(args: argparse.Namespace) -> None:
     from dls.train.config import load_config, loss_scaling_mode, memory_problem, missing_paths, scaler_settings, to_dict
     from dls.train.trainer import Trainer
 
-    cfg = load_config(args.config, args.override)
+    cfg = load_config(existing_config(args.config), args.override)
     # The config is judged, not this machine: a data directory or memory this machine lacks is a note.
     here = [*missing_paths(cfg), *filter(None, [memory_problem(cfg)])]
     if not here and cfg.data.data_processor is None and (cfg.eval_data is None or cfg.eval_data.data_processor is None):
@@ -222,7 +256,7 @@ def _train(args: argparse.Namespace) -> None:
         raise UsageError(f"--load_checkpoint_states: {exc}") from None
     notes: list[str] = []
     if args.config is not None:
-        raw, source = read_config(args.config, args.override, notes), args.config
+        raw, source = read_config(existing_config(args.config), args.override, notes), args.config
     elif args.resume is not None:
         raw, source = _saved_config(args.resume, args.override)
     else:
@@ -294,7 +328,7 @@ def _audit(args: argparse.Namespace) -> None:
     if unknown := [r for r in recipe_names or () if r not in dls.fp8.RECIPE_NAMES]:
         allowed = ", ".join(dls.fp8.RECIPE_NAMES)
         raise UsageError(f"--fp8-recipes: unknown recipe(s) {', '.join(map(repr, unknown))}; allowed: {allowed}")
-    cfg = load_config(args.config, args.override)
+    cfg = load_config(existing_config(args.config), args.override)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.runconfig.num_threads or threads)
     try:
@@ -371,11 +405,52 @@ def shipped_configs() -> dict[str, Path]:
     return dict(sorted((p.relative_to(root).with_suffix("").as_posix(), p) for p in root.rglob("*.yaml")))
 
 
-def _extras(name: str, text: str) -> str:
+# What a config's model or data reader imports beyond the train extra: module -> the extra that installs it.
+EXTRA_OF = {"transformers": "modelzoo", "h5py": "modelzoo", "tensorboard": "tensorboard"}
+_HF_MODELS = ("gpt2", "gpt3", "llama", "LlamaModel")  # built on transformers' classes (dls.train.modelzoo)
+_HDF5_READERS = ("GptHDF5DataProcessor", "GptHDF5MapDataProcessor")  # read with h5py
+
+
+def _values(data: Any, key: str) -> Iterator[Any]:
+    """Every value of ``key`` in the nested mappings and lists of a parsed config."""
+    if isinstance(data, dict):
+        for k, v in data.items():
+            if k == key:
+                yield v
+            yield from _values(v, key)
+    elif isinstance(data, list):
+        for item in data:
+            yield from _values(item, key)
+
+
+def config_imports(text: str) -> set[str]:
+    """The modules beyond the train extra that training from the YAML ``text`` imports (keys of ``EXTRA_OF``)."""
+    import yaml
+
+    raw = yaml.safe_load(text)
+    needed = {"transformers"} if any(name in _HF_MODELS for name in _values(raw, "name")) else set()
+    needed |= {"h5py"} if any(reader in _HDF5_READERS for reader in _values(raw, "data_processor")) else set()
+    return needed | ({"tensorboard"} if True in _values(raw, "tensorboard") else set())
+
+
+def _extras(text: str) -> str:
     """The extras a shipped config needs, as ``dls[train,...]``."""
-    needed = ["train", *(["modelzoo"] if name.startswith("modelzoo/") else [])]
-    needed += ["tensorboard"] if re.search(r"^\s*tensorboard:\s*true\b", text, re.MULTILINE) else []
-    return f"dls[{','.join(needed)}]"
+    return f"dls[{','.join(['train', *sorted({EXTRA_OF[m] for m in config_imports(text)})])}]"
+
+
+def _summary(text: str) -> str:
+    """The first sentence of a config's header comment (its lines joined, up to a command line or a blank line)."""
+    words = []
+    for line in text.splitlines():
+        if not line.startswith("#") or line.startswith("#  ") or not line.strip("# "):
+            break
+        words.append(line.lstrip("# ").strip())
+    header, depth = " ".join(words), 0
+    for i, char in enumerate(header):  # the first full stop outside parentheses ends the sentence
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "." and depth == 0 and (i + 1 == len(header) or header[i + 1] == " "):
+            return header[: i + 1]
+    return header.rstrip(":") + "."
 
 
 def _init(args: argparse.Namespace) -> None:
@@ -384,8 +459,8 @@ def _init(args: argparse.Namespace) -> None:
         print("Configs shipped with dls (dls init NAME DIR copies one into DIR, with the data it needs):")
         for name, path in configs.items():
             text = path.read_text()
-            summary = next((line.lstrip("# ") for line in text.splitlines() if line.startswith("#")), "")
-            print(f"  {name:32} {_extras(name, text)}  {summary}")
+            print(f"\n  {name}   (needs {_extras(text)})")
+            print(textwrap.fill(_summary(text), _width(), initial_indent=" " * 6, subsequent_indent=" " * 6))
         return
     if args.name not in configs:
         raise UsageError(f"no shipped config {args.name!r}; shipped: {', '.join(configs)}")
@@ -419,7 +494,7 @@ def _init(args: argparse.Namespace) -> None:
         print(f"Wrote a tiny {processor.group(1)} data set into {directory / 'data' / kind}")
     with open(target, "x") as file:  # never over an existing file or through a link
         file.write(text)
-    print(f"Wrote {target} (needs {_extras(args.name, text)}). Next: dls train {target}")
+    print(f"Wrote {target} (needs {_extras(text)}). Next: dls train {target}")
 
 
 def _point_data_dirs(text: str, data: Path) -> str:

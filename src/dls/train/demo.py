@@ -30,7 +30,7 @@ from dls.diagnostics.scales import pow2
 from dls.train.checkpoint import CONFIG_FILE, METRICS_FILE, PLOT_FILE, RunDir, resolve_model_dir
 from dls.train.config import parse_config
 from dls.train.errors import TrainingStopped
-from dls.train.reporting import TrainResult, plot_comparison, read_metrics
+from dls.train.reporting import PlotGroup, PlotRun, TrainResult, plot_demo, read_metrics
 from dls.train.trainer import Trainer
 
 LOSS_WEIGHT = 1e-4
@@ -73,7 +73,8 @@ RUNS = {
     "fp8_delayed": ("fp8 delayed", {**FP8, "fp8": {"recipe": "delayed", "amax_history_len": 16}}, {}),
     "fp8_current": ("fp8 current", {**FP8, "fp8": {"recipe": "current"}}, {}),
 }
-Result = tuple[str, TrainResult, "int | None"]  # label, result, the step it stopped at because scaling cannot help
+# label, result, the step it stopped at because scaling cannot help, and why (a few words)
+Result = tuple[str, TrainResult, "int | None", str]
 
 
 def run_demo(out: Path, steps: int, progress: bool = True) -> None:
@@ -89,7 +90,7 @@ def run_demo(out: Path, steps: int, progress: bool = True) -> None:
         total = time.perf_counter() - start
         reference = results["float32"][1].eval_loss
         rows = []
-        for slug, (label, r, stopped) in results.items():
+        for slug, (label, r, stopped, _) in results.items():
             measured = r.grad_underflow if r.fp8_flushed is None else r.fp8_flushed
             underflow = "-" if measured is None or slug == "float32" else f"{100 * measured:.1f}%"
             cells = _cells(label, r.eval_loss, stopped, reference, r.loss_scale, r.skipped_steps)
@@ -99,10 +100,10 @@ def run_demo(out: Path, steps: int, progress: bool = True) -> None:
             "gradients (fp8: grad_output values) flushed to zero at the scale in use; stopped@N: see the message above."
         )
         _print_table(console, f"dls demo ({steps} steps each)", ["underflow", "time"], rows, note)
-        _print_fallback_rows(console, run_fallback_rows(steps), steps)
+        fallback = run_fallback_rows(steps)
+        _print_fallback_rows(console, fallback, steps)
         png = io.BytesIO()
-        metrics = [(label, read_metrics(r.metrics_path.read_bytes())) for label, r, _ in results.values()]
-        plot_comparison(metrics, png, title=f"dls demo: MLP regression, loss weight {LOSS_WEIGHT:g}, {steps} steps")
+        plot_demo(demo_groups(results, fallback), png, title=f"dls demo: {steps} steps per run")
         plot = run_dir.replace("demo.png", png.getbuffer())
         _print_verdict(console, results)
         console.print(f"Total wall time {total:.1f} s. Plot: {plot}. Per-run metrics and checkpoints: {out}/<run>/")
@@ -124,10 +125,11 @@ def _train_one(slug: str, out: Path, steps: int, progress: bool, console: Consol
     cfg = parse_config(raw, source=f"demo run {slug}")
     trainer = Trainer(cfg, console=console, progress=progress, summary=False, plot=False)
     try:
-        return label, trainer.train(), None
+        return label, trainer.train(), None, ""
     except TrainingStopped as stop:
         console.print(f"stopped: {stop}", highlight=False, markup=False)
-        return label, stop.result, trainer.global_step
+        why = "its weights became inf/NaN" if "weights hold inf/NaN" in str(stop) else "loss scaling cannot help"
+        return label, stop.result, trainer.global_step, why
 
 
 def _cells(
@@ -153,7 +155,7 @@ def _print_table(console: Console, title: str, extra: list[str], rows: list[list
 
 
 def _print_verdict(console: Console, results: dict[str, Result]) -> None:
-    loss = {slug: r.eval_loss for slug, (_, r, _) in results.items()}
+    loss = {slug: r.eval_loss for slug, (_, r, _, _) in results.items()}
     ref, plain, dyn = loss["float32"], loss["float16_no_scaling"], loss["float16_dls"]
     if ref is None or plain is None or dyn is None:
         return
@@ -162,7 +164,7 @@ def _print_verdict(console: Console, results: dict[str, Result]) -> None:
     how = f"{plain / ref:.1f}x float32's: its flushed gradients never reach the weights"
     how = how if plain > 1.05 * ref else "about as well as float32 in this run"
     lines.append(f"float16 without loss scaling ends at {plain:.4g}, {how}.")
-    _, bare, stopped = results["float16_params"]
+    _, bare, stopped, _ = results["float16_params"]
     masters = loss["float16_params_masters"]
     if results["float16_params_masters"][2] is None and masters is not None:
         without = f"the run stopped at step {stopped}: its float16 weights became inf/NaN"
@@ -203,6 +205,8 @@ class FallbackRow(NamedTuple):
     skipped_before_kept: int | None  # steps skipped before the fallback's last addition
     kept: tuple[str, ...]  # the modules kept in float32
     scale: float | None  # the final loss scale; None for float32
+    rows: tuple[dict[str, Any], ...] = ()  # per step, as metrics.jsonl's rows: step, loss, loss_scale, skipped
+    kept_at: int | None = None  # the step after which the fallback last kept a module
 
 
 def _train_fallback_row(label: str, steps: int, half: bool, fallback: bool, seed: int) -> FallbackRow:
@@ -211,8 +215,9 @@ def _train_fallback_row(label: str, steps: int, half: bool, fallback: bool, seed
     scaler = dls.GradScaler("cpu", init_scale=2.0**16, enabled=half)
     schedule = dls.skip_aware(torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.99), scaler)
     watch = scaler.watch(model, fallback=True) if fallback else None
-    skipped, before_kept, stopped = 0, None, None
+    skipped, before_kept, stopped, kept_at = 0, None, None, None
     kept: tuple[str, ...] = ()
+    rows: list[dict[str, Any]] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fallback's warning is what the row reports
         for step in range(steps):
@@ -225,8 +230,11 @@ def _train_fallback_row(label: str, steps: int, half: bool, fallback: bool, seed
             scaler.update()
             schedule.step()  # skip_aware: after applied steps only
             if watch is not None and watch.kept_in_float32 != kept:
-                kept, before_kept = watch.kept_in_float32, skipped + 1  # this step was skipped too
-            if half and scaler.step_was_skipped(optimizer):
+                kept, before_kept, kept_at = watch.kept_in_float32, skipped + 1, step + 1  # this step was skipped too
+            was_skipped = half and scaler.step_was_skipped(optimizer)
+            scale = scaler.get_scale() if half else None
+            rows.append({"step": step + 1, "loss": loss.item(), "loss_scale": scale, "skipped": was_skipped})
+            if was_skipped:
                 skipped += 1
                 if scaler.get_non_clamped_scale() < scaler.get_scale():  # pinned at the floor: the trainer stops
                     stopped = step
@@ -236,7 +244,8 @@ def _train_fallback_row(label: str, steps: int, half: bool, fallback: bool, seed
     if watch is not None:
         watch.remove()
     loss_shown = None if stopped is not None or not math.isfinite(final) else final
-    return FallbackRow(label, loss_shown, stopped, skipped, before_kept, kept, scaler.get_scale() if half else None)
+    final_scale = scaler.get_scale() if half else None
+    return FallbackRow(label, loss_shown, stopped, skipped, before_kept, kept, final_scale, tuple(rows), kept_at)
 
 
 def run_fallback_rows(steps: int = 600, seed: int = 0) -> list[FallbackRow]:
@@ -248,6 +257,40 @@ def run_fallback_rows(steps: int = 600, seed: int = 0) -> list[FallbackRow]:
         return [_train_fallback_row(label, steps, half, fallback, seed) for label, half, fallback in runs]
     finally:
         torch.set_num_threads(threads)
+
+
+def demo_groups(results: dict[str, Result], fallback: list[FallbackRow]) -> list[PlotGroup]:
+    """The demo's runs as the picture's two groups: the MLP's runs against float32, the fallback's against its own."""
+    runs = {
+        slug: PlotRun(label, read_metrics(r.metrics_path.read_bytes()), stopped, why)
+        for slug, (label, r, stopped, why) in results.items()
+    }
+    reference, plain, healed = fallback
+    kept = f"{', '.join(healed.kept)} kept in float32" if healed.kept else ""
+    return [
+        PlotGroup(
+            f"A 3-layer MLP, loss weight {LOSS_WEIGHT:g}: each run against float32",
+            runs["float32"],
+            [run for slug, run in runs.items() if slug != "float32"],
+        ),
+        PlotGroup(
+            "float16 that heals itself: one layer outputs ~5e5, beyond float16's 65504",
+            PlotRun(reference.label, reference.rows),
+            [
+                PlotRun(
+                    plain.label,
+                    plain.rows,
+                    None if plain.stopped is None else plain.stopped + 1,
+                    "the scale fell to its floor" if plain.stopped is not None else "",
+                ),
+                PlotRun(
+                    healed.label,
+                    healed.rows,
+                    event=None if healed.kept_at is None else (healed.kept_at, kept),
+                ),
+            ],
+        ),
+    ]
 
 
 def _print_fallback_rows(console: Console, rows: list[FallbackRow], steps: int) -> None:

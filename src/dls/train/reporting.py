@@ -116,32 +116,40 @@ class ProgressDisplay:
 
 
 def print_summary(console: Console, cfg: TrainConfig, result: TrainResult) -> None:
-    table = Table(title=f"dls train: {result.model_dir}", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
-    table.add_row("global step", f"{result.global_step} ({result.steps_run} in this session)")
-    table.add_row("precision", describe_precision(cfg))
-    table.add_row("loss scaling", describe_scaling(cfg))
+    """The run's summary: a table on a terminal (long values wrap inside their cell); elsewhere (a file, a pipe, a
+    log) one ``label  value`` line per row, never wrapped or cut, so paths can be copied whole."""
+    rows = [("global step", f"{result.global_step} ({result.steps_run} in this session)")]
+    rows += [("precision", describe_precision(cfg)), ("loss scaling", describe_scaling(cfg))]
     if result.final_loss is not None:
-        table.add_row("training loss (last 10%)", f"{result.final_loss:.5g}")
+        rows.append(("training loss (last 10%)", f"{result.final_loss:.5g}"))
     if result.eval_loss is not None:
-        table.add_row("eval loss (float32)", f"{result.eval_loss:.5g}")
+        rows.append(("eval loss (float32)", f"{result.eval_loss:.5g}"))
     if result.loss_scale is not None:
         pct = 100 * result.skipped_steps / max(result.global_step, 1)
-        table.add_row("final loss scale", pow2(result.loss_scale))
-        table.add_row("skipped steps", f"{result.skipped_steps} ({pct:.1f}%)")
+        rows.append(("final loss scale", pow2(result.loss_scale)))
+        rows.append(("skipped steps", f"{result.skipped_steps} ({pct:.1f}%)"))
     if result.grad_underflow is not None:
-        table.add_row("gradient underflow", f"{100 * result.grad_underflow:.2f}% of nonzero activation gradients")
+        rows.append(("gradient underflow", f"{100 * result.grad_underflow:.2f}% of nonzero activation gradients"))
     if result.fp8_flushed is not None and result.fp8_saturated is not None:
         flushed, saturated = 100 * result.fp8_flushed, 100 * result.fp8_saturated
-        table.add_row(
-            "FP8 grad_output", f"{flushed:.2f}% of nonzero values flushed to zero, {saturated:.2f}% saturated"
+        rows.append(
+            ("FP8 grad_output", f"{flushed:.2f}% of nonzero values flushed to zero, {saturated:.2f}% saturated")
         )
-    table.add_row("wall time", f"{result.wall_time:.1f} s")
-    table.add_row("checkpoint", str(result.checkpoint))
-    table.add_row("metrics", str(result.metrics_path))
+    rows += [("wall time", f"{result.wall_time:.1f} s"), ("checkpoint", str(result.checkpoint))]
+    rows.append(("metrics", str(result.metrics_path)))
     if result.plot_path is not None:
-        table.add_row("plot", str(result.plot_path))
+        rows.append(("plot", str(result.plot_path)))
+    title = f"dls train: {result.model_dir}"
+    if not console.is_terminal:
+        width = max(len(label) for label, _ in rows)
+        lines = [title, *(f"  {label:<{width}}  {value}" for label, value in rows)]
+        console.print("\n".join(lines), soft_wrap=True, highlight=False, markup=False)
+        return
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    for label, value in rows:
+        table.add_row(label, value)
     console.print(table)
 
 
@@ -175,6 +183,137 @@ def metrics_to_keep(data: bytes | None, path: Path, step: int) -> bytes:
         if row["step"] <= step:
             kept.append(line + b"\n")
     return b"".join(kept)
+
+
+def _finite(rows: Sequence[dict[str, Any]], key: str) -> tuple[list[Any], list[Any]]:
+    """The steps and values of ``key`` that a log axis can show (finite, > 0)."""
+    kept = [r for r in rows if isinstance(r.get(key), (int, float)) and 0 < r[key] < math.inf]
+    return [r["step"] for r in kept], [r[key] for r in kept]
+
+
+def log2_axis(ax: Any, values: Sequence[float]) -> None:
+    """A log2 y axis fitted to ``values`` (powers of two, mostly), ticks labelled ``2^k`` a few binades apart:
+    each run's scale gets its own axis, so that a back-off of one binade is as visible as a fall of forty."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    low, high = math.floor(math.log2(min(values))), math.ceil(math.log2(max(values)))
+    every = max(1, math.ceil((high - low) / 4))
+    first = every * math.floor(low / every)
+    ax.set_yscale("log", base=2)
+    ax.set_ylim(2.0 ** (low - 0.6), 2.0 ** (high + 0.6))
+    ax.yaxis.set_major_locator(FixedLocator([2.0**k for k in range(first, high + 1, every)]))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"$2^{{{round(math.log2(y))}}}$"))
+
+
+@dataclass
+class PlotRun:
+    """One run of ``plot_demo``: its metrics rows (``step``, ``loss``, ``loss_scale``, ``skipped``), the step it
+    stopped at (``None``: it finished) and why, in a few words; ``event``: a step worth marking, and what happened."""
+
+    label: str
+    rows: Sequence[dict[str, Any]]
+    stopped: int | None = None
+    why: str = ""
+    event: tuple[int, str] | None = None
+
+
+@dataclass
+class PlotGroup:
+    """Runs of one model, each drawn against ``reference`` (float32) on the same axes."""
+
+    title: str
+    reference: PlotRun
+    runs: Sequence[PlotRun]
+
+
+def plot_demo(groups: Sequence[PlotGroup], out: IO[bytes], title: str = "", columns: int = 3) -> Any:
+    """The demo's picture as a PNG into ``out``; the figure. One panel per run: its loss (blue) over its group's
+    float32 loss (a wide grey band, so a run that matches float32 shows as a blue line inside it), and below, on a
+    log2 axis of its own, its loss scale (green) with each skipped step as a red dot. A run that stopped is drawn up
+    to the step it stopped at, marked by a red dashed line and why; a loss that became inf/NaN ends in a red cross.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    rows_of = [-(-len(g.runs) // columns) for g in groups]
+    fig = Figure(figsize=(4.5 * columns, sum(3.6 * n + 0.5 for n in rows_of) + 0.9), layout="constrained")
+    FigureCanvasAgg(fig)
+    subfigures = fig.subfigures(len(groups), 1, height_ratios=[3.6 * n + 0.5 for n in rows_of], squeeze=False)
+    for group, subfigure, nrows in zip(groups, subfigures[:, 0], rows_of):
+        subfigure.suptitle(group.title, fontsize=11, fontweight="bold")
+        axes = subfigure.subplots(2 * nrows, columns, sharex=True, squeeze=False, height_ratios=[2.2, 1.2] * nrows)
+        loss_axes, scale_axes = axes[0::2].ravel(), axes[1::2].ravel()
+        for ax in loss_axes[1:]:
+            ax.sharey(loss_axes[0])
+        reference = _finite(group.reference.rows, "loss")
+        for i, run in enumerate(group.runs):
+            _draw_run(loss_axes[i], scale_axes[i], run, reference)
+        for ax in [*loss_axes[len(group.runs) :], *scale_axes[len(group.runs) :]]:
+            ax.set_axis_off()
+        loss_axes[0].set_yscale("log")
+        for ax, label in zip(axes[:, 0], ["loss", "loss scale"] * nrows):
+            ax.set_ylabel(label)
+        for ax in scale_axes[max(0, len(group.runs) - columns) : len(group.runs)]:
+            ax.set_xlabel("step")
+    handles = [
+        Line2D([], [], color="tab:blue", lw=1.4, label="the run's loss"),
+        Line2D([], [], color="0.78", lw=5, label="float32's loss (reference)"),
+        Line2D([], [], color="tab:green", lw=1.4, label="loss scale"),
+        Line2D([], [], color="tab:red", marker="o", ms=3.5, ls="", label="skipped step"),
+        Line2D([], [], color="tab:red", ls="--", lw=1.2, label="the run stopped"),
+    ]
+    fig.legend(handles=handles, loc="outside lower center", ncols=5, fontsize=9, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=12)
+    fig.savefig(out, format="png", dpi=100)
+    return fig
+
+
+def _draw_run(ax_loss: Any, ax_scale: Any, run: PlotRun, reference: tuple[list[Any], list[Any]]) -> None:
+    (steps, losses), (scale_steps, scales) = _finite(run.rows, "loss"), _finite(run.rows, "loss_scale")
+    skipped = [r for r in run.rows if r.get("skipped")]
+    ax_loss.plot(*reference, color="0.78", lw=5, solid_capstyle="round", zorder=1)
+    if steps:
+        ax_loss.plot(steps, losses, color="tab:blue", lw=1.4, zorder=3)
+    finite = [isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"]) for r in run.rows]
+    notes = []
+    if False in finite:  # the loss ends inf/NaN from some step on, or is inf/NaN at some (skipped) steps only
+        end = len(finite) - finite[::-1].index(True) if True in finite else 0
+        if end < len(finite):
+            if steps:
+                ax_loss.plot(steps[-1], losses[-1], "x", color="tab:red", ms=9, mew=2, zorder=4)
+            notes.append(f"loss inf/NaN from step {run.rows[end]['step']} on")
+        if early := finite[:end].count(False):
+            notes.append(f"loss inf/NaN at {early} step{'s' * (early > 1)}")
+    if run.stopped is not None:
+        for ax in (ax_loss, ax_scale):
+            ax.axvline(run.stopped, color="tab:red", ls="--", lw=1.2, zorder=2)
+        notes.append(f"stopped at step {run.stopped}" + (f":\n{run.why}" if run.why else ""))
+    if run.event is not None:
+        step, what = run.event
+        for ax in (ax_loss, ax_scale):
+            ax.axvline(step, color="tab:purple", ls=":", lw=1.2, zorder=2)
+        notes.append(what)
+    if notes:
+        ax_loss.text(
+            0.97, 0.95, "\n".join(notes), ha="right", va="top", fontsize=7.5, color="tab:red",
+            transform=ax_loss.transAxes, bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8},
+        )  # fmt: skip
+    title = run.label + (f"  ({len(skipped)} skipped)" if skipped else "")
+    ax_loss.set_title(title, fontsize=9.5)
+    if scales:
+        ax_scale.step(scale_steps, scales, where="post", color="tab:green", lw=1.4, zorder=3)
+        marks = _finite(skipped, "loss_scale")
+        if marks[0]:
+            ax_scale.scatter(*marks, s=9, color="tab:red", zorder=4, linewidths=0)
+        log2_axis(ax_scale, scales)
+    else:
+        ax_scale.set_yticks([])
+        ax_scale.text(0.5, 0.5, "no loss scaling", ha="center", va="center", color="0.4", transform=ax_scale.transAxes)
+    for ax in (ax_loss, ax_scale):
+        ax.grid(True, which="major", alpha=0.3)
 
 
 def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: IO[bytes], title: str = "") -> Any:
@@ -228,8 +367,8 @@ def plot_comparison(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]], out: I
             ax.grid(True, which="both", alpha=0.3)
     for ax in [*loss_axes[len(runs) :], *scale_axes[len(runs) :]]:
         ax.set_axis_off()
-    if any(points(rows, "loss_scale")[0] for _, rows in runs):  # ticks labelled 2^k by matplotlib
-        scale_axes[0].set_yscale("log", base=2)
+    if every_scale := [v for _, rows in runs for v in points(rows, "loss_scale")[1]]:
+        log2_axis(scale_axes[0], every_scale)  # shared by the runs' scale axes
     for ax, label in zip(axes[:, 0], ["loss (unweighted)", "loss scale"] * groups):
         ax.set_ylabel(label)
     for ax in axes[-1]:
