@@ -137,6 +137,7 @@ def test_rank0_alone_writes_and_prints(runs: dict[str, Any]) -> None:
     assert [r["step"] for r in _rows(run)] == [1, 2, 4, 6, 8, 10, 12]  # once each: rank 1 wrote nothing
     assert sorted(p.name for p in run.iterdir()) == [
         "checkpoint_12.mdl", "checkpoint_4.mdl", "checkpoint_8.mdl", "config.yaml", "metrics.jsonl", "plots.png",
+        "trace.jsonl",
     ]  # fmt: skip
     assert out.count("data-parallel on 2 ranks (cpu), global batch 2 x 16") == 1
     assert out.count(f"step {STEPS}/{STEPS}") == 1 and out.count("eval loss (float32)") == 1

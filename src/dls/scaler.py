@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from types import EllipsisType
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import IO, TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ from dls.scaler_state import STATE_KEYS, TORCH_KEYS, parse_state_dict, to_state_
 from dls.settings import DEFAULT_STEPS_PER_INCREASE, GROWTH_OFFSET, TORCH_INIT_SCALE, ScalerSettings, interval_name
 
 if TYPE_CHECKING:
+    from dls.diagnostics.record import Recorder
     from dls.diagnostics.watch import OverflowReport, OverflowWatch, Watches
 
 __all__ = ["GradScaler", "Stage", "optimizer_list"]
@@ -484,6 +486,7 @@ class GradScaler:
 
         self._tracker = Tracker()
         self._reports: Watches = Watches()
+        self._recorder: Recorder | None = None  # record(): the trace of this process's rule steps
         self.register_state("kept_in_float32", self._reports.kept)  # registered first: loads may precede a watch
 
     # ------------------------------------------------------------------ queries
@@ -958,6 +961,30 @@ class GradScaler:
         """
         return self._reports.watch(model, fallback, self._process_group)
 
+    def record(
+        self,
+        file: str | os.PathLike[str] | IO[bytes],
+        *,
+        model: torch.nn.Module | None = None,
+        histogram_every: int | None = 100,
+        flush_every: int = 100,
+        start_step: int = 0,
+        append: bool = False,
+        model_format: str | None = None,
+    ) -> Recorder:
+        """Write a trace of this scaler's rule steps into ``file`` (JSON lines, ``dls.diagnostics.record``): per
+        ``update()`` the scale used, whether the step overflowed and the largest unscaled gradient magnitude; every
+        ``histogram_every`` steps a histogram of the gradients' exponents; with ``model``, per module the scale at
+        which its backward tensors would overflow. ``dls replay`` / ``dls tune`` (``dls.diagnostics.replaying``) run
+        every policy over it. Statistics stay on the device and are written every ``flush_every`` steps: no host
+        synchronisation on any path. Returns the recorder; ``close()`` it (or use it as a context manager)."""
+        from dls.diagnostics.record import Recorder
+
+        return Recorder(
+            self, file, model=model, histogram_every=histogram_every, flush_every=flush_every,
+            start_step=start_step, append=append, model_format=model_format,
+        )  # fmt: skip
+
     def overflow_report(self) -> OverflowReport | None:
         """Where this iteration's overflow started (first module in backward order, the parameters with inf/NaN
         gradients, whether the loss itself was non-finite), once ``step()`` found it; readable after ``update()``
@@ -1010,7 +1037,10 @@ class GradScaler:
             )
         # Where step() decided on the host (the default path), the rule knows the flag's value too.
         known = None if any(s.skipped is None for s in states) else any(s.skipped for s in states)
-        self._scale.apply_rule(kernels.max_flag([s.found_inf for s in states]), known)
+        found_inf = kernels.max_flag([s.found_inf for s in states])
+        if self._recorder is not None:
+            self._recorder.rule_step(found_inf)  # what the rule is about to see, on the device
+        self._scale.apply_rule(found_inf, known)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -1076,7 +1106,7 @@ class GradScaler:
             )
         # A disabled scaler records only clipping. Watches and registered owners belong to this process; the
         # modules the watches keep are this scaler's state: the next fallback watch keeps them.
-        parts = ("_tracker", "_reports", "_extra_state")
+        parts = ("_tracker", "_reports", "_extra_state", "_recorder")
         state = {k: v for k, v in self.__dict__.items() if k not in parts}
         state["_process_group"] = None
         state["_kept_in_float32"] = self._reports.kept.state_dict()

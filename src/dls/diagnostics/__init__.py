@@ -7,11 +7,17 @@
 * [`audit`][dls.diagnostics.audit] (``auditing.py``): forward/backward passes under exact emulation of several formats,
   without touching the model's parameters, gradients or RNG states; returns per-format forward overflows, verdicts,
   recommended initial loss scales and a per-module table (``report.py`` renders it as text and as a PNG).
+* :class:`Recorder` (``record.py``, made by ``GradScaler.record``): a trace of the scaler's steps (JSON lines);
+  :func:`read_trace` reads it. :func:`replay` (``replaying.py``) runs every peer's loss-scaling policy over a trace
+  with the scaler's own rule code, with bounds where the trace cannot decide; :func:`tune` searches their settings
+  (``dls replay``, ``dls tune``).
 
 Everything here needs torch alone; ``AuditResult.save_plot`` imports matplotlib when called.
 """
 
 from dls.diagnostics.auditing import AuditResult, FormatAudit, ModuleStats, audit, recommend_exponent
+from dls.diagnostics.record import Recorder, Trace, TraceError, read_trace
+from dls.diagnostics.replaying import Replay, TuneResult, config_lines, parse_policy, replay, tune
 from dls.diagnostics.watch import NonFiniteGradient, OverflowReport, OverflowWatch
 
 __all__ = [
@@ -21,6 +27,16 @@ __all__ = [
     "NonFiniteGradient",
     "OverflowReport",
     "OverflowWatch",
+    "Recorder",
+    "Replay",
+    "Trace",
+    "TraceError",
+    "TuneResult",
     "audit",
+    "config_lines",
+    "parse_policy",
+    "read_trace",
     "recommend_exponent",
+    "replay",
+    "tune",
 ]

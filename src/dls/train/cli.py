@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from dls.train import lab
 from dls.train.errors import (
     SPACE_ERRORS,
     CheckpointError,
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     init = sub.add_parser("init", help="list the shipped configs, or copy one (and its data) into DIR")
     init.add_argument("name", nargs="?", metavar="NAME", help="a shipped config, as listed by dls init")
     init.add_argument("directory", nargs="?", metavar="DIR", help="where to write the config (and its data)")
+    lab.add_commands(sub, RAW)  # dls replay, dls tune
     return parser
 
 
@@ -541,6 +543,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {
     "keys": _keys,
     "data": _data,
     "init": _init,
+    "replay": lab.run_replay,
+    "tune": lab.run_tune,
 }
 
 

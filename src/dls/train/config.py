@@ -313,6 +313,11 @@ class RunConfig(Section):
         "train fastest with 1: a tiny MLP on 2 cores shared with other work ran 25-40x faster with 1 thread than 2",
     )
     tensorboard: bool = help_(False, "also write TensorBoard events into model_dir/tensorboard/")
+    record_trace: bool | Literal["model"] = help_(
+        True,
+        "record the loss scaler's steps into model_dir/trace.jsonl for dls replay / dls tune (false: not); 'model': "
+        "also every tensor flowing backward, which decides more steps and costs more (not under emulation or FP8)",
+    )
     max_overflows_at_min_loss_scale: Annotated[int, Bounds(1, 1 << 31)] = help_(
         10, "stop after N overflows pinned at the floor"
     )

@@ -11,6 +11,7 @@ import copy
 import functools
 import gc
 import math
+import os
 import signal
 import time
 from collections import Counter, deque
@@ -28,6 +29,7 @@ import dls.fp8
 from dls import distributed, kernels
 from dls.diagnostics import OverflowReport
 from dls.diagnostics.fallback import apply_precision_fallback, fallback_note
+from dls.diagnostics.record import TRACE_FILE, Recorder, kept_for_resume
 from dls.diagnostics.scales import module_label, pow2
 from dls.emulate import EmulationHandle
 from dls.train import checkpoint as ckpt
@@ -147,6 +149,7 @@ class Trainer:
         self._floor_reports: deque[OverflowReport | None] = deque(maxlen=rc.max_overflows_at_min_loss_scale)
         self._last_checkpoint: Path | None = None
         self._ended_together = False  # data-parallel: train() ended at the same point on every rank
+        self.recorder: Recorder | None = None  # rank 0, while train() holds model_dir: model_dir/trace.jsonl
 
     # ------------------------------------------------------------------ logging, data-parallel
     def log(self, message: str) -> None:
@@ -213,6 +216,16 @@ class Trainer:
                 self.log, set_aside=aside, step=self.global_step, config=config.to_dict(self.cfg),
                 config_file=self.config_file, tensorboard=rc.tensorboard,
             )  # fmt: skip
+            if rc.record_trace and self.scaler.is_enabled():  # the trace up to this step, then this session's
+                kept = kept_for_resume(self.run_dir.read(TRACE_FILE), self.global_step)
+                self.run_dir.replace(TRACE_FILE, kept)
+                file = os.fdopen(self.run_dir._open(TRACE_FILE, os.O_WRONLY | os.O_APPEND), "ab")
+                self.run_dir._held.enter_context(file)  # closed with model_dir, after the recorder
+                hooks = rc.record_trace == "model" and not self.cfg.precision.emulated and self.fp8 is None
+                self.recorder = self.scaler.record(
+                    file, model=self.model if hooks else None, histogram_every=rc.log_steps, start_step=self.global_step
+                )
+                self.run_dir._held.callback(self.recorder.close)  # what it buffered, written
 
         try:
             self._on_rank0(lock)
@@ -383,11 +396,12 @@ class Trainer:
             batch = self._to_device(batch, torch.float32)
         params = [p for p in model.parameters() if p.requires_grad]
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), dls.emulate(model, self.cfg.precision.compute_dtype) as handle:
+        paused = self.recorder.paused() if self.recorder is not None else contextlib.nullcontext()  # not a step
+        with paused, torch.random.fork_rng(devices=devices), dls.emulate(model, self.cfg.precision.compute_dtype) as h:
             loss = model.loss(batch) * (self.cfg.model.loss_weight * scale)
             torch.autograd.grad(loss, params, allow_unused=True)
-        assert handle.stats is not None
-        return float(handle.stats.underflow_fraction)
+        assert h.stats is not None
+        return float(h.stats.underflow_fraction)
 
     # ------------------------------------------------------------------ one step
     def _step(self) -> None:
@@ -566,6 +580,8 @@ class Trainer:
             dist.all_gather_object(rng_ranks, ckpt.rng_state())
         if self.is_main:
             assert self.run_dir is not None, "checkpoints are written while train() holds model_dir"
+            if self.recorder is not None:  # the trace holds every step up to the checkpoint
+                self.recorder.flush()
             state: dict[str, Any] = {
                 "global_step": self.global_step,
                 "model": self.model.state_dict(),

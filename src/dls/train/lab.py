@@ -1,0 +1,290 @@
+"""``dls replay`` and ``dls tune``: the policy lab's command line (the work is ``dls.diagnostics.replaying``'s).
+
+``dls replay TRACE --policy torch --policy "cerebras:steps_per_increase=500"`` prints, per policy, the steps it
+would have skipped, its steps at the minimum scale, the underflow in the run's format and the undecided steps,
+each as the estimate and the bounds the trace allows; ``--plot FILE`` draws one panel per policy (scale and
+skips against steps), ``--json`` prints it all as JSON. ``dls tune TRACE`` searches each policy's stated grid
+and prints the best settings with the lines to paste into each system. Bad input exits 2 with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dls.train.errors import UsageError
+
+REPLAY_EPILOG = """\
+policies: recorded (the run's own settings), torch, cerebras, megatron, deepspeed, static; NAME:key=value,...
+overrides the peer's own arguments, e.g. torch:growth_interval=500 megatron:hysteresis=4,initial_scale=2**24
+examples:
+  dls replay runs/mlp_fp16_dls/trace.jsonl
+  dls replay trace.jsonl --policy torch --policy "cerebras:steps_per_increase=500" --plot replay.png
+skipped: the estimate, then [lowest, highest] over every outcome the trace allows (steps it cannot decide: an
+overflow below the recorded scale; without record(model=...), a clean step above it).
+exit status: 0 done; 2 bad trace, policy or arguments."""
+
+TUNE_EPILOG = """\
+Each policy's grid (every combination; other arguments at the peer's defaults) is replayed; the settings with the
+fewest skipped steps in the worst case the trace allows, among those whose underflow stays below --max-underflow
+(its upper bound), are recommended, with the lines for dls, torch.amp, Model Zoo YAML, DeepSpeed, Megatron-LM.
+exit status: 0 done; 2 bad trace, policy or arguments."""
+
+
+def add_commands(sub: Any, formatter: type[argparse.HelpFormatter]) -> None:
+    """Register ``replay`` and ``tune`` on the ``dls`` parser's subparsers."""
+    replay = sub.add_parser(
+        "replay", help="replay loss-scaling policies over a recorded trace", epilog=REPLAY_EPILOG,
+        formatter_class=formatter,
+    )  # fmt: skip
+    replay.add_argument("trace", help="a trace: model_dir/trace.jsonl of dls train, or scaler.record(...)'s file")
+    replay.add_argument(
+        "--policy", action="append", metavar="SPEC",
+        help="NAME or NAME:key=value,... (repeatable; default: recorded torch cerebras megatron deepspeed)",
+    )  # fmt: skip
+    replay.add_argument("--format", metavar="FORMAT", help="format of the underflow column (default: the run's)")
+    replay.add_argument("--plot", metavar="FILE", help="write one panel per policy (PNG)")
+    replay.add_argument("--json", action="store_true", help="print JSON (per-step scales included)")
+    tune = sub.add_parser(
+        "tune", help="recommend loss-scaling settings from a recorded trace", epilog=TUNE_EPILOG,
+        formatter_class=formatter,
+    )  # fmt: skip
+    tune.add_argument("trace", help="a trace (see dls replay)")
+    tune.add_argument("--policy", action="append", metavar="NAME", help="only these policies (repeatable)")
+    tune.add_argument(
+        "--max-underflow", default="1e-3", metavar="FRACTION",
+        help="largest mean underflow fraction allowed, or none (default: 1e-3)",
+    )  # fmt: skip
+    tune.add_argument("--format", metavar="FORMAT", help="format of the underflow (default: the run's)")
+    tune.add_argument("--top", type=int, default=1, metavar="N", help="candidates listed per policy (default: 1)")
+    tune.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _read(path: str) -> Any:
+    from dls.diagnostics.record import TraceError, read_trace
+
+    try:
+        return read_trace(path)
+    except TraceError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def run_replay(args: argparse.Namespace) -> None:
+    from dls.diagnostics.replaying import POLICIES, RECORDED, replay
+
+    trace = _read(args.trace)
+    specs = args.policy or [RECORDED, *(name for name in POLICIES if name != "static")]
+    try:
+        if not args.policy:  # the defaults this dls can build (DeepSpeed's timing needs a dls that has it)
+            specs = [spec for spec in specs if _buildable(spec, trace)]
+        results = replay(trace, specs, args.format)
+    except ValueError as exc:
+        raise UsageError(f"{'--format' if 'format must' in str(exc) else '--policy'}: {exc}") from None
+    plot = None
+    if args.plot is not None:
+        plot = _write(Path(args.plot), _plot_png(trace, results))
+    if args.json:
+        data = {"trace": trace.path, "steps": len(trace.steps), "format": results[0].format}
+        data["policies"] = [r.to_dict() for r in results]
+        if plot is not None:
+            data["plot"] = str(plot)
+        print(json.dumps(data, indent=1, allow_nan=False, default=_plain))
+        return
+    print(_replay_text(trace, results))
+    if plot is not None:
+        print(f"Plot: {plot}")
+
+
+def _buildable(spec: str, trace: Any) -> bool:
+    from dls.diagnostics.replaying import parse_policy
+
+    try:
+        parse_policy(spec, trace)
+    except ValueError:
+        return False
+    return True
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    raise TypeError(f"not JSON: {type(value).__name__}")
+
+
+def _count(triple: tuple[float, float, float], digits: int = 0) -> str:
+    estimate, low, high = triple
+    text = f"{estimate:.{digits}f}" if digits else f"{int(estimate)}"
+    if low == high == estimate:
+        return text
+    bounds = (f"{low:.{digits}f}", f"{high:.{digits}f}") if digits else (f"{int(low)}", f"{int(high)}")
+    return f"{text} [{bounds[0]}, {bounds[1]}]"
+
+
+def _underflow(triple: tuple[float, float, float] | None) -> str:
+    if triple is None:
+        return "n/a"
+    estimate, low, high = triple
+    text = f"{estimate:.2e}"
+    return text if low == high == estimate else f"{text} [{low:.2e}, {high:.2e}]"
+
+
+def _replay_text(trace: Any, results: Sequence[Any]) -> str:
+    from dls.diagnostics.scales import pow2
+
+    steps = trace.steps
+    recorded_skips = sum(bool(r["overflow"]) for r in steps)
+    first, last = steps[0]["step"], steps[-1]["step"]
+    lines = [
+        f"dls replay {trace.path}: steps {first} to {last} ({len(steps)} recorded, {recorded_skips} skipped), "
+        f"{trace.half_dtype}; underflow in {results[0].format}. Figures: the estimate [lowest, highest the trace "
+        "allows]."
+    ]
+    rows = [["policy", "skipped", "at min scale", f"underflow ({results[0].format})", "final scale", "undecided"]]
+    for r in results:
+        final = "n/a" if r.final_scale is None else pow2(r.final_scale)
+        rows.append(
+            [r.policy.spec, _count(r.skipped), _count(r.at_min_scale), _underflow(r.underflow), final, str(r.undecided)]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    for r in results:
+        if r.policy.kind == "recorded":
+            if r.first_departure is None:
+                lines.append("recorded: the replay reproduces the recorded scales and skips at every step")
+            else:
+                lines.append(
+                    f"recorded: the replay departs from the recording at step {r.first_departure} (the run changed "
+                    "its scale outside the rule there: update(new_scale), a loaded state or new settings)"
+                )
+        if not r.bounds_exact:
+            lines.append(f"{r.policy.spec}: too many undecided steps to follow every outcome; its bounds are loose")
+    if any(r.undecided for r in results) and not any(trace_has_modules(trace)):
+        lines.append(
+            "undecided steps: record with scaler.record(..., model=model) (dls train does) to decide clean steps above "
+            "the recorded scale"
+        )
+    return "\n".join(lines)
+
+
+def trace_has_modules(trace: Any) -> list[bool]:
+    """Per segment, whether it was recorded with the model hooks."""
+    return [bool(segment.header.get("modules")) for segment in trace.segments]
+
+
+def _plot_png(trace: Any, results: Sequence[Any]) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [int(r["step"]) for r in trace.steps]
+    recorded = [math.log2(float(r["scale"])) for r in trace.steps]
+    fig, axes = plt.subplots(len(results), 1, figsize=(9, 2.2 * len(results) + 0.6), sharex=True, squeeze=False)
+    for ax, r in zip(axes[:, 0], results):
+        ax.plot(steps, recorded, color="0.75", lw=1, label="recorded")
+        low = [math.log2(v) if v == v and v > 0 else math.nan for v in r.scale_low]
+        high = [math.log2(v) if v == v and v > 0 else math.nan for v in r.scale_high]
+        ax.fill_between(steps, low, high, color="tab:blue", alpha=0.2, lw=0, label="allowed by the trace")
+        ax.plot(steps, [math.log2(v) for v in r.scales], color="tab:blue", lw=1.2, label="estimate")
+        sure = [(s, math.log2(v)) for s, v, k, g in zip(steps, r.scales, r.skips, r.guessed) if k and not g]
+        guess = [(s, math.log2(v)) for s, v, k, g in zip(steps, r.scales, r.skips, r.guessed) if k and g]
+        if sure:
+            ax.scatter(*zip(*sure), marker="x", color="tab:red", s=18, label="skipped")
+        if guess:
+            ax.scatter(*zip(*guess), marker="o", facecolors="none", edgecolors="tab:orange", s=18, label="skip guessed")
+        ax.set_ylabel("log2 scale")
+        ax.set_title(f"{r.policy.spec}: skipped {_count(r.skipped)}", fontsize=9, loc="left")
+        ax.legend(fontsize=7, loc="upper right", ncol=4)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    out = io.BytesIO()
+    fig.savefig(out, format="png", dpi=110)
+    plt.close(fig)
+    return out.getvalue()
+
+
+def _write(path: Path, data: bytes) -> Path:
+    """``data`` into ``path`` through a temporary file in its directory (never through a link at ``path``)."""
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise UsageError(f"--plot: {path} is not a regular file (or is a link, which dls does not follow)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "xb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+    return path
+
+
+def run_tune(args: argparse.Namespace) -> None:
+    from dls.diagnostics.replaying import config_lines, tune
+
+    trace = _read(args.trace)
+    text = str(args.max_underflow).strip().lower()
+    try:
+        limit = None if text == "none" else float(text)
+    except ValueError:
+        raise UsageError(f"--max-underflow must be a fraction in [0, 1] or none; got {args.max_underflow!r}") from None
+    if args.top < 1:
+        raise UsageError(f"--top must be >= 1; got {args.top}")
+    try:
+        result = tune(trace, args.policy, max_underflow=limit, fmt=args.format)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        data = {
+            "trace": trace.path,
+            "max_underflow": limit,
+            "grid": {name: {k: list(v) for k, v in grid.items()} for name, grid in result.grid.items()},
+            "best": {
+                name: {**r.to_dict(per_step=False), "config": config_lines(r.policy.settings)}
+                for name, r in result.best.items()
+            },
+            "candidates": [
+                {**r.to_dict(per_step=False), "meets_max_underflow": ok}
+                for r, ok in zip(result.candidates, result.feasible)
+            ],
+        }
+        print(json.dumps(data, indent=1, allow_nan=False, default=_plain))
+        return
+    print(_tune_text(trace, result, args.top))
+
+
+def _tune_text(trace: Any, result: Any, top: int) -> str:
+    from dls.diagnostics.replaying import config_lines
+
+    limit = "no underflow limit" if result.max_underflow is None else f"underflow <= {result.max_underflow:g}"
+    lines = [
+        f"dls tune {trace.path}: {len(trace.steps)} steps, {len(result.candidates)} settings tried, {limit} "
+        f"(upper bound). Ranked by skipped steps: the most the trace allows, then the estimate."
+    ]
+    for name, grid in result.grid.items():
+        tried = ", ".join(f"{k} in {{{', '.join(_show(v) for v in values)}}}" for k, values in grid.items())
+        lines.append(f"\n{name}: grid {tried}")
+        ranked = [(r, ok) for r, ok in zip(result.candidates, result.feasible) if r.policy.kind == name]
+        if not any(ok for _, ok in ranked):
+            lines.append(f"  no setting meets {limit}")
+        for r in [r for r, ok in ranked if ok][:top]:
+            under = _underflow(r.underflow)
+            lines.append(
+                f"  {r.policy.spec}: skipped {_count(r.skipped)}, at min scale {_count(r.at_min_scale)}, "
+                f"underflow {under}"
+            )
+        best = result.best.get(name)
+        if best is not None:
+            for system, text in config_lines(best.policy.settings).items():
+                body = text.replace("\n", "\n      ")
+                lines.append(f"    {system}:\n      {body}")
+    return "\n".join(lines)
+
+
+def _show(value: Any) -> str:
+    from dls.diagnostics.scales import pow2
+
+    return pow2(value) if isinstance(value, float) else str(value)
