@@ -8,7 +8,7 @@ TEST_EXTRAS := train,dev,docs,tensorboard,lightning,hf,modelzoo,peers
 # The CPU benchmarks, in the order `make bench` runs them; `make bench-smoke` (part of `make test`) runs each with
 # --smoke, its smallest sizes, so that a script that no longer runs fails the tests rather than a user's `make bench`.
 BENCH_CPU := bench_scaler bench_clip bench_step bench_overhead bench_scale_below_one bench_quantize bench_fp8 \
-	bench_watch bench_master_weights bench_host frameworks_fp16
+	bench_watch bench_master_weights bench_host frameworks_fp16 bench_record
 
 .PHONY: setup demo test lint docs docs-check serve-docs bench bench-smoke bench-gpu clean
 
@@ -48,7 +48,7 @@ docs: $(VENV)/.installed-test  # the site, in site/
 serve-docs: $(VENV)/.installed-test  # the site at http://127.0.0.1:8000, rebuilt on every change
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
-bench: $(VENV)/.installed-test  # about 12 minutes on 2 CPU cores; results and how to read them: benchmarks/RESULTS.md
+bench: $(VENV)/.installed-test  # about 18 minutes on 2 CPU cores (policy_lab_evidence.py, 23 more, runs alone); results and how to read them: benchmarks/RESULTS.md
 	@for name in $(BENCH_CPU); do echo "== benchmarks/$$name.py"; $(BIN)/python benchmarks/$$name.py || exit 1; done
 	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
 	  $(BIN)/python benchmarks/bench_gpu.py && $(BIN)/python benchmarks/bench_fp8_gpu.py; \

@@ -23,7 +23,7 @@ A/A row. A second table counts dls's host reads per step (``.item()`` and the li
 on the default, fused and sync-free paths: recording adds none.
 
     python benchmarks/bench_record.py --threads 1
-    python benchmarks/bench_record.py --quick
+    python benchmarks/bench_record.py --smoke
 """
 
 from __future__ import annotations
@@ -219,9 +219,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--no-model-hooks", action="store_true", help="leave out the record(model=...) variant")
-    parser.add_argument("--quick", action="store_true", help="a 1M-parameter model, 3 rounds (a smoke test)")
+    parser.add_argument("--smoke", action="store_true", help="a 1M-parameter model, 3 rounds (a smoke test)")
     args = parser.parse_args(argv)
-    if args.quick:
+    if args.smoke:
         args.vocab, args.width, args.layers, args.heads, args.reps = 1000, 128, 2, 4, 3
     device = setup(args)
     print(describe(device, args.threads))

@@ -26,7 +26,7 @@ allows, undecided steps), against two measurements:
   bounds; the table says whether it is within them, and the first step where its skips differ from the estimate.
 
     python benchmarks/policy_lab_evidence.py                # about 15 minutes on 2 CPU cores
-    python benchmarks/policy_lab_evidence.py --quick        # a smoke run (fewer steps)
+    python benchmarks/policy_lab_evidence.py --smoke        # a smoke run (fewer steps)
 """
 
 from __future__ import annotations
@@ -172,15 +172,15 @@ def _buildable(spec: str) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 60 demo steps, 40 GPT steps")
+    parser.add_argument("--smoke", action="store_true", help="a smoke run: 60 demo steps, 40 GPT steps")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     print(f"torch {torch.__version__}, Python {platform.python_version()}, CPU, {args.threads} thread(s)")
-    demo_steps, gpt_steps = (60, 40) if args.quick else (600, 240)
+    demo_steps, gpt_steps = (60, 40) if args.smoke else (600, 240)
     gpt_bursts = {s: 2.0**12 for s in (60, 61, 62, 150, 151, 200) if s < gpt_steps}
-    if args.quick:
+    if args.smoke:
         gpt_bursts = {10: 2.0**12, 11: 2.0**12, 25: 2.0**12}
     models: list[tuple[Model, ScalerSettings]] = [
         (
