@@ -977,7 +977,21 @@ class GradScaler:
         ``histogram_every`` steps a histogram of the gradients' exponents; with ``model``, per module the scale at
         which its backward tensors would overflow. ``dls replay`` / ``dls tune`` (``dls.diagnostics.replaying``) run
         every policy over it. Statistics stay on the device and are written every ``flush_every`` steps: no host
-        synchronisation on any path. Returns the recorder; ``close()`` it (or use it as a context manager)."""
+        synchronisation on any path. Returns the recorder; ``close()`` it (or use it as a context manager).
+
+        Args:
+            file: a path (created, or replaced unless ``append``) or a binary file object opened for writing.
+            model: add the per-module overflow scales (hooks on every module of ``model`` that runs).
+            histogram_every: a histogram of the gradients' exponents every this many steps, or ``None`` for none.
+            flush_every: rows buffered on the device between writes.
+            start_step: the step before the first recorded one (the trainer's global step when it resumes).
+            append: with a path, add a segment to an existing trace instead of replacing it.
+            model_format: with ``model``, the format whose largest finite value float32 tensors stand for (a name
+                of ``dls.formats``); default: each tensor's own dtype.
+
+        Raises:
+            ValueError: an argument outside what is allowed (named), a disabled scaler, or one already recording.
+        """
         from dls.diagnostics.record import Recorder
 
         return Recorder(

@@ -7,9 +7,9 @@
 * [`audit`][dls.diagnostics.audit] (``auditing.py``): forward/backward passes under exact emulation of several formats,
   without touching the model's parameters, gradients or RNG states; returns per-format forward overflows, verdicts,
   recommended initial loss scales and a per-module table (``report.py`` renders it as text and as a PNG).
-* :class:`Recorder` (``record.py``, made by ``GradScaler.record``): a trace of the scaler's steps (JSON lines);
-  :func:`read_trace` reads it. :func:`replay` (``replaying.py``) runs every peer's loss-scaling policy over a trace
-  with the scaler's own rule code, with bounds where the trace cannot decide; :func:`tune` searches their settings
+* ``Recorder`` (``record.py``, made by ``GradScaler.record``): a trace of the scaler's steps (JSON lines);
+  ``read_trace`` reads it. ``replay`` (``replaying.py``) runs every peer's loss-scaling policy over a trace
+  with the scaler's own rule code, with bounds where the trace cannot decide; ``tune`` searches their settings
   (``dls replay``, ``dls tune``).
 
 Everything here needs torch alone; ``AuditResult.save_plot`` imports matplotlib when called.

@@ -29,11 +29,11 @@ pass overflowed) and never at a clean one. This is deliberately not an extra ele
 collective: that would cost every clean step a kernel (whether the loss is finite, as a device flag) and a larger
 collective, for an event that only matters once the step is skipped, when the host reads the flag anyway; and the
 module an armed pass found is known on the host only. A caller with its own collective at skipped steps can carry
-:meth:`Fallback.local_code` in it and pass the reduced value as ``after_skip(agreed=...)``. Every rank must watch
+``Fallback.local_code`` in it and pass the reduced value as ``after_skip(agreed=...)``. Every rank must watch
 with ``fallback=True``. The scaler calls the fallback at the one place it decides a step is skipped and builds the
 overflow report (``dls.diagnostics.watch.Watches.overflowed``), once per iteration.
 
-The kept set travels in the scaler's state dict (key ``kept_in_float32``) through :class:`KeptState`, which the
+The kept set travels in the scaler's state dict (key ``kept_in_float32``) through ``KeptState``, which the
 scaler registers with ``GradScaler.register_state``.
 """
 
@@ -95,7 +95,7 @@ class Fallback:
         return resolve_modules(self.root, names, what)
 
     def keep(self, modules: Iterable[tuple[str, nn.Module]]) -> None:
-        """Keep ``modules`` (as :meth:`check_names` returns them) in float32 from now on."""
+        """Keep ``modules`` (as ``check_names`` returns them) in float32 from now on."""
         for name, module in modules:
             self.kept.add(name, module)
 
@@ -111,7 +111,7 @@ class Fallback:
         """A step was skipped; ``forward``: whether this rank's loss was inf/NaN. Keeps, arms or gives up (see the
         module docstring); returns the names of non-finite parameters (nothing is kept or armed then).
 
-        ``agreed``: the MAX of :meth:`local_code` over the ranks, when the caller reduced it already (e.g. as one
+        ``agreed``: the MAX of ``local_code`` over the ranks, when the caller reduced it already (e.g. as one
         more element of its own collective); ``None``: reduced here when distributed."""
         if self._recording:  # the step ran inside the armed pass (Lightning's manual optimization): it ends here
             self._end(self.root, (), None)
@@ -310,7 +310,7 @@ class KeptState:
     """The scaler's checkpoint entry ``kept_in_float32`` (registered with ``GradScaler.register_state``): the names
     of the modules its fallback watches keep, in the order they were added. A loaded list is checked against the
     active fallback watches before anything changes, kept by them, and waits for fallback watches made later
-    (:meth:`adopt`), so that ``watch(model, fallback=True)`` may come before or after ``load_state_dict``."""
+    (``adopt``), so that ``watch(model, fallback=True)`` may come before or after ``load_state_dict``."""
 
     WHAT = "state_dict['kept_in_float32']"
 

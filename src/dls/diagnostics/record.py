@@ -94,13 +94,13 @@ _COLUMNS = 4  # per row on the device: scale, overflow flag, largest |g|, larges
 
 class Recorder:
     """Records one ``GradScaler``'s rule steps into a trace (see the module docstring); made by
-    ``GradScaler.record``. A context manager: leaving it (or :meth:`close`) writes what is buffered, removes the
+    ``GradScaler.record``. A context manager: leaving it (or ``close``) writes what is buffered, removes the
     model hooks and detaches it from the scaler.
 
     Args:
         scaler: the scaler to record (enabled: a disabled scaler has nothing to record).
         file: a path (``str`` or ``Path``; created, or replaced unless ``append``) or a binary file object opened
-            for writing (kept open on :meth:`close`; the trainer passes one into its model_dir).
+            for writing (kept open on ``close``; the trainer passes one into its model_dir).
         flush_every: rows buffered on the device between writes (a positive integer).
         histogram_every: a histogram of the gradients' exponents every this many steps (a positive integer), or
             ``None`` for none (then the trace cannot tell underflow).
@@ -182,7 +182,11 @@ class Recorder:
 
     # ------------------------------------------------------------------ the scaler's hook
     def rule_step(self, found_inf: torch.Tensor) -> None:
-        """Called by ``GradScaler`` right before its rule updates the scale, with the iteration's overflow flag."""
+        """Called by ``GradScaler`` right before its rule updates the scale.
+
+        Args:
+            found_inf: the iteration's overflow flag (a device tensor; not read here).
+        """
         scaler = self._scaler_ref()
         if scaler is None or self._closed:
             return
@@ -223,7 +227,7 @@ class Recorder:
 
     def _flush_async(self) -> None:
         """Start copying the buffered rows to the host; write the rows of the previous flush (no host
-        synchronisation on CUDA: the copy of this flush is written at the next one, or at :meth:`flush`)."""
+        synchronisation on CUDA: the copy of this flush is written at the next one, or at ``flush``)."""
         previous, self._pending = self._pending, None
         if self._row and self._rows is not None:
             modules = None if self._modules is None else self._modules.take(self._row, self._rows.device)
@@ -514,7 +518,7 @@ class Segment:
 
 @dataclass
 class Trace:
-    """A trace as read by :func:`read_trace`: its segments in file order; ``steps`` all their steps."""
+    """A trace as read by ``read_trace``: its segments in file order; ``steps`` all their steps."""
 
     path: str
     segments: list[Segment]
@@ -535,7 +539,10 @@ class TraceError(ValueError):
 
 
 def read_trace(path: str | os.PathLike[str] | IO[bytes]) -> Trace:
-    """Read a trace written by a :class:`Recorder` (``scaler.record`` or ``dls train``).
+    """Read a trace written by a ``Recorder`` (``scaler.record`` or ``dls train``).
+
+    Args:
+        path: the trace's path, or a binary file object to read it from.
 
     Raises:
         TraceError: the file is not a dls trace, a line is not JSON, a ``version`` above

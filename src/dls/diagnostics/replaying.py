@@ -1,6 +1,6 @@
 """Replaying loss-scaling policies over a recorded trace (``dls.diagnostics.record``), and searching their settings.
 
-Each policy is a :class:`~dls.settings.ScalerSettings` built from one table, :data:`POLICIES`: a peer's name
+Each policy is a ``dls.settings.ScalerSettings`` built from one table, ``POLICIES``: a peer's name
 (``torch``, ``cerebras``, ``megatron``, ``deepspeed``, ``static``, or ``recorded``: the recorded run's own settings
 and state), its own argument names and defaults, overridden as ``name:key=value,...``. Replay runs the rule those
 settings give (``settings.rule().update_`` on a ``dls.policy.ScaleState``, the code the scaler runs) once per
@@ -67,7 +67,7 @@ MAX_BRANCHES = 256  # distinct rule states followed at once; beyond, the bounds 
 # ------------------------------------------------------------------------------------------------ the policy table
 @dataclass(frozen=True)
 class PolicyKind:
-    """One row of :data:`POLICIES`: a peer's dynamic loss-scaling policy.
+    """One row of ``POLICIES``: a peer's dynamic loss-scaling policy.
 
     Attributes:
         name: the name given on the command line.
@@ -181,7 +181,7 @@ RECORDED = "recorded"
 
 @dataclass(frozen=True)
 class Policy:
-    """A policy to replay: ``spec`` as given, its ``kind`` (a :data:`POLICIES` name or ``"recorded"``), the
+    """A policy to replay: ``spec`` as given, its ``kind`` (a ``POLICIES`` name or ``"recorded"``), the
     ``values`` of its arguments (defaults overridden) and the ``settings`` they build. ``state``: where the
     ``recorded`` policy starts (the trace's first header); other policies start fresh."""
 
@@ -210,9 +210,13 @@ def _parse_value(text: str) -> Any:
 
 
 def parse_policy(spec: str, trace: Trace | None = None, half_dtype: str | None = None) -> Policy:
-    """The policy ``spec`` names: ``NAME`` or ``NAME:key=value,key=value`` with NAME from :data:`POLICIES` or
-    ``recorded`` (the trace's own settings and starting state; needs ``trace``). ``half_dtype``: the format whose
-    defaults apply (default: the trace's, else float16).
+    """The policy ``spec`` names: ``NAME`` or ``NAME:key=value,key=value`` with NAME from ``POLICIES`` or
+    ``recorded`` (the trace's own settings and starting state; needs ``trace``).
+
+    Args:
+        spec: the policy as written, e.g. ``"torch"`` or ``"cerebras:steps_per_increase=500"``.
+        trace: the trace, for ``recorded`` and for the half dtype.
+        half_dtype: the format whose defaults apply (default: the trace's, else float16).
 
     Raises:
         ValueError: an unknown name or key (with the allowed ones), a value that is not a number, or settings the
@@ -409,7 +413,7 @@ class Replay:
     ``MAX_BRANCHES`` states had to be followed, then the upper bounds assume every later step may overflow).
 
     Attributes:
-        policy: the :class:`Policy` replayed.
+        policy: the ``Policy`` replayed.
         steps: steps replayed.
         skipped: skipped steps (lost updates).
         at_min_scale: steps taken at the policy's minimum scale (pinned at the floor).
@@ -443,7 +447,11 @@ class Replay:
         return self.scales[-1] if self.scales else None
 
     def to_dict(self, per_step: bool = True) -> dict[str, Any]:
-        """Plain data (``--json``)."""
+        """Plain data (``--json``).
+
+        Args:
+            per_step: also each step's scale and skip.
+        """
         out: dict[str, Any] = {
             "policy": self.policy.spec,
             "kind": self.policy.kind,
@@ -503,11 +511,15 @@ def _merge(a: list[float], b: list[float]) -> list[float]:
 
 
 def replay(trace: Trace, policies: Iterable[str | Policy], fmt: str | None = None) -> list[Replay]:
-    """Replay each policy over ``trace`` (see the module docstring): specs are parsed by :func:`parse_policy`;
-    ``fmt``: the format the underflow is computed for (default: the trace's half dtype).
+    """Replay each policy over ``trace`` (see the module docstring).
+
+    Args:
+        trace: a trace from ``read_trace``.
+        policies: specs (parsed by ``parse_policy``) or ``Policy`` objects.
+        fmt: the format the underflow is computed for (default: the trace's half dtype).
 
     Raises:
-        ValueError: a policy :func:`parse_policy` refuses, an unknown format, or a trace without steps.
+        ValueError: a policy ``parse_policy`` refuses, an unknown format, or a trace without steps.
     """
     steps, histograms, starts = _steps(trace)
     if not steps:
@@ -657,7 +669,11 @@ def _advance(
 def config_lines(settings: ScalerSettings) -> dict[str, str]:
     """The lines that configure ``settings``' rule in each system that can express it exactly: ``dls``,
     ``torch.amp``, ``Model Zoo YAML`` (dls's trainer and cstorch's keys), ``DeepSpeed JSON``, ``Megatron flags``;
-    a system that cannot express it is left out."""
+    a system that cannot express it is left out.
+
+    Args:
+        settings: the rule to configure.
+    """
     s = settings
     out: dict[str, str] = {}
     deepspeed_timing = s.dialect == "deepspeed"
@@ -762,7 +778,7 @@ def _num(value: float) -> str:
 # ------------------------------------------------------------------------------------------------ tune
 @dataclass
 class TuneResult:
-    """What :func:`tune` found. ``candidates``: every setting tried, replayed, in rank order (the fewest skipped
+    """What ``tune`` found. ``candidates``: every setting tried, replayed, in rank order (the fewest skipped
     steps in the worst case the trace allows, then the estimate, then the least underflow); ``feasible``: whether
     each met ``max_underflow`` (its underflow upper bound); ``best``: per policy, the first feasible candidate."""
 
@@ -780,12 +796,12 @@ def tune(
     max_underflow: float | None = 1e-3,
     fmt: str | None = None,
 ) -> TuneResult:
-    """Search each policy's grid (:attr:`PolicyKind.grid`: every combination of the listed values, the other
-    arguments at their defaults) over ``trace`` and rank the settings (see :class:`TuneResult`).
+    """Search each policy's grid (``PolicyKind.grid``: every combination of the listed values, the other
+    arguments at their defaults) over ``trace`` and rank the settings (see ``TuneResult``).
 
     Args:
-        trace: a trace from :func:`~dls.diagnostics.record.read_trace`.
-        kinds: policy names of :data:`POLICIES` (default: all that this dls can build).
+        trace: a trace from ``dls.diagnostics.record.read_trace``.
+        kinds: policy names of ``POLICIES`` (default: all that this dls can build).
         max_underflow: the largest mean underflow fraction allowed (by its upper bound); ``None``: no limit.
         fmt: the format of the underflow (default: the trace's half dtype).
 

@@ -34,6 +34,7 @@ import torch
 import yaml
 
 import dls.fp8
+from dls.diagnostics.record import TRACE_FILE
 from dls.diagnostics.scales import pow2
 from dls.policy import shown
 from dls.scaler_state import parse_state_dict
@@ -51,7 +52,7 @@ METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "plots.png"
 CONFIG_FILE = "config.yaml"
 TENSORBOARD_DIR = "tensorboard"
-_TEMPORARIES = (".checkpoint_", *(f".{name}." for name in (METRICS_FILE, PLOT_FILE, CONFIG_FILE)))
+_TEMPORARIES = (".checkpoint_", *(f".{name}." for name in (METRICS_FILE, PLOT_FILE, CONFIG_FILE, TRACE_FILE)))
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -215,12 +216,12 @@ def check_model_dir(
 def earlier_run_files(model_dir: Path, config_file: Path | None = None) -> list[Path]:
     """What in ``model_dir`` a run writes under a fixed name, so that a new run would replace it or mix with it:
     checkpoint_<step>.mdl, metrics.jsonl, config.yaml (unless it is the input ``config_file``, which is never
-    written), plots.png and tensorboard/, whatever their kind (a link under such a name too)."""
+    written), plots.png, trace.jsonl and tensorboard/, whatever their kind (a link under such a name too)."""
     try:
         names = sorted(os.listdir(model_dir))
     except (FileNotFoundError, NotADirectoryError):
         return []
-    fixed = (CONFIG_FILE, METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR)
+    fixed = (CONFIG_FILE, METRICS_FILE, PLOT_FILE, TRACE_FILE, TENSORBOARD_DIR)
     found = [model_dir / name for name in names if name in fixed or checkpoint_step(name) >= 0]
     config = model_dir / CONFIG_FILE
     if config_file is not None and not config.is_symlink() and config.exists() and config.samefile(config_file):

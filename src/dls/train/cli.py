@@ -60,7 +60,7 @@ examples:
   dls train --resume runs/mlp_fp16_dls --load_checkpoint_states model,optimizer -o runconfig.model_dir=runs/ft
   torchrun --nproc_per_node=2 -m dls_entry train configs/mlp_fp16_dls.yaml        data-parallel
 --resume DIR continues DIR's run in DIR; another (new or empty) model_dir starts a new run from the checkpoint.
-outputs in runconfig.model_dir: checkpoint_<step>.mdl, metrics.jsonl, plots.png, config.yaml, tensorboard/.
+outputs in runconfig.model_dir: checkpoint_<step>.mdl, metrics.jsonl, plots.png, config.yaml, trace.jsonl, tensorboard/.
 exit status: 0 done; 1 stopped (loss scaling cannot help, or inf/NaN weights); 2 bad input or model_dir
 refused; 3 I/O, disk or memory; 4 internal error (traceback in a file); 130 Ctrl-C; 143 SIGTERM."""
 
