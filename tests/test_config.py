@@ -646,6 +646,9 @@ SOURCES = {
     "gpt3_mup_40m_2.3.1.yaml": f"Release_2.3.1:{NLP}/gpt3/configs/muP/params_gpt3_40M.yaml",
     "llama3p1_70b_msl_8k_2.3.1.yaml": f"Release_2.3.1:{NLP}/llama/configs/params_llama3p1_70b_msl_8k.yaml",
     "llama3p1_8b_msl_8k.yaml": f"Release_2.10.0:{NLP}/llama/configs/params_llama3p1_8b_msl_8k.yaml",
+    "llama3p1_8b_msl_32k_swa_8k_sink_512.yaml": (
+        f"Release_2.10.0:{NLP}/llama/configs/params_llama3p1_8b_msl_32k_swa_8k_sink_512.yaml"
+    ),
     "llama3p2_1b_msl_8k.yaml": f"Release_2.10.0:{NLP}/llama/configs/params_llama3p2_1b_msl_8k.yaml",
     "llama3p3_70b_msl_128k.yaml": f"Release_2.10.0:{NLP}/llama/configs/params_llama3p3_70b_msl_128k.yaml",
     "llama_7b_1.9.1.yaml": "Release_1.9.1:modelzoo/transformers/pytorch/llama/configs/params_llama_7b.yaml",

@@ -134,6 +134,21 @@ def test_another_model_family_is_one_line(path: str, override: str, family: str,
                          f"config is {family}")  # fmt: skip
 
 
+def test_a_model_feature_dls_does_not_build_is_one_line(capsys: Any) -> None:
+    """Release 2.10.0's Llama 3.1 with sliding-window attention and attention sinks: one line naming the features,
+    not one per key (the sink tokens' data transform would add an unknown-key error that follows from them)."""
+    assert main(["validate", str(ZOO / "llama3p1_8b_msl_32k_swa_8k_sink_512.yaml")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    said = "dls's Model Zoo models do not implement sliding-window attention and attention sink tokens"
+    assert f"trainer.init.model.attention_sliding_window_length: {said}" in line
+    override = "trainer.init.model.attention_sliding_window_length=null"
+    assert main(["validate", str(ZOO / "llama3p1_8b_msl_32k_swa_8k_sink_512.yaml"), "-o", override]) == 2
+    assert (
+        "trainer.init.model.attention_sink_tokens: dls's Model Zoo models do not implement attention sink tokens"
+        in capsys.readouterr().err
+    )
+
+
 def test_the_sparsity_section_is_one_line_and_null_removes_it(capsys: Any) -> None:
     path = str(ZOO / "gpt3_125m_rigl75.yaml")
     assert main(["validate", path]) == 2

@@ -862,7 +862,7 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None, notes: Seque
     holder = raw if layout == "legacy" else (raw["trainer"] if isinstance(raw["trainer"], Mapping) else {}).get("init")
     model = holder.get("model") if isinstance(holder, Mapping) else None
     name = model.get("name") if isinstance(model, Mapping) else None
-    if problem := _refused_whole(raw, layout, name):  # said first, alone: every other key would be misread
+    if problem := _refused_whole(raw, layout, model):  # said first, alone: every other key would be misread
         raise ConfigError([problem], source)
     release_1: list[str] = []
     if layout == "legacy" and any(
@@ -989,10 +989,24 @@ def _release_1_schedule(pieces: Any, notes: list[str], errors: list[str]) -> Any
     return translated if isinstance(pieces, list) else translated[0]
 
 
-def _refused_whole(raw: Mapping[str, Any], layout: str, name: Any) -> str | None:
-    """What refuses a config as a whole, in one line: another model family than dls builds; a model without a name
-    in Model Zoo's layouts."""
-    where = "trainer.init.model.name" if layout == "current" else "model.name"
+# Model Zoo model features dls's models do not build, each refusing a config as a whole (its other keys would only
+# add errors that follow from it, such as the data transforms that feed it).
+_UNBUILT_FEATURES = {
+    "attention_sliding_window_length": "sliding-window attention",
+    "attention_sink_tokens": "attention sink tokens",
+}
+
+
+def _refused_whole(raw: Mapping[str, Any], layout: str, model: Any) -> str | None:
+    """What refuses a config as a whole, in one line: another model family than dls builds; a model feature dls's
+    models do not build (``_UNBUILT_FEATURES``); a model without a name in Model Zoo's layouts."""
+    model = model if isinstance(model, Mapping) else {}
+    name = model.get("name")
+    at = "trainer.init.model" if layout == "current" else "model"
+    where = f"{at}.name"
+    if unbuilt := [key for key in _UNBUILT_FEATURES if model.get(key) is not None]:
+        features = " and ".join(_UNBUILT_FEATURES[key] for key in unbuilt)
+        return f"{at}.{unbuilt[0]}: dls's Model Zoo models do not implement {features}, which this config uses"
     if isinstance(name, str) and name not in get_args(ModelName):
         zoo = ", ".join(ZOO_MODELS)
         return f"{where}: {zoo} are supported (and dls's own {', '.join(MODEL_NAMES)}); this config is {name}"
