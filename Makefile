@@ -26,7 +26,12 @@ $(VENV)/.installed-test: pyproject.toml requirements/dev.txt | $(BIN)/python
 	DS_BUILD_OPS=0 $(BIN)/pip install --quiet -c requirements/dev.txt -e ".[$(TEST_EXTRAS)]"  # DeepSpeed (peers): no compiled ops
 	touch $@
 
-setup: $(VENV)/.installed-test
+# fairseq's, MXNet's and ColossalAI's scaler files, read from their archives by the peers tests (not installed).
+build/peers/.fetched: requirements/peer-archives.txt | $(VENV)/.installed-test
+	$(BIN)/pip download --quiet --no-deps --no-build-isolation -d build/peers -r requirements/peer-archives.txt
+	touch $@
+
+setup: $(VENV)/.installed-test build/peers/.fetched
 
 demo: $(VENV)/.installed-demo
 	$(BIN)/dls demo
@@ -39,7 +44,7 @@ lint: $(VENV)/.installed-test
 docs-check: $(VENV)/.installed-test  # the site must build without a warning (broken links, missing API names)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir build/site
 
-test: lint docs-check bench-smoke
+test: lint docs-check bench-smoke build/peers/.fetched
 	$(BIN)/pytest -q
 
 docs: $(VENV)/.installed-test  # the site, in site/

@@ -75,3 +75,32 @@ class DlsRun:
 
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict()
+
+
+def field_traces(seed: int, count: int, steps: int, window: int) -> Iterator[tuple[str, list[float]]]:
+    """``count`` traces of ``steps`` steps for a growth window of ``window`` steps, of each kind in turn: random
+    (non-finite gradients with probability 0.001 to 0.5, magnitudes 2**0 to 2**-24), bursty (clean runs of up to
+    twice the window between bursts), sporadic (single overflows a window apart, give or take one step: growth
+    timing off by one shows here), clean (zero gradients, a burst at the end: the scale grows as far as it can) and
+    at the minimum (non-finite gradients 80 to 100% of the steps: the scale runs into its floor and stays)."""
+    rng = random.Random(seed)
+    kinds = ("random", "bursty", "sporadic", "clean", "minimum")
+    for i in range(count):
+        kind = kinds[i % len(kinds)]
+        trace: list[float] = []
+        if kind == "random":
+            p = rng.choice([0.001, 0.01, 0.05, 0.2, 0.5])
+            trace = [_bad(rng) if rng.random() < p else 2.0 ** -rng.randint(0, 24) for _ in range(steps)]
+        elif kind == "bursty":
+            while len(trace) < steps:
+                trace += [2.0 ** -rng.randint(0, 24)] * rng.randint(0, 2 * window + 1) + [_bad(rng)] * rng.randint(1, 5)
+        elif kind == "sporadic":
+            while len(trace) < steps:
+                trace += [0.0] * max(0, rng.choice([1, 2, 3]) * window + rng.randint(-1, 1)) + [_bad(rng)]
+        elif kind == "clean":
+            burst_at = rng.randint(steps // 2, steps)
+            trace = [0.0] * burst_at + [_bad(rng)] * rng.randint(1, 6)
+        else:
+            p = rng.choice([0.8, 0.95, 1.0])
+            trace = [_bad(rng) if rng.random() < p else 2.0**-12 for _ in range(steps)]
+        yield kind, trace[:steps]
