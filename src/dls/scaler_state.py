@@ -44,17 +44,13 @@ from typing import Any
 
 import torch
 
-from dls.policy import INT32_MAX, INT64_MAX, python_number, scale_problem, shown
-from dls.settings import GROWTH_OFFSET, ScalerSettings, SettingsError, interval_name
+from dls.checks import INT32_MAX, INT64_MAX, python_number, scale_problem, shown
+from dls.policy import ScaleState
+from dls.settings import ScalerSettings, SettingsError, interval_name
 
 FORMAT_VERSION = 2
-STATE_KEYS = (
-    "loss_scale",
-    "steps_since_rescale",
-    "overflows_since_rescale",
-    "num_skipped_steps",
-    "hysteresis_tracker",
-)
+# The rule's state under its own names (non_clamped_scale is the scale as loaded, not saved).
+STATE_KEYS = tuple(name for name in ScaleState._fields if name != "non_clamped_scale")
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 OLD_KEYS = ("hysteresis_hits",)  # format 1
 MEGATRON_KEYS = ("growth_tracker",)  # besides scale and hysteresis_tracker, which torch and dls write too
@@ -277,7 +273,7 @@ def _with_torch_settings(
             changes[key] = numbers.pop(key)
     if "growth_interval" in numbers:
         interval = numbers.pop("growth_interval")
-        offset = GROWTH_OFFSET.get(settings.dialect, 0)
+        offset = settings.growth_offset
         if offset and settings.mode != "dynamic" and interval == 1:
             interval = 2  # torch's interval 1 has no equivalent with an offset; a fixed scale never grows anyway
         if not (_integral(interval) and 1 + offset <= interval <= INT32_MAX):
