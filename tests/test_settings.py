@@ -478,3 +478,34 @@ def test_each_dialects_default_bounds_are_its_rows():
     plain = ScalerSettings.torch()
     assert (plain.min_loss_scale, plain.max_loss_scale) == (PEERS["torch"].min_loss_scale, FLOAT32_MAX)
     assert ScalerSettings.deepspeed().max_loss_scale == ScalerSettings.megatron(1.0, 1.0).max_loss_scale == FLOAT32_MAX
+
+
+def test_like_builds_each_peers_scaler_from_its_own_arguments():
+    assert (
+        dls.GradScaler.like("torch", "cpu", init_scale=8.0).settings == dls.GradScaler("cpu", init_scale=8.0).settings
+    )
+    assert ScalerSettings.like("cerebras", steps_per_increase=5) == ScalerSettings.cerebras(steps_per_increase=5)
+    deepspeed = dls.GradScaler.from_deepspeed({"enabled": True, "hysteresis": 1}, device="cpu")
+    assert dls.GradScaler.like("deepspeed", "cpu", hysteresis=1).settings == deepspeed.settings
+    megatron = dls.GradScaler.from_megatron("cpu", initial_scale=2.0**16, min_scale=1.0, hysteresis=3)
+    assert dls.GradScaler.like("megatron", "cpu", initial_scale=2.0**16, min_scale=1.0, hysteresis=3).settings == (
+        megatron.settings
+    )
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda: ScalerSettings.like("megatorn"),
+            r"peer must be one of .*; got 'megatorn' \(did you mean 'megatron'\?\)",
+        ),
+        (lambda: ScalerSettings.like("torch", growth_intervall=3), r"no argument 'growth_intervall' \(did you mean"),
+        (lambda: ScalerSettings.like("torch", steps_per_increase=3), r"torch's scaler has no argument 'steps_per_inc"),
+        (lambda: ScalerSettings.like("megatron", min_scale=1.0), r"megatron's scaler requires initial_scale"),
+        (lambda: ScalerSettings.like("deepspeed", hysteresis=0), r"^hysteresis must be an integer"),
+    ],
+)
+def test_like_refuses_what_the_peer_does_not_take_naming_it(call: Any, message: str):
+    with pytest.raises(ValueError, match=message):
+        call()

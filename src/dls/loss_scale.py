@@ -28,7 +28,6 @@ import torch
 
 from dls.checks import FLOAT32_MAX, FLOAT32_TINY, INT64_MAX, scale_problem
 from dls.policy import assign_, count_skip
-from dls.scaler_state import STATE_KEYS
 from dls.settings import ScalerSettings
 
 
@@ -130,10 +129,12 @@ class LossScale:
         return bool(flag)
 
     def values(self) -> dict[str, Any]:
-        """The ``STATE_KEYS`` as Python numbers (two reads)."""
+        """The scale and the rule's counters (its state's fields but ``non_clamped_scale``) as Python numbers, in
+        the state's order (two reads)."""
         scale = self.read()
-        counters = torch.stack([getattr(self.state, k).long() for k in STATE_KEYS[1:]]).tolist()
-        return {"loss_scale": scale, **dict(zip(STATE_KEYS[1:], counters))}
+        names = [k for k in self.state._fields if k not in ("loss_scale", "non_clamped_scale")]
+        counters = dict(zip(names, torch.stack([getattr(self.state, k).long() for k in names]).tolist()))
+        return {k: scale if k == "loss_scale" else counters[k] for k in self.state._fields if k != "non_clamped_scale"}
 
     def skipped_steps(self) -> int:
         return int(self.state.num_skipped_steps.item())

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
@@ -113,6 +113,8 @@ def _count_skip_(skipped: torch.Tensor, overflow: torch.Tensor, saturate: bool) 
 class Rule(Protocol):
     """What the scaler (``dls.loss_scale``) and the policy lab ask of a rule."""
 
+    State: ClassVar[type[Any]]  # its state, a NamedTuple of 0-dim tensors (the module docstring)
+
     def initial_state(self, loss_scale: float, device: torch.device | str | None = None) -> Any:
         """A fresh state (the rule's ``NamedTuple``) starting at ``loss_scale``."""
         ...
@@ -140,6 +142,7 @@ class StaticRule:
     budget its state carries (a state dict holds it), never spent."""
 
     hysteresis: int = 1
+    State: ClassVar[type[ScaleState]] = ScaleState
 
     def initial_state(self, loss_scale: float, device: torch.device | str | None = None) -> ScaleState:
         return initial_state(loss_scale, self.hysteresis, device)
@@ -173,6 +176,7 @@ class DynamicRule:
     min_loss_scale: float = 2.0**-14
     max_loss_scale: float = 2.0**15
     steps_after_growth: int = 0  # DeepSpeed's timing: 1 (see the module docstring)
+    State: ClassVar[type[ScaleState]] = ScaleState
 
     def __post_init__(self) -> None:
         raise_first(

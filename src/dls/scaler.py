@@ -34,7 +34,7 @@ from dls import distributed, kernels, sync_free
 from dls.arguments import device_kind, is_available, parse_device, read_arguments
 from dls.checks import count_problem, flag_problem, limit_problem, python_number
 from dls.loss_scale import LossScale
-from dls.scaler_state import STATE_KEYS, TORCH_KEYS, parse_state_dict, to_state_dict
+from dls.scaler_state import TORCH_KEYS, parse_state_dict, state_keys, to_state_dict
 from dls.settings import MEGATRON, ScalerSettings, interval_name
 
 if TYPE_CHECKING:
@@ -448,6 +448,22 @@ class GradScaler:
             hysteresis=hysteresis,
         )
         return cls.from_settings(settings, device=device)
+
+    @classmethod
+    def like(cls, peer: str, device: str | torch.device = "cuda", **arguments: Any) -> GradScaler:
+        """A scaler whose scale and skip decisions are ``peer``'s, step by step, configured with the peer's own
+        argument names and defaults: ``GradScaler.like("megatron", "cpu", initial_scale=2.0**16, min_scale=1.0)``.
+        The peers and what dls does differently: ``dls.policy.PEERS`` and the switching guide.
+
+        Args:
+            peer: ``"torch"``, ``"cerebras"``, ``"deepspeed"`` (its ``fp16`` config keys), ``"megatron"``.
+            device: where the scale lives (``"cpu"`` or a CUDA device).
+            **arguments: the peer's own constructor arguments.
+
+        Raises:
+            ValueError: an unknown peer or argument (with the closest name), or a bad value, named.
+        """
+        return cls.from_settings(ScalerSettings.like(peer, **arguments), device=device)
 
     def _setup(
         self,
@@ -1086,7 +1102,7 @@ class GradScaler:
 
     def state_dict_keys(self) -> tuple[str, ...]:
         """Every key this scaler's state dict may hold (its own, torch's, registered ones)."""
-        return (*STATE_KEYS, "format_version", *TORCH_KEYS, *self._extra_state)
+        return (*state_keys(self._scale.settings), "format_version", *TORCH_KEYS, *self._extra_state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dls or a ``torch.amp.GradScaler`` state dict: keys present replace, missing keys keep their

@@ -416,6 +416,44 @@ class ScalerSettings:
         )
 
     @classmethod
+    def like(cls, peer: str, **arguments: Any) -> ScalerSettings:
+        """The settings of ``peer``'s loss scaler, from its own constructor's arguments (its names, its defaults):
+        a name of ``dls.policy.PEERS`` (``"torch"``, ``"cerebras"``, ``"deepspeed"``: its ``fp16`` config section,
+        ``"megatron"``), built by the classmethod of that name.
+
+        Args:
+            peer: the peer's name.
+            **arguments: the peer's own arguments; the others take its defaults.
+
+        Raises:
+            ValueError: an unknown peer, an argument the peer does not take (each with the closest name), or a
+                required one missing.
+            SettingsError: a bad value, named as the peer names it.
+        """
+        row = PEERS.get(peer) if isinstance(peer, str) else None
+        if row is None:
+            close = difflib.get_close_matches(str(peer), list(PEERS), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"peer must be one of {', '.join(map(repr, PEERS))}; got {peer!r}{hint}")
+        problems = []
+        for name in arguments:
+            if name not in row.defaults:
+                close = difflib.get_close_matches(name, list(row.defaults), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                problems.append(
+                    (name, f"{peer}'s scaler has no argument {name!r}{hint}; it takes {', '.join(row.defaults)}")
+                )
+        problems += [
+            (name, f"{peer}'s scaler requires {name} (e.g. {row[name]!r}, its command line's default)")
+            for name in row.required
+            if name not in arguments
+        ]
+        if problems:
+            raise SettingsError(problems)
+        build: Any = getattr(cls, peer)
+        return build(**arguments)  # type: ignore[no-any-return]
+
+    @classmethod
     def _build(cls, problems: list[tuple[str, str]], derived: set[str], **values: Any) -> ScalerSettings:
         """Construct, reporting the dialect's own ``problems`` together with those of the values. A value in
         ``derived`` was not given but follows another (``init_scale`` defaults to the maximum): a problem it has
