@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from dls.settings import ScalerSettings, SettingsError
+from dls.settings import DEEPSPEED, ScalerSettings, SettingsError
 
 # Arguments of GradScaler that are not settings: where the scaler runs, and torch's name for the growth interval
 # in the Cerebras dialect (and the reverse).
@@ -170,17 +170,10 @@ def is_available(device: torch.device) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- DeepSpeed
-# DeepSpeed's fp16 section (deepspeed.runtime.precision_config.DeepSpeedFP16Config): the keys of the loss scaler,
-# with DeepSpeed's defaults, and those that configure something else.
-DEEPSPEED_DEFAULTS: dict[str, Any] = {
-    "enabled": False,
-    "loss_scale": 0,
-    "initial_scale_power": 16,
-    "loss_scale_window": 1000,
-    "hysteresis": 2,
-    "consecutive_hysteresis": False,
-    "min_loss_scale": 1,
-}
+# DeepSpeed's fp16 section (deepspeed.runtime.precision_config.DeepSpeedFP16Config): its switch (off by default in
+# DeepSpeed), the keys of the loss scaler (their defaults: DeepSpeed's row of dls.policy.PEERS), and those that
+# configure something else.
+DEEPSPEED_DEFAULTS: dict[str, Any] = {"enabled": False, **DEEPSPEED.defaults}
 DEEPSPEED_OTHER_KEYS = ("auto_cast", "fp16_master_weights_and_grads")
 
 

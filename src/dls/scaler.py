@@ -32,10 +32,10 @@ import torch.distributed as dist
 
 from dls import distributed, kernels, sync_free
 from dls.arguments import device_kind, is_available, parse_device, read_arguments
+from dls.checks import count_problem, flag_problem, limit_problem, python_number
 from dls.loss_scale import LossScale
-from dls.policy import count_problem, flag_problem, limit_problem, python_number
-from dls.scaler_state import STATE_KEYS, TORCH_KEYS, parse_state_dict, to_state_dict
-from dls.settings import DEFAULT_STEPS_PER_INCREASE, GROWTH_OFFSET, TORCH_INIT_SCALE, ScalerSettings, interval_name
+from dls.scaler_state import TORCH_KEYS, parse_state_dict, state_keys, to_state_dict
+from dls.settings import MEGATRON, ScalerSettings, interval_name
 
 if TYPE_CHECKING:
     from dls.diagnostics.record import Recorder
@@ -298,10 +298,10 @@ class GradScaler:
     def __init__(
         self,
         device: str | torch.device = "cuda",
-        init_scale: float = TORCH_INIT_SCALE,
+        init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
-        growth_interval: int = DEFAULT_STEPS_PER_INCREASE,
+        growth_interval: int = 2000,
         enabled: bool = True,
         *,
         loss_scale: str | float = "dynamic",
@@ -416,10 +416,10 @@ class GradScaler:
         *,
         initial_scale: float,
         min_scale: float,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
+        growth_factor: float = MEGATRON["growth_factor"],
+        backoff_factor: float = MEGATRON["backoff_factor"],
+        growth_interval: int = MEGATRON["growth_interval"],
+        hysteresis: int = MEGATRON["hysteresis"],
     ) -> GradScaler:
         """A scaler that follows Megatron-LM's ``DynamicGradScaler(initial_scale, min_scale, growth_factor,
         backoff_factor, growth_interval, hysteresis)`` step by step, from its own arguments (the last four default
@@ -448,6 +448,22 @@ class GradScaler:
             hysteresis=hysteresis,
         )
         return cls.from_settings(settings, device=device)
+
+    @classmethod
+    def like(cls, peer: str, device: str | torch.device = "cuda", **arguments: Any) -> GradScaler:
+        """A scaler whose scale and skip decisions are ``peer``'s, step by step, configured with the peer's own
+        argument names and defaults: ``GradScaler.like("megatron", "cpu", initial_scale=2.0**16, min_scale=1.0)``.
+        The peers and what dls does differently: ``dls.policy.PEERS`` and the switching guide.
+
+        Args:
+            peer: ``"torch"``, ``"cerebras"``, ``"deepspeed"`` (its ``fp16`` config keys), ``"megatron"``.
+            device: where the scale lives (``"cpu"`` or a CUDA device).
+            **arguments: the peer's own constructor arguments.
+
+        Raises:
+            ValueError: an unknown peer or argument (with the closest name), or a bad value, named.
+        """
+        return cls.from_settings(ScalerSettings.like(peer, **arguments), device=device)
 
     def _setup(
         self,
@@ -524,7 +540,7 @@ class GradScaler:
 
     def get_scale_tensor(self) -> torch.Tensor:
         """The scale as a 0-dim float32 device tensor (no host sync), e.g. for logging inside compiled code."""
-        return self._scale.tensor
+        return self._scale.state.loss_scale
 
     def stage(self, optimizer: torch.optim.Optimizer) -> Stage:
         """Where ``optimizer`` is in the current iteration.
@@ -614,7 +630,7 @@ class GradScaler:
             new_interval: updates without a counted overflow before the scale grows (at least 2 in the Cerebras
                 and DeepSpeed dialects).
         """
-        offset = GROWTH_OFFSET.get(self._scale.settings.dialect, 0)
+        offset = self._scale.settings.growth_offset
         if problem := count_problem("new_interval", new_interval):
             raise ValueError(problem)
         interval = int(python_number(new_interval))  # type: ignore[arg-type]  # an integer: checked above
@@ -652,7 +668,7 @@ class GradScaler:
         def apply(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
                 if value.device not in cache:
-                    cache[value.device] = self._scale.tensor.to(value.device, non_blocking=True)
+                    cache[value.device] = self._scale.state.loss_scale.to(value.device, non_blocking=True)
                 if value.dtype in (torch.float16, torch.bfloat16):
                     value = value.float()
                 return value * cache[value.device]
@@ -727,7 +743,7 @@ class GradScaler:
         groups = self._tracker.grads(optimizer)
         devices = {d for d, _ in groups}
         found = kernels.zero_flags(devices)
-        run(groups, kernels.per_device(inv_scale, devices), found, self._scale.may_be_below_one)
+        run(groups, kernels.per_device(inv_scale, devices), found, self._scale.known.scale_may_be_below_one())
         return kernels.gather_flags(found, self._scale.device)
 
     def _unscale_and_check(self, optimizers: list[torch.optim.Optimizer], states: list[IterationState]) -> None:
@@ -806,7 +822,8 @@ class GradScaler:
         for groups, factor in parts:
             if groups and (factor is not one or max_norm is not None):
                 dtypes_max = min(torch.finfo(dtype).max for _, dtype in groups)
-                check = (max_norm is None and self._scale.may_be_below_one) or (max_norm or 0) >= dtypes_max / 2
+                below_one = max_norm is None and self._scale.known.scale_may_be_below_one()
+                check = below_one or (max_norm or 0) >= dtypes_max / 2
                 found = kernels.mul_and_raise(groups, factor * coef, found, check)
         return found, total_norm
 
@@ -908,7 +925,7 @@ class GradScaler:
         if state.stage is Stage.READY:
             # Only a read pass for the flag: the optimizer kernel divides by grad_scale while it updates.
             state.found_inf = self._check_scaled(optimizer)
-            grad_scale = self._scale.tensor
+            grad_scale = self._scale.state.loss_scale
         found_inf = state.found_inf
         assert found_inf is not None
         first_step = not self._tracker.has_stepped(optimizer)
@@ -934,7 +951,8 @@ class GradScaler:
             skipped = self._scale.read_flag(found_inf)
         state.skipped, self._tracker.last[optimizer] = skipped, state
         if skipped and watches:
-            self._reports.overflowed(watches, float(self._scale.tensor))  # the overflow path: one more read is fine
+            # The overflow path: one more read is fine.
+            self._reports.overflowed(watches, float(self._scale.state.loss_scale))
         return bool(skipped)
 
     def _step_unchecked(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -1054,7 +1072,7 @@ class GradScaler:
         found_inf = kernels.max_flag([s.found_inf for s in states])
         if self._recorder is not None:
             self._recorder.rule_step(found_inf)  # what the rule is about to see, on the device
-        self._scale.apply_rule(found_inf, known)
+        self._scale.update(found_inf, known)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -1084,7 +1102,7 @@ class GradScaler:
 
     def state_dict_keys(self) -> tuple[str, ...]:
         """Every key this scaler's state dict may hold (its own, torch's, registered ones)."""
-        return (*STATE_KEYS, "format_version", *TORCH_KEYS, *self._extra_state)
+        return (*state_keys(self._scale.settings), "format_version", *TORCH_KEYS, *self._extra_state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dls or a ``torch.amp.GradScaler`` state dict: keys present replace, missing keys keep their

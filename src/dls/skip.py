@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from dls.policy import flag_problem
+from dls.checks import flag_problem
 from dls.scaler import GradScaler
 
 _T = TypeVar("_T")

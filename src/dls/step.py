@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from dls.policy import limit_problem, python_number
+from dls.checks import limit_problem, python_number
 from dls.scaler import GradScaler, Stage, optimizer_list
 
 

@@ -69,8 +69,8 @@ import torch
 from torch import nn
 
 from dls import formats, kernels
+from dls.checks import count_problem
 from dls.keep import unwrap
-from dls.policy import count_problem
 
 if TYPE_CHECKING:
     from dls.scaler import GradScaler

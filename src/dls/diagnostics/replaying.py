@@ -42,9 +42,10 @@ from typing import Any
 import torch
 
 from dls import formats
+from dls.checks import FLOAT32_MAX, FLOAT32_TINY
 from dls.diagnostics.record import Trace
 from dls.loss_scale import LossScale
-from dls.policy import FLOAT32_MAX, FLOAT32_TINY, ScaleState
+from dls.policy import ScaleState
 from dls.scaler_state import parse_state_dict
 from dls.settings import ScalerSettings, SettingsError
 

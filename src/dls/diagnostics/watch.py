@@ -54,11 +54,11 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dls import distributed
+from dls.checks import flag_problem
 from dls.diagnostics.fallback import Fallback, KeptState
 from dls.diagnostics.scales import module_label, pow2
 from dls.handles import Removable
 from dls.keep import KeptInFloat32, resolve_modules, unwrap
-from dls.policy import flag_problem
 
 __all__ = ["NonFiniteGradient", "OverflowReport", "OverflowWatch"]
 

@@ -34,9 +34,9 @@ import torch
 import yaml
 
 import dls.fp8
+from dls.checks import shown
 from dls.diagnostics.record import TRACE_FILE
 from dls.diagnostics.scales import pow2
-from dls.policy import shown
 from dls.scaler_state import parse_state_dict
 from dls.train.config import CHECKPOINT_STATES, SCALER_KEYS, loss_scaling_mode, parse_config, scaler_settings
 from dls.train.errors import CheckpointError, ConfigError, ModelDirError, is_out_of_memory
