@@ -233,33 +233,66 @@ def jmp_modules() -> tuple[Any, Any, Any]:
 class JmpRun:
     """jmp's ``DynamicLossScale(loss_scale, **kwargs)`` as a JAX training step uses it: ``scale`` the loss,
     ``unscale`` the gradients, ``all_finite``, ``adjust``, and the update selected away (``select_tree``) where they
-    were not finite. ``jit=True`` runs the step under ``jax.jit`` with the scaler passed in and out, the way a
-    training step is written: jmp's pytree flattening then drops ``min_loss_scale`` (it comes back as 1)."""
+    were not finite. ``mode``: ``"eager"`` (op by op); ``"jit"`` (the step under ``jax.jit``, the scaler rebuilt
+    inside from its leaves with its other fields as constants: fast, the same code); ``"pytree"`` (the scaler itself
+    passed into and out of a jitted step, as training steps are written: jmp's pytree flattening then drops
+    ``min_loss_scale``, which comes back as 1)."""
 
-    def __init__(self, loss_scale: float, jit: bool = False, **kwargs: Any) -> None:
-        jax, jnp, jmp = jmp_modules()
-        for key in ("min_loss_scale",):
-            if key in kwargs:
-                kwargs[key] = jnp.asarray(kwargs[key], jnp.float32)
+    def __init__(self, loss_scale: float, mode: str = "jit", **kwargs: Any) -> None:
+        _, jnp, jmp = jmp_modules()
+        if "min_loss_scale" in kwargs:
+            kwargs["min_loss_scale"] = jnp.asarray(kwargs["min_loss_scale"], jnp.float32)
         if "counter" in kwargs:
             kwargs["counter"] = jnp.asarray(kwargs["counter"], jnp.int32)
         self.scaler = jmp.DynamicLossScale(jnp.asarray(loss_scale, jnp.float32), **kwargs)
-        self._step = jax.jit(_jmp_step) if jit else _jmp_step
+        self.leaves = (self.scaler.loss_scale, self.scaler.counter)  # the scaler's state, in every mode
+        self.mode = mode
+        if mode == "jit":
+            s = self.scaler
+            fields = (jnp.asarray(s.period, jnp.int32), jnp.asarray(s.factor), s.min_loss_scale)
+            self._leaf_step = functools.partial(_jmp_leaf_step(), period=fields[0], factor=fields[1], floor=fields[2])
+        else:
+            self._step = {"eager": _jmp_step, "pytree": _jmp_jitted_step()}[mode]
 
     def step(self, m: float) -> Step:
         _, jnp, _ = jmp_modules()
-        used = float(self.scaler.loss_scale)
-        self.scaler, finite = self._step(self.scaler, jnp.asarray([half(m, used)], jnp.float16))
-        return used, not bool(finite), float(self.scaler.loss_scale)
+        used = float(self.leaves[0])
+        grads = jnp.asarray([half(m, used)], jnp.float16)
+        if self.mode == "jit":  # (building the dataclass on the host each step would cost milliseconds)
+            *leaves, finite = self._leaf_step(*self.leaves, grads)
+        else:
+            self.scaler, finite = self._step(self.scaler, grads)
+            leaves = [self.scaler.loss_scale, self.scaler.counter]
+        self.leaves = (leaves[0], leaves[1])
+        return used, not bool(finite), float(self.leaves[0])
 
     def saved(self) -> dict[str, Any]:
-        return {"loss_scale": float(self.scaler.loss_scale), "counter": int(self.scaler.counter)}
+        """The scaler's pytree leaves, as a checkpoint of a JAX train state holds them (jax arrays)."""
+        return {"loss_scale": self.leaves[0], "counter": self.leaves[1]}
 
 
 def _jmp_step(loss_scale: Any, grads: Any) -> tuple[Any, Any]:
     _, _, jmp = jmp_modules()
     finite = jmp.all_finite(loss_scale.unscale(grads))
     return loss_scale.adjust(finite), finite
+
+
+@functools.cache
+def _jmp_jitted_step() -> Any:
+    jax, _, _ = jmp_modules()
+    return jax.jit(_jmp_step)
+
+
+@functools.cache
+def _jmp_leaf_step() -> Any:
+    """One jitted step for every setting: the period, factor and floor are arguments (traced), so it compiles once."""
+    jax, _, jmp = jmp_modules()
+
+    def step(scale: Any, counter: Any, grads: Any, period: Any, factor: Any, floor: Any) -> tuple[Any, Any, Any]:
+        adjusted, finite = _jmp_step(jmp.DynamicLossScale(scale, counter, period, factor, floor), grads)
+        return adjusted.loss_scale, adjusted.counter, finite
+
+    return jax.jit(step)
 
 
 # ---------------------------------------------------------------------------------------------------------- Keras
@@ -332,3 +365,61 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 def in_float32(scale: float) -> bool:
     """Whether dls can hold ``scale``: a normal float32 (2**-126 to float32's max)."""
     return FLOAT32_TINY <= scale <= FLOAT32_MAX and not math.isnan(scale)
+
+
+# ------------------------------------------------------------------------------------------- dls on the same steps
+class DlsRule:
+    """dls's rule for ``settings`` as ``GradScaler.update`` runs it (``dls.loss_scale.LossScale``: the rule with its
+    host-side bounds, through the known-clean path where the host knows the flag, ``host_knows``), on the same
+    gradients: ``step(m) -> (scale used, skipped, scale after)``."""
+
+    def __init__(self, settings: Any, host_knows: bool = True) -> None:
+        from dls.loss_scale import LossScale
+
+        self.scale = LossScale(settings, torch.device("cpu"))
+        self.host_knows = host_knows
+
+    def step(self, m: float) -> Step:
+        used = float(self.scale.state.loss_scale)
+        overflow = not math.isfinite(half(m, used))
+        self.scale.update(torch.tensor(float(overflow)), overflow if self.host_knows else None)
+        return used, overflow, float(self.scale.state.loss_scale)
+
+
+class DlsScaler:
+    """A ``dls.GradScaler`` stepping a float16 parameter through its public API (``_peers.DlsRun``)."""
+
+    def __init__(self, scaler: Any) -> None:
+        from _peers import DlsRun
+
+        self.run = DlsRun(scaler)
+
+    def step(self, m: float) -> Step:
+        used = self.run.scaler.get_scale()
+        skipped, after = self.run.step(m)
+        return used, skipped, after
+
+
+def compare(peer: Any, ours: Any, trace: list[float], factor: float = 2.0) -> tuple[str, int]:
+    """Step ``peer`` and ``ours`` through ``trace``; every step must be the same (scale used, skip decision, scale
+    after) until the peer's scale leaves float32's normal range (``"top"``: dls dropped the growth; ``"bottom"``:
+    dls stays at its floor, 2**-126) or the peer stops training (``"stopped"``: dls skipped that step at the scale
+    it had), each asserted at the step where it happens; else ``"same"``. Returns the outcome and the number of
+    steps that were the same."""
+    for i, m in enumerate(trace):
+        try:
+            theirs = peer.step(m)
+        except StoppedTraining:
+            used, skipped, after = ours.step(m)
+            assert skipped and after == used, (i, (used, skipped, after))
+            return "stopped", i
+        got = ours.step(m)
+        if not in_float32(theirs[2]):
+            assert got[:2] == theirs[:2], (i, theirs, got)
+            if theirs[2] > FLOAT32_MAX:
+                assert not got[1] and got[2] == got[0] and got[0] * factor > FLOAT32_MAX, (i, theirs, got)
+                return "top", i
+            assert got[2] == FLOAT32_TINY, (i, theirs, got)
+            return "bottom", i
+        assert got == theirs, (i, theirs, got, trace[max(0, i - 12) : i + 1])
+    return "same", len(trace)

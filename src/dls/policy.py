@@ -38,6 +38,26 @@ The growth timing is each peer's own, set by its row of ``PEERS`` (``growth_offs
 With ``hysteresis=1``, no tolerance and torch's timing this is torch.amp's rule plus the clamps. A static scale
 (``StaticRule``) only counts the skipped steps.
 
+The field's other peers (rows of ``PEERS``; their arguments' meaning in ``dls.settings.ScalerSettings.<name>``),
+read in their code (where their documentation says otherwise, the code is followed):
+
+* Keras 3's ``LossScaleOptimizer`` (keras 3.15.1, ``keras/src/optimizers/loss_scale_optimizer.py:213-244``): this
+  rule with torch's timing (``step_counter == dynamic_growth_steps - 1`` grows), factors 2 and 0.5, no bounds;
+* Apex amp's ``LossScaler`` (tag 25.05, ``apex/amp/scaler.py:38-52`` and ``197-217``): torch's timing
+  (``_unskipped == scale_window``), x2 and /2 whatever ``scale_factor`` says, ``max_loss_scale`` (2**24) and an
+  optional ``min_loss_scale``, the start clamped to the maximum;
+* Apex fp16_utils' ``DynamicLossScaler`` (tag 25.05, ``apex/fp16_utils/loss_scaler.py:115-123``): it grows when
+  ``(cur_iter - last_overflow_iter) % scale_window == 0``, which is torch's timing, and backs off to
+  ``max(scale / scale_factor, 1)``: the floor 1;
+* ColossalAI's ``DynamicGradScaler`` (0.5.0, ``colossalai/amp/naive_amp/grad_scaler/dynamic_grad_scaler.py:78-115``):
+  its hysteresis count (up from 0 at each overflow, a back-off at every overflow once it reaches ``hysteresis``,
+  reset only by a growth) is this rule's budget ``hysteresis - count``; torch's timing; scales and factors are
+  float32 tensors, and rounded so here;
+* jmp's ``DynamicLossScale.adjust`` (0.0.4, ``jmp/_src/loss_scale.py:149-174``): it grows when ``counter ==
+  period - 1`` (torch's timing, the counter reset by an overflow), drops a growth to inf (``first_finite``) and backs
+  off to ``max(min_loss_scale, scale / factor)``;
+* fairseq (``FairseqRule``) and MXNet (``MxnetRule``) have rules of their own.
+
 What every rule offers the scaler (``Rule``): ``initial_state``, ``update_`` (the rule written into the state's
 buffers, so that CUDA graphs that captured them see the new values; ``known_clean`` leaves out what an update whose
 flag the host knows to be clean cannot change) and ``normalise_`` (counters loaded from elsewhere brought within
@@ -300,6 +320,170 @@ class DynamicRule:
         return min(low, self.max_loss_scale)
 
 
+class FairseqState(NamedTuple):
+    """The state of ``FairseqRule``: the scale (float32), the skip count, and fairseq's three counts (int64)."""
+
+    loss_scale: torch.Tensor
+    non_clamped_scale: torch.Tensor  # the scale without the floors: below the scale where fairseq would stop
+    num_skipped_steps: torch.Tensor
+    steps_since_rescale: torch.Tensor  # updates since the last overflow or growth, modulo the window
+    iterations_since_rescale: torch.Tensor  # updates since the last back-off or growth: fairseq's denominator
+    overflows_since_rescale: torch.Tensor  # overflows since the last back-off (a growth keeps them)
+
+
+@dataclass(frozen=True)
+class FairseqRule:
+    """fairseq's ``DynamicLossScaler`` (fairseq 0.12.2, ``fairseq/optim/dynamic_loss_scaler.py``:
+        ``check_overflow`` lines 42-70, called by ``FP16Optimizer.clip_grad_norm`` on every step; ``update`` lines
+        31-35, called by ``FP16Optimizer.step`` after an applied step), once per ``update()``:
+
+            iterations += 1                                     # fairseq's _iter - _last_rescale_iter
+            if f:                                               # every overflow is skipped (OverflowError)
+                overflows += 1;  steps = 0                      # _last_overflow_iter = _iter: growth counts anew
+                if overflows / iterations >= tolerance:         # float64, >= (0.0: every overflow backs off)
+                    new = max(scale / factor, threshold)        # _decrease_loss_scale (threshold: if given)
+                    iterations = overflows = 0                  # _last_rescale_iter = _iter
+                    if new > stop_loss_scale: scale = new       # fairseq's min_loss_scale: at or below it fairseq
+                                                                #   puts the scale back and raises FloatingPointError
+            else:
+                steps += 1
+                if steps == window:                             # (_iter - _last_overflow_iter) % window == 0
+                    scale *= factor;  steps = 0;  iterations = 0    # _last_rescale_iter = _iter; overflows kept
+
+    ``threshold`` is ``min_loss_scale`` (``FLOAT32_TINY`` where fairseq sets none), ``window`` the
+    ``growth_interval``, ``factor`` the ``growth_factor`` (the back-off divides by it, in float64, rounded once to
+    float32). Where fairseq stops training, dls skips the step at the scale fairseq put back and goes on;
+    ``non_clamped_scale`` is then the back-off it did not make, below the scale (``GradScaler.get_non_clamped_scale``:
+    the trainer's ``max_overflows_at_min_loss_scale`` counts such steps). Growth past float32's maximum (fairseq's
+    Python float goes on) is dropped, its count restarted.
+    """
+
+    growth_interval: int = 2000
+    growth_factor: float = 2.0
+    overflow_tolerance: float = 0.0
+    min_loss_scale: float = FLOAT32_TINY
+    max_loss_scale: float = FLOAT32_MAX
+    stop_loss_scale: float = 1e-4
+    State: ClassVar[type[FairseqState]] = FairseqState
+    steps_after_growth: ClassVar[int] = 0  # a growth restarts the count at 0 (torch's timing)
+
+    @classmethod
+    def from_settings(cls, settings: ScalerSettings) -> FairseqRule:
+        return cls(
+            growth_interval=settings.growth_interval,
+            growth_factor=settings.growth_factor,
+            overflow_tolerance=settings.overflow_tolerance,
+            min_loss_scale=settings.min_loss_scale,
+            max_loss_scale=settings.max_loss_scale,
+            stop_loss_scale=0.0 if settings.stop_loss_scale is None else settings.stop_loss_scale,
+        )
+
+    def initial_state(self, loss_scale: float, device: torch.device | str | None = None) -> FairseqState:
+        scale = torch.tensor(loss_scale, dtype=torch.float32, device=device)
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        return FairseqState(scale, scale.clone(), zero, zero.clone(), zero.clone(), zero.clone())
+
+    def update_(
+        self, state: FairseqState, found_inf: torch.Tensor, *, known_clean: bool = False, saturate: bool = True
+    ) -> None:
+        """The rule of the class docstring, in device ops (the whole rule whatever ``known_clean`` says)."""
+        s, f = state, found_inf > 0
+        scale = s.loss_scale.double()
+        s.iterations_since_rescale.add_(1)
+        s.overflows_since_rescale.add_(f)
+        fraction = s.overflows_since_rescale.double() / s.iterations_since_rescale.double()
+        backs_off = f & (fraction >= self.overflow_tolerance)
+        unfloored = torch.where(backs_off, scale / self.growth_factor, scale)
+        lower = unfloored.clamp(min=self.min_loss_scale)
+        new = torch.where(backs_off & (lower > self.stop_loss_scale), lower, scale)
+        s.steps_since_rescale.add_(1).masked_fill_(f, 0)
+        grows = s.steps_since_rescale == self.growth_interval
+        higher = scale * self.growth_factor
+        grown = grows & (higher <= self.max_loss_scale)
+        new = torch.where(grown, higher, new)
+        s.non_clamped_scale.copy_(torch.where(grown, higher, unfloored).clamp(max=self.max_loss_scale))
+        s.steps_since_rescale.masked_fill_(grows, 0)
+        s.iterations_since_rescale.masked_fill_(backs_off | grows, 0)
+        s.overflows_since_rescale.masked_fill_(backs_off, 0)
+        s.loss_scale.copy_(new.clamp(self.min_loss_scale, self.max_loss_scale))
+        _count_skip_(s.num_skipped_steps, f, saturate)
+
+    def normalise_(self, state: FairseqState) -> None:
+        state.steps_since_rescale.clamp_(max=self.growth_interval - 1)
+        for counter in (state.iterations_since_rescale, state.overflows_since_rescale):
+            counter.clamp_(max=INT64_MAX // 2)  # far from wrapping, and the fraction is unchanged in practice
+
+    def lowest_after(self, scale_at_least: float, known_clean: bool) -> float:
+        if known_clean:
+            return scale_at_least
+        return max(scale_at_least / self.growth_factor, self.min_loss_scale)
+
+
+class MxnetState(NamedTuple):
+    """The state of ``MxnetRule``: the scale in use (float32), the skip count, the clean steps counted towards growth
+    (int32) and the rescale MXNet has decided and commits at the next update (int64: -1 halve, 0, +1 double)."""
+
+    loss_scale: torch.Tensor
+    num_skipped_steps: torch.Tensor
+    steps_since_rescale: torch.Tensor
+    next_rescale: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MxnetRule:
+    """MXNet's AMP ``LossScaler`` (mxnet 1.9.1, ``mxnet/contrib/amp/loss_scaler.py``: ``has_overflow`` lines 45-68,
+        called by Gluon's ``Trainer._update``, which skips the step when it returns True), once per ``update()``:
+
+            scale = next                                        # line 57: commit the previous update's decision
+            if f:   next = scale / 2;  steps = 0                # the step is skipped
+            else:   steps += 1
+            if steps == window:                                 # window 2000
+                steps = 0;  next = min(max_loss_scale, scale * 2)   # max 2**24
+
+    So a new scale takes effect one update late: the step after an overflow still runs at the old scale, and a growth
+    decided at one update is committed at the next even if that one overflows (it then halves the grown scale). ``next``
+    is held as the decision (``next_rescale``: -1, 0, +1) and applied to the scale at the next update, where it is
+    clamped to ``[min_loss_scale, max_loss_scale]`` (MXNet has no floor: dls's is the smallest normal float32). MXNet's
+    constructor takes no arguments: 2**16, 2**24 and 2000 are its constants.
+    """
+
+    growth_interval: int = 2000
+    min_loss_scale: float = FLOAT32_TINY
+    max_loss_scale: float = 2.0**24
+    State: ClassVar[type[MxnetState]] = MxnetState
+    steps_after_growth: ClassVar[int] = 0  # a growth restarts the count at 0 (torch's timing)
+
+    @classmethod
+    def from_settings(cls, settings: ScalerSettings) -> MxnetRule:
+        return cls(settings.growth_interval, settings.min_loss_scale, settings.max_loss_scale)
+
+    def initial_state(self, loss_scale: float, device: torch.device | str | None = None) -> MxnetState:
+        scale = torch.tensor(loss_scale, dtype=torch.float32, device=device)
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        return MxnetState(scale, zero, torch.zeros((), dtype=torch.int32, device=device), zero.clone())
+
+    def update_(
+        self, state: MxnetState, found_inf: torch.Tensor, *, known_clean: bool = False, saturate: bool = True
+    ) -> None:
+        """The rule of the class docstring, in device ops (a clean update may commit a back-off: the whole rule
+        runs whatever ``known_clean`` says)."""
+        s, f = state, found_inf > 0
+        committed = torch.ldexp(s.loss_scale, s.next_rescale.to(torch.float32))  # exact: a power of two
+        s.loss_scale.copy_(committed.clamp(self.min_loss_scale, self.max_loss_scale))
+        s.steps_since_rescale.add_(1).masked_fill_(f, 0)
+        grows = s.steps_since_rescale == self.growth_interval
+        s.steps_since_rescale.masked_fill_(grows, 0)
+        s.next_rescale.copy_(grows.long() - f.long())  # -1 on an overflow (steps was reset: no growth), +1, 0
+        _count_skip_(s.num_skipped_steps, f, saturate)
+
+    def normalise_(self, state: MxnetState) -> None:
+        state.steps_since_rescale.clamp_(max=self.growth_interval - 1)
+        state.next_rescale.clamp_(min=-1, max=1)
+
+    def lowest_after(self, scale_at_least: float, known_clean: bool) -> float:
+        return max(scale_at_least / 2, self.min_loss_scale)  # a back-off decided before may be committed now
+
+
 # ------------------------------------------------------------------------------------------------ the peers
 REQUIRED = None  # in ``Peer.defaults``: an argument the peer's constructor requires (see ``Peer.required``)
 
@@ -322,6 +506,12 @@ class Peer:
         required: arguments the peer's constructor requires.
         when_none: what an argument whose default is ``None`` stands for, where that is a number (the bounds:
             ``min_loss_scale``, ``max_loss_scale``).
+        fixed: the values a peer fixes where others take arguments (MXNet's constructor takes none), by dls's
+            names (``init_scale``, ``steps_per_increase``).
+        constructor: the arguments of the peer's scaler class where ``defaults`` are its config's keys
+            (DeepSpeed's ``DynamicLossScaler``), with the values its config gives them; ``like`` takes either set.
+        state_arguments: arguments that set the scaler's starting state rather than its settings (jmp's
+            ``counter``): ``GradScaler.like`` loads them as the peer's saved state.
         rule: builds the rule of a ``ScalerSettings`` of this dialect (a dynamic one; a static scale is always
             ``StaticRule``).
     """
@@ -337,6 +527,9 @@ class Peer:
     cbfloat16_max_loss_scale: float | None = None
     required: tuple[str, ...] = ()
     when_none: Mapping[str, Any] = field(default_factory=dict)
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    constructor: Mapping[str, Any] = field(default_factory=dict)
+    state_arguments: tuple[str, ...] = ()
     rule: Callable[[ScalerSettings], Rule] = field(default=DynamicRule.from_settings)
 
     def __getitem__(self, argument: str) -> Any:
@@ -387,6 +580,19 @@ PEERS: dict[str, Peer] = {
             interval="loss_scale_window",
             growth_offset=1,  # the first growth after an overflow comes on the (window + 1)-th clean update
             steps_after_growth=1,
+            # DynamicLossScaler(init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis,
+            # raise_error_at_min_scale=True, dtype=torch.half) (deepspeed 0.19.8, runtime/fp16/loss_scaler.py:219-226;
+            # its docstring's "default=2**32" is not in the code: the first five are required), with what
+            # CreateLossScaler passes from the fp16 section's defaults.
+            constructor={
+                "init_scale": 2.0**16,
+                "scale_window": 1000,
+                "min_scale": 1,
+                "delayed_shift": 2,
+                "consecutive_hysteresis": False,
+                "raise_error_at_min_scale": True,
+                "dtype": torch.float16,
+            },
         ),
         Peer(
             "megatron",
@@ -401,6 +607,80 @@ PEERS: dict[str, Peer] = {
             },
             interval="growth_interval",
             required=("initial_scale", "min_scale"),  # the values above: --initial-loss-scale, --min-loss-scale
+        ),
+        # The field's others (issue 41). Each on DynamicRule unless it names its own rule; where its code is quoted,
+        # the file and lines are in the rule's docstring or ScalerSettings.<name>'s.
+        Peer(
+            "keras",
+            "Keras 3 LossScaleOptimizer: 2**15, x2 after 2000 clean steps, halve on overflow, no floor, no ceiling",
+            {"initial_scale": 2.0**15, "dynamic_growth_steps": 2000},
+            interval="dynamic_growth_steps",
+        ),
+        Peer(
+            "apex",
+            "NVIDIA Apex amp's LossScaler: 2**16, x2 after 2000 clean steps up to 2**24, halve on overflow",
+            {
+                "loss_scale": "dynamic",  # amp.initialize's O1/O2 default; LossScaler itself requires it
+                "init_scale": 2.0**16,
+                "scale_factor": 2.0,  # accepted and ignored, as in Apex (x2 and /2 are written out)
+                "scale_window": 2000,
+                "min_loss_scale": None,
+                "max_loss_scale": 2.0**24,
+            },
+            interval="scale_window",
+        ),
+        Peer(
+            "apex_fp16_utils",
+            "Apex fp16_utils' DynamicLossScaler: 2**32, x2 after 1000 clean steps, /2 on overflow, floor 1",
+            {"init_scale": 2.0**32, "scale_factor": 2.0, "scale_window": 1000},
+            interval="scale_window",
+            min_loss_scale=1.0,  # max(scale / scale_factor, 1), written out
+        ),
+        Peer(
+            "fairseq",
+            "fairseq's DynamicLossScaler: 2**15, x2 after 2000 clean steps, overflow tolerance, stops at 1e-4",
+            {
+                "init_scale": 2.0**15,
+                "scale_factor": 2.0,
+                "scale_window": 2000,
+                "tolerance": 0.0,
+                "threshold": None,
+                "min_loss_scale": 1e-4,
+            },
+            interval="scale_window",
+            rule=FairseqRule.from_settings,
+        ),
+        Peer(
+            "mxnet",
+            "MXNet AMP's LossScaler: 2**16, x2 after 2000 clean steps up to 2**24, each new scale one update late",
+            {},
+            interval="scale_seq_len",
+            max_loss_scale=2.0**24,
+            fixed={"init_scale": 2.0**16, "steps_per_increase": 2000},
+            rule=MxnetRule.from_settings,
+        ),
+        Peer(
+            "colossalai",
+            "ColossalAI's DynamicGradScaler: 2**16, x2 after 1000 clean steps, hysteresis 2 reset only by a growth",
+            {
+                "initial_scale": 2.0**16,
+                "growth_factor": 2.0,
+                "backoff_factor": 0.5,
+                "growth_interval": 1000,
+                "min_scale": None,
+                "max_scale": None,
+                "hysteresis": 2,
+                "verbose": False,
+            },
+            interval="growth_interval",
+        ),
+        Peer(
+            "jmp",
+            "jmp's DynamicLossScale: x2 after 2000 clean steps, halve on overflow, floor 1, growth to inf dropped",
+            {"loss_scale": 2.0**15, "counter": 0, "period": 2000, "factor": 2, "min_loss_scale": 1.0},
+            interval="period",
+            required=("loss_scale",),  # the value above: its docstring's example
+            state_arguments=("counter",),
         ),
     )
 }

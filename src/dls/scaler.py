@@ -34,6 +34,7 @@ from dls import distributed, kernels, sync_free
 from dls.arguments import device_kind, is_available, parse_device, read_arguments
 from dls.checks import count_problem, flag_problem, limit_problem, python_number
 from dls.loss_scale import LossScale
+from dls.policy import PEERS
 from dls.scaler_state import TORCH_KEYS, parse_state_dict, state_keys, to_state_dict
 from dls.settings import MEGATRON, ScalerSettings, interval_name
 
@@ -456,14 +457,23 @@ class GradScaler:
         The peers and what dls does differently: ``dls.policy.PEERS`` and the switching guide.
 
         Args:
-            peer: ``"torch"``, ``"cerebras"``, ``"deepspeed"`` (its ``fp16`` config keys), ``"megatron"``.
+            peer: ``"torch"``, ``"cerebras"``, ``"deepspeed"`` (its ``fp16`` config keys, or its
+                ``DynamicLossScaler``'s arguments), ``"megatron"``, ``"keras"``, ``"apex"``, ``"apex_fp16_utils"``,
+                ``"fairseq"``, ``"mxnet"``, ``"colossalai"``, ``"jmp"`` (``dls.settings.ScalerSettings.<peer>``
+                says what each argument means there).
             device: where the scale lives (``"cpu"`` or a CUDA device).
-            **arguments: the peer's own constructor arguments.
+            **arguments: the peer's own constructor arguments; those that set its starting state (jmp's
+                ``counter``) are loaded as the peer's saved state.
 
         Raises:
             ValueError: an unknown peer or argument (with the closest name), or a bad value, named.
         """
-        return cls.from_settings(ScalerSettings.like(peer, **arguments), device=device)
+        settings = ScalerSettings.like(peer, **arguments)  # every argument checked, the starting state's too
+        scaler = cls.from_settings(settings, device=device)
+        start = {name: arguments[name] for name in PEERS[peer].state_arguments if name in arguments}
+        if start:
+            scaler.load_state_dict(start)
+        return scaler
 
     def _setup(
         self,

@@ -62,8 +62,9 @@ DEEPSPEED_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresi
 DEEPSPEED_SETTINGS = ("scale_factor", "scale_window", "min_scale", "delayed_shift", "consecutive_hysteresis", "dynamic")
 DEEPSPEED_UNUSED = ("raise_error_at_min_scale", "dtype")
 DEEPSPEED_KEYS = (*DEEPSPEED_STATE, *DEEPSPEED_SETTINGS, *DEEPSPEED_UNUSED)
-# Smallest value of each counter as loaded (0 unless listed): Megatron's tracker has no floor.
-COUNTER_MIN = {"hysteresis_tracker": -INT64_MAX - 1}
+# Smallest value of each counter as loaded (0 unless listed): Megatron's tracker has no floor; MXNet's decided
+# rescale is -1, 0 or +1.
+COUNTER_MIN = {"hysteresis_tracker": -INT64_MAX - 1, "next_rescale": -1}
 # Largest value of each counter as stored: steps_since_rescale is int32 (torch's growth tracker), the others int64.
 COUNTER_MAX = {
     "steps_since_rescale": INT32_MAX,
@@ -71,6 +72,8 @@ COUNTER_MAX = {
     "num_skipped_steps": INT64_MAX,
     "hysteresis_tracker": INT32_MAX,
     "hysteresis_hits": INT32_MAX,
+    "iterations_since_rescale": INT64_MAX,  # fairseq's
+    "next_rescale": 1,  # MXNet's
 }
 
 
@@ -129,10 +132,7 @@ def parse_state_dict(
         raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled GradScaler.")
     own = (*state_keys(settings), "format_version", *TORCH_KEYS, *OLD_KEYS, *MEGATRON_KEYS, *extra)
     _check_keys(state_dict, (*own, *(key for keys, _ in SAVED_FORMATS.values() for key in keys)))
-    for keys, read in SAVED_FORMATS.values():
-        if any(key in keys for key in state_dict):
-            state_dict = read(state_dict, settings, label, own)
-            break
+    state_dict = _read_saved_format(state_dict, settings, label, own)
     if not apply_settings:
         state_dict = {
             k: v for k, v in state_dict.items() if k not in ("growth_factor", "backoff_factor", "growth_interval")
@@ -182,6 +182,17 @@ def parse_state_dict(
     if "hysteresis_tracker" in values:
         values["hysteresis_tracker"] = min(max(int(values["hysteresis_tracker"]), 1), settings.hysteresis)
     return Loaded(values, settings, clamped, extras)
+
+
+def _read_saved_format(
+    state_dict: dict[str, Any], settings: ScalerSettings, label: Callable[[str], str], own: tuple[str, ...]
+) -> dict[str, Any]:
+    """A peer's own saved state (``SAVED_FORMATS``) as dls's keys; any other dict as it is. The scaler's own peer's
+    format is tried first: Apex fp16_utils' attributes are a subset of DeepSpeed's names."""
+    for _, (keys, read) in sorted(SAVED_FORMATS.items(), key=lambda item: item[0] != settings.dialect):
+        if any(key in keys for key in state_dict):
+            return read(state_dict, settings, label, own)
+    return state_dict
 
 
 def _check_keys(state_dict: dict[Any, Any], allowed: tuple[str, ...]) -> None:
@@ -273,10 +284,189 @@ def _from_deepspeed(
     return out
 
 
+def _only_for(settings: ScalerSettings, dialect: str, what: str) -> None:
+    """A peer's counters mean what they mean under its own rule: only a scaler of ``dialect`` continues them."""
+    if settings.dialect != dialect:
+        raise ValueError(
+            f"state_dict holds {what}, which only a scaler built with GradScaler.like({dialect!r}, ...) can continue "
+            f"(this one speaks the {settings.dialect} dialect); to carry the scale alone, load {{'loss_scale': ...}}"
+        )
+
+
+def _only_keys(state_dict: dict[str, Any], allowed: tuple[str, ...], what: str) -> None:
+    other = sorted(str(key) for key in state_dict if key not in allowed)
+    if other:
+        raise ValueError(
+            f"state_dict mixes {what} ({', '.join(allowed)}) with other keys {other}: give one or the other"
+        )
+
+
+def _plain_number(key: str, value: Any, label: Callable[[str], str]) -> float:
+    """A number a peer saved: a Python or NumPy number, a 1-element tensor, or an array of another library with
+    shape ``()`` and ``item()`` (a jax or Keras value)."""
+    if not isinstance(value, torch.Tensor) and getattr(value, "shape", None) == () and hasattr(value, "item"):
+        value = value.item()
+    return _number(key, value, label)
+
+
+def _counter(key: str, value: Any, label: Callable[[str], str], ours: str = "steps_since_rescale") -> int:
+    number = _plain_number(key, value, label)
+    _check_counter(key, ours, number, label)
+    return int(number)
+
+
+def _positive_scale(key: str, value: Any, label: Callable[[str], str]) -> float:
+    scale = _plain_number(key, value, label)
+    if not (_finite(scale) and scale > 0):
+        raise ValueError(f"{label(key)} must be a positive finite number; got {shown(scale)}")
+    return scale
+
+
+APEX_KEYS = ("loss_scale", "unskipped")
+
+
+def _from_apex(
+    state_dict: dict[str, Any], settings: ScalerSettings, label: Callable[[str], str], own: tuple[str, ...]
+) -> dict[str, Any]:
+    """Apex amp's loss scaler state as ``amp.state_dict()`` saves it (``{'loss_scaler0': {'loss_scale': ...,
+    'unskipped': ...}}``, apex/amp/frontend.py:365-374 at tag 25.05) or that inner dict: its ``unskipped`` is the
+    count of clean steps towards growth (``steps_since_rescale``)."""
+    if "loss_scaler0" in state_dict:
+        _only_keys(state_dict, ("loss_scaler0",), "amp.state_dict()'s loss scaler entry")
+        inner = state_dict["loss_scaler0"]
+        if not isinstance(inner, dict):
+            raise ValueError(
+                f"{label('loss_scaler0')} must be a dict of 'loss_scale' and 'unskipped'; got {shown(inner)}"
+            )
+        state_dict = inner
+
+        def label(key: str) -> str:
+            return f"state_dict['loss_scaler0'][{key!r}]"
+
+    _only_keys(state_dict, APEX_KEYS, "Apex amp's loss scaler state")
+    _only_for(settings, "apex", "Apex amp's loss scaler state ('unskipped')")
+    out: dict[str, Any] = {}
+    if "loss_scale" in state_dict:
+        out["loss_scale"] = _positive_scale("loss_scale", state_dict["loss_scale"], label)
+    if "unskipped" in state_dict:
+        out["steps_since_rescale"] = _counter("unskipped", state_dict["unskipped"], label)
+    return out
+
+
+APEX_FP16_UTILS_KEYS = ("cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window")
+
+
+def _from_apex_fp16_utils(
+    state_dict: dict[str, Any], settings: ScalerSettings, label: Callable[[str], str], own: tuple[str, ...]
+) -> dict[str, Any]:
+    """Apex fp16_utils' ``DynamicLossScaler`` as the dict of its attributes (``vars(loss_scaler)``): it grows when
+    ``(cur_iter - last_overflow_iter) % scale_window == 0``, so ``steps_since_rescale`` is ``(cur_iter -
+    last_overflow_iter - 1) % scale_window``; the settings it holds must be this scaler's."""
+    _only_keys(state_dict, APEX_FP16_UTILS_KEYS, "Apex fp16_utils' DynamicLossScaler attributes")
+    for key, want in (("scale_factor", settings.growth_factor), ("scale_window", settings.steps_per_increase)):
+        if key in state_dict and python_number(state_dict[key]) != want:
+            raise ValueError(
+                f"{label(key)} is {state_dict[key]!r}, this scaler's {key} is {want!r}: build the scaler with "
+                "GradScaler.like('apex_fp16_utils', ...) as the run's DynamicLossScaler was"
+            )
+    out: dict[str, Any] = {}
+    if "cur_scale" in state_dict:
+        out["loss_scale"] = _positive_scale("cur_scale", state_dict["cur_scale"], label)
+    given = [key for key in ("cur_iter", "last_overflow_iter") if key in state_dict]
+    if len(given) == 1:
+        raise ValueError(f"state_dict has {given[0]!r} alone: give cur_iter and last_overflow_iter together")
+    if given:
+        cur, last = (_plain_number(key, state_dict[key], label) for key in ("cur_iter", "last_overflow_iter"))
+        for key, number in (("cur_iter", cur), ("last_overflow_iter", last)):
+            if not (_integral(number) and -1 <= number < 2**63):
+                raise ValueError(f"{label(key)} must be an integer from -1 to 2**63 - 1; got {shown(number)}")
+        if last >= cur:
+            raise ValueError(f"{label('last_overflow_iter')} ({last!r}) must be below {label('cur_iter')} ({cur!r})")
+        out["steps_since_rescale"] = (int(cur) - int(last) - 1) % settings.steps_per_increase
+    return out
+
+
+COLOSSALAI_KEYS = ("hysteresis",)  # with torch's names scale, growth_factor, backoff_factor
+
+
+def _from_colossalai(
+    state_dict: dict[str, Any], settings: ScalerSettings, label: Callable[[str], str], own: tuple[str, ...]
+) -> dict[str, Any]:
+    """ColossalAI's ``DynamicGradScaler.state_dict()``: ``scale`` (a 1-element float32 tensor), ``growth_factor``,
+    ``backoff_factor`` and ``hysteresis`` (no counters: they start afresh, as in ColossalAI's ``load_state_dict``).
+    The factors apply, as there (rounded to float32, as it holds them); the hysteresis must be this scaler's."""
+    _only_keys(state_dict, ("scale", "growth_factor", "backoff_factor", "hysteresis"), "ColossalAI's state_dict")
+    _only_for(settings, "colossalai", "ColossalAI's DynamicGradScaler state ('hysteresis')")
+    given = _plain_number("hysteresis", state_dict["hysteresis"], label)
+    if not (_integral(given) and given >= 0):
+        raise ValueError(f"{label('hysteresis')} must be an integer from 0 (which acts as 1); got {shown(given)}")
+    if max(int(given), 1) != settings.hysteresis:
+        raise ValueError(
+            f"{label('hysteresis')} is {given!r}, this scaler's hysteresis is {settings.hysteresis!r}: build the "
+            "scaler with GradScaler.like('colossalai', hysteresis=...) as the run's DynamicGradScaler was"
+        )
+    out: dict[str, Any] = {}
+    if "scale" in state_dict:
+        out["loss_scale"] = _positive_scale("scale", state_dict["scale"], label)
+    for key in ("growth_factor", "backoff_factor"):
+        if key in state_dict:
+            factor = _plain_number(key, state_dict[key], label)
+            out[key] = float(torch.tensor(float(factor), dtype=torch.float32)) if _finite(factor) else factor
+    return out
+
+
+JMP_KEYS = ("counter",)  # with loss_scale
+
+
+def _from_jmp(
+    state_dict: dict[str, Any], settings: ScalerSettings, label: Callable[[str], str], own: tuple[str, ...]
+) -> dict[str, Any]:
+    """jmp's ``DynamicLossScale`` as its pytree leaves: ``loss_scale`` and ``counter`` (jax arrays or numbers; jmp
+    saves nothing else: its ``min_loss_scale`` is not a leaf). ``counter`` counts towards the next growth, which
+    comes when it is ``period - 1``: it must be below ``period``."""
+    _only_keys(state_dict, ("loss_scale", "counter"), "jmp's DynamicLossScale leaves")
+    _only_for(settings, "jmp", "jmp's DynamicLossScale counter")
+    out: dict[str, Any] = {}
+    if "loss_scale" in state_dict:
+        out["loss_scale"] = _positive_scale("loss_scale", state_dict["loss_scale"], label)
+    if "counter" in state_dict:
+        counter = _counter("counter", state_dict["counter"], label)
+        if counter >= settings.steps_per_increase:
+            raise ValueError(
+                f"{label('counter')} must be below this scaler's period ({settings.steps_per_increase}); got {counter}"
+            )
+        out["steps_since_rescale"] = counter
+    return out
+
+
+KERAS_KEYS = ("dynamic_scale", "step_counter")
+
+
+def _from_keras(
+    state_dict: dict[str, Any], settings: ScalerSettings, label: Callable[[str], str], own: tuple[str, ...]
+) -> dict[str, Any]:
+    """Keras' ``LossScaleOptimizer`` variables ``dynamic_scale`` and ``step_counter`` (their values: NumPy or
+    backend scalars), as its saved optimizer variables hold them."""
+    _only_keys(state_dict, KERAS_KEYS, "Keras' LossScaleOptimizer variables")
+    _only_for(settings, "keras", "Keras' LossScaleOptimizer variables")
+    out: dict[str, Any] = {}
+    if "dynamic_scale" in state_dict:
+        out["loss_scale"] = _positive_scale("dynamic_scale", state_dict["dynamic_scale"], label)
+    if "step_counter" in state_dict:
+        out["steps_since_rescale"] = _counter("step_counter", state_dict["step_counter"], label)
+    return out
+
+
 # The peers' own saved states, read as they save them: the keys that tell each apart, and its reader into dls's keys
-# (checked against the scaler's settings, named as given). Megatron-LM's is dls's under other names (SAME_VALUE).
+# (checked against the scaler's settings, named as given). Megatron-LM's is dls's under other names (SAME_VALUE);
+# fairseq saves its scale alone, as dls's loss_scale (FP16Optimizer.state_dict()["loss_scale"]); MXNet saves nothing.
 SAVED_FORMATS: dict[str, tuple[tuple[str, ...], Callable[..., dict[str, Any]]]] = {
     "deepspeed": (DEEPSPEED_KEYS, _from_deepspeed),
+    "apex": (("unskipped", "loss_scaler0"), _from_apex),
+    "apex_fp16_utils": (APEX_FP16_UTILS_KEYS, _from_apex_fp16_utils),
+    "colossalai": (COLOSSALAI_KEYS, _from_colossalai),
+    "jmp": (JMP_KEYS, _from_jmp),
+    "keras": (KERAS_KEYS, _from_keras),
 }
 
 
