@@ -643,3 +643,88 @@ def test_like_takes_each_peers_own_arguments_and_defaults() -> None:
 def test_like_refuses_what_the_peer_cannot_mean_naming_its_argument(peer: str, kwargs: dict[str, Any], message: str):
     with pytest.raises(ValueError, match=message):
         dls.GradScaler.like(peer, "cpu", **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- the policy lab
+NEW_PEERS = ("keras", "apex", "apex_fp16_utils", "fairseq", "mxnet", "colossalai", "jmp")
+
+
+def test_the_policy_lab_replays_and_tunes_each_peer() -> None:
+    from dls.diagnostics.replaying import POLICIES, parse_policy, replay, tune
+    from test_record import record_run
+
+    trace, _ = record_run(dls.GradScaler("cpu", init_scale=2.0**16, growth_interval=5), 24, spikes={9: 1e30})
+    specs = [
+        "keras:dynamic_growth_steps=4",
+        "apex:scale_window=4,min_loss_scale=2**-2",
+        "apex_fp16_utils:scale_factor=4,scale_window=3",
+        "fairseq:tolerance=0.25,scale_window=4,threshold=2**-3",
+        "mxnet",
+        "colossalai:hysteresis=3,growth_interval=4",
+        "jmp:loss_scale=2**10,period=4",
+    ]
+    results = replay(trace, specs)
+    assert [r.policy.kind for r in results] == list(NEW_PEERS)
+    for r in results:
+        assert r.policy.settings == ScalerSettings.like(r.policy.kind, **r.policy.values)
+        assert r.final_scale is not None and r.skipped[0] <= r.skipped[2]
+    with pytest.raises(ValueError, match=r"policy 'jmp' has no key 'counter'"):  # a starting state, not a policy
+        parse_policy("jmp:counter=3")
+    with pytest.raises(ValueError, match=r"policy 'mxnet': 'x' is not key=value \(e\.g\. mxnet:key=\.\.\.\)"):
+        parse_policy("mxnet:x")
+    with pytest.raises(ValueError, match=r"policy 'fairseq': tolerance must be a number in \[0, 1\)"):
+        parse_policy("fairseq:tolerance=2")
+    result = tune(trace, ["fairseq", "mxnet"], max_underflow=None)
+    assert len(result.candidates) == len(list(itertools.product(*POLICIES["fairseq"].grid.values()))) + 1
+
+
+def test_the_config_lines_are_each_peers_own_and_build_the_same_scaler() -> None:
+    """Each peer's line, evaluated with its real code where it is here (Keras, jmp, ColossalAI, fairseq's flags as
+    FP16Optimizer passes them), holds the policy's values; dls's line builds the same rule."""
+    from dls.diagnostics.replaying import config_lines, parse_policy
+
+    keras = field.keras_module()
+    _, jnp, jmp = field.jmp_modules()
+    colossalai = field.colossalai_scaler()
+    specs = {
+        "keras": "keras:initial_scale=2**12,dynamic_growth_steps=500",
+        "apex": "apex:init_scale=2**12,scale_window=500,min_loss_scale=1",
+        "apex_fp16_utils": "apex_fp16_utils:init_scale=2**20,scale_factor=4,scale_window=250",
+        "fairseq": "fairseq:init_scale=128,scale_window=256,tolerance=0.25,threshold=2**-4,min_loss_scale=2**-8",
+        "mxnet": "mxnet",
+        "colossalai": "colossalai:initial_scale=2**12,growth_interval=500,hysteresis=3,min_scale=1,max_scale=2**30",
+        "jmp": "jmp:loss_scale=2**12,period=500,factor=4,min_loss_scale=2**-4",
+    }
+    for peer, spec in specs.items():
+        settings = parse_policy(spec).settings
+        lines = config_lines(settings)
+        built = eval(lines["dls"].replace('"cuda"', '"cpu"'), {"dls": dls})
+        assert built.settings == settings, peer
+        assert set(lines) == {"dls", {"keras": "Keras", "apex": "Apex", "apex_fp16_utils": "Apex fp16_utils",
+                                      "fairseq": "fairseq flags", "mxnet": "MXNet", "colossalai": "ColossalAI",
+                                      "jmp": "jmp"}[peer]}  # fmt: skip
+    optimizer = keras.optimizers.SGD()
+    own = eval(config_lines(parse_policy(specs["keras"]).settings)["Keras"], {"keras": keras, "optimizer": optimizer})
+    assert (own.initial_scale, own.dynamic_growth_steps) == (4096, 500)
+    own = eval(config_lines(parse_policy(specs["jmp"]).settings)["jmp"], {"jmp": jmp, "jnp": jnp})
+    assert (float(own.loss_scale), own.period, own.factor, float(own.min_loss_scale)) == (4096.0, 500, 4, 2.0**-4)
+    line = config_lines(parse_policy(specs["colossalai"]).settings)["ColossalAI"]
+    own = eval(line, {"DynamicGradScaler": colossalai.DynamicGradScaler})
+    assert (own.scale.item(), own._growth_interval, own._hysteresis) == (4096.0, 500, 3)
+    assert (own._min_scale.item(), own._max_scale.item()) == (1.0, 2.0**30)
+    flags = config_lines(parse_policy(specs["fairseq"]).settings)["fairseq flags"].split()
+    value = {flags[i]: flags[i + 1] for i in range(1, len(flags), 2)}
+    scaler = field.fairseq_scaler().DynamicLossScaler(  # as FP16Optimizer builds it from these flags
+        init_scale=int(value["--fp16-init-scale"]),
+        scale_window=int(value["--fp16-scale-window"]),
+        tolerance=float(value["--fp16-scale-tolerance"]),
+        threshold=float(value["--threshold-loss-scale"]),
+        min_loss_scale=float(value["--min-loss-scale"]),
+    )
+    assert (scaler.loss_scale, scaler.scale_window, scaler.tolerance, scaler.threshold, scaler.min_loss_scale) == (
+        128,
+        256,
+        0.25,
+        2.0**-4,
+        2.0**-8,
+    )

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -45,7 +46,7 @@ from dls import formats
 from dls.checks import FLOAT32_MAX, FLOAT32_TINY
 from dls.diagnostics.record import Trace
 from dls.loss_scale import LossScale
-from dls.policy import ScaleState
+from dls.policy import PEERS, ScaleState
 from dls.scaler_state import parse_state_dict
 from dls.settings import ScalerSettings, SettingsError
 
@@ -108,6 +109,10 @@ def _deepspeed(v: dict[str, Any], half: str) -> ScalerSettings:
     return GradScaler.from_deepspeed({"enabled": True, "loss_scale": 0, **v}, device="cpu").settings
 
 
+def _like(name: str, v: dict[str, Any], half: str) -> ScalerSettings:
+    return ScalerSettings.like(name, **v)  # the field's peers scale float16 (their defaults are float16's)
+
+
 def _static(v: dict[str, Any], half: str) -> ScalerSettings:
     return ScalerSettings.torch(loss_scale=v["loss_scale"], half_dtype=half)
 
@@ -167,6 +172,34 @@ POLICIES: dict[str, PolicyKind] = {
             },
             _deepspeed,
             {"initial_scale_power": (12, 16, 24, 32), "loss_scale_window": (250, 500, 1000), "hysteresis": (1, 2, 4)},
+        ),
+        *(
+            PolicyKind(
+                name,
+                PEERS[name].summary,
+                {k: v for k, v in PEERS[name].defaults.items() if k not in PEERS[name].state_arguments},
+                functools.partial(_like, name),
+                grid,
+            )
+            for name, grid in (
+                ("keras", {"initial_scale": POWERS, "dynamic_growth_steps": (100, 250, 500, 1000, 2000)}),
+                ("apex", {"init_scale": POWERS, "scale_window": (100, 250, 500, 1000, 2000)}),
+                ("apex_fp16_utils", {"init_scale": (2.0**16, 2.0**24, 2.0**32), "scale_window": (250, 500, 1000)}),
+                (
+                    "fairseq",
+                    {"init_scale": (2.0**7, 2.0**15), "scale_window": (128, 512, 2000), "tolerance": (0.0, 0.05, 0.25)},
+                ),
+                ("mxnet", {}),
+                (
+                    "colossalai",
+                    {
+                        "initial_scale": (2.0**16, 2.0**24, 2.0**32),
+                        "growth_interval": (250, 500, 1000),
+                        "hysteresis": (1, 2, 4),
+                    },
+                ),
+                ("jmp", {"loss_scale": POWERS, "period": (100, 250, 500, 1000, 2000)}),
+            )
         ),
         PolicyKind(
             "static",
@@ -247,7 +280,7 @@ def parse_policy(spec: str, trace: Trace | None = None, half_dtype: str | None =
         key = key.strip()
         if not eq:
             raise ValueError(
-                f"policy {name!r}: {item!r} is not key=value (e.g. {name}:{next(iter(kind.defaults))}=...)"
+                f"policy {name!r}: {item!r} is not key=value (e.g. {name}:{next(iter(kind.defaults), 'key')}=...)"
             )
         if key not in kind.defaults:
             close = difflib.get_close_matches(key, list(kind.defaults), n=1)
@@ -478,27 +511,29 @@ class Replay:
 
 _ONE = torch.ones((), dtype=torch.float32)
 _ZERO = torch.zeros((), dtype=torch.float32)
-_KEY_FIELDS = [i for i, name in enumerate(ScaleState._fields) if name not in ("num_skipped_steps", "non_clamped_scale")]
 
 
 def _start(settings: ScalerSettings, values: dict[str, Any] | None) -> ScaleState:
-    """The state a scaler with ``settings`` holds at the start (``values``: loaded as the scaler loads a state)."""
+    """The state a scaler with ``settings`` holds at the start (``values``: loaded as the scaler loads a state).
+    Any rule's state (``dls.policy``: ``ScaleState`` for most, a peer's own for others)."""
     loss_scale = LossScale(settings, torch.device("cpu"))
     if values:
         loaded = parse_state_dict(dict(values), settings, apply_settings=False)
         loss_scale.load(loaded.values, settings)
-        most = settings.growth_interval - 1  # as the scaler clamps loaded counters before its next update
-        loss_scale.state.steps_since_rescale.clamp_(max=most)
-        loss_scale.state.overflows_since_rescale.clamp_(max=most)
+        loss_scale.rule.normalise_(loss_scale.state)  # as the scaler does before its next update
     return loss_scale.state
 
 
 def _clone(state: ScaleState) -> ScaleState:
-    return ScaleState(*(t.clone() for t in state))
+    return type(state)(*(t.clone() for t in state))
 
 
 def _key(state: ScaleState) -> tuple[float, ...]:
-    return tuple(state[i].item() for i in _KEY_FIELDS)
+    return tuple(
+        value.item()
+        for name, value in zip(state._fields, state)
+        if name not in ("num_skipped_steps", "non_clamped_scale")
+    )
 
 
 @dataclass
@@ -681,6 +716,8 @@ def config_lines(settings: ScalerSettings) -> dict[str, str]:
     interval = s.growth_interval  # torch's meaning: growth on the interval-th clean update
     factors = (s.growth_factor, s.backoff_factor)
     no_ceiling = s.max_loss_scale >= FLOAT32_MAX
+    if s.mode == "dynamic" and s.dialect in _FIELD_LINES:
+        return _FIELD_LINES[s.dialect](s)
     if s.mode == "static":
         out["dls"] = f"dls.GradScaler(loss_scale={_num(s.init_scale)})"
         out["Model Zoo YAML"] = f"optimizer:\n  loss_scaling_factor: {_num(s.init_scale)}"
@@ -767,6 +804,90 @@ def config_lines(settings: ScalerSettings) -> dict[str, str]:
             f"--loss-scale-window {interval} --hysteresis {s.hysteresis}"
         )
     return out
+
+
+def _args(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v if isinstance(v, str) else _num(v)}" for k, v in values.items())
+
+
+def _peer_lines(name: str, system: str, values: dict[str, Any], line: str | None) -> dict[str, str]:
+    """The ``dls`` line (``GradScaler.like`` with the peer's own arguments) and the peer's own, where it has one."""
+    out = {"dls": f'dls.GradScaler.like("{name}", "cuda"{", " if values else ""}{_args(values)})'}
+    if line is not None:
+        out[system] = line
+    return out
+
+
+def _keras_lines(s: ScalerSettings) -> dict[str, str]:
+    v = {"initial_scale": s.init_scale, "dynamic_growth_steps": s.steps_per_increase}
+    return _peer_lines("keras", "Keras", v, f"keras.optimizers.LossScaleOptimizer(optimizer, {_args(v)})")
+
+
+def _apex_lines(s: ScalerSettings) -> dict[str, str]:
+    v: dict[str, Any] = {"init_scale": s.init_scale, "scale_window": s.steps_per_increase}
+    if s.min_loss_scale > FLOAT32_TINY:
+        v["min_loss_scale"] = s.min_loss_scale
+    v["max_loss_scale"] = s.max_loss_scale
+    return _peer_lines("apex", "Apex", v, f'apex.amp.scaler.LossScaler("dynamic", {_args(v)})')
+
+
+def _apex_fp16_utils_lines(s: ScalerSettings) -> dict[str, str]:
+    v = {"init_scale": s.init_scale, "scale_factor": s.growth_factor, "scale_window": s.steps_per_increase}
+    return _peer_lines("apex_fp16_utils", "Apex fp16_utils", v, f"apex.fp16_utils.DynamicLossScaler({_args(v)})")
+
+
+def _fairseq_lines(s: ScalerSettings) -> dict[str, str]:
+    v: dict[str, Any] = {"init_scale": s.init_scale, "scale_factor": s.growth_factor}
+    v |= {"scale_window": s.steps_per_increase, "tolerance": s.overflow_tolerance}
+    if s.min_loss_scale > FLOAT32_TINY:
+        v["threshold"] = s.min_loss_scale
+    v["min_loss_scale"] = 0.0 if s.stop_loss_scale is None else s.stop_loss_scale
+    flags = None
+    if s.growth_factor == 2.0 and s.init_scale == int(s.init_scale):  # its command line: an int start, factor 2
+        flags = (
+            f"--fp16 --fp16-init-scale {_num(s.init_scale)} --fp16-scale-window {s.steps_per_increase} "
+            f"--fp16-scale-tolerance {_num(s.overflow_tolerance)} --min-loss-scale {_num(v['min_loss_scale'])}"
+        )
+        if "threshold" in v:
+            flags += f" --threshold-loss-scale {_num(v['threshold'])}"
+    return _peer_lines("fairseq", "fairseq flags", v, flags)
+
+
+def _mxnet_lines(s: ScalerSettings) -> dict[str, str]:
+    return _peer_lines("mxnet", "MXNet", {}, "amp.init(); amp.init_trainer(trainer)  # its LossScaler() takes none")
+
+
+def _colossalai_lines(s: ScalerSettings) -> dict[str, str]:
+    v: dict[str, Any] = {"initial_scale": s.init_scale, "growth_factor": s.growth_factor}
+    v |= {"backoff_factor": s.backoff_factor, "growth_interval": s.steps_per_increase}
+    if s.min_loss_scale > FLOAT32_TINY:
+        v["min_scale"] = s.min_loss_scale
+    if s.max_loss_scale < FLOAT32_MAX:
+        v["max_scale"] = s.max_loss_scale
+    v["hysteresis"] = s.hysteresis
+    return _peer_lines("colossalai", "ColossalAI", v, f"DynamicGradScaler({_args(v)})")
+
+
+def _jmp_lines(s: ScalerSettings) -> dict[str, str]:
+    floor = 0.0 if s.min_loss_scale <= FLOAT32_TINY else s.min_loss_scale
+    v = {"loss_scale": s.init_scale, "period": s.steps_per_increase, "factor": s.growth_factor, "min_loss_scale": floor}
+    line = (
+        f"jmp.DynamicLossScale(jnp.float32({_num(s.init_scale)}), period={s.steps_per_increase}, "
+        f"factor={_num(s.growth_factor)}, min_loss_scale=jnp.float32({_num(floor)}))"
+    )
+    return _peer_lines("jmp", "jmp", v, line)
+
+
+# The field's peers (issue 41): each configured in its own syntax, and in dls with its own arguments.
+_FIELD_LINES: dict[str, Callable[[ScalerSettings], dict[str, str]]] = {
+    "keras": _keras_lines,
+    "apex": _apex_lines,
+    "apex_fp16_utils": _apex_fp16_utils_lines,
+    "fairseq": _fairseq_lines,
+    "mxnet": _mxnet_lines,
+    "colossalai": _colossalai_lines,
+    "jmp": _jmp_lines,
+}
 
 
 def _num(value: float) -> str:
