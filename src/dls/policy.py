@@ -44,7 +44,7 @@ read in their code (where their documentation says otherwise, the code is follow
 * Keras 3's ``LossScaleOptimizer`` (keras 3.15.1, ``keras/src/optimizers/loss_scale_optimizer.py:213-244``): this
   rule with torch's timing (``step_counter == dynamic_growth_steps - 1`` grows), factors 2 and 0.5, no bounds;
 * Apex amp's ``LossScaler`` (tag 25.05, ``apex/amp/scaler.py:38-52`` and ``197-217``): torch's timing
-  (``_unskipped == scale_window``), x2 and /2 whatever ``scale_factor`` says, ``max_loss_scale`` (2**24) and an
+  (``_unskipped == scale_window``), x2 and /2 whatever ``scale_factor`` says, ``max_loss_scale`` (``2**24``) and an
   optional ``min_loss_scale``, the start clamped to the maximum;
 * Apex fp16_utils' ``DynamicLossScaler`` (tag 25.05, ``apex/fp16_utils/loss_scaler.py:115-123``): it grows when
   ``(cur_iter - last_overflow_iter) % scale_window == 0``, which is torch's timing, and backs off to
@@ -444,7 +444,7 @@ class MxnetRule:
     decided at one update is committed at the next even if that one overflows (it then halves the grown scale). ``next``
     is held as the decision (``next_rescale``: -1, 0, +1) and applied to the scale at the next update, where it is
     clamped to ``[min_loss_scale, max_loss_scale]`` (MXNet has no floor: dls's is the smallest normal float32). MXNet's
-    constructor takes no arguments: 2**16, 2**24 and 2000 are its constants.
+    constructor takes no arguments: ``2**16``, ``2**24`` and 2000 are its constants.
     """
 
     growth_interval: int = 2000

@@ -673,9 +673,10 @@ class ScalerSettings:
 
     @classmethod
     def mxnet(cls) -> ScalerSettings:
-        """MXNet AMP's ``LossScaler()`` (mxnet 1.9.1, ``mxnet/contrib/amp/loss_scaler.py:34-39``): no arguments; it
-        starts at 2**16, doubles after 2000 clean steps up to 2**24, halves on an overflow with no floor (dls's: the
-        smallest normal float32), and commits each new scale one update late (``dls.policy.MxnetRule``)."""
+        """MXNet AMP's ``LossScaler()`` (mxnet 1.9.1, ``mxnet/contrib/amp/loss_scaler.py:34-39``): no arguments;
+        it starts at ``2**16``, doubles after 2000 clean steps up to ``2**24``, halves on an overflow with no floor
+        (dls's: the smallest normal float32), and commits each new scale one update late
+        (``dls.policy.MxnetRule``)."""
         return cls(
             mode="dynamic",
             init_scale=MXNET.fixed["init_scale"],
@@ -783,10 +784,10 @@ class ScalerSettings:
         """The settings of jmp's ``DynamicLossScale(loss_scale, counter, period, factor, min_loss_scale)`` (jmp 0.0.4,
         ``jmp/_src/loss_scale.py:118-124``, ``149-174``): the scale (float32) grows by ``factor`` when ``counter ==
         period - 1`` unless that would be inf, and backs off to ``max(min_loss_scale, scale / factor)``; an overflow
-        resets the counter. ``counter`` is the starting count (0 to ``period - 1``), which ``GradScaler.like`` loads;
-        the settings do not hold it. A ``min_loss_scale`` below 2**-126 (0 included) is 2**-126, dls's floor. Its
-        docstring says ``max(1, loss_scale / factor)``; the code uses ``min_loss_scale``, and so does dls (under
-        ``jax.jit`` jmp's pytree flattening drops it, and 1 applies there).
+        resets the counter. ``counter`` is the starting count (0 to ``period - 1``), which ``GradScaler.like``
+        loads; the settings do not hold it. A ``min_loss_scale`` below ``2**-126`` (0 included) is ``2**-126``, dls's
+        floor. Its docstring says ``max(1, loss_scale / factor)``; the code uses ``min_loss_scale``, and so does dls
+        (under ``jax.jit`` jmp's pytree flattening drops it, and 1 applies there).
 
         Args:
             loss_scale: the first scale (jmp requires it).
