@@ -247,7 +247,9 @@ def scenario_mesh_norm(device: torch.device) -> dict[str, Any]:
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         scaler = dls.GradScaler(init_scale=2.0**8, max_gradient_norm=0.1)
         scaler.scale(mesh_loss(model, 0, mesh["dp"].get_local_rank(), device)).backward()
-        full_norm = float(torch.linalg.vector_norm(torch.stack([full(p.grad).norm() / 2.0**8 for p in model.parameters()])))
+        full_norm = float(
+            torch.linalg.vector_norm(torch.stack([full(p.grad).norm() / 2.0**8 for p in model.parameters()]))
+        )
         entry: dict[str, Any] = {"full": full_norm}
         if not norms:
             unscaled = [p.grad.detach() / 2.0**8 for p in model.parameters()]
@@ -328,7 +330,11 @@ def scenario_mesh_train(device: torch.device) -> dict[str, Any]:
                 changed = before is None or any(not torch.equal(a, b) for a, b in zip(before, after))
                 trace.append([scaler.get_scale(), scaler.get_num_skipped_steps(), changed])
                 reduces.append(calls)
-            results[where] = {"trace": trace, "reduces": reduces, "params": [full(p).flatten().tolist() for p in model.parameters()]}
+            results[where] = {
+                "trace": trace,
+                "reduces": reduces,
+                "params": [full(p).flatten().tolist() for p in model.parameters()],
+            }
         out[kind] = results
     return out
 

@@ -11,6 +11,7 @@ by default, or cuda: then ``nccl``) and ``DLS_TEST_BACKEND`` choose where it run
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import sys
 
@@ -24,8 +25,8 @@ def main() -> None:
     os.environ.setdefault("DLS_TT_ASSETS", os.path.join(out, "assets"))
     torch.set_num_threads(1)
     device = torch.device(os.environ.get("DLS_TEST_DEVICE", "cpu"))
-    import _torchtitan_harness  # noqa: F401  (the CPU workarounds, before torchtitan builds anything)
-    from torchtitan.train import main as torchtitan_main
+    importlib.import_module("_torchtitan_harness")  # the CPU workarounds, before torchtitan builds anything
+    torchtitan_main = importlib.import_module("torchtitan.train").main
 
     backend = os.environ.get("DLS_TEST_BACKEND", "nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":

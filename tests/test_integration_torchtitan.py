@@ -114,7 +114,7 @@ def test_a_checkpoint_after_skipped_steps_only_resumes(fsdp2: tuple[list[Any], l
 def test_with_dls_refuses_what_it_cannot_convert() -> None:
     from dls.integrations.torchtitan import with_dls
 
-    with pytest.raises(ValueError, match="Trainer.Config"):
+    with pytest.raises(ValueError, match=r"Trainer\.Config"):
         with_dls(object())  # type: ignore[arg-type]
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 

@@ -161,9 +161,10 @@ def global_norm(
 
     A ``DTensor`` gradient counts its local shard, summed over the mesh dimensions where its parameter is
     split (``Shard``, ``_StridedShard``) and counted once where it is replicated; parameters on different meshes
-    (a LayerNorm sharded over ``dp`` only, linears over ``dp`` x ``tp``) each sum over their own mesh's groups. A plain gradient counts once when
-    ``plain_sharded`` is false (replicated: every rank holds the same), else it is summed over ``group``. The
-    keys, hence the collectives, come from parameters, not gradients: a rank without gradients joins them all.
+    (a LayerNorm sharded over ``dp`` only, linears over ``dp`` x ``tp``) each sum over their own mesh's groups.
+    A plain gradient counts once when ``plain_sharded`` is false (replicated: every rank holds the same), else it
+    is summed over ``group``. The keys, hence the collectives, come from parameters, not gradients: a rank
+    without gradients joins them all.
     """
     empty: list[list[torch.Tensor]] = [[] for _ in parts]
     buckets: dict[_Key, list[list[torch.Tensor]]] = {}
@@ -180,7 +181,8 @@ def global_norm(
                         key = mesh_groups.get(cache_key)
                         if key is None:
                             mesh = p.device_mesh
-                            key = mesh_groups[cache_key] = tuple(mesh.get_group(d) for d in _split_dims(p.placements))
+                            dims = _split_dims(p.placements)
+                            key = mesh_groups[cache_key] = tuple(mesh.get_group(d) for d in dims)
                     else:
                         key = (group,) if plain_sharded else ()
                     buckets.setdefault(key, [list(x) for x in empty])[i].append(p)

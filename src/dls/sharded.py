@@ -8,7 +8,7 @@ Swap the import and keep the line::
 It is a ``dls.GradScaler`` in the torch dialect with torch's ``ShardedGradScaler`` constructor (its argument order,
 ``backoff_factor`` before ``growth_factor``, and ``process_group``). Under FSDP2 ``fully_shard`` with
 ``MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)`` it trains bit-identically to
-torch's, overflows included (``tests/test_scale.py``). What differs, on purpose:
+torch's, overflows included (``tests/test_fsdp_mesh.py``). What differs, on purpose:
 
 * ``scale(loss)`` of a half-precision loss is float32 (dls's rule: ``2**16`` times a float16 loss overflows); torch
   casts it back to the loss's dtype. The gradients that backward produces are the same.

@@ -1,4 +1,4 @@
-"""torchtitan: float16 training with a ``dls.GradScaler``, through torchtitan's own extension points.
+r"""torchtitan: float16 training with a ``dls.GradScaler``, through torchtitan's own extension points.
 
 torchtitan (0.3.0) has no loss scaler, and its command line takes only bfloat16 and float32 for
 ``--training.mixed-precision-param``. This module is a config module for ``--module``: every config that
@@ -75,11 +75,11 @@ class LossScalingConfig:
 
 
 class DLSOptimizersContainer(OptimizersContainer):
-    """torchtitan's ``OptimizersContainer``, stepping each optimizer through the trainer's ``dls.GradScaler``."""
+    """The torchtitan ``OptimizersContainer``, stepping each optimizer through the trainer's ``dls.GradScaler``."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
-        pass
+        """``OptimizersContainer.Config``'s fields; builds a ``DLSOptimizersContainer``."""
 
     scaler: GradScaler | None = None  # set by DLSTrainer once it has built the scaler
 
@@ -97,7 +97,7 @@ class DLSOptimizersContainer(OptimizersContainer):
         self.scaler.update()
 
     def state_dict(self) -> dict[str, Any]:
-        """torchtitan's flat state dict; for an optimizer without state yet (every step so far was skipped), the
+        """The torchtitan flat state dict; for an optimizer without state yet (every step so far was skipped), the
         gradients are set aside while torchtitan's ``init_optim_state`` creates it."""
         for optimizer in self.optimizers:
             if not optimizer.state:
@@ -114,16 +114,20 @@ class DLSOptimizersContainer(OptimizersContainer):
 
 
 class DLSTrainer(Trainer):
-    """torchtitan's ``Trainer`` training float16 with a ``dls.GradScaler`` (``self.scaler``); see the module."""
+    """The torchtitan ``Trainer`` training float16 with a ``dls.GradScaler`` (``self.scaler``); see the module."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
+        """``Trainer.Config`` and ``loss_scaling`` (``--loss-scaling.*``); the default optimizer container becomes a
+        ``DLSOptimizersContainer``."""
+
         loss_scaling: LossScalingConfig = field(default_factory=LossScalingConfig)
 
         def __post_init__(self) -> None:
             Trainer.Config.__post_init__(self)
-            if type(self.optimizer) is OptimizersContainer.Config:  # the default: step through the scaler
-                self.optimizer = DLSOptimizersContainer.Config(**_fields(self.optimizer))
+            config: Any = self  # torchtitan's fields are not typed for mypy here
+            if type(config.optimizer) is OptimizersContainer.Config:  # the default: step through the scaler
+                config.optimizer = DLSOptimizersContainer.Config(**_fields(config.optimizer))
 
     config: Config
     scaler: GradScaler
@@ -147,14 +151,15 @@ class DLSTrainer(Trainer):
         )
         self.optimizers.scaler = self.scaler
         self.lr_schedulers.schedulers = [skip_aware(s, self.scaler) for s in self.lr_schedulers.schedulers]
-        if isinstance(self.loss_fn, ChunkedLossWrapper):
-            self.loss_fn.loss_fn = _ScaledLoss(self.loss_fn.loss_fn, self.scaler)  # type: ignore[assignment]
+        trainer: Any = self  # torchtitan's attributes are not typed for mypy here
+        if isinstance(trainer.loss_fn, ChunkedLossWrapper):
+            trainer.loss_fn.loss_fn = _ScaledLoss(trainer.loss_fn.loss_fn, self.scaler)
         else:
-            self.loss_fn = _ScaledLoss(self.loss_fn, self.scaler)  # type: ignore[assignment]
+            trainer.loss_fn = _ScaledLoss(trainer.loss_fn, self.scaler)
         self._backwards = 0
 
     def train_step(self, data_iterator: Any) -> None:
-        """torchtitan's step (the microbatches' backward, ``unscale_gradients``, clipping, the optimizers through
+        """The torchtitan step (the microbatches' backward, ``unscale_gradients``, clipping, the optimizers through
         the scaler, the LR schedule), then the scale and the skipped steps into the metrics on logging steps.
 
         Args:
@@ -167,7 +172,7 @@ class DLSTrainer(Trainer):
             self.metrics_processor.logger.log({"loss_scale": scale, "skipped_steps": skipped}, self.step)
 
     def forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
-        """torchtitan's forward and backward of one microbatch group; after the step's last one,
+        """The torchtitan forward and backward of one microbatch group; after the step's last one,
         ``unscale_gradients``.
 
         Args:
@@ -189,7 +194,7 @@ class DLSTrainer(Trainer):
             self.scaler.unscale_(optimizer)
 
     def state_dict(self) -> dict[str, Any]:
-        """torchtitan's ``train_state`` plus the scaler's state (``loss_scaler``)."""
+        """The torchtitan ``train_state`` plus the scaler's state (``loss_scaler``)."""
         return {**super().state_dict(), "loss_scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -263,7 +268,7 @@ def with_dls(config: Trainer.Config, **loss_scaling: Any) -> DLSTrainer.Config:
 
 
 def _registered(name: str) -> Callable[[], Trainer.Config] | None:
-    """torchtitan's registered config function ``name`` (``llama3_debugmodel``), found by its model's prefix."""
+    """The torchtitan registered config function ``name`` (``llama3_debugmodel``), found by its model's prefix."""
     from torchtitan.models import _supported_models
 
     for model in sorted(_supported_models, key=len, reverse=True):
