@@ -235,6 +235,8 @@ class _ScaledLoss:
         return loss, metrics
 
     def __getattr__(self, name: str) -> Any:
+        if name in ("loss_fn", "scaler"):  # not set yet (a copy or unpickling): no recursion through loss_fn
+            raise AttributeError(name)
         return getattr(self.loss_fn, name)
 
 
