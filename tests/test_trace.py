@@ -310,6 +310,8 @@ def test_read_trace_tolerates_a_cut_off_last_line_and_refuses_what_is_not_a_trac
             read_trace(bad)
     with pytest.raises(TraceError, match="cannot read the trace"):
         read_trace(tmp_path / "missing.jsonl")
+    path.write_bytes(b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode())  # as a Windows editor saves it
+    assert [r["step"] for r in read_trace(path).steps] == [1, 2, 3]
     # only the last line may be cut off, and only where no newline ended it
     path.write_text(text + '{"step": 4, "scale": 65\n')
     with pytest.raises(TraceError, match="line 5: not JSON"):

@@ -18,7 +18,11 @@ whether it is required, and the check that enforces it; the policy lab's guide p
 the field (``dls replay`` and ``dls tune`` exit 2 with that line). It reads line by line, holding one line at a
 time (a line of more than ``MAX_LINE_BYTES`` is refused, not read on), and refuses a path that is not a regular
 file (a directory, a FIFO, a device such as ``/dev/zero``, also through a symbolic link) before opening it. A last
-line cut off mid-way (no newline at its end and not JSON: a run killed while writing) is left out.
+line cut off mid-way (no newline at its end and not JSON: a run killed while writing) is left out; a UTF-8
+byte-order mark before the first line is allowed.
+
+The schema is written with the standard library, not pydantic (the trainer's config schema): ``read_trace`` is
+part of the library (``dls.diagnostics.read_trace``), which needs torch alone; pydantic is the ``train`` extra's.
 """
 
 from __future__ import annotations
@@ -409,6 +413,8 @@ def _lines(file: IO[bytes]) -> Iterator[tuple[int, bytes, bool]]:
             raise TypeError("a trace is read from a path or a binary file object (opened 'rb')")
         if not line:
             return
+        if number == 1 and line.startswith(b"\xef\xbb\xbf"):  # a byte-order mark, as some editors save UTF-8
+            line = line[3:]
         ended = line.endswith(b"\n")
         if len(line) - ended > MAX_LINE_BYTES:
             raise _LineError(number, f"longer than {MAX_LINE_BYTES} bytes (a trace's lines are far shorter)")
