@@ -489,8 +489,8 @@ def _read(file: IO[bytes], name: str) -> Trace:
                 start = record["start_step"]
                 if segments and start < last:
                     raise ValueError(
-                        f"start_step {start} comes before step {last}, the last one above it (a segment continues "
-                        "the trace at or after its last step)"
+                        f"start_step {start} comes before step {last}, the last one above it: a segment continues "
+                        f"the trace at or after its last step (scaler.record(path, append=True, start_step={last}))"
                     )
                 absent = {name: copy.copy(spec.default) for name, spec in HEADER.items() if name not in record}
                 record = {**record, **absent}
