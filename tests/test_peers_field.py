@@ -650,7 +650,9 @@ NEW_PEERS = ("keras", "apex", "apex_fp16_utils", "fairseq", "mxnet", "colossalai
 
 
 def test_the_policy_lab_replays_and_tunes_each_peer() -> None:
-    from dls.diagnostics.replaying import POLICIES, parse_policy, replay, tune
+    from dls.diagnostics.policies import POLICIES, parse_policy
+    from dls.diagnostics.replaying import replay
+    from dls.diagnostics.tuning import tune
     from test_record import record_run
 
     trace, _ = record_run(dls.GradScaler("cpu", init_scale=2.0**16, growth_interval=5), 24, spikes={9: 1e30})
@@ -681,7 +683,7 @@ def test_the_policy_lab_replays_and_tunes_each_peer() -> None:
 def test_the_config_lines_are_each_peers_own_and_build_the_same_scaler() -> None:
     """Each peer's line, evaluated with its real code where it is here (Keras, jmp, ColossalAI, fairseq's flags as
     FP16Optimizer passes them), holds the policy's values; dls's line builds the same rule."""
-    from dls.diagnostics.replaying import config_lines, parse_policy
+    from dls.diagnostics.policies import config_lines, parse_policy
 
     keras = field.keras_module()
     _, jnp, jmp = field.jmp_modules()
