@@ -730,3 +730,39 @@ def test_the_config_lines_are_each_peers_own_and_build_the_same_scaler() -> None
         2.0**-4,
         2.0**-8,
     )
+
+
+@pytest.mark.parametrize(
+    ("peer", "kwargs"), [("mxnet", {}), ("fairseq", {"init_scale": 2.0**14, "scale_window": 3, "tolerance": 0.3})]
+)
+def test_a_trace_recorded_mid_run_replays_as_recorded_with_the_rules_own_counters(
+    peer: str, kwargs: dict[str, Any]
+) -> None:
+    """The trace's header holds the rule's own counters (MXNet's decided rescale, fairseq's iterations), so the
+    ``recorded`` policy starts where the run was: here MXNet has a back-off decided and not yet committed."""
+    import io
+
+    from dls.diagnostics.replaying import replay
+    from dls.diagnostics.trace import read_trace
+    from test_record import fp16_loss, mlp
+
+    model, scaler = mlp(), dls.GradScaler.like(peer, "cpu", **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    spikes = {9: 1e30, 14: 1e30, 15: 1e30, 22: 1e30}
+
+    def step(i: int) -> tuple[float, bool]:
+        used = scaler.get_scale()
+        scaler.scale(fp16_loss(model, i, spikes.get(i, 1.0))).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        return used, scaler.step_was_skipped(opt)
+
+    for i in range(10):
+        step(i)
+    buf = io.BytesIO()
+    with scaler.record(buf, histogram_every=None, start_step=10):
+        seen = [step(i) for i in range(10, 30)]
+    (result,) = replay(read_trace(io.BytesIO(buf.getvalue())), ["recorded"])
+    assert result.first_departure is None and list(zip(result.scales, result.skips)) == seen
+    assert seen[0][0] != seen[1][0] if peer == "mxnet" else True  # the decided back-off committed at step 10

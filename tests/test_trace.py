@@ -111,7 +111,7 @@ def _cases() -> Iterator[tuple[str, list[Any], int, str]]:
     for value in (-1, 1.5, "0", True, 1e30):
         yield f"start_step={value!r}", [header(start_step=value)], 1, "start_step: must be an integer"
     yield "settings list", [header(settings=[1])], 1, "settings: must be an object"
-    yield "unknown dialect", [with_settings(dialect="keras")], 1, "settings.dialect: dialect must be one of"
+    yield "unknown dialect", [with_settings(dialect="no-such-peer")], 1, "settings.dialect: dialect must be one of"
     yield (
         "NaN init_scale",
         [json.dumps(header()).replace('65536.0, "min', 'NaN, "min')],

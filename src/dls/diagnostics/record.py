@@ -17,7 +17,8 @@ when written (a run killed mid-way leaves a readable trace up to its last write)
 
     {"format": "dls-trace", "version": 1, "dls_version": "...", "start_step": 0,
      "settings": {ScalerSettings' fields}, "state": {the scaler's state at the start: loss_scale,
-     steps_since_rescale, overflows_since_rescale, num_skipped_steps, hysteresis_tracker},
+     steps_since_rescale, overflows_since_rescale, num_skipped_steps, hysteresis_tracker, or the counters of
+     the rule's own state (STATE_FIELDS)},
      "histogram_every": 100, "modules": ["", "encoder", ...]}
 
 * one **step** line per rule step::
@@ -86,6 +87,8 @@ STATE_FIELDS = (
     "overflows_since_rescale",
     "num_skipped_steps",
     "hysteresis_tracker",
+    "iterations_since_rescale",  # fairseq's rule (dls.policy.FairseqRule)
+    "next_rescale",  # MXNet's rule: the rescale it commits at the next update
 )
 # Exponent field of float32 (biased by 127): fields 1..254 are the normal binades 2**-126 .. 2**127.
 _EXPONENT_BIAS = 127
