@@ -85,3 +85,59 @@ def test_dls_demo_refuses_an_out_dir_holding_another_runs_files(
     err = one_line(capsys.readouterr().err)
     assert f"{out / 'float32'} holds" in err and "not an earlier dls demo's" in err and "another --out" in err
     assert snapshot(out) == before
+
+
+# ---------------------------------------------------------------------- S2: a resume never rewinds in place
+def resume(run: Path, steps: int = 6, *more: str) -> int:
+    return main(["train", "--resume", str(run), "--no_progress", "-o", f"runconfig.max_steps={steps}", *more])
+
+
+@pytest.mark.parametrize(
+    ("step", "said"),
+    [
+        (None, "holds no global_step (its file name says step 4)"),
+        (2, "holds global_step 2, but its file name says step 4: a checkpoint is resumed only at the step"),
+        (0, "holds global_step 0, but its file name says step 4"),
+        (6, "holds global_step 6, but its file name says step 4"),
+        (4.0, "has global_step 4.0 (its file name says step 4); it must be an integer >= 0"),
+        ("4", "has global_step '4' (its file name says step 4); it must be an integer >= 0"),
+        (True, "has global_step True (its file name says step 4)"),
+    ],
+)
+def test_a_checkpoint_whose_step_disagrees_with_its_name_is_refused_and_nothing_changes(
+    finished: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], step: Any, said: str
+) -> None:
+    """checkpoint_4.mdl holding step 2 rewound the run in place ("steps 2->6") and rewrote checkpoint_4.mdl."""
+    run = copy_of(finished, tmp_path)
+    state = ckpt.load_checkpoint(run / "checkpoint_4.mdl")
+    if step is None:
+        del state["global_step"]
+    else:
+        state["global_step"] = step
+    torch.save(state, run / "checkpoint_4.mdl")
+    before = snapshot(run)
+    capsys.readouterr()
+    assert resume(run) == 2
+    assert f"{run / 'checkpoint_4.mdl'} {said}" in one_line(capsys.readouterr().err)
+    assert snapshot(run) == before
+
+
+def test_a_resume_at_its_checkpoints_step_does_not_write_that_checkpoint_again(finished: Path, tmp_path: Path) -> None:
+    """Resumed in place where the run already is (max_steps reached): checkpoint_4.mdl stays the file it was."""
+    run = copy_of(finished, tmp_path)
+    before = (run / "checkpoint_4.mdl").read_bytes()
+    assert resume(run, 4) == 0
+    assert (run / "checkpoint_4.mdl").read_bytes() == before
+    assert [step for step, _ in ckpt.list_checkpoints(run)] == [2, 4]
+
+
+def test_a_session_never_replaces_a_checkpoint_the_directory_held_when_it_opened(tmp_path: Path) -> None:
+    """The run directory's own guard: a step the session found there is never written again."""
+    run_dir = ckpt.RunDir(tmp_path / "run")
+    with run_dir:
+        run_dir.save_checkpoint({"global_step": 3, "model": {}}, 3)
+        run_dir.open(print, set_aside=[], step=3, config={}, config_file=None)
+        with pytest.raises(ckpt.ModelDirError, match="checkpoint_3.mdl was there before this session"):
+            run_dir.save_checkpoint({"global_step": 3, "model": {}}, 3)
+        run_dir.save_checkpoint({"global_step": 4, "model": {}}, 4)
+    assert [step for step, _ in ckpt.list_checkpoints(tmp_path / "run")] == [3, 4]

@@ -137,7 +137,24 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             f"{p} has checkpoint format version {version!r}; this dls reads versions 1 to {FORMAT_VERSION} (a higher "
             "one was written by a newer dls: resume it with that dls; nothing was changed)"
         )
+    _check_step(p, state)
     return state
+
+
+def _check_step(path: Path, state: dict[str, Any]) -> None:
+    """A checkpoint's ``global_step`` is an integer >= 0 and, under a checkpoint's file name, the step that name
+    says: a run resumed from it goes on from there, in place, and so never rewinds over its own checkpoints."""
+    step, named = state.get("global_step"), checkpoint_step(path.name)
+    said = f" (its file name says step {named})" if named >= 0 else ""
+    if "global_step" not in state:
+        raise CheckpointError(f"{path} holds no global_step{said}; nothing was changed")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
+        raise CheckpointError(f"{path} has global_step {shown(step)}{said}; it must be an integer >= 0")
+    if named >= 0 and step != named:
+        raise CheckpointError(
+            f"{path} holds global_step {step}, but its file name says step {named}: a checkpoint is resumed only at "
+            "the step it was saved at (nothing was changed)"
+        )
 
 
 # ---------------------------------------------------------------------- the run directory
@@ -282,6 +299,7 @@ class RunDir:
             raise
         self.stale: str | None = None
         self._metrics: IO[bytes] | None = None
+        self._steps_before: set[int] = set()  # the checkpoints in the directory when the session opened it
         self.events: Any = None  # torch.utils.tensorboard.SummaryWriter
         self._held.callback(self._remove_if_created)  # last, once the lock and the directory are released
         self._held.callback(os.close, self.fd)
@@ -424,6 +442,7 @@ class RunDir:
             names.add(kept)
             why = "never resumed from" if suffix == ".unreadable" else "an earlier run's, moved aside by --overwrite"
             log(f"Renamed {path.name} to {kept} (kept, {why})")
+        self._steps_before = {step for step, _ in list_checkpoints(self.path, self.fd)}
         if tensorboard and events_fd is None:
             events_fd = self._events_dir()
         self.replace(METRICS_FILE, keep)
@@ -473,7 +492,14 @@ class RunDir:
 
     def save_checkpoint(self, state: dict[str, Any], step: int, keep: int | None = None) -> Path:
         """Write ``state`` as ``checkpoint_<step>.mdl`` atomically, then with ``keep`` delete all but the ``keep``
-        newest checkpoints (never the one just written; a link is not a checkpoint: it pushes no real one out)."""
+        newest checkpoints (never the one just written; a link is not a checkpoint: it pushes no real one out). A
+        checkpoint of a step the directory held when the session opened it is never replaced (:class:`ModelDirError`):
+        a session writes only the steps it trains."""
+        if step in self._steps_before:
+            raise ModelDirError(
+                f"{checkpoint_path(self.path, step)} was there before this session, which would replace it: a run "
+                "never writes a step it did not train (nothing was written)"
+            )
         buffer = io.BytesIO()  # in memory first: see replace()
         torch.save({"format": FORMAT, "format_version": FORMAT_VERSION, **state}, buffer)
         path = self.replace(checkpoint_path(self.path, step).name, buffer.getbuffer())
@@ -553,7 +579,7 @@ def _loading(key: str, path: Path) -> Iterator[None]:
 def _restore_step(trainer: Any, path: Path, state: dict[str, Any], saved_cfg: TrainConfig | None) -> None:
     """``global_step`` and the trainer's counters (first: what a bad file most often gets wrong, and the rng of more
     ranks uses it)."""
-    step = _number(state.get("global_step", 0), "global_step")
+    step = _number(state["global_step"], "global_step")  # present: load_checkpoint checked it
     if not isinstance(extra := state.get("trainer", {}), dict):
         raise ValueError(f"trainer must be a mapping; got {type(extra).__name__}")
     elapsed = _number(extra.get("elapsed", 0.0), "trainer.elapsed", integer=False)

@@ -248,6 +248,8 @@ class Trainer:
                 ckpt.restore(self, path, state, states)
                 del state
             self._resumed_from = path
+            if path is not None and ckpt.checkpoint_path(self.model_dir, self.global_step).exists():
+                self._last_checkpoint = ckpt.checkpoint_path(self.model_dir, self.global_step)  # in place: saved
             self._session_from = (self.global_step, self.scaler.get_num_skipped_steps())  # for the stop messages
             self._on_rank0(open_run_dir)
             return self._train()
