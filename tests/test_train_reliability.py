@@ -141,3 +141,79 @@ def test_a_session_never_replaces_a_checkpoint_the_directory_held_when_it_opened
             run_dir.save_checkpoint({"global_step": 3, "model": {}}, 3)
         run_dir.save_checkpoint({"global_step": 4, "model": {}}, 4)
     assert [step for step, _ in ckpt.list_checkpoints(tmp_path / "run")] == [3, 4]
+
+
+# ---------------------------------------------------------------------- S3: dls init and dls data create files only
+MNIST_IMAGES = "data/mnist/MNIST/raw/train-images-idx3-ubyte"
+
+
+@pytest.mark.parametrize("planted", ["file", "link"])
+def test_dls_init_never_replaces_a_file_or_writes_through_a_link(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], planted: str
+) -> None:
+    directory, outside = tmp_path / "dir", tmp_path / "outside.bin"
+    outside.write_bytes(b"not yours")
+    (directory / MNIST_IMAGES).parent.mkdir(parents=True)
+    if planted == "file":
+        (directory / MNIST_IMAGES).write_bytes(b"mine")
+    else:
+        (directory / MNIST_IMAGES).symlink_to(outside)
+    before = snapshot(directory)
+    assert main(["init", "modelzoo/fc_mnist", str(directory)]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert f"{directory / MNIST_IMAGES} exists" in err and "nothing was written" in err
+    assert snapshot(directory) == before and outside.read_bytes() == b"not yours"  # the config not written either
+
+
+@pytest.mark.parametrize("planted", ["train/data_0.h5", "train"])
+def test_dls_data_never_writes_through_a_link(tmp_path: Path, capsys: pytest.CaptureFixture[str], planted: str) -> None:
+    """A link under a file's name, or where its directory goes: refused before anything is written."""
+    pytest.importorskip("h5py")
+    directory, outside = tmp_path / "dir", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "data_0.h5").write_bytes(b"not yours")
+    (directory / "train").mkdir(parents=True)
+    if planted == "train":
+        (directory / "train").rmdir()
+        (directory / "train").symlink_to(outside)
+    else:
+        (directory / planted).symlink_to(outside / "data_0.h5")
+    before = snapshot(directory)
+    assert main(["data", "gpt", str(directory), "--train", "8", "--val", "4", "--msl", "8"]) == 2
+    assert f"{directory / planted} exists (a symbolic link)" in one_line(capsys.readouterr().err)
+    assert snapshot(directory) == before and snapshot(outside) == {"data_0.h5": b"not yours"}
+
+
+def test_dls_data_into_a_directory_it_wrote_before_replaces_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = tmp_path / "mnist"
+    assert main(["data", "mnist", str(directory), "--train", "8", "--val", "4"]) == 0
+    before = snapshot(directory)
+    assert main(["data", "mnist", str(directory), "--train", "8", "--val", "4", "--seed", "1"]) == 2
+    assert f"{directory / 'MNIST' / 'raw' / 'train-images-idx3-ubyte'} exists" in one_line(capsys.readouterr().err)
+    assert snapshot(directory) == before
+
+
+@pytest.mark.parametrize(
+    ("args", "status", "said"),
+    [
+        (["gpt", "--train", str(10**30)], 3, "out of memory: dls data gpt needs about"),
+        (["mnist", "--val", str(10**30)], 3, "out of memory: dls data mnist needs about"),
+        (["gpt", "--vocab", str(2**31 + 1)], 2, "--vocab must be at most 2147483648 (token ids are int32)"),
+        (["gpt", "--files", "300"], 2, "--files must be at most 256"),
+    ],
+)
+def test_dls_data_refuses_what_no_file_or_memory_holds_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], status: int, said: str
+) -> None:
+    """C13: `--train 10**30` was an internal error (exit 4)."""
+    pytest.importorskip("h5py")
+    if status == 2:  # argparse's usage error: its usage, then the line
+        with pytest.raises(SystemExit) as exited:
+            main(["data", args[0], str(tmp_path / "d"), *args[1:]])
+        assert exited.value.code == 2 and said in capsys.readouterr().err.splitlines()[-1]
+    else:
+        assert main(["data", args[0], str(tmp_path / "d"), *args[1:]]) == status
+        assert said in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "d").exists()

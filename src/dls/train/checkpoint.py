@@ -383,22 +383,16 @@ class RunDir:
         over ``name``; its path. Callers serialise into memory first, so that a failing write is the ``OSError`` it is,
         naming the file (``torch.save`` into a file makes it a ``RuntimeError``); a failed write leaves no temporary
         file."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
-        tmp, f = "", None
+        tmp = None
         try:
-            while f is None:
-                tmp = f".{name}.{secrets.token_hex(6)}.tmp"
+            while tmp is None:
+                candidate = f".{name}.{secrets.token_hex(6)}.tmp"
                 with contextlib.suppress(FileExistsError):  # someone planted this name: take another
-                    f = os.fdopen(os.open(tmp, flags, 0o644, dir_fd=self.fd), "wb")
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
+                    _write_new(self.fd, candidate, data)
+                    tmp = candidate
             os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
         except BaseException as exc:
-            if f is not None:
-                with contextlib.suppress(OSError):  # close() flushes again, and raises again on a full disk
-                    f.close()
+            if tmp is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp, dir_fd=self.fd)
             if isinstance(exc, OSError) and exc.errno is not None:
@@ -407,6 +401,66 @@ class RunDir:
         with contextlib.suppress(OSError):
             os.fsync(self.fd)
         return self.path / name
+
+    def existing(self, name: str) -> Path | None:
+        """The first of ``name``'s components (a relative path, ``/``-separated) that :meth:`create` could not pass:
+        the file itself when it exists, in any kind, a link included; a directory on the way that is a link or no
+        directory. ``None`` when ``name`` can be created."""
+        parts, fd = name.split("/"), self.fd
+        with contextlib.ExitStack() as opened:
+            for i, part in enumerate(parts):
+                try:
+                    info = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    return None
+                if i == len(parts) - 1 or not stat.S_ISDIR(info.st_mode):
+                    return self.path.joinpath(*parts[: i + 1])
+                fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=fd)
+                opened.callback(os.close, fd)
+        return None
+
+    def create_all(self, contents: dict[str, bytes]) -> list[Path]:
+        """Each of ``contents`` (relative path -> bytes) created by :meth:`create`, in order, after checking that each
+        can be (:meth:`existing`): one that cannot refuses them all before anything is written (:class:`ModelDirError`
+        naming it)."""
+        if found := next(filter(None, map(self.existing, contents)), None):
+            kind = " (a symbolic link)" if found.is_symlink() else ""
+            raise ModelDirError(
+                f"{found} exists{kind}: dls never replaces a file or writes through a link (nothing was written); "
+                f"choose another {self.what}, or move it away"
+            )
+        return [self.create(name, data) for name, data in contents.items()]
+
+    def create(self, name: str, data: bytes | memoryview) -> Path:
+        """Create the new file ``name`` (a relative path, ``/``-separated; its missing directories are made) holding
+        ``data``, flushed to disk; its path. Nothing is replaced and no link followed: an existing file of any kind
+        (a link too) under ``name``, or a link or file where a directory of ``name`` is expected, is
+        :class:`ModelDirError` naming it; a failed write leaves no file."""
+        *folders, leaf = name.split("/")
+        fd = self.fd
+        with contextlib.ExitStack() as opened:
+            for i, folder in enumerate(folders):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(folder, 0o755, dir_fd=fd)
+                try:
+                    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        exc.filename = str(self.path.joinpath(*folders[: i + 1]))
+                        raise
+                    raise ModelDirError(f"{self.path.joinpath(*folders[: i + 1])} {_NOT_WRITTEN}") from None
+                opened.callback(os.close, fd)
+            path = self.path / name
+            try:
+                _write_new(fd, leaf, data)
+            except FileExistsError:
+                raise ModelDirError(f"{path} exists: dls never replaces it (nothing more was written)") from None
+            except OSError as exc:
+                exc.filename, exc.filename2 = str(path), None
+                raise
+            with contextlib.suppress(OSError):
+                os.fsync(fd)
+        return path
 
     def read(self, name: str) -> bytes | None:
         """The bytes of the regular file ``name``; ``None`` when there is none (a link or other kind counts as none)."""
@@ -514,6 +568,26 @@ class RunDir:
         png = io.BytesIO()
         plot_comparison([("training loss", read_metrics(self.read(METRICS_FILE) or b""))], png, title)
         return self.replace(PLOT_FILE, png.getbuffer())
+
+
+_NOT_WRITTEN = "is not a directory (or is a symbolic link, which dls does not follow): nothing more was written"
+
+
+def _write_new(dir_fd: int, name: str, data: bytes | memoryview) -> None:
+    """Create ``name`` in the directory ``dir_fd`` exclusively (``FileExistsError`` when any file, a link too, has
+    that name: none is opened), holding ``data``, flushed to disk; a failed write removes it again."""
+    f = os.fdopen(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644, dir_fd=dir_fd), "wb")
+    try:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+    except BaseException:
+        with contextlib.suppress(OSError):  # close() flushes again, and raises again on a full disk
+            f.close()
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=dir_fd)
+        raise
 
 
 def rng_state() -> dict[str, Any]:

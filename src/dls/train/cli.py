@@ -10,6 +10,7 @@ import contextlib
 import difflib
 import importlib.resources
 import importlib.util
+import inspect
 import re
 import shutil
 import sys
@@ -475,15 +476,15 @@ def _init(args: argparse.Namespace) -> None:
         raise UsageError(f"give the directory to write it into (dls init {args.name} DIR)")
     if not args.directory:
         raise UsageError(f"DIR is empty ('' is no directory); give one, e.g. dls init {args.name} my_run")
+    from dls.train.checkpoint import RunDir, resolve_model_dir
+
     directory = Path(args.directory)
-    target = directory / (args.name.rsplit("/", 1)[-1] + ".yaml")
-    if target.exists() or target.is_symlink():
-        raise UsageError(f"{target} exists; choose another directory (nothing was written)")
-    text = configs[args.name].read_text()
+    target = args.name.rsplit("/", 1)[-1] + ".yaml"
+    text, files = configs[args.name].read_text(), {}
     processor = _DATA_PROCESSOR.search(text)
     if processor is not None:  # everything checked before anything is written
         try:
-            from dls.train.modelzoo import require, write_tiny_data
+            from dls.train.modelzoo import require, tiny_data_files, write_tiny_data
         except ImportError:
             raise UsageError(
                 "this dls cannot write Model Zoo data (dls.train.modelzoo.write_tiny_data is missing); "
@@ -494,14 +495,16 @@ def _init(args: argparse.Namespace) -> None:
         kind = _KIND[processor.group(1)]
         if kind == "gpt":
             require("h5py")  # MissingExtras, naming the modelzoo extra
-    directory.mkdir(parents=True, exist_ok=True)
-    if processor is not None:
-        write_tiny_data(kind, directory / "data" / kind)
+        defaults = inspect.signature(write_tiny_data).parameters
+        data = tiny_data_files(kind, **{k: p.default for k, p in defaults.items() if k not in ("kind", "directory")})
+        files = {f"data/{kind}/{name}": content for name, content in data.items()}
         text = _point_data_dirs(text, directory / "data")
+    files[target] = text.encode()  # last: written once the data is there
+    with RunDir(resolve_model_dir(directory, "DIR"), "DIR") as out:  # new files only: nothing replaced or followed
+        out.create_all(files)
+    if processor is not None:
         print(f"Wrote a tiny {processor.group(1)} data set into {directory / 'data' / kind}")
-    with open(target, "x") as file:  # never over an existing file or through a link
-        file.write(text)
-    print(f"Wrote {target} (needs {_extras(text)}). Next: dls train {target}")
+    print(f"Wrote {directory / target} (needs {_extras(text)}). Next: dls train {directory / target}")
 
 
 def _point_data_dirs(text: str, data: Path) -> str:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from dls.settings import TORCH_INIT_SCALE, ScalerSettings, SettingsError
 from dls.train.errors import ConfigError
+from dls.train.launch import free_memory
 
 F32_MAX = 3.4028234663852886e38
 INT64_MAX = 2**63 - 1
@@ -1380,13 +1381,7 @@ def memory_problem(cfg: TrainConfig) -> str | None:
         need[cfg.sources.get("model.params", "model") + ".hidden_size"] = BYTES_PER_PARAMETER * (embeddings + blocks)
     elif m.name == "mlp":
         need["model.hidden_size"] = BYTES_PER_PARAMETER * h * (d.input_dim + h * (m.depth - 1) + d.output_dim)
-    try:
-        pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        with open("/proc/meminfo", "rb") as f:
-            free = next((int(line.split()[1]) * 1024 for line in f if line.startswith(b"MemAvailable:")), pages)
-    except (OSError, ValueError):
-        return None
-    if sum(need.values()) <= free:
+    if (free := free_memory()) is None or sum(need.values()) <= free:
         return None
     key = max(need, key=need.__getitem__)
     gib = f"about {sum(need.values()) / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free here"

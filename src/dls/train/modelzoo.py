@@ -20,6 +20,7 @@ import argparse
 import gzip
 import importlib
 import inspect
+import io
 import logging
 import math
 import zlib
@@ -38,6 +39,7 @@ from torch.nn import functional as F
 from dls.train.config import ZOO_MODELS, ZOO_PROCESSORS, Finite, did_you_mean
 from dls.train.data import BatchIterator, DataInfo, Dataset, TrainModel
 from dls.train.errors import ConfigError, MissingExtras
+from dls.train.launch import free_memory
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -890,7 +892,10 @@ def write_tiny_data(
     compress: bool = False,
     seed: int = 0,
 ) -> list[Path]:
-    """Write a tiny generated data set of ``kind`` (``mnist`` or ``gpt``) into ``directory``; the paths written.
+    """Write a tiny generated data set of ``kind`` (``mnist`` or ``gpt``) into ``directory`` (created if missing,
+    locked while written); the paths written. Every file is new: an existing file or link under a name it writes
+    (or a link where one of its directories goes) refuses it before anything is written (``ModelDirError``, naming
+    the path); nothing is replaced and no link followed.
 
     mnist: 28x28 seven-segment digits (random shift, stroke width and brightness, noise) and their labels in
     ``directory/MNIST/raw/{train,t10k}-*-ubyte`` (``compress``: ``.gz``), for ``MNISTDataProcessor``.
@@ -898,8 +903,37 @@ def write_tiny_data(
     (input_ids, attention_mask, labels) with the ``n_examples`` attribute Model Zoo's iterable reader reads; with
     ``corpus``, one flat token stream per file instead (for ``GptHDF5MapDataProcessor`` with
     ``max_sequence_length``)."""
+    from dls.train.checkpoint import RunDir, resolve_model_dir
+
+    args = dict(train_samples=train_samples, val_samples=val_samples, msl=msl, vocab=vocab, files=files)
+    contents = tiny_data_files(kind, **args, corpus=corpus, compress=compress, seed=seed)
+    with RunDir(resolve_model_dir(directory, "DIR"), "DIR") as target:
+        return target.create_all(contents)
+
+
+# What one sample of each kind costs in memory while it is generated (bytes; gpt: per token of a sequence), so that
+# a data set beyond the free memory is refused before NumPy tries (or refuses an array beyond its index range).
+_BYTES_PER_SAMPLE = {"mnist": 28 * 28 * 4 * 3, "gpt": 8 * 12}
+MAX_VOCAB = 2**31  # token ids are stored as int32
+
+
+def tiny_data_files(
+    kind: str, *, train_samples: int, val_samples: int, msl: int, vocab: int, files: int, corpus: bool,
+    compress: bool, seed: int,
+) -> dict[str, bytes]:  # fmt: skip
+    """The files of :func:`write_tiny_data`, generated in memory: relative path -> bytes. ``MemoryError`` when they
+    need more memory than is free (before anything is allocated); ``ValueError`` for arguments no file can hold."""
+    if kind not in ("mnist", "gpt"):
+        raise ValueError(f"kind must be 'mnist' or 'gpt'; got {kind!r}")
+    if kind == "gpt" and not 2 <= vocab <= MAX_VOCAB:
+        raise ValueError(f"vocab must be in [2, {MAX_VOCAB}] (token ids are int32); got {vocab}")
+    if kind == "gpt" and not 1 <= files <= min(train_samples, val_samples):
+        raise ValueError(f"files must be in [1, {min(train_samples, val_samples)}] (each holds a sample); got {files}")
+    need = max(train_samples, val_samples) * _BYTES_PER_SAMPLE[kind] * ((msl + 1) if kind == "gpt" else 1)
+    if (free := free_memory()) is not None and need > free:
+        raise MemoryError(f"dls data {kind} needs about {need / 2**30:,.1f} GiB; {free / 2**30:.1f} GiB are free here")
     rng = np.random.default_rng(seed)
-    root, written = Path(directory), []
+    written: dict[str, bytes] = {}
     if kind == "mnist":  # each digit's lit segments, as on a seven-segment display
         segments = ("abcdef", "bc", "abdeg", "abcdg", "bcfg", "acdfg", "acdefg", "abc", "abcdefg", "abcdfg")
         for stem, count in (("train", train_samples), ("t10k", val_samples)):
@@ -914,15 +948,13 @@ def write_tiny_data(
                 for segment in segments[label]:
                     top, height, left, width = boxes[segment]
                     image[y + top : y + top + height, x + left : x + left + width] += rng.uniform(150, 215)
-            (root / "MNIST" / "raw").mkdir(parents=True, exist_ok=True)  # after the arrays, as for gpt
             for name, array in zip(("images-idx3", "labels-idx1"), (np.clip(images, 0, 255).astype(np.uint8), labels)):
-                path = root / "MNIST" / "raw" / f"{stem}-{name}-ubyte{'.gz' if compress else ''}"
                 header = (0x800 + array.ndim).to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
-                path.write_bytes(gzip.compress(header + array.tobytes()) if compress else header + array.tobytes())
-                written.append(path)
+                data = header + array.tobytes()
+                written[f"MNIST/raw/{stem}-{name}-ubyte{'.gz' if compress else ''}"] = (
+                    gzip.compress(data) if compress else data
+                )
         return written
-    if kind != "gpt":
-        raise ValueError(f"kind must be 'mnist' or 'gpt'; got {kind!r}")
     h5py = require("h5py")
     for split, count in (("train", train_samples), ("val", val_samples)):
         steps = rng.choice([1, 2, 3, 5, 7], count)[:, None]  # arithmetic progressions: quickly learnt
@@ -930,13 +962,13 @@ def write_tiny_data(
         pads = rng.integers(0, max(msl // 4, 1), count) * (rng.random(count) < 0.25)  # a quarter end in padding
         mask = (np.arange(msl) < msl - pads[:, None]).astype(np.int32)  # a loss mask: 0 on the padding
         sequences = np.stack([tokens[:, :-1] * mask, mask, tokens[:, 1:] * mask], axis=1).astype(np.int32)
-        (root / split).mkdir(parents=True, exist_ok=True)  # after the arrays: running out of memory leaves nothing
         for i, part in enumerate(np.array_split(sequences, files)):
-            written.append(root / split / f"data_{i}.h5")
-            with h5py.File(written[-1], "w") as f:  # a corpus: the sequences' tokens back to back
+            buffer = io.BytesIO()
+            with h5py.File(buffer, "w") as f:  # a corpus: the sequences' tokens back to back
                 f.create_dataset("data", data=part[:, 0].ravel() if corpus else part)
                 if not corpus:
                     f.attrs["n_examples"] = len(part)
+            written[f"{split}/data_{i}.h5"] = buffer.getvalue()
     return written
 
 
@@ -960,5 +992,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, (option, least, _) in options.items():
         if getattr(args, name) < least:
             parser.error(f"--{option} must be at least {least}; got {getattr(args, name)}")
+    if args.kind == "gpt" and args.vocab > MAX_VOCAB:
+        parser.error(f"--vocab must be at most {MAX_VOCAB} (token ids are int32); got {args.vocab}")
+    if args.kind == "gpt" and args.files > (most := min(args.train_samples, args.val_samples)):
+        parser.error(f"--files must be at most {most}, --train's and --val's smaller (each file holds a sample)")
     print("\n".join(f"wrote {p}" for p in write_tiny_data(**vars(args))))
     return 0
