@@ -6,6 +6,8 @@ format, ``dls data`` bounds, ``model_dir: /`` and a dangling link)."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 import shutil
 from pathlib import Path
@@ -217,3 +219,75 @@ def test_dls_data_refuses_what_no_file_or_memory_holds_in_one_line(
         assert main(["data", args[0], str(tmp_path / "d"), *args[1:]]) == status
         assert said in one_line(capsys.readouterr().err)
     assert not (tmp_path / "d").exists()
+
+
+# ---------------------------------------------------------------------- S4: half parameters with kept modules
+def test_a_kept_module_of_a_half_model_hands_back_its_neighbours_dtype() -> None:
+    """Outside autocast (half parameters compute without it) a kept module gets float32 inputs and returns the
+    half dtype it was called with (an embedding, called with integers: its parameters'); the model runs through."""
+    import dls
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)
+    ).half()
+    seen: dict[str, torch.dtype] = {}
+    model[1].register_forward_pre_hook(lambda _m, args: seen.__setitem__("kept input", args[0].dtype))
+    reference = copy.deepcopy(model).float()
+    ids = torch.tensor([[1, 2, 3]])
+    with dls.keep_in_float32(model, ["0", "1"]):
+        out = model(ids)
+    assert seen["kept input"] == torch.float32 and out.dtype == torch.float16
+    kept = reference[1](reference[0](ids)).half()  # what the two kept modules hand on, rounded once
+    assert torch.equal(out, model[3](model[2](kept)))
+    with torch.autocast("cpu", dtype=torch.bfloat16), dls.keep_in_float32(model, ["1"]):
+        assert model[1](model[0](ids)).dtype == torch.float32  # inside autocast: float32, as before
+
+
+@pytest.mark.parametrize("case", ["keep_in_float32", "fallback"])
+def test_half_parameters_train_with_modules_kept_in_float32(tmp_path: Path, case: str) -> None:
+    """`precision.half_params` with `keep_in_float32: [net.2]` was an internal error at the first step (`mat1 and
+    mat2 must have the same dtype`); so was any forward overflow, the fallback being on by default."""
+    from test_train import make_trainer
+
+    precision = {"mixed_precision": True, "fp16_type": "float16", "half_params": True}
+    if case == "keep_in_float32":
+        precision["keep_in_float32"] = ["net.2"]
+    raw = tiny(tmp_path / "run", model={"dropout": 0.0}, precision=precision, runconfig={"max_steps": 6})
+    trainer, _ = make_trainer(raw)  # net: Linear, Tanh, Linear (net.2), Tanh, Linear (net.4)
+    if case == "fallback":  # the last layer's float16 output overflows: a forward overflow the fallback sees
+        with torch.no_grad():
+            trainer.model.net[4].weight.fill_(60000.0)
+    with pytest.warns(UserWarning, match="dls fallback") if case == "fallback" else contextlib.nullcontext():
+        result = trainer.train()
+    assert result.global_step == 6
+    if case == "keep_in_float32":
+        assert trainer.watch.kept_in_float32 == ("net.2",)
+    else:  # kept, but its float32 output is beyond float16, which it hands back: every step skipped, no crash
+        assert trainer.watch.kept_in_float32[0] == "net.4" and result.skipped_steps == 6
+
+
+@pytest.mark.parametrize(
+    ("changes", "said"),
+    [
+        ({"learning_rate": 1e38}, "optimizer.learning_rate: one step of AdamW at the learning rate 1e+38 on a weight"),
+        (
+            {"learning_rate": [{"scheduler": "Linear", "initial_learning_rate": 0, "end_learning_rate": 1e38,
+                                "total_iters": 4}]},
+            "optimizer.learning_rate: one step of AdamW at the learning rate 1e+38",
+        ),
+        ({"learning_rate": 1e37, "weight_decay": 1e10}, "optimizer.learning_rate with optimizer.weight_decay 1e+10"),
+    ],
+)  # fmt: skip
+def test_a_learning_rate_no_optimizer_step_survives_is_refused_in_validation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], changes: dict[str, Any], said: str
+) -> None:
+    """`optimizer.learning_rate: 1e38` (within every float key's bound) was exit 4 at the first step: Adam's step
+    size lr / (1 - beta1) is beyond float32."""
+    config = write_config(tmp_path / "c.yaml", tiny(tmp_path / "run", optimizer=changes))
+    for command in (["validate", config], ["train", config, "--no_progress"]):
+        assert main(command) == 2
+        assert said in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()
+    sgd = write_config(tmp_path / "sgd.yaml", tiny(tmp_path / "run", optimizer={"optimizer_type": "SGD", **changes}))
+    assert main(["validate", sgd]) == (2 if "weight_decay" in changes else 0)  # SGD's step: 1 - lr, finite

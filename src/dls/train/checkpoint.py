@@ -38,7 +38,14 @@ from dls.diagnostics.record import TRACE_FILE
 from dls.diagnostics.scales import pow2
 from dls.policy import shown
 from dls.scaler_state import parse_state_dict
-from dls.train.config import CHECKPOINT_STATES, SCALER_KEYS, loss_scaling_mode, parse_config, scaler_settings
+from dls.train.config import (
+    CHECKPOINT_STATES,
+    SCALER_KEYS,
+    loss_scaling_mode,
+    parse_config,
+    scaler_settings,
+    step_once,
+)
 from dls.train.errors import CheckpointError, ConfigError, ModelDirError, is_out_of_memory
 from dls.train.reporting import describe_scaling, metrics_to_keep, plot_comparison, read_metrics
 
@@ -917,7 +924,7 @@ def _check_group(g: int, group: dict[str, Any], now_group: dict[str, Any], cls: 
     within the config's own ranges (its ``optimizer:`` ``section``); and all of them values ``cls`` takes, with
     which one step of it on a throwaway parameter is finite."""
     field, name = f"optimizer.param_groups[{g}]", cls.__name__
-    known = _step_once(cls, {k: v for k, v in now_group.items() if k != "params"})[0]
+    known = step_once(cls, {k: v for k, v in now_group.items() if k != "params"})[0]
     for key, value in group.items():
         mine = known.get(key, ...)
         if key == "params" or mine is ...:
@@ -940,25 +947,12 @@ def _check_group(g: int, group: dict[str, Any], now_group: dict[str, Any], cls: 
         field, {k: loaded[k] for k in ("betas", "eps", "weight_decay", "momentum") if k in loaded}, section
     )
     try:
-        finite = _step_once(cls, {k: v for k, v in loaded.items() if k != "params"})[1]
+        finite = step_once(cls, {k: v for k, v in loaded.items() if k != "params"})[1]
     except (ValueError, TypeError, RuntimeError, KeyError) as exc:
         raise ValueError(f"{field} holds hyperparameters {name} refuses: {_one_line(exc)}") from None
     if not finite:
         raise ValueError(f"{field} holds hyperparameters with which a step of {name} gives inf/NaN")
     return loaded
-
-
-def _step_once(cls: type, hyper: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """One step of ``cls`` with the hyperparameters ``hyper`` on a throwaway one-element parameter (1, gradient 1):
-    its group as it then is, and whether the parameter stayed finite."""
-    param = torch.ones(1, requires_grad=True)
-    param.grad = torch.ones(1)
-    accepted = inspect.signature(cls).parameters
-    optimizer = cls([param], **{k: v for k, v in hyper.items() if k in accepted})
-    optimizer.param_groups[0].update(hyper)  # also what the constructor does not take (initial_lr, kept state)
-    optimizer.step()
-    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-    return group, bool(torch.isfinite(param).all())
 
 
 def _check_config_ranges(field: str, values: dict[str, Any], section: Any) -> None:

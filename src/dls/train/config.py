@@ -7,6 +7,7 @@ bounds; every error names the key as written. The loss-scaling keys are judged b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import os
@@ -886,6 +887,8 @@ def parse_config(raw: Mapping[str, Any], source: str | None = None, notes: Seque
     if not r.errors:
         _check_combinations(built, r)
         _check_zoo(built, r)
+    if not r.errors:
+        _check_optimizer_step(built, r)
     if not r.errors and built["precision"].fp8 is not None:
         built["precision"] = built["precision"].model_copy(update={"fp8": _fp8(built["precision"].fp8, r)})
     if r.errors:
@@ -1181,6 +1184,69 @@ def _check_zoo(b: dict[str, Any], r: _Reader) -> None:
     if opt.force_loss_scaling and r.layout == "dls":
         r.notes.append(f"{r.at('optimizer', 'force_loss_scaling')} has no effect: dls's own layout scales bfloat16 as "
                        "loss_scaling_factor says")  # fmt: skip
+
+
+def step_once(cls: type, hyper: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """One step of the optimizer ``cls`` with the hyperparameters ``hyper`` on a throwaway one-element parameter (1,
+    gradient 1): its group as it then is, and whether the parameter stayed finite. What the optimizer refuses (a
+    ``ValueError``, or torch's ``RuntimeError`` for a step size beyond float32) is raised."""
+    import inspect
+
+    import torch
+
+    param = torch.ones(1, requires_grad=True)
+    param.grad = torch.ones(1)
+    accepted = inspect.signature(cls).parameters
+    optimizer = cls([param], **{k: v for k, v in hyper.items() if k in accepted})
+    optimizer.param_groups[0].update(hyper)  # also what the constructor does not take (initial_lr, kept state)
+    optimizer.step()
+    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    return group, bool(torch.isfinite(param).all())
+
+
+def optimizer_class(opt: OptimizerConfig, model: str) -> tuple[type, dict[str, Any]]:
+    """The optimizer class that ``optimizer:`` (``opt``) builds for the model ``model`` and its hyperparameters but
+    the learning rate: Model Zoo's models take cstorch's Adam and AdamW (``dls.train.modelzoo.CerebrasAdam``, which
+    honours ``correct_bias``), dls's own models torch's; SGD is torch's for both (as cstorch's)."""
+    import torch
+
+    if opt.optimizer_type == "SGD":
+        return torch.optim.SGD, {"momentum": opt.momentum, "weight_decay": opt.weight_decay}
+    hyper = {"betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay}
+    if model in ZOO_MODELS:
+        from dls.train.modelzoo import CerebrasAdam
+
+        decoupled = opt.optimizer_type == "AdamW"
+        return CerebrasAdam, {**hyper, "correct_bias": opt.correct_bias, "decoupled_weight_decay": decoupled}
+    return torch.optim.Adam if opt.optimizer_type == "Adam" else torch.optim.AdamW, hyper
+
+
+def _check_optimizer_step(b: dict[str, Any], r: _Reader) -> None:
+    """One step of the run's optimizer at the schedule's largest learning rate (times the largest
+    ``adjust_learning_rate`` factor), on a weight of 1 with a gradient of 1, is taken and finite: else the learning
+    rate (and the weight decay, when it takes part) is refused, before anything is built. A learning rate of 1e38
+    passes the bound of every float key, but Adam's first step size (``lr / (1 - beta1)``) is beyond float32."""
+    opt, lr = b["optimizer"], b["optimizer"].learning_rate
+    rates = [lr] if isinstance(lr, (int, float)) else [
+        v for piece in lr for v in (piece.learning_rate, piece.initial_learning_rate, piece.end_learning_rate)
+        if v is not None
+    ]  # fmt: skip
+    largest = max(rates) * max([1.0, *opt.adjust_learning_rate.values()])
+    cls, hyper = optimizer_class(opt, b["model"].name)
+    try:
+        if step_once(cls, {**hyper, "lr": largest})[1]:
+            return
+        why = "gives inf/NaN"
+    except (ValueError, RuntimeError) as exc:
+        why = f"fails ({' '.join(str(exc).split())})"
+    keys = r.at("optimizer", "learning_rate")
+    with contextlib.suppress(ValueError, RuntimeError):
+        if hyper.get("weight_decay") and step_once(cls, {**hyper, "weight_decay": 0.0, "lr": largest})[1]:
+            keys += f" with {r.at('optimizer', 'weight_decay')} {opt.weight_decay:g}"
+    r.errors.append(
+        f"{keys}: one step of {cls.__name__} at the learning rate {largest:g} on a weight of 1 with a gradient of 1 "
+        f"{why}; give a smaller learning rate"
+    )
 
 
 # ---------------------------------------------------------------------- loss scaling

@@ -639,24 +639,14 @@ def build_optimizer(cfg: config.TrainConfig, model: torch.nn.Module) -> torch.op
     ``adjust_learning_rate`` groups their own): the LR schedule (a ``LambdaLR``) multiplies it. Model Zoo's models
     take Model Zoo's parameter groups and optimizers (``dls.train.modelzoo``: no weight decay on biases and norms;
     cstorch's Adam/AdamW, whose ``correct_bias`` is honoured); dls's own, torch's (whose AdamW always corrects)."""
-    opt = cfg.optimizer
-    if cfg.model.name not in config.ZOO_MODELS:
-        params: Any = model.parameters()
-    else:
+    opt, (cls, hyper) = cfg.optimizer, config.optimizer_class(cfg.optimizer, cfg.model.name)
+    params: Any = model.parameters()
+    if cfg.model.name in config.ZOO_MODELS:
         from dls.train import modelzoo  # imported only by runs of Model Zoo models
 
         where = cfg.sources.get("optimizer.adjust_learning_rate", "optimizer.adjust_learning_rate")
         params = modelzoo.param_groups(model, opt.weight_decay, dict(opt.adjust_learning_rate), where)
-        if opt.optimizer_type != "SGD":  # cstorch's SGD is torch's
-            decoupled = opt.optimizer_type == "AdamW"
-            return modelzoo.CerebrasAdam(
-                params, lr=1.0, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
-                correct_bias=opt.correct_bias, decoupled_weight_decay=decoupled,
-            )  # fmt: skip
-    if opt.optimizer_type == "SGD":
-        return torch.optim.SGD(params, lr=1.0, momentum=opt.momentum, weight_decay=opt.weight_decay)
-    cls = torch.optim.Adam if opt.optimizer_type == "Adam" else torch.optim.AdamW
-    return cls(params, lr=1.0, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    return cls(params, lr=1.0, **hyper)
 
 
 def learning_rate_at(schedule: float | Sequence[Any], step: int) -> float:
