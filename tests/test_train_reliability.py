@@ -7,6 +7,7 @@ format, ``dls data`` bounds, ``model_dir: /`` and a dangling link)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import copy
 import os
 import shutil
@@ -291,3 +292,94 @@ def test_a_learning_rate_no_optimizer_step_survives_is_refused_in_validation(
     assert not (tmp_path / "run").exists()
     sgd = write_config(tmp_path / "sgd.yaml", tiny(tmp_path / "run", optimizer={"optimizer_type": "SGD", **changes}))
     assert main(["validate", sgd]) == (2 if "weight_decay" in changes else 0)  # SGD's step: 1 - lr, finite
+
+
+# ---------------------------------------------------------------------- S5 and C8: crafted state in a checkpoint
+def crafted_run(finished: Path, tmp_path: Path, craft: Any) -> Path:
+    run = copy_of(finished, tmp_path)
+    state = ckpt.load_checkpoint(run / "checkpoint_4.mdl")
+    craft(state)
+    torch.save(state, run / "checkpoint_4.mdl")
+    return run
+
+
+def _exp_avg_sq(value: float) -> Any:
+    def craft(state: dict[str, Any]) -> None:
+        state["optimizer"]["state"][0]["exp_avg_sq"][0, 0] = value
+
+    return craft
+
+
+def _set(path: str, value: Any) -> Any:
+    def craft(state: dict[str, Any]) -> None:
+        keys: list[Any] = [int(k) if k.isdigit() else k for k in path.split(".")]
+        node = state
+        for key in keys[:-1]:
+            node = node[key]
+        node[keys[-1]] = value
+
+    return craft
+
+
+def _model_weight(dtype: torch.dtype) -> Any:
+    def craft(state: dict[str, Any]) -> None:
+        state["model"]["net.0.weight"] = state["model"]["net.0.weight"].to(dtype)
+
+    return craft
+
+
+OPTIMIZER = "cannot load the optimizer state of {path}: optimizer."
+DATALOADER = "cannot load the dataloader state of {path}: "
+
+
+@pytest.mark.parametrize(
+    ("craft", "said"),
+    [
+        (_exp_avg_sq(-1.0), OPTIMIZER + "state[0].exp_avg_sq holds negative values (as low as -1)"),
+        (_exp_avg_sq(float("nan")), OPTIMIZER + "state[0].exp_avg_sq holds inf/NaN values"),
+        (_set("optimizer.state.0.exp_avg", torch.full((16, 8), float("nan"))), OPTIMIZER + "state[0].exp_avg holds inf"),
+        (_set("optimizer.state.0.exp_avg", torch.zeros(8, 16)), OPTIMIZER + "state[0].exp_avg is a tensor of shape (8, 16)"),
+        (_set("optimizer.state.0.exp_avg", torch.zeros(16, 8, dtype=torch.int64)), OPTIMIZER + "state[0].exp_avg is a torch.int64 tensor; it loads into float32, which holds floating"),
+        (_set("optimizer.param_groups.0.params", [0, 0, 1, 2, 3, 4]), OPTIMIZER + "param_groups[0].params must be distinct integers"),
+        (_set("optimizer.param_groups.0.lr", -1.0), OPTIMIZER + "param_groups[0] holds hyperparameters AdamW refuses: Invalid learning rate: -1.0 (in optimizer.param_groups[0]: lr = -1.0)"),
+        (_model_weight(torch.int64), "the model in {path} does not fit model: in this config: model.net.0.weight is a torch.int64 tensor; it loads into float32, which holds floating-point values"),
+        (_model_weight(torch.bool), "model.net.0.weight is a torch.bool tensor; it loads into float32"),
+        (_set("dataloader.seed", "x"), DATALOADER + "seed must be an integer >= 0; got 'x'"),
+        (_set("dataloader.batch_size", 0), DATALOADER + "batch_size must be an integer >= 1; got 0"),
+    ],
+)  # fmt: skip
+def test_impossible_state_in_a_checkpoint_is_refused_naming_the_field_and_nothing_changes(
+    finished: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], craft: Any, said: str
+) -> None:
+    """S5: Adam's exp_avg_sq = -1 (finite, impossible) loaded, and the first applied step made the weights NaN (the
+    run then told the user to resume from that same file). C8: int64 / bool weights and a dataloader's seed "x" or
+    batch_size 0 loaded; a refused hyperparameter was not named."""
+    run = crafted_run(finished, tmp_path, craft)
+    before = snapshot(run)
+    capsys.readouterr()
+    assert resume(run) == 2
+    assert said.format(path=run / "checkpoint_4.mdl") in one_line(capsys.readouterr().err)
+    assert snapshot(run) == before
+
+
+def test_the_optimizer_state_check_is_the_cores_for_any_torch_optimizer() -> None:
+    """dls.optimizer_state judges a state dict against the optimizer that loads it (torch only; master_weights can
+    use it): every torch optimizer's own state after a step passes, and each impossible value is named."""
+    from dls.optimizer_state import check_optimizer_state
+
+    for cls in (torch.optim.Adam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adadelta,
+                torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD, torch.optim.Rprop,
+                torch.optim.Adafactor, torch.optim.SGD):  # fmt: skip
+        params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+        optimizer = cls(params, **({"momentum": 0.9} if cls is torch.optim.SGD else {}))
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+        state = optimizer.state_dict()
+        check_optimizer_state(optimizer, state)  # its own state loads
+        key = next(k for k, v in state["state"][0].items() if isinstance(v, torch.Tensor) and v.dim() == 2)
+        bad = {**state, "state": {**state["state"], 0: {**state["state"][0], key: state["state"][0][key] * math.nan}}}
+        with pytest.raises(ValueError, match=rf"optimizer\.state\[0\]\.{key} holds inf/NaN values"):
+            check_optimizer_state(optimizer, bad)
+    with pytest.raises(ValueError, match=r"optimizer\.state\[0\]\.step must be a number >= 0; got -1"):
+        check_optimizer_state(optimizer, {**state, "state": {0: {"step": -1, "momentum_buffer": None}}})

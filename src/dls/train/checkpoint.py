@@ -36,6 +36,7 @@ import yaml
 import dls.fp8
 from dls.diagnostics.record import TRACE_FILE
 from dls.diagnostics.scales import pow2
+from dls.optimizer_state import NON_FINITE, all_finite, check_optimizer_state, tensor_problem
 from dls.policy import shown
 from dls.scaler_state import parse_state_dict
 from dls.train.config import (
@@ -683,7 +684,7 @@ def _restore_model(trainer: Any, path: Path, state: dict[str, Any], saved_cfg: T
         like = own.get(key)
         if not isinstance(like, torch.Tensor):  # not the model's (strict loading refuses it below) or extra state
             continue
-        problem = tensor_problem(value, like, finite=key in weights)
+        problem = tensor_problem(value, like, finite=key in weights, whose="this run's")
         if problem == NON_FINITE:
             broken.append(str(key))
         elif problem is not None:
@@ -787,46 +788,6 @@ def set_rng_state(rng: Any, field: str = "rng") -> None:
             raise ValueError(f"{field}.{key} is not a state of {key}'s generator ({_one_line(exc)})") from None
 
 
-NON_FINITE = "holds inf/NaN values"
-
-
-def tensor_problem(value: Any, like: torch.Tensor, finite: bool = True) -> str | None:
-    """What keeps ``value`` from being loaded into a tensor like ``like`` (``None``: nothing), checked in this order:
-    a dense tensor of ``like``'s shape (before anything reads its values: a crafted view of 10^12 elements costs
-    nothing until then); real unless ``like`` is complex; then, converted to ``like``'s dtype as loading converts
-    it, representable: :data:`NON_FINITE` where it holds inf/NaN and ``finite`` is asked, and values that the
-    conversion turned into inf (a float64 1e300 into float32) in any case. Complex values count by both parts;
-    float8 values are read through a float32 view. Integer targets take integer values within their range."""
-    if not isinstance(value, torch.Tensor):
-        return f"is {shown(value)}, not a tensor"
-    if value.layout != torch.strided or value.is_quantized or value.is_meta:
-        return f"is a {value.layout} {value.dtype} tensor{' on meta' if value.is_meta else ''}; a dense one is needed"
-    if value.shape != like.shape:
-        return f"is a tensor of shape {tuple(value.shape)}; this run's needs shape {tuple(like.shape)}"
-    dtype, name = like.dtype, str(like.dtype).removeprefix("torch.")
-    if value.is_complex() and not dtype.is_complex:
-        return f"is complex ({value.dtype}); it loads into {name}, which is real"
-    if not (dtype.is_floating_point or dtype.is_complex):
-        if value.is_floating_point() or value.is_complex():
-            return f"is a {value.dtype} tensor; it loads into {name}, which holds integers"
-        info = torch.iinfo(dtype) if dtype != torch.bool else None
-        low, high = (int(value.min()), int(value.max())) if value.numel() and info else (0, 0)
-        return None if info is None or info.min <= low <= high <= info.max else f"holds values beyond {name}'s range"
-    was = torch.isfinite(_real_view(value))
-    if finite and not bool(was.all()):
-        return NON_FINITE
-    now = torch.isfinite(_real_view(value.to(dtype)))
-    if not bool((now | ~was).all()):
-        largest = float(_real_view(value).abs()[was & ~now].max())
-        return f"holds values beyond {name}'s range (largest |value| {largest:.6g}), which loading would make inf"
-    return None
-
-
-def _real_view(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in a dtype ``torch.isfinite`` takes: float8 (which it does not) as float32."""
-    return t.float() if t.is_floating_point() and t.element_size() == 1 else t
-
-
 def _number(value: Any, what: str, integer: bool = True, low: int = 0) -> Any:
     """``value`` if it is an integer in [``low``, 2^63) (``integer``; else a finite number >= ``low``); else a
     ``ValueError`` naming ``what``."""
@@ -838,15 +799,6 @@ def _number(value: Any, what: str, integer: bool = True, low: int = 0) -> Any:
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:400] or type(exc).__name__
-
-
-def _finite(value: Any) -> bool:
-    """Whether every number in ``value`` (nested in lists, tuples, dicts) is finite."""
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, (list, tuple, dict)):
-        return all(_finite(v) for v in (value.values() if isinstance(value, dict) else value))
-    return True
 
 
 def _same_kind(value: Any, like: Any) -> bool:
@@ -862,10 +814,11 @@ def _same_kind(value: Any, like: Any) -> bool:
 def _check_optimizer(saved: Any, trainer: Any, then: str | None) -> dict[str, Any]:
     """The optimizer state dict to load, checked for what torch's ``load_state_dict`` does not check (it checks the
     group sizes, and MasterWeights its master weights, before changing anything): the optimizer family, each
-    group's hyperparameters (:func:`_check_group`), each parameter's state of its shape and a floating dtype,
-    finite once converted to the parameter's dtype, ``step`` a number >= 0, the state the family needs once it has
-    stepped. ``then``: the checkpoint's optimizer_type (``None``: its config is unreadable). A ``ValueError``
-    names the first bad field."""
+    group's hyperparameters (:func:`_check_group`), each parameter's state by the core's rules
+    (``dls.optimizer_state.check_optimizer_state``: its shape, a floating dtype, finite once converted, second
+    moments non-negative, ``step`` a number >= 0), the state the family needs once it has stepped and no other.
+    ``then``: the checkpoint's optimizer_type (``None``: its config is unreadable). A ``ValueError`` names the
+    first bad field."""
     groups, entries = (saved.get("param_groups"), saved.get("state")) if isinstance(saved, dict) else (None, None)
     if not isinstance(groups, list) or not isinstance(entries, dict) or not all(isinstance(g, dict) for g in groups):
         raise ValueError("it is not an optimizer state dict (state, param_groups)")
@@ -884,21 +837,18 @@ def _check_optimizer(saved: Any, trainer: Any, then: str | None) -> dict[str, An
     loaded = [_check_group(g, group, ng, cls, section) for g, (group, ng) in enumerate(zip(groups, now_groups))]
     needs = ("momentum_buffer",) if now == "SGD" else ("step", "exp_avg", "exp_avg_sq")  # once it has stepped
     known = (*needs, "max_exp_avg_sq") if any(g.get("amsgrad") for g in loaded) else needs
-    params = {i: (p, ng) for group, ng in zip(groups, now_groups) for i, p in zip(group["params"], ng["params"])}
+    checked = {**saved, "param_groups": loaded}
+    check_optimizer_state(inner, checked, name="optimizer")  # the indices, and each value: shape, dtype, finite, sign
+    params = {i: ng for group, ng in zip(groups, now_groups) for i in group["params"]}
     for index, entry in entries.items():
         field = f"optimizer.state[{shown(index)}]"
-        if not isinstance(index, int) or index not in params or not isinstance(entry, dict):
-            raise ValueError(f"{field} is not the state of a parameter of this run's optimizer")
-        param, group = params[index]
-        if missing := [k for k in needs if k not in entry and (k != "momentum_buffer" or group["momentum"])]:
+        if missing := [k for k in needs if k not in entry and (k != "momentum_buffer" or params[index]["momentum"])]:
             raise ValueError(f"{field} lacks {', '.join(missing)}")
         if unknown := [k for k in entry if k not in known]:
             raise ValueError(
                 f"{field} holds {shown(unknown[0])}, which is not state of this run's {now} ({', '.join(known)})"
             )
-        for key, value in entry.items():
-            _check_state_value(f"{field}.{key}", key, value, param)
-    return {**saved, "param_groups": loaded}
+    return checked
 
 
 def _family(groups: list[dict[str, Any]], now: str, then: str | None) -> str:
@@ -940,19 +890,39 @@ def _check_group(g: int, group: dict[str, Any], now_group: dict[str, Any], cls: 
                 f"{field}.{key} must be of type {type(mine).__name__} as in this config's {name} ({mine!r}); got "
                 f"{shown(value)}"
             )
-        elif not _finite(value):
+        elif not all_finite(value):
             raise ValueError(f"{field}.{key} must be finite; got {value!r}")
     loaded = {**now_group, **{k: v for k, v in group.items() if k in known or k == "params"}}
     _check_config_ranges(
         field, {k: loaded[k] for k in ("betas", "eps", "weight_decay", "momentum") if k in loaded}, section
     )
-    try:
-        finite = step_once(cls, {k: v for k, v in loaded.items() if k != "params"})[1]
-    except (ValueError, TypeError, RuntimeError, KeyError) as exc:
-        raise ValueError(f"{field} holds hyperparameters {name} refuses: {_one_line(exc)}") from None
-    if not finite:
-        raise ValueError(f"{field} holds hyperparameters with which a step of {name} gives inf/NaN")
+    hyper = {k: v for k, v in loaded.items() if k != "params"}
+    if (problem := _step_problem(cls, hyper)) is not None:
+        mine = {k: v for k, v in now_group.items() if k != "params"}
+        changed = [k for k in hyper if k in group and not _same_value(hyper[k], mine.get(k, ...))]
+        alone = [k for k in changed if _step_problem(cls, {**mine, k: hyper[k]}) is not None]  # which one does it
+        blamed = ", ".join(f"{k} = {shown(hyper[k])}" for k in (alone[:1] or changed))
+        where = f" (in {field}: {blamed}{' together' if not alone and len(changed) > 1 else ''})" if changed else ""
+        if problem:
+            raise ValueError(f"{field} holds hyperparameters {name} refuses: {problem}{where}")
+        raise ValueError(f"{field} holds hyperparameters with which a step of {name} gives inf/NaN{where}")
     return loaded
+
+
+def _step_problem(cls: type, hyper: dict[str, Any]) -> str | None:
+    """Why one step of ``cls`` with ``hyper`` fails (:func:`step_once`): what it raised, ``""`` when the step is not
+    finite, ``None`` when it is."""
+    try:
+        return None if step_once(cls, hyper)[1] else ""
+    except (ValueError, TypeError, RuntimeError, KeyError) as exc:
+        return _one_line(exc)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # tensors: not one truth value
+        return False
 
 
 def _check_config_ranges(field: str, values: dict[str, Any], section: Any) -> None:
@@ -970,26 +940,6 @@ def _check_config_ranges(field: str, values: dict[str, Any], section: Any) -> No
         key = ".".join(map(str, first["loc"]))
         rule = first["msg"].replace("Input should", "must")
         raise ValueError(f"{field}.{key} {rule}, as optimizer.{key} in a config; got {first.get('input')!r}") from None
-
-
-def _check_state_value(field: str, key: str, value: Any, param: torch.Tensor) -> None:
-    """One value of a parameter's optimizer state: ``step`` a number >= 0; a tensor of the parameter's shape and a
-    floating dtype, finite once converted to the parameter's dtype (as torch's loading converts it)."""
-    if key == "step":
-        count = (
-            value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() else value
-        )
-        _number(count, field, integer=False)
-    elif isinstance(value, torch.Tensor):
-        if not (value.is_floating_point() or value.is_complex()) or value.shape != param.shape:
-            raise ValueError(
-                f"{field} is a {value.dtype} tensor of shape {tuple(value.shape)}; this run's parameter "
-                f"needs a floating-point tensor of shape {tuple(param.shape)}"
-            )
-        if problem := tensor_problem(value, param):
-            raise ValueError(f"{field} {problem}")
-    elif not _finite(value):
-        raise ValueError(f"{field} holds inf/NaN values")
 
 
 def _check_scheduler(saved: Any, scheduler: Any, num_groups: int) -> dict[str, Any]:
