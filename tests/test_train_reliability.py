@@ -383,3 +383,42 @@ def test_the_optimizer_state_check_is_the_cores_for_any_torch_optimizer() -> Non
             check_optimizer_state(optimizer, bad)
     with pytest.raises(ValueError, match=r"optimizer\.state\[0\]\.step must be a number >= 0; got -1"):
         check_optimizer_state(optimizer, {**state, "state": {0: {"step": -1, "momentum_buffer": None}}})
+
+
+# ---------------------------------------------------------------------- C9: a signal once the command has ended
+LATE_SIGNAL = """
+import os, signal, sys, time
+import dls.train.cli as cli
+import dls_entry
+
+class Late:  # freed while the interpreter exits, after the command returned its status
+    def __del__(self, kill=os.kill, pid=os.getpid(), sig=signal.SIGINT, sleep=time.sleep):
+        kill(pid, sig)
+        sleep(0.2)
+
+late = Late()
+if sys.argv.pop(1) == "report":  # a Ctrl-C while the command's failure is reported
+    real = cli._report
+    def report(exc, crash_dir):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+        return real(exc, crash_dir)
+    cli._report = report
+sys.argv = ["dls", "train", "/nonexistent/config.yaml"]
+dls_entry.main()
+"""
+
+
+@pytest.mark.parametrize("when", ["report", "exit"])
+def test_a_signal_after_the_command_ended_changes_nothing(tmp_path: Path, when: str) -> None:
+    """Two Ctrl-C 50 ms apart while a checkpoint was written ended the process by the signal (status -2): the second
+    came as the interpreter exited, after the command had said its line and decided its status."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "late.py"
+    script.write_text(LATE_SIGNAL)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, str(script), when], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert one_line(proc.stderr).startswith("dls: error: no config file /nonexistent/config.yaml")

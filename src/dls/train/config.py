@@ -481,7 +481,8 @@ def _where(exc: yaml.YAMLError, text: str) -> str:
     if isinstance(exc, yaml.reader.ReaderError):  # a character YAML does not allow: a position in the text
         line = text.count("\n", 0, exc.position) + 1
         column = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
-        return f"{line}:{column}: character {exc.character!r} is not allowed in YAML"
+        code = exc.character if isinstance(exc.character, int) else ord(exc.character)  # PyYAML gives its code
+        return f"{line}:{column}: character U+{code:04X} ({chr(code)!r}) is not allowed in YAML"
     if mark is None or problem is None:
         return f"1:1: {str(exc).splitlines()[0]}"
     return f"{mark.line + 1}:{mark.column + 1}: {problem}"
@@ -491,8 +492,9 @@ def load_yaml(text: str, source: str = "<string>", notes: list[str] | None = Non
     """Parse YAML text into plain data, aliases expanded into copies. Raises :class:`ConfigError`; a syntax error is
     one line, ``source:line:column: what``. A key repeated with a value that is not a section takes the last value,
     as Model Zoo's loader does: each is added to ``notes``."""
-    loader = _Loader(text)
+    loader = None
     try:
+        loader = _Loader(text)  # its reader already refuses characters YAML does not allow (a NUL byte)
         data = _unshare(loader.get_single_data(), [MAX_CONFIG_NODES])
     except ConfigError as exc:
         raise ConfigError(exc.errors, source) from None
@@ -503,7 +505,8 @@ def load_yaml(text: str, source: str = "<string>", notes: list[str] | None = Non
     except ValueError as exc:
         raise ConfigError([f"the config expands to {exc}"], source) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     said = [f"{source}: {key!r} is given twice (lines {a} and {b}); the value of line {b} is used, as Model Zoo's "
             "YAML loader does" for key, a, b in loader.repeated]  # fmt: skip
     if notes is not None:
