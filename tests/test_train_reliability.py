@@ -422,3 +422,36 @@ def test_a_signal_after_the_command_ended_changes_nothing(tmp_path: Path, when: 
     proc = subprocess.run([sys.executable, str(script), when], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert one_line(proc.stderr).startswith("dls: error: no config file /nonexistent/config.yaml")
+
+
+# ---------------------------------------------------------------------- C7, C10, C13, C14
+@pytest.mark.parametrize("source", ["nul", "environ"])
+def test_a_config_holding_a_nul_byte_is_exit_2_naming_the_file_and_the_position(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], source: str
+) -> None:
+    """C7: a ReaderError escaped as an internal error (exit 4)."""
+    path = tmp_path / "nul.yaml"
+    path.write_bytes(b"model:\n  name: mlp\x00\n")
+    given = str(path) if source == "nul" else "/proc/self/environ"
+    if source == "environ" and not Path(given).is_file():
+        pytest.skip("no /proc/self/environ")
+    for command in ("validate", "train"):
+        assert main([command, given]) == 2
+        err = one_line(capsys.readouterr().err)
+        where = f"{given}:2:12: " if source == "nul" else f"{given}:"
+        assert where in err and "character U+0000 ('\\x00') is not allowed in YAML" in err
+
+
+def test_resuming_a_directory_another_run_holds_names_the_holder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """C10: it said "no checkpoint files" while a run that had written none yet held the directory."""
+    run = tmp_path / "run"
+    run.mkdir()
+    with ckpt.RunDir(ckpt.resolve_model_dir(run)):
+        assert main(["train", "--resume", str(run), "--no_progress"]) == 2
+        err = one_line(capsys.readouterr().err)
+        assert f"--resume: {run} is in use by another dls run: pid {os.getpid()} on host" in err
+        assert "no checkpoint_<step>.mdl" not in err
+    assert main(["train", "--resume", str(run), "--no_progress"]) == 2  # released: nothing to resume, as before
+    assert f"--resume: no checkpoint_<step>.mdl files in {run}" in one_line(capsys.readouterr().err)

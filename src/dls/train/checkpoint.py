@@ -106,6 +106,11 @@ def load_resume_checkpoint(
     if not p.exists():
         raise CheckpointError(f"{what}: {p} does not exist")
     if not (found := list_checkpoints(p)):
+        if (holder := lock_holder(p)) is not None:
+            raise ModelDirError(
+                f"{what}: {p} is in use by another dls run: {holder}, which has written no checkpoint yet. Wait for "
+                "its first checkpoint (or for it to finish), or stop it"
+            )
         raise CheckpointError(f"{what}: no checkpoint_<step>.mdl files in {p}")
     unreadable: list[tuple[Path, str]] = []
     for _, candidate in reversed(found):
@@ -273,6 +278,24 @@ def _holder(lock_fd: int, held: bool = True) -> str | None:
         except OSError:  # e.g. EPERM: it exists
             pass
     return text
+
+
+def lock_holder(directory: Path) -> str | None:
+    """Who holds ``directory``'s lock now, as its record says (``None``: no one): asked only to explain why a
+    directory has nothing to resume from, never to decide whether a run may start (:class:`RunDir` decides)."""
+    try:
+        fd = os.open(directory / LOCK_FILE, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder(fd) or "another process (no holder recorded)"
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # releases the shared lock too
+    return None
 
 
 def is_same_file(dir_fd: int, name: str, other: Path | int) -> bool:
