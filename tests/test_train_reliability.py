@@ -455,3 +455,54 @@ def test_resuming_a_directory_another_run_holds_names_the_holder(
         assert "no checkpoint_<step>.mdl" not in err
     assert main(["train", "--resume", str(run), "--no_progress"]) == 2  # released: nothing to resume, as before
     assert f"--resume: no checkpoint_<step>.mdl files in {run}" in one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("version", [0, -1])
+def test_a_format_version_no_dls_wrote_is_not_called_newer(
+    finished: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], version: int
+) -> None:
+    """C13: format_version 0 was "written by a newer dls"."""
+    run = crafted_run(finished, tmp_path, _set("format_version", version))
+    before = snapshot(run)
+    assert resume(run) == 2
+    err = one_line(capsys.readouterr().err)
+    assert f"{run / 'checkpoint_4.mdl'} has format_version {version}; it must be an integer from 1 to 2" in err
+    assert "newer" not in err and snapshot(run) == before
+
+
+@pytest.mark.parametrize("case", ["root", "dangling", "dangling_parent"])
+def test_a_model_dir_that_is_the_root_or_through_a_dangling_link_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    """C14: `model_dir: /` was accepted without a word; a dangling link as model_dir created its target's whole path.
+    Decision: both refused, naming them (a link to an existing directory stays fine)."""
+    target = tmp_path / "elsewhere" / "deep" / "run"
+    link = tmp_path / "link"
+    link.symlink_to(target if case == "dangling" else target.parent)
+    model_dir = {"root": "/", "dangling": str(link), "dangling_parent": str(link / "run")}[case]
+    config = write_config(tmp_path / "c.yaml", tiny(Path(model_dir)))
+    assert main(["train", config, "--no_progress"]) == 2
+    err = one_line(capsys.readouterr().err)
+    if case == "root":
+        assert "runconfig.model_dir / is the file system's root" in err
+    else:
+        assert f"{link} is a symbolic link to {os.readlink(link)}, which does not exist" in err
+    assert not (tmp_path / "elsewhere").exists()
+    (tmp_path / "elsewhere" / "deep" / "run").mkdir(parents=True)  # the link's target exists: fine
+    if case != "root":
+        assert ckpt.resolve_model_dir(model_dir) == Path(os.path.realpath(model_dir))
+
+
+def test_a_key_given_twice_in_an_override_takes_the_last_with_a_note_as_in_a_file(tmp_path: Path) -> None:
+    """C11: one rule per layout, the same in each (the guarantees page said errors): a value given twice takes the
+    last with a note naming both lines; an override's value is read as a file is (it was silent)."""
+    from dls.train.config import load_config
+
+    path = Path(write_config(tmp_path / "c.yaml", tiny(tmp_path / "run")))
+    cfg = load_config(path, ["precision.fp8={recipe: delayed, recipe: current}"])
+    assert cfg.precision.fp8 is not None and cfg.precision.fp8["recipe"] == "current"
+    (note,) = [n for n in cfg.notes if "given twice" in n]
+    assert note == (
+        "override 'precision.fp8={recipe: delayed, recipe: current}': 'recipe' is given twice (lines 1 and 1); the "
+        "value of line 1 is used, as Model Zoo's YAML loader does"
+    )

@@ -141,11 +141,11 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{p} is not a dls training checkpoint (no 'model' state)")
     version = state.get("format_version", 1)
-    if isinstance(version, bool) or not isinstance(version, int):
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:  # no dls wrote it
         raise CheckpointError(
             f"{p} has format_version {shown(version)}; it must be an integer from 1 to {FORMAT_VERSION}"
         )
-    if not 1 <= version <= FORMAT_VERSION:
+    if version > FORMAT_VERSION:
         raise CheckpointError(
             f"{p} has checkpoint format version {version!r}; this dls reads versions 1 to {FORMAT_VERSION} (a higher "
             "one was written by a newer dls: resume it with that dls; nothing was changed)"
@@ -172,10 +172,25 @@ def _check_step(path: Path, state: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------- the run directory
 def resolve_model_dir(path: str | Path, what: str = "runconfig.model_dir") -> Path:
-    """``path`` absolute with every link resolved (once per run); ``what`` names it in errors."""
+    """``path`` absolute with every link resolved (once per run); ``what`` names it in errors. Refused
+    (:class:`ModelDirError`): a path through a link to nothing (creating the directory would create the link's
+    target, wherever it points), and the file system's root (a run's files would land among the system's)."""
     if "\0" in str(path):
         raise ModelDirError(f"{what} {str(path)!r} contains a NUL character, which no path can hold")
-    return Path(os.path.realpath(Path(path).expanduser()))
+    given, prefix = Path(path).expanduser(), ""
+    for part in given.parts:  # as written, left to right, until the part a run would create
+        prefix = os.path.join(prefix, part)
+        if not os.path.lexists(prefix):
+            break
+        if os.path.islink(prefix) and not os.path.exists(prefix):
+            raise ModelDirError(
+                f"{what} {path}: {prefix} is a symbolic link to {os.readlink(prefix)}, which does not exist; dls does "
+                "not create a link's target: create it, or give the directory itself"
+            )
+    resolved = Path(os.path.realpath(given))
+    if resolved == resolved.parent:
+        raise ModelDirError(f"{what} {path} is the file system's root; give a directory of the run's own")
+    return resolved
 
 
 def check_model_dir(

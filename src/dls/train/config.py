@@ -534,7 +534,7 @@ def read_config(path: str | Path, overrides: Sequence[str] = (), notes: list[str
         why = f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); save the config as UTF-8"
         raise ConfigError([why], str(path)) from None
     raw = load_yaml(text, str(path), notes)
-    return apply_overrides({} if raw is None else raw, overrides, source=str(path))
+    return apply_overrides({} if raw is None else raw, overrides, source=str(path), notes=notes)
 
 
 def _shown(text: str, most: int = 120) -> str:
@@ -542,8 +542,11 @@ def _shown(text: str, most: int = 120) -> str:
     return repr(text) if len(text) <= most else f"{text[:most]!r}... ({len(text):,} characters)"
 
 
-def apply_overrides(raw: Any, overrides: Sequence[str], source: str | None = None) -> dict[str, Any]:
-    """A copy of ``raw`` with each ``"a.b.c=value"`` set at the path as written (values are YAML)."""
+def apply_overrides(
+    raw: Any, overrides: Sequence[str], source: str | None = None, notes: list[str] | None = None
+) -> dict[str, Any]:
+    """A copy of ``raw`` with each ``"a.b.c=value"`` set at the path as written (values are YAML, read as a file
+    is: a key given twice in a value is added to ``notes``)."""
     if not isinstance(raw, Mapping):
         raise ConfigError([f"the top level must be a mapping of sections; got {raw!r}"], source)
     try:
@@ -558,10 +561,13 @@ def apply_overrides(raw: Any, overrides: Sequence[str], source: str | None = Non
             errors.append(f"override {_shown(item)} must look like section.key=value, e.g. runconfig.max_steps=20")
             continue
         try:
-            value = load_yaml(text, "value") if text.strip() else ""
+            said: list[str] = []
+            value = load_yaml(text, "value", said) if text.strip() else ""
         except ConfigError as exc:
             errors.append(f"override {_shown(item)}: {exc.errors[0]}")
             continue
+        if notes is not None:
+            notes.extend(f"override {_shown(item)}: {note.removeprefix('value: ')}" for note in said)
         node = result
         for i, k in enumerate(keys[:-1]):
             if node.get(k) is None:
