@@ -506,3 +506,25 @@ def test_a_key_given_twice_in_an_override_takes_the_last_with_a_note_as_in_a_fil
         "override 'precision.fp8={recipe: delayed, recipe: current}': 'recipe' is given twice (lines 1 and 1); the "
         "value of line 1 is used, as Model Zoo's YAML loader does"
     )
+
+
+def test_dls_data_leaves_nothing_when_the_disk_fills_halfway(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """All or nothing: the files written before a full disk are removed again, and the directories made for them
+    (a rerun found them and refused: they exist)."""
+    import errno
+
+    real, calls = ckpt._write_new, []
+
+    def full_on_the_third(dir_fd: int, name: str, data: Any) -> None:
+        calls.append(name)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(dir_fd, name, data)
+
+    monkeypatch.setattr(ckpt, "_write_new", full_on_the_third)
+    assert main(["data", "mnist", str(tmp_path / "d"), "--train", "8", "--val", "4"]) == 3
+    err = one_line(capsys.readouterr().err)
+    assert f"{tmp_path / 'd' / 'MNIST' / 'raw' / 't10k-images-idx3-ubyte'}: No space left on device" in err
+    assert "write to another DIR" in err and not (tmp_path / "d").exists()

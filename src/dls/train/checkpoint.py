@@ -475,7 +475,27 @@ class RunDir:
                 f"{found} exists{kind}: dls never replaces a file or writes through a link (nothing was written); "
                 f"choose another {self.what}, or move it away"
             )
-        return [self.create(name, data) for name, data in contents.items()]
+        written: list[str] = []
+        try:
+            for name, data in contents.items():
+                self.create(name, data)
+                written.append(name)
+        except BaseException:  # all or nothing: a full disk (or Ctrl-C) halfway leaves none of them
+            for name in reversed(written):
+                with contextlib.suppress(OSError):
+                    self._unlink(name)
+            raise
+        return [self.path / name for name in written]
+
+    def _unlink(self, name: str) -> None:
+        """Remove ``name`` (a relative path, ``/``-separated), its directories opened without following a link."""
+        *folders, leaf = name.split("/")
+        with contextlib.ExitStack() as opened:
+            fd = self.fd
+            for folder in folders:
+                fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=fd)
+                opened.callback(os.close, fd)
+            os.unlink(leaf, dir_fd=fd)
 
     def create(self, name: str, data: bytes | memoryview) -> Path:
         """Create the new file ``name`` (a relative path, ``/``-separated; its missing directories are made) holding
@@ -488,6 +508,7 @@ class RunDir:
             for i, folder in enumerate(folders):
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(folder, 0o755, dir_fd=fd)
+                    self._created.insert(0, self.path.joinpath(*folders[: i + 1]))  # removed on close while empty
                 try:
                     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=fd)
                 except OSError as exc:

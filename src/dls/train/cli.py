@@ -394,17 +394,25 @@ def _data(args: argparse.Namespace) -> int:
         raise UsageError(
             "dls data: an argument is empty ('' is no directory); give DIR, e.g. dls data mnist data/mnist"
         )
+    with _writing_to_dir():
+        try:
+            return write_data(args.args)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise OutOfMemory(first, "lower --train, --val, --msl or --files (or free memory)") from None
+
+
+@contextlib.contextmanager
+def _writing_to_dir() -> Iterator[None]:
+    """A full disk while ``dls data`` or ``dls init`` writes into DIR: their advice, not the trainer's."""
     try:
-        return write_data(args.args)
+        yield
     except OSError as exc:
         if exc.errno in SPACE_ERRORS:
             exc.advice = "free some space or write to another DIR"  # type: ignore[attr-defined]
         raise
-    except Exception as exc:
-        if not is_out_of_memory(exc):
-            raise
-        first = (str(exc).strip().splitlines() or [""])[0]
-        raise OutOfMemory(first, "lower --train, --val, --msl or --files (or free memory)") from None
 
 
 def shipped_configs() -> dict[str, Path]:
@@ -500,7 +508,7 @@ def _init(args: argparse.Namespace) -> None:
         files = {f"data/{kind}/{name}": content for name, content in data.items()}
         text = _point_data_dirs(text, directory / "data")
     files[target] = text.encode()  # last: written once the data is there
-    with RunDir(resolve_model_dir(directory, "DIR"), "DIR") as out:  # new files only: nothing replaced or followed
+    with _writing_to_dir(), RunDir(resolve_model_dir(directory, "DIR"), "DIR") as out:  # new files only
         out.create_all(files)
     if processor is not None:
         print(f"Wrote a tiny {processor.group(1)} data set into {directory / 'data' / kind}")
