@@ -528,3 +528,12 @@ def test_dls_data_leaves_nothing_when_the_disk_fills_halfway(
     err = one_line(capsys.readouterr().err)
     assert f"{tmp_path / 'd' / 'MNIST' / 'raw' / 't10k-images-idx3-ubyte'}: No space left on device" in err
     assert "write to another DIR" in err and not (tmp_path / "d").exists()
+
+
+def test_each_step_has_one_checkpoint_name() -> None:
+    """checkpoint_007.mdl is not step 7's checkpoint (checkpoint_7.mdl is): a session would have found step 7 there
+    and then refused to write it."""
+    assert [ckpt.checkpoint_step(n) for n in ("checkpoint_7.mdl", "checkpoint_0.mdl", "checkpoint_007.mdl")] == [
+        7, 0, -1,
+    ]  # fmt: skip
+    assert ckpt.checkpoint_step(ckpt.checkpoint_path("run", 70).name) == 70

@@ -73,8 +73,9 @@ def checkpoint_path(model_dir: str | Path, step: int) -> Path:
 
 
 def checkpoint_step(name: str) -> int:
-    """The step of a checkpoint's file name; -1 for any other name."""
-    match = re.fullmatch(r"checkpoint_(\d+)\.mdl", name)
+    """The step of a checkpoint's file name (as :func:`checkpoint_path` writes it: no leading zeros, so that each step
+    has one name); -1 for any other name."""
+    match = re.fullmatch(r"checkpoint_(0|[1-9][0-9]*)\.mdl", name)
     return int(match.group(1)) if match else -1
 
 
