@@ -7,8 +7,8 @@ format, ``dls data`` bounds, ``model_dir: /`` and a dangling link)."""
 from __future__ import annotations
 
 import contextlib
-import math
 import copy
+import math
 import os
 import shutil
 from pathlib import Path
@@ -98,13 +98,13 @@ def resume(run: Path, steps: int = 6, *more: str) -> int:
 @pytest.mark.parametrize(
     ("step", "said"),
     [
-        (None, "holds no global_step (its file name says step 4)"),
-        (2, "holds global_step 2, but its file name says step 4: a checkpoint is resumed only at the step"),
-        (0, "holds global_step 0, but its file name says step 4"),
-        (6, "holds global_step 6, but its file name says step 4"),
-        (4.0, "has global_step 4.0 (its file name says step 4); it must be an integer >= 0"),
-        ("4", "has global_step '4' (its file name says step 4); it must be an integer >= 0"),
-        (True, "has global_step True (its file name says step 4)"),
+        (None, "it holds no global_step (its file name says step 4)"),
+        (2, "global_step is 2, but its file name says step 4: a checkpoint is resumed only at the step"),
+        (0, "global_step is 0, but its file name says step 4"),
+        (6, "global_step is 6, but its file name says step 4"),
+        (4.0, "global_step must be an integer >= 0; got 4.0 (its file name says step 4)"),
+        ("4", "global_step must be an integer >= 0; got '4' (its file name says step 4)"),
+        (True, "global_step must be an integer >= 0; got True (its file name says step 4)"),
     ],
 )
 def test_a_checkpoint_whose_step_disagrees_with_its_name_is_refused_and_nothing_changes(
@@ -121,7 +121,9 @@ def test_a_checkpoint_whose_step_disagrees_with_its_name_is_refused_and_nothing_
     before = snapshot(run)
     capsys.readouterr()
     assert resume(run) == 2
-    assert f"{run / 'checkpoint_4.mdl'} {said}" in one_line(capsys.readouterr().err)
+    assert f"cannot load the global_step state of {run / 'checkpoint_4.mdl'}: {said}" in one_line(
+        capsys.readouterr().err
+    )
     assert snapshot(run) == before
 
 
@@ -140,7 +142,7 @@ def test_a_session_never_replaces_a_checkpoint_the_directory_held_when_it_opened
     with run_dir:
         run_dir.save_checkpoint({"global_step": 3, "model": {}}, 3)
         run_dir.open(print, set_aside=[], step=3, config={}, config_file=None)
-        with pytest.raises(ckpt.ModelDirError, match="checkpoint_3.mdl was there before this session"):
+        with pytest.raises(ckpt.ModelDirError, match=r"checkpoint_3\.mdl was there before this session"):
             run_dir.save_checkpoint({"global_step": 3, "model": {}}, 3)
         run_dir.save_checkpoint({"global_step": 4, "model": {}}, 4)
     assert [step for step, _ in ckpt.list_checkpoints(tmp_path / "run")] == [3, 4]
@@ -332,18 +334,28 @@ OPTIMIZER = "cannot load the optimizer state of {path}: optimizer."
 DATALOADER = "cannot load the dataloader state of {path}: "
 
 
+EXP_AVG = "optimizer.state.0.exp_avg"
+FLOATING = "; its parameter needs a floating-point tensor of shape (16, 8)"
+WEIGHT = "the model in {path} does not fit model: in this config: model.net.0.weight is a "
+
+
 @pytest.mark.parametrize(
     ("craft", "said"),
     [
         (_exp_avg_sq(-1.0), OPTIMIZER + "state[0].exp_avg_sq holds negative values (as low as -1)"),
         (_exp_avg_sq(float("nan")), OPTIMIZER + "state[0].exp_avg_sq holds inf/NaN values"),
-        (_set("optimizer.state.0.exp_avg", torch.full((16, 8), float("nan"))), OPTIMIZER + "state[0].exp_avg holds inf"),
-        (_set("optimizer.state.0.exp_avg", torch.zeros(8, 16)), OPTIMIZER + "state[0].exp_avg is a tensor of shape (8, 16)"),
-        (_set("optimizer.state.0.exp_avg", torch.zeros(16, 8, dtype=torch.int64)), OPTIMIZER + "state[0].exp_avg is a torch.int64 tensor; it loads into float32, which holds floating"),
-        (_set("optimizer.param_groups.0.params", [0, 0, 1, 2, 3, 4]), OPTIMIZER + "param_groups[0].params must be distinct integers"),
-        (_set("optimizer.param_groups.0.lr", -1.0), OPTIMIZER + "param_groups[0] holds hyperparameters AdamW refuses: Invalid learning rate: -1.0 (in optimizer.param_groups[0]: lr = -1.0)"),
-        (_model_weight(torch.int64), "the model in {path} does not fit model: in this config: model.net.0.weight is a torch.int64 tensor; it loads into float32, which holds floating-point values"),
-        (_model_weight(torch.bool), "model.net.0.weight is a torch.bool tensor; it loads into float32"),
+        (_set(EXP_AVG, torch.full((16, 8), math.nan)), OPTIMIZER + "state[0].exp_avg holds inf/NaN values"),
+        (_set(EXP_AVG, torch.zeros(8, 16)), OPTIMIZER + "state[0].exp_avg is a torch.float32 tensor of shape (8, 16)"
+            + FLOATING),
+        (_set(EXP_AVG, torch.zeros(16, 8, dtype=torch.int64)), OPTIMIZER
+            + "state[0].exp_avg is a torch.int64 tensor of shape (16, 8)" + FLOATING),
+        (_set("optimizer.param_groups.0.params", [0, 0, 1, 2, 3, 4]), OPTIMIZER
+            + "param_groups[0].params must be distinct integers"),
+        (_set("optimizer.param_groups.0.lr", -1.0), OPTIMIZER + "param_groups[0] holds hyperparameters AdamW refuses: "
+            "Invalid learning rate: -1.0 (in optimizer.param_groups[0]: lr = -1.0)"),
+        (_model_weight(torch.int64), WEIGHT + "torch.int64 tensor; it loads into float32, which holds floating-point "
+            "values"),
+        (_model_weight(torch.bool), WEIGHT + "torch.bool tensor; it loads into float32"),
         (_set("dataloader.seed", "x"), DATALOADER + "seed must be an integer >= 0; got 'x'"),
         (_set("dataloader.batch_size", 0), DATALOADER + "batch_size must be an integer >= 1; got 0"),
     ],

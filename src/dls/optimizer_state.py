@@ -8,10 +8,10 @@ The rules, per entry ``state[i]`` of the parameter ``i`` (its index in the group
 
 * the saved groups hold as many parameters as the optimizer's, each index an integer given once;
 * ``step`` (and any value that is not a tensor) a finite number, ``step`` >= 0;
-* a tensor is dense, real unless its parameter is complex, and of the parameter's shape, or 0-dim (a per-parameter
-  scalar: NAdam's ``mu_product``, ASGD's ``eta``), or one of Adafactor's factored second moments (``row_var`` /
-  ``col_var``, the parameter's shape with its last / second-to-last dimension 1); floating (or complex) for a
-  floating parameter, not integers or booleans;
+* a tensor is dense, real unless its parameter is complex, floating (or complex) for a floating parameter (not
+  integers or booleans), and of the parameter's shape, but for the per-parameter scalars (:data:`SCALARS`: NAdam's
+  ``mu_product``, ASGD's ``eta`` and ``mu``, 0-dim) and Adafactor's factored second moments (``row_var`` /
+  ``col_var``, the parameter's shape with its last / second-to-last dimension 1);
 * converted to the parameter's dtype, as loading converts it, finite (complex values by both parts, float8 read
   through float32), and nothing the conversion turns into inf;
 * the second moments and the other states that are never negative (:data:`NON_NEGATIVE`) hold no negative value.
@@ -30,7 +30,7 @@ import torch
 
 from dls.policy import shown
 
-__all__ = ["NON_FINITE", "NON_NEGATIVE", "all_finite", "check_optimizer_state", "tensor_problem"]
+__all__ = ["NON_FINITE", "NON_NEGATIVE", "SCALARS", "all_finite", "check_optimizer_state", "tensor_problem"]
 
 # Per-parameter states that no step of their optimizer makes negative: squares and their averages (Adam's and its
 # kin's exp_avg_sq, Adagrad's sum, RMSprop's and Adadelta's square_avg and acc_delta, Adafactor's), Adamax's
@@ -42,6 +42,8 @@ NON_NEGATIVE = frozenset(
     }
 )  # fmt: skip
 NON_FINITE = "holds inf/NaN values"
+# The per-parameter states that are one number (0-dim tensors): every other tensor has its parameter's shape.
+SCALARS = frozenset({"mu_product", "eta", "mu"})
 
 
 def check_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Any, *, name: str = "optimizer") -> None:
@@ -96,12 +98,20 @@ def _check_value(field: str, key: Any, value: Any, param: torch.Tensor) -> None:
         if not all_finite(value):
             raise ValueError(f"{field} {NON_FINITE}")
         return
-    like = param
-    if value.dim() == 0:  # a per-parameter scalar: judged as a scalar of the parameter's dtype
-        like = param.new_empty(())
+    shape = param.shape
+    if key in SCALARS:  # a per-parameter scalar
+        shape = torch.Size(())
     elif key in ("row_var", "col_var") and param.dim() >= 2:  # Adafactor's factored second moments
-        shape = (*param.shape[:-1], 1) if key == "row_var" else (*param.shape[:-2], 1, param.shape[-1])
-        like = param.new_empty(shape)
+        shape = torch.Size((*param.shape[:-1], 1) if key == "row_var" else (*param.shape[:-2], 1, param.shape[-1]))
+    like = param.new_empty(shape)
+    kinds = (
+        (value.is_floating_point() or value.is_complex()) if param.is_floating_point() or param.is_complex() else True
+    )
+    if value.shape != shape or not kinds:
+        raise ValueError(
+            f"{field} is a {value.dtype} tensor of shape {tuple(value.shape)}; its parameter needs a "
+            f"{'floating-point ' if param.is_floating_point() else ''}tensor of shape {tuple(shape)}"
+        )
     if problem := tensor_problem(value, like, whose="its parameter"):
         raise ValueError(f"{field} {problem}")
     real = not (value.is_complex() or like.is_complex())

@@ -137,8 +137,8 @@ class Fallback:
                 warnings.warn(
                     f"dls fallback: {FRUITLESS_LIMIT} armed forward passes that overflowed found no module to keep "
                     "(the inputs were already inf/NaN, the overflow happens outside any module, e.g. in the loss "
-                    "function, or a kept module's output overflows float32 itself or the half dtype it is handed back in "
-                    "to half-precision parameters); the fallback is disarmed and keeps nothing "
+                    "function, or a kept module's output overflows float32 itself, or the half dtype it is handed "
+                    "back in to half-precision parameters); the fallback is disarmed and keeps nothing "
                     "more. dls.audit(...) names where the forward pass exceeds the format.",
                     stacklevel=4,
                 )

@@ -12,7 +12,6 @@ import contextlib
 import datetime
 import errno
 import fcntl
-import inspect
 import io
 import itertools
 import json
@@ -159,14 +158,17 @@ def _check_step(path: Path, state: dict[str, Any]) -> None:
     """A checkpoint's ``global_step`` is an integer >= 0 and, under a checkpoint's file name, the step that name
     says: a run resumed from it goes on from there, in place, and so never rewinds over its own checkpoints."""
     step, named = state.get("global_step"), checkpoint_step(path.name)
-    said = f" (its file name says step {named})" if named >= 0 else ""
+    said, refused = (
+        f" (its file name says step {named})" if named >= 0 else "",
+        f"cannot load the global_step state of {path}",
+    )
     if "global_step" not in state:
-        raise CheckpointError(f"{path} holds no global_step{said}; nothing was changed")
+        raise CheckpointError(f"{refused}: it holds no global_step{said}; nothing was changed")
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
-        raise CheckpointError(f"{path} has global_step {shown(step)}{said}; it must be an integer >= 0")
+        raise CheckpointError(f"{refused}: global_step must be an integer >= 0; got {shown(step)}{said}")
     if named >= 0 and step != named:
         raise CheckpointError(
-            f"{path} holds global_step {step}, but its file name says step {named}: a checkpoint is resumed only at "
+            f"{refused}: global_step is {step}, but its file name says step {named}: a checkpoint is resumed only at "
             "the step it was saved at (nothing was changed)"
         )
 
