@@ -1,7 +1,7 @@
 """The reference tables the documentation renders (docs/reference/trainer.md, through docs/hooks/generated.py): every
-config key the trainer reads, generated from the schema itself (``dls.train.config``'s sections and their pydantic
-fields, the layouts' tables, ``dls.train.modelzoo``'s key models), so that a key added there appears here with its
-type, default, allowed values and help; and the ``--help`` of every ``dls`` command.
+config key the trainer reads, generated from the schema itself (``dls.train.config.schema``'s sections and their
+pydantic fields, ``dls.train.config.layouts``' tables, ``dls.train.modelzoo``'s key models), so that a key added
+there appears here with its type, default, allowed values and help; and the ``--help`` of every ``dls`` command.
 
 Where a key lives in the current Model Zoo layout is found by running the config reader's own tables on probe
 values, not by a list kept here."""
@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from dls.train import config as schema
+from dls.train.config import layouts, schema, validation
 
 # Values offered to a layout table's reader functions (whose argument shapes differ): each is tried in turn.
 _PROBES: tuple[Callable[[list[str]], Any], ...] = (
@@ -30,7 +30,7 @@ _PROBES: tuple[Callable[[list[str]], Any], ...] = (
 )
 
 
-class _Recorder(schema._Reader):
+class _Recorder(layouts.Reader):
     """The config reader, recording where each key of dls's sections was written (``(section, key) -> paths``)."""
 
     def __init__(self) -> None:
@@ -71,7 +71,7 @@ def current_layout_paths() -> dict[tuple[str, str], list[str]]:
                         to(recorder, probe(_every_key()), path)
                     add(recorder.paths)
 
-    visit(schema._TRAINER, "trainer")
+    visit(layouts.CURRENT_LAYOUT, "trainer")
     return {target: [p.replace(".Adam.", ".<optimizer>.") for p in paths] for target, paths in found.items()}
 
 
@@ -96,7 +96,7 @@ def _allowed(model: type[BaseModel], key: str) -> str:
     if shape is not None:
         return str(shape)
     properties = model.model_json_schema()["properties"]
-    return schema._allowed(properties[key], big=False) if key in properties else "a mapping"
+    return validation.schema_in_words(properties[key], big=False) if key in properties else "a mapping"
 
 
 def _scaler_default(key: str) -> str:
@@ -186,7 +186,7 @@ def _modelzoo_markdown() -> str:
         parts.append("|---|---|---|---|")
         properties = model.model_json_schema().get("properties", {})
         for key, field in model.model_fields.items():
-            allowed = schema._allowed(properties[key], big=False) if key in properties else "a mapping"
+            allowed = validation.schema_in_words(properties[key], big=False) if key in properties else "a mapping"
             default = "required" if field.is_required() else _default(field.default)
             what = field.description or "as in Model Zoo"
             parts.append(f"| `{key}` | {_cell(allowed)} | `{_cell(default)}` | {_cell(what)} |")
