@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from dls.train import checkpoint as ckpt
+from dls.train import rundir
 from dls.train.cli import main
 from dls.train.trainer import Trainer
 from test_train import tiny
@@ -259,7 +260,7 @@ def test_scheduler_state_loads_only_the_schedulers_own_keys(
 ) -> None:
     run = crafted(finished, "adamw", tmp_path, craft)
     assert resume(run) == 0
-    assert [step for step, _ in ckpt.list_checkpoints(run)][-1] == 6
+    assert [step for step, _ in rundir.list_checkpoints(run)][-1] == 6
 
 
 def test_optimizer_groups_load_only_the_optimizers_own_keys(finished: dict[str, Path], tmp_path: Path) -> None:
@@ -343,7 +344,7 @@ def test_the_stop_for_broken_weights_names_the_checkpoints_that_exist(
     assert "2 of this session's 2 steps were applied and one broke them" in err
     assert f"the newest checkpoint is {run / 'checkpoint_4.mdl'}" in err and "the run has no checkpoint" not in err
     assert f"then --resume {run}" in err
-    assert [step for step, _ in ckpt.list_checkpoints(run)] == [2, 4]  # no checkpoint of the broken weights
+    assert [step for step, _ in rundir.list_checkpoints(run)] == [2, 4]  # no checkpoint of the broken weights
 
 
 def test_the_stop_for_broken_weights_in_a_fork_names_where_it_started(

@@ -19,8 +19,10 @@ import torch
 import yaml
 
 from dls.train import checkpoint as ckpt
+from dls.train import rundir
 from dls.train.cli import main
 from dls.train.demo import RUNS
+from dls.train.errors import ModelDirError
 from test_train import tiny
 
 
@@ -133,19 +135,19 @@ def test_a_resume_at_its_checkpoints_step_does_not_write_that_checkpoint_again(f
     before = (run / "checkpoint_4.mdl").read_bytes()
     assert resume(run, 4) == 0
     assert (run / "checkpoint_4.mdl").read_bytes() == before
-    assert [step for step, _ in ckpt.list_checkpoints(run)] == [2, 4]
+    assert [step for step, _ in rundir.list_checkpoints(run)] == [2, 4]
 
 
 def test_a_session_never_replaces_a_checkpoint_the_directory_held_when_it_opened(tmp_path: Path) -> None:
     """The run directory's own guard: a step the session found there is never written again."""
-    run_dir = ckpt.RunDir(tmp_path / "run")
+    run_dir = rundir.RunDir(tmp_path / "run")
     with run_dir:
-        run_dir.save_checkpoint({"global_step": 3, "model": {}}, 3)
+        ckpt.save_checkpoint(run_dir, {"global_step": 3, "model": {}}, 3)
         run_dir.open(print, set_aside=[], step=3, config={}, config_file=None)
-        with pytest.raises(ckpt.ModelDirError, match=r"checkpoint_3\.mdl was there before this session"):
-            run_dir.save_checkpoint({"global_step": 3, "model": {}}, 3)
-        run_dir.save_checkpoint({"global_step": 4, "model": {}}, 4)
-    assert [step for step, _ in ckpt.list_checkpoints(tmp_path / "run")] == [3, 4]
+        with pytest.raises(ModelDirError, match=r"checkpoint_3\.mdl was there before this session"):
+            ckpt.save_checkpoint(run_dir, {"global_step": 3, "model": {}}, 3)
+        ckpt.save_checkpoint(run_dir, {"global_step": 4, "model": {}}, 4)
+    assert [step for step, _ in rundir.list_checkpoints(tmp_path / "run")] == [3, 4]
 
 
 # ---------------------------------------------------------------------- S3: dls init and dls data create files only
@@ -460,7 +462,7 @@ def test_resuming_a_directory_another_run_holds_names_the_holder(
     """C10: it said "no checkpoint files" while a run that had written none yet held the directory."""
     run = tmp_path / "run"
     run.mkdir()
-    with ckpt.RunDir(ckpt.resolve_model_dir(run)):
+    with rundir.RunDir(rundir.resolve_model_dir(run)):
         assert main(["train", "--resume", str(run), "--no_progress"]) == 2
         err = one_line(capsys.readouterr().err)
         assert f"--resume: {run} is in use by another dls run: pid {os.getpid()} on host" in err
@@ -502,7 +504,7 @@ def test_a_model_dir_that_is_the_root_or_through_a_dangling_link_is_refused(
     assert not (tmp_path / "elsewhere").exists()
     (tmp_path / "elsewhere" / "deep" / "run").mkdir(parents=True)  # the link's target exists: fine
     if case != "root":
-        assert ckpt.resolve_model_dir(model_dir) == Path(os.path.realpath(model_dir))
+        assert rundir.resolve_model_dir(model_dir) == Path(os.path.realpath(model_dir))
 
 
 def test_a_key_given_twice_in_an_override_takes_the_last_with_a_note_as_in_a_file(tmp_path: Path) -> None:
@@ -527,7 +529,7 @@ def test_dls_data_leaves_nothing_when_the_disk_fills_halfway(
     (a rerun found them and refused: they exist)."""
     import errno
 
-    real, calls = ckpt._write_new, []
+    real, calls = rundir._write_new, []
 
     def full_on_the_third(dir_fd: int, name: str, data: Any) -> None:
         calls.append(name)
@@ -535,7 +537,7 @@ def test_dls_data_leaves_nothing_when_the_disk_fills_halfway(
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(dir_fd, name, data)
 
-    monkeypatch.setattr(ckpt, "_write_new", full_on_the_third)
+    monkeypatch.setattr(rundir, "_write_new", full_on_the_third)
     assert main(["data", "mnist", str(tmp_path / "d"), "--train", "8", "--val", "4"]) == 3
     err = one_line(capsys.readouterr().err)
     assert f"{tmp_path / 'd' / 'MNIST' / 'raw' / 't10k-images-idx3-ubyte'}: No space left on device" in err
@@ -545,7 +547,7 @@ def test_dls_data_leaves_nothing_when_the_disk_fills_halfway(
 def test_each_step_has_one_checkpoint_name() -> None:
     """checkpoint_007.mdl is not step 7's checkpoint (checkpoint_7.mdl is): a session would have found step 7 there
     and then refused to write it."""
-    assert [ckpt.checkpoint_step(n) for n in ("checkpoint_7.mdl", "checkpoint_0.mdl", "checkpoint_007.mdl")] == [
+    assert [rundir.checkpoint_step(n) for n in ("checkpoint_7.mdl", "checkpoint_0.mdl", "checkpoint_007.mdl")] == [
         7, 0, -1,
     ]  # fmt: skip
-    assert ckpt.checkpoint_step(ckpt.checkpoint_path("run", 70).name) == 70
+    assert rundir.checkpoint_step(rundir.checkpoint_path("run", 70).name) == 70

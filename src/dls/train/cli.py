@@ -320,8 +320,8 @@ def _audit(args: argparse.Namespace) -> None:
     import dls
     from dls.diagnostics.scales import pow2
     from dls.train.audit import audit_formats, build_inputs
-    from dls.train.checkpoint import RunDir, resolve_model_dir
     from dls.train.config import load_config, loss_scaling_mode, scaler_settings
+    from dls.train.rundir import RunDir, resolve_model_dir
 
     if args.steps > MAX_AUDIT_STEPS:
         raise UsageError(f"--steps must be at most {MAX_AUDIT_STEPS}; got {args.steps}")
@@ -484,7 +484,7 @@ def _init(args: argparse.Namespace) -> None:
         raise UsageError(f"give the directory to write it into (dls init {args.name} DIR)")
     if not args.directory:
         raise UsageError(f"DIR is empty ('' is no directory); give one, e.g. dls init {args.name} my_run")
-    from dls.train.checkpoint import RunDir, resolve_model_dir
+    from dls.train.rundir import RunDir, resolve_model_dir
 
     directory = Path(args.directory)
     target = args.name.rsplit("/", 1)[-1] + ".yaml"

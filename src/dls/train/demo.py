@@ -29,10 +29,10 @@ from torch import nn
 
 import dls
 from dls.diagnostics.scales import pow2
-from dls.train.checkpoint import CONFIG_FILE, RunDir, earlier_run_files, resolve_model_dir
 from dls.train.config import load_yaml, parse_config, to_dict
 from dls.train.errors import ModelDirError, TrainingStopped
 from dls.train.reporting import PlotGroup, PlotRun, TrainResult, plot_demo, read_metrics
+from dls.train.rundir import CONFIG_FILE, RunDir, earlier_run_files, resolve_model_dir
 from dls.train.trainer import Trainer
 
 LOSS_WEIGHT = 1e-4

@@ -903,7 +903,7 @@ def write_tiny_data(
     (input_ids, attention_mask, labels) with the ``n_examples`` attribute Model Zoo's iterable reader reads; with
     ``corpus``, one flat token stream per file instead (for ``GptHDF5MapDataProcessor`` with
     ``max_sequence_length``)."""
-    from dls.train.checkpoint import RunDir, resolve_model_dir
+    from dls.train.rundir import RunDir, resolve_model_dir
 
     args = dict(train_samples=train_samples, val_samples=val_samples, msl=msl, vocab=vocab, files=files)
     contents = tiny_data_files(kind, **args, corpus=corpus, compress=compress, seed=seed)
