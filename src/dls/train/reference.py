@@ -201,7 +201,7 @@ def _modelzoo_markdown() -> str:
         parts.append(f"Accepted only at Model Zoo's default ({kind}; another value is an error naming it): {listed}.\n")
     ignored = sorted(
         {str(k) for name, v in vars(modelzoo).items() if name.endswith("_IGNORED") for k in v}
-        | set(getattr(schema, "CEREBRAS_ONLY", ()))
+        | layouts.IGNORED_OFF_CEREBRAS
     )
     parts.append(
         "Accepted and listed once as ignored (they matter only on Cerebras hardware or to Model Zoo's launcher): "
