@@ -365,7 +365,7 @@ def test_out_of_memory_in_dls_data_names_its_own_options(
 ) -> None:
     """C8: `dls data gpt DIR --train 1000000000000` runs out of memory in NumPy (simulated here: a machine that
     overcommits memory would try); the advice names dls data's options, not a config key."""
-    from dls.train import modelzoo
+    from dls.train.modelzoo import data as modelzoo
 
     @functools.wraps(modelzoo.write_tiny_data)  # its signature: dls data's defaults come from it
     def write(**kwargs: Any) -> list[Path]:
@@ -383,7 +383,7 @@ def test_a_full_disk_in_dls_data_gives_its_own_advice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Not the trainer's (another runconfig.model_dir, then --resume): dls data has neither."""
-    from dls.train import modelzoo
+    from dls.train.modelzoo import data as modelzoo
 
     @functools.wraps(modelzoo.write_tiny_data)
     def write(**kwargs: Any) -> list[Path]:

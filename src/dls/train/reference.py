@@ -43,7 +43,7 @@ class _Recorder(layouts.Reader):
 
 def _every_key() -> list[str]:
     keys = {k for cls in schema.SECTION_CLASSES.values() for k in cls.model_fields}
-    keys |= set(getattr(schema, "_OPTIMIZER_ARGS", {}))
+    keys |= set(layouts.OPTIMIZER_ARGS)
     return sorted(keys)
 
 
@@ -92,7 +92,7 @@ def _default(value: Any) -> str:
 
 
 def _allowed(model: type[BaseModel], key: str) -> str:
-    shape = getattr(schema, "_SHAPES", {}).get(key)
+    shape = validation.SHAPES.get(key)
     if shape is not None:
         return str(shape)
     properties = model.model_json_schema()["properties"]
@@ -122,7 +122,7 @@ def _scaler_default(key: str) -> str:
 def _section_titles() -> dict[str, str]:
     """dls's section -> its heading: its name, and its other names in Model Zoo's legacy layout (``train_input``)."""
     titles = {section: f"`{section}`" for section in schema.SECTION_CLASSES}
-    for written, section in getattr(schema, "_LEGACY", {}).items():
+    for written, section in layouts.LEGACY_SECTIONS.items():
         if section in titles and written != section and section != "eval_data":
             titles[section] += f" (`{written}` in Model Zoo's legacy layout)"
     return titles
@@ -131,7 +131,7 @@ def _section_titles() -> dict[str, str]:
 def config_keys_markdown() -> str:
     """Every key of dls's sections, one table per section, then Model Zoo's model and data keys (Markdown)."""
     current = current_layout_paths()
-    only = getattr(schema, "ONLY", {})
+    only = schema.ONLY
     titles = _section_titles()
     parts = []
     for section, cls in schema.SECTION_CLASSES.items():
@@ -154,7 +154,7 @@ def config_keys_markdown() -> str:
         parts.append("")
     moved = [
         f"`{legacy_section}.{key}` → `{to[0]}.{to[1]}`"
-        for legacy_section, table in getattr(schema, "_MOVED", {}).items()
+        for legacy_section, table in layouts.MOVED.items()
         for key, to in table.items()
         if isinstance(to, tuple) and (legacy_section, key) != to
     ]
@@ -167,7 +167,7 @@ def config_keys_markdown() -> str:
 def _modelzoo_markdown() -> str:
     """The keys of Model Zoo's models and data processors, as ``dls.train.modelzoo`` declares them."""
     try:
-        modelzoo = importlib.import_module("dls.train.modelzoo")
+        modelzoo = importlib.import_module("dls.train.modelzoo.keys")
     except ImportError:  # the modelzoo extra is missing: the docs build needs it
         raise ImportError("the config-key reference needs dls.train.modelzoo (pip install -e '.[modelzoo]')") from None
     parts = ["### Model Zoo's models and data processors\n"]
@@ -177,7 +177,7 @@ def _modelzoo_markdown() -> str:
         "`train_input:` / `eval_input:` of a Model Zoo data processor": "LoaderKeys",
     }
     for title, name in tables.items():
-        model = getattr(modelzoo, name, None)
+        model = getattr(modelzoo, name)
         if not isinstance(model, type) or not issubclass(model, BaseModel):
             continue
         doc = " ".join((model.__doc__ or "").split())
@@ -254,7 +254,7 @@ def keys_text(width: int = 100) -> str:
     import textwrap
 
     rows: list[tuple[str, str, str] | str] = []
-    only = getattr(schema, "ONLY", {})
+    only = schema.ONLY
     for section, cls in schema.SECTION_CLASSES.items():
         rows.append(f"{section}:")
         for key, field in cls.model_fields.items():

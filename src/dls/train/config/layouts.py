@@ -76,15 +76,15 @@ def _same(section: str, keys: str) -> dict[str, tuple[str, str]]:
     return {k: (section, k) for k in keys.split()}
 
 
-_LEGACY = {"train_input": "data", "data": "data", "eval_input": "eval_data"}  # a legacy section -> dls's
-_LEGACY.update({k: k for k in ("model", "optimizer", "runconfig", "precision")})
-_MOVED: dict[str, dict[str, Any]] = {  # a legacy section's keys that are read into another section's key
+LEGACY_SECTIONS = {"train_input": "data", "data": "data", "eval_input": "eval_data"}  # a legacy section -> dls's
+LEGACY_SECTIONS.update({k: k for k in ("model", "optimizer", "runconfig", "precision")})
+MOVED: dict[str, dict[str, Any]] = {  # a legacy section's keys that are read into another section's key
     "model": _same("precision", "mixed_precision fp16_type"),
     "optimizer": {"weight_decay_rate": ("optimizer", "weight_decay"), **_same("runconfig", "grad_accum_steps")},
 }
 _DLS_FIELDS = ("name", "data_processor", "batch_size", "shuffle", "shuffle_seed", "drop_last_batch")
-_OPTIMIZER_ARGS = _same("optimizer", "learning_rate momentum weight_decay betas eps correct_bias adjust_learning_rate")
-_OPTIMIZER_ARGS["lr"] = ("optimizer", "learning_rate")  # torch's name
+OPTIMIZER_ARGS = _same("optimizer", "learning_rate momentum weight_decay betas eps correct_bias adjust_learning_rate")
+OPTIMIZER_ARGS["lr"] = ("optimizer", "learning_rate")  # torch's name
 _SCHEDULERS = {"ConstantLR": "Constant", "LinearLR": "Linear", "CosineDecayLR": "CosineDecay"}
 ZOO_ADAM_EPS = 1e-6  # cstorch's Adam and AdamW: Model Zoo's default epsilon
 # Model Zoo's defaults where they differ from dls's: (section, key) -> {the key as written in each layout: default}.
@@ -170,19 +170,19 @@ class Reader:
     def legacy(self, raw: Mapping[Any, Any]) -> None:
         seen: dict[str, str] = {}
         for name, body in raw.items():
-            section = _LEGACY.get(name)
+            section = LEGACY_SECTIONS.get(name)
             if name == "sparsity":
                 self.sparsity(body, name)
             elif name == "csconfig":  # Release 1.x: the Cerebras system's settings
                 self.walk(body, name, {"use_cbfloat16": Reader.use_cbfloat16}, ignore=True)
             elif section is None:
-                hint = did_you_mean(name, [*_LEGACY, "sparsity"])
-                self.errors.append(f"unknown section {name}{hint}; allowed: {', '.join(_LEGACY)}")
+                hint = did_you_mean(name, [*LEGACY_SECTIONS, "sparsity"])
+                self.errors.append(f"unknown section {name}{hint}; allowed: {', '.join(LEGACY_SECTIONS)}")
             elif section in seen:
                 self.errors.append(f"give section {section!r} once: both {seen[section]!r} and {name!r} are present")
             else:
                 seen[section] = str(name)
-                self.section(section, body, str(name), _MOVED.get(section, {}))
+                self.section(section, body, str(name), MOVED.get(section, {}))
 
     def backend(self, value: Any, path: str) -> None:
         backend = self.mapping(value, path)
@@ -221,7 +221,7 @@ class Reader:
             return
         ((name, args),) = body.items()
         self.put("optimizer", "optimizer_type", name, path)
-        self.walk(args, f"{path}.{name}", _OPTIMIZER_ARGS)
+        self.walk(args, f"{path}.{name}", OPTIMIZER_ARGS)
 
     def callbacks(self, value: Any, path: str) -> None:
         for i, item in enumerate(value if isinstance(value, list) else [value]):
@@ -274,13 +274,13 @@ def _listed_as(kind: str) -> Any:
 
 
 # A legacy runconfig: Model Zoo's keys (ZOO_RUNCONFIG), besides dls's own.
-_MOVED["runconfig"] = {
+MOVED["runconfig"] = {
     key: (
         Reader.backend_type if to == "backend" else _listed_as(to) if to in (CEREBRAS, NOT_DONE) else ("runconfig", to)
     )
     for key, to in ZOO_RUNCONFIG.items()
 }
-_MOVED["optimizer"]["ws_summary"] = _listed_as(NOT_DONE)  # TensorFlow Model Zoo's summaries; no PyTorch code reads it
+MOVED["optimizer"]["ws_summary"] = _listed_as(NOT_DONE)  # TensorFlow Model Zoo's summaries; no PyTorch code reads it
 # Model Zoo's callbacks of the current layout that dls honours (Cerebras-only ones: IGNORED_OFF_CEREBRAS).
 _CALLBACKS: dict[str, Any] = {
     "LoadCheckpointStates": _same("runconfig", "load_checkpoint_states"),

@@ -45,7 +45,7 @@ from dls.train.errors import ConfigError
 from dls.train.launch import free_memory
 
 # ---------------------------------------------------------------------- pydantic's errors, as the config wrote them
-_SHAPES = {  # what a compound key allows, in words
+SHAPES = {  # what a compound key allows, in words
     "learning_rate": "a number >= 0 or a schedule (a list of {scheduler: Linear|CosineDecay|Constant, ...})",
     "betas": "a list of two numbers in [0, 1), e.g. [0.9, 0.999]",
     "fp8": "null (no FP8) or a mapping {recipe: current | delayed | mxfp8 | static, <the recipe's fields>}",
@@ -97,7 +97,7 @@ def _problems(exc: ValidationError, section: str, r: Reader) -> None:
         else:
             schema = model.model_json_schema()["properties"][key[0]] if key else {"type": "object"}
             big = isinstance(value, int) and not isinstance(value, bool) and value > INT64_MAX
-            allowed = _SHAPES.get(str(loc[0])) if not inner else None
+            allowed = SHAPES.get(str(loc[0])) if not inner else None
             allowed = allowed or schema_in_words(schema, big)
             if isinstance(value, (int, float)) and abs(value) > FLOAT32_MAX and "a number" in allowed:
                 allowed += ", at most float32's max 3.4e38 in size"
