@@ -84,7 +84,7 @@ def run_demo(out: Path, steps: int, progress: bool = True) -> None:
     earlier demo's output there is replaced, and said so (:func:`replace_earlier_demo`)."""
     console = Console()
     with RunDir(resolve_model_dir(out, "--out"), "--out") as run_dir:
-        replace_earlier_demo(out, steps, console)
+        replace_earlier_demo(out, console)
         console.print(
             f"[bold]dls demo[/]: a 3-layer tanh MLP learns a random teacher network; Adam, lr 1e-3, batch 128, {steps} "
             f"steps; the loss is multiplied by {LOSS_WEIGHT:g} (model.loss_weight), so float16 flushes many gradients."
@@ -122,9 +122,9 @@ def demo_config(slug: str, steps: int, model_dir: Path) -> dict[str, Any]:
     return raw
 
 
-def replace_earlier_demo(out: Path, steps: int, console: Console) -> None:
+def replace_earlier_demo(out: Path, console: Console) -> None:
     """Delete the files an earlier ``dls demo`` wrote into ``out/<slug>/`` (the names a run writes, as
-    ``dls.train.checkpoint.earlier_run_files`` lists them; other files stay), and say so: a run directory is a
+    ``dls.train.rundir.earlier_run_files`` lists them; other files stay), and say so: a run directory is a
     demo's when its config.yaml is the config this demo trains there (but for ``max_steps``). Any other earlier
     run's files refuse the demo before anything is deleted (:class:`ModelDirError`, naming them). Each directory is
     locked while its files are deleted, never through a link."""
