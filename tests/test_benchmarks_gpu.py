@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -64,3 +65,78 @@ def test_bench_fp8_gpu_quick_compares_emulated_and_scaled_mm_fp8(capsys: pytest.
     assert "1. first step" in out and "2. training loss" in out and "3. cost of a training step" in out
     assert " NO " not in out  # dls's scales and payloads equal torch's on the CPU too
     assert "A/A: high again / high" in out
+
+
+# ---------------------------------------------------------------------------------------------- claim_gpu.py
+def test_claim_tokens_are_walks_on_one_graph_the_same_for_a_seed() -> None:
+    """Every run of a model sees the same batches; each token follows its predecessor on the graph (at most
+    ``SUCCESSORS`` successors per token), so that there is something to learn below ln(1024)."""
+    claim = script("claim_gpu")
+    spec = claim.specs(True)["gpt2"]
+    walks = claim.token_walks(spec, 6, seed=0)
+    assert walks.shape == (6, spec.batch, spec.seq + 1) and walks.dtype == torch.long
+    assert torch.equal(walks, claim.token_walks(spec, 6, seed=0))
+    assert not torch.equal(walks, claim.token_walks(spec, 6, seed=1))
+    pairs = walks.flatten(0, 1)
+    successors: dict[int, set[int]] = {}
+    for a, b in zip(pairs[:, :-1].flatten().tolist(), pairs[:, 1:].flatten().tolist()):
+        successors.setdefault(a, set()).add(b)
+    assert max(len(s) for s in successors.values()) <= claim.SUCCESSORS
+    assert len(set(pairs.flatten().tolist())) <= claim.STATES
+
+
+def test_claim_budget_shares_the_time_by_each_runs_estimate() -> None:
+    claim = script("claim_gpu")
+    planned = claim.plan(False, 200)
+    costs = [claim.estimate_seconds(p.spec, p.way, p.steps) for p in planned]
+    ends = claim.deadlines(planned, 100.0, start=0.0)
+    assert ends[-1] == pytest.approx(100.0)
+    assert ends[0] == pytest.approx(100.0 * costs[0] / sum(costs))
+    assert all(b - a == pytest.approx(100.0 * c / sum(costs)) for a, b, c in zip(ends, ends[1:], costs[1:]))
+    float32 = next(c for p, c in zip(planned, costs) if p.way is claim.FLOAT32)
+    half = next(c for p, c in zip(planned, costs) if p.way is claim.FLOAT16_DLS)
+    assert float32 > 2 * half  # float32 without TF32: the slow run of each model
+    assert claim.deadlines(planned, None, 0.0) == [float("inf")] * len(planned)
+
+
+@pytest.mark.slow  # builds the eleven tiny models
+def test_claim_runs_past_their_budget_stop_and_say_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """With the budget spent, every run stops before its first step: the tables still print, each run marked
+    ``(budget)``, its losses ``-``, no verdict passed."""
+    script("claim_gpu").main(["--quick", "--device", "cpu", "--budget", "0"])
+    out = capsys.readouterr().out
+    headline = out.split("1. the headline claim")[1].split("\n\n")[0].splitlines()
+    rows = [line for line in headline[2:] if not line.startswith("   ")]
+    assert len(rows) == 6 and all(" 0 (budget) " in row for row in rows)
+    assert [row.split()[-3:] for row in rows if "dls" in row] == [["MISS", "MISS", "n/a"]] * 2  # nothing to judge
+    assert " ok " not in out.split("1. the headline claim")[1].split("3. float16")[0]
+    assert "2. underflow" in out and "3. float16 parameters" in out
+
+
+# ---------------------------------------------------------------------------------------------- bench_host_ops.py
+def test_host_op_census_sorts_operators_into_passes_small_ops_views_and_reads() -> None:
+    census = script("bench_host_ops").Census(big=100)
+    grads = [torch.ones(100), torch.ones(200)]
+    scale = torch.tensor(2.0)
+    with census:
+        torch._foreach_mul_(grads, scale)  # a pass over the gradients
+        flag = torch.zeros(())  # a small op: a flag's zeros
+        flag.add_(scale.reciprocal())  # two more
+        grads[0].view(10, 10)  # a view: no kernel
+        flag.item()  # a host read
+    assert census.kinds == {"passes": 1, "small": 3, "views": 1, "reads": 1}
+    assert len(census.names) == 6
+
+
+# ---------------------------------------------------------------------------------------------- integrations_gpu.py
+def test_an_integration_section_that_cannot_run_is_named_and_fails_the_run(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    integrations = script("integrations_gpu")
+    monkeypatch.setattr(integrations, "NEEDS", {"trl": ("no_such_module_xyz",), "fsdp2": ()})
+    assert integrations.main(["--quick", "--device", "cpu", "--sections", "trl"]) == 1
+    out = capsys.readouterr().out
+    assert "trl: not run: no_such_module_xyz not importable" in out
+    assert out.rstrip().endswith("0 of 1 sections ok; failed or not run: trl")
+    with pytest.raises(SystemExit, match="--steps must be more than 4"):
+        integrations.main(["--quick", "--device", "cpu", "--steps", "4"])
