@@ -276,6 +276,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     for table, paths in groups.items():
         counted = [measure(p, device, args.reps, args.warmup) for p in paths]
         print_table(TITLES[table], HEADER, rows_of(counted))
+        print("   reads: .item() and copies to the host; AdamW's of its own step counts (host tensors unless")
+        print("   capturable) are among them and no sync")
         if device.type == "cpu":
             print("   kernels, syncs: n/a on the CPU (every operator runs on the host there)")
 

@@ -99,18 +99,20 @@ def test_claim_budget_shares_the_time_by_each_runs_estimate() -> None:
     assert claim.deadlines(planned, None, 0.0) == [float("inf")] * len(planned)
 
 
-@pytest.mark.slow  # builds the eleven tiny models
 def test_claim_runs_past_their_budget_stop_and_say_so(capsys: pytest.CaptureFixture[str]) -> None:
-    """With the budget spent, every run stops before its first step: the tables still print, each run marked
-    ``(budget)``, its losses ``-``, no verdict passed."""
-    script("claim_gpu").main(["--quick", "--device", "cpu", "--budget", "0"])
-    out = capsys.readouterr().out
-    headline = out.split("1. the headline claim")[1].split("\n\n")[0].splitlines()
-    rows = [line for line in headline[2:] if not line.startswith("   ")]
-    assert len(rows) == 6 and all(" 0 (budget) " in row for row in rows)
-    assert [row.split()[-3:] for row in rows if "dls" in row] == [["MISS", "MISS", "n/a"]] * 2  # nothing to judge
-    assert " ok " not in out.split("1. the headline claim")[1].split("3. float16")[0]
-    assert "2. underflow" in out and "3. float16 parameters" in out
+    """A run whose share of the budget is spent stops before its next step: the tables still print, the run
+    marked ``(budget)``, its missing losses ``-``, and no verdict passes on what was not measured."""
+    claim = script("claim_gpu")
+    spec = claim.specs(True)["gpt2"]
+    data = claim.token_walks(spec, 4, seed=0)
+    cpu = torch.device("cpu")
+    done = claim.train(spec, claim.FLOAT32, 4, data, cpu, deadline=float("inf"))
+    stopped = claim.train(spec, claim.FLOAT16_DLS, 4, data, cpu, deadline=0.0)
+    assert (len(done.losses), done.stopped) == (4, False) and (stopped.losses, stopped.stopped) == ([], True)
+    claim.print_headline([[done, done, stopped]])
+    rows = capsys.readouterr().out.split("\n1. the headline claim")[1].splitlines()[2:5]
+    assert " 4 " in rows[0] and "(budget)" not in rows[0]
+    assert rows[2].split()[-13:] == ["0", "(budget)", *["-"] * 3, "n/a", *["-"] * 3, "0", "MISS", "MISS", "n/a"]
 
 
 # ---------------------------------------------------------------------------------------------- bench_host_ops.py
