@@ -407,7 +407,7 @@ def print_underflow(runs: list[Run]) -> None:
         d, last = drop(run), run.loss_at(run.steps)
         stalls = matches = ""
         if run.way is FLOAT16_NONE:
-            stalls = judge(d is not None and base_drop is not None and d < 0.5 * base_drop)
+            stalls = judge(d is not None and base_drop is not None and base_drop > 0 and d < 0.5 * base_drop)
         elif run.way is FLOAT16_DLS:
             matches = judge(close_to(last, base_last))
         rows.append(
@@ -429,7 +429,8 @@ def print_underflow(runs: list[Run]) -> None:
         header,
         rows,
     )
-    print("   drop: loss@1 - the last loss; stalls: a drop under half float32's; matches: the last loss within 5 %")
+    print("   drop: loss@1 - the last loss; stalls: a drop under half float32's (which must fall); matches: the last")
+    print("   loss within 5 % of float32's")
 
 
 def drop(run: Run) -> float | None:

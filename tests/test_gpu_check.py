@@ -526,5 +526,9 @@ def test_the_summary_reads_the_claims_verdicts_from_its_printed_tables(capsys: p
     assert [r[2].split(" (")[0] for r in rows[:2]] == ["ok / ok / ok", "MISS / MISS / MISS"]
     assert "(speed-up 2.000, memory 0.600, loss@4 2.0600)" in rows[0][2]
     assert rows[2][2] == "MISS / MISS"  # no stall; 2.3 is 15 % off float32's 2.0
+    claim.print_underflow([run(claim.FLOAT32, base, 0.2, 100), run(claim.FLOAT16_NONE, [10.0, 9.9, 9.8, 9.8], 0.1, 60),
+                           run(claim.FLOAT16_DLS, [10.0, 6.0, 4.0, 1.98], 0.1, 60, 0)])  # fmt: skip
+    story = gpu_check.claim_rows(gpu_check.parse_tables(capsys.readouterr().out))
+    assert [r[2] for r in story if r[0].startswith("claim 2.")] == ["ok / ok"]  # stalled; 1 % off
     assert rows[3][2] == f"{spec.label} 1.200 / 0.833"
     assert gpu_check.claim_rows([])[0][2] == "not run"
