@@ -21,22 +21,39 @@ with NCCL; on the CPU (``--quick``, scripts/gpu-check's dry run) the same code u
    ``TrainerCallback`` around each step), the last logged loss; on CUDA beside the Trainer's own float16 scaler
    (Accelerate's ``torch.amp.GradScaler``). Needs ``trl`` and ``datasets``.
 
+4. ``sharded`` -- the scale-out branch's own FSDP2 worker (``tests/_scale_worker.py``, its scenarios ``dropin`` and
+   ``offload``) at world size 1 on this device: ``dls.ShardedGradScaler`` against torch's ``ShardedGradScaler`` on
+   the same float16 run, with and without clipping (bitwise equal: parameters, optimizer state, scale trace), and
+   the host reads per step of each with FSDP2's ``CPUOffloadPolicy`` at 2 and 6 layers.
+5. ``torchtitan`` -- torchtitan's own trainer (``tests/_torchtitan_worker.py``: ``torchtitan.train.main`` with
+   ``dls.integrations.torchtitan`` and the test harness's debug llama, 2 layers) at world size 1 in float16, with
+   an overflow injected at one step: the compute dtype, the skipped steps (the injected one among them), the LR
+   schedule on applied steps, and the host syncs per step between torchtitan's step log lines (the worker runs
+   under ``--count-syncs``, which marks each sync in the output). On the CPU the harness's CPU workarounds apply.
+
 Each section prints a numbered table; a check cell reads ``ok`` or ``MISS``. A section that cannot run (a package
 missing) says so in one line and the others still run; the exit status is 1 when a section failed.
 
-    python3 benchmarks/integrations_gpu.py                   # on CUDA: all sections (about 30 s)
+    python3 benchmarks/integrations_gpu.py                   # on CUDA: all sections (about 90 s, estimated)
     python3 benchmarks/integrations_gpu.py --quick           # the CPU, gloo, tiny sizes (seconds)
     python3 benchmarks/integrations_gpu.py --sections trl
+    python3 benchmarks/integrations_gpu.py --count-syncs SCRIPT ARGS...   # SCRIPT's syncs marked in its output
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import importlib.util
+import json
 import math
 import os
+import re
+import runpy
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -53,7 +70,7 @@ from bench_scaler import print_table
 
 import dls
 
-SECTIONS = ("fsdp2", "trl")
+SECTIONS = ("fsdp2", "trl", "sharded", "torchtitan")
 SYNC_WARNING = "called a synchronizing CUDA operation"
 OVERFLOW_STEP, SAVE_AFTER, OVERFLOW_FACTOR = 3, 4, 1e8
 
@@ -390,19 +407,170 @@ def section_trl(device: torch.device, args: argparse.Namespace, folder: Path) ->
     return all("MISS" not in row for row in rows)
 
 
+# ---------------------------------------------------------------------------------------------- 4, 5. workers
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+SYNC_MARK = "[dls-sync]"
+STEP_LINE = re.compile(r"step:\s*(\d+)\s")  # torchtitan's log line of each step (its colours stripped first)
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def count_syncs_and_run(script: str, argv: list[str]) -> None:
+    """``--count-syncs``: run ``script`` as ``__main__`` with CUDA's sync debug mode on, each sync printed as one
+    ``SYNC_MARK`` line on stderr (where torchtitan logs its steps too, so the two keep their order)."""
+    if torch.cuda.is_available():
+        torch.cuda.set_sync_debug_mode("warn")
+    warnings.filterwarnings("always", message=".*" + SYNC_WARNING)
+    shown = warnings.showwarning
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if SYNC_WARNING in str(message):
+            print(SYNC_MARK, file=sys.stderr, flush=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    sys.argv = [script, *argv]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    runpy.run_path(script, run_name="__main__")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def one_rank(
+    script: Path, args: list[str], out: Path, device: torch.device, timeout: float, count: bool = False, **env: str
+) -> tuple[dict[str, Any] | None, str]:
+    """Run a worker of the test suite as the one rank of a world of one (the environment torchrun would give it,
+    ``DLS_TEST_DEVICE`` this device): what it wrote to ``OUT/rank0.json`` (None if nothing) and its output."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [str(TESTS), str(TESTS.parent / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    rank_env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), DLS_TEST_DEVICE=device.type,
+                    OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(paths), **env)  # fmt: skip
+    cmd = [sys.executable, *([__file__, "--count-syncs"] if count else []), str(script), str(out), *args]
+    try:
+        done = subprocess.run(cmd, env=rank_env, capture_output=True, text=True, timeout=timeout)
+        output, code = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as stopped:
+        output, code = f"{stopped.stdout or ''}{stopped.stderr or ''}\ntimed out after {timeout:.0f} s", -1
+    result = out / "rank0.json"
+    if code != 0 or not result.is_file():
+        print(f"   {script.name} exited {code}; its output's end:\n{output[-3000:]}")
+        return None, output
+    return json.loads(result.read_text()), output
+
+
+def section_sharded(device: torch.device, args: argparse.Namespace, folder: Path) -> bool:
+    result, _ = one_rank(TESTS / "_scale_worker.py", ["dropin", "offload"], folder / "out", device, timeout=240)
+    if result is None:
+        return False
+    dropin, offload = result["dropin"], result["offload"]
+    rows = []
+    for suffix, what in (("", "step"), ("_clip", "unscale_ + clip_grad_norm_ + step")):
+        ours, theirs = dropin[f"dls{suffix}"], dropin[f"torch{suffix}"]
+        scales = [scale for scale, _ in ours["trace"]]
+        rows.append([f"drop-in, {what}", f"{len(scales)} steps, {len(set(scales))} scales, final {scales[-1]:g}",
+                     check(ours == theirs)])  # fmt: skip
+    for layers in (2, 6):
+        ours, theirs = offload[f"dls_{layers}"], offload[f"torch_{layers}"]
+        reads = f"dls {max(ours['reads'])}, torch {max(theirs['reads'])} ({ours['tensors']} tensors)"
+        rows.append([f"CPU offload, {layers} layers: host reads per step (most)", reads, "info"])
+    grows = max(offload["dls_6"]["reads"]) > max(offload["dls_2"]["reads"])
+    rows.append(["dls's host reads with CPU offload grow with the tensors", "no" if not grows else "yes",
+                 check(not grows)])  # fmt: skip
+    print_table(
+        f"4. dls.ShardedGradScaler vs torch's ShardedGradScaler, FSDP2 float16 at world size 1 ({device.type}), "
+        f"the scale-out worker ({result['seconds']['dropin']} s + {result['seconds']['offload']} s)",
+        ["what", "measured", "check"],
+        rows,
+    )
+    return all(row[2] != "MISS" for row in rows)
+
+
+def syncs_per_step(output: str) -> dict[int, int]:
+    """Per step of torchtitan's log (``step: N`` lines), the ``SYNC_MARK`` lines since the previous step's line."""
+    syncs: dict[int, int] = {}
+    pending = 0
+    for line in output.splitlines():
+        if SYNC_MARK in line:
+            pending += 1
+        elif (found := STEP_LINE.search(ANSI.sub("", line))) is not None:
+            syncs[int(found.group(1))] = pending
+            pending = 0
+    return syncs
+
+
+def section_torchtitan(device: torch.device, args: argparse.Namespace, folder: Path) -> bool:
+    steps, poisoned = (5, 5) if args.quick else (10, 7)
+    # The harness's float16 start (2**40) backs off by 2**-8 to a scale that trains within three steps.
+    titan = ["--loss-scaling.backoff-factor", "0.00390625", "--loss-scaling.growth-interval", "3",
+             "--training.steps", str(steps), "--dump-folder", str(folder / "dump")]  # fmt: skip
+    env = {"DLS_TT_ASSETS": str(folder / "assets"), "DLS_TT_POISON": f"{poisoned}:0"}
+    result, output = one_rank(TESTS / "_torchtitan_worker.py", titan, folder / "out", device, 300, True, **env)
+    if result is None:
+        return False
+    records = {r["step"]: r for r in result["records"]}
+    syncs = syncs_per_step(output)
+    last = records[max(records)]
+    applied = sum(r["changed"] for r in records.values())
+    steady = [n for step, n in syncs.items() if step > 4 and step != poisoned and records.get(step, {}).get("changed")]
+    dtype = result["compute_dtype"]
+    rows = [
+        ["compute dtype (FSDP's param_dtype)", dtype, check(dtype == "torch.float16")],
+        ["steps; skipped (float16's own overflows and the injected one)", f"{len(records)}; {last['skipped']}",
+         check(last["skipped"] >= 1)],
+        [f"the injected overflow at step {poisoned}: skipped", str(not records[poisoned]["changed"]),
+         check(not records[poisoned]["changed"])],
+        ["LR-scheduler steps = applied steps", f"{last['last_epoch']} = {applied}",
+         check(last["last_epoch"] == applied)],
+        ["final scale", f"{last['scale']:g}", "info"],
+        ["host syncs per trained step (torchtitan's logging included)", median_text(steady, device), "info"],
+    ]  # fmt: skip
+    print_table(
+        f"5. torchtitan {importlib.metadata.version('torchtitan')}: its trainer, the debug llama in float16 with "
+        f"dls, world size 1 ({device.type})",
+        ["what", "measured", "check"],
+        rows,
+    )
+    return all(row[2] != "MISS" for row in rows)
+
+
 # ---------------------------------------------------------------------------------------------- main
-NEEDS = {"fsdp2": ("torch.distributed.fsdp", "torch.distributed.checkpoint"), "trl": ("trl", "datasets")}
+NEEDS = {
+    "fsdp2": ("torch.distributed.fsdp", "torch.distributed.checkpoint"),
+    "trl": ("trl", "datasets"),
+    "sharded": ("dls.sharded",),
+    "torchtitan": ("torchtitan", "dls.integrations.torchtitan"),
+}
 RUNNERS: dict[str, Callable[[torch.device, argparse.Namespace, Path], bool]] = {
     "fsdp2": section_fsdp2,
     "trl": section_trl,
+    "sharded": section_sharded,
+    "torchtitan": section_torchtitan,
 }
 
 
 def missing(section: str) -> list[str]:
-    return [name for name in NEEDS[section] if importlib.util.find_spec(name) is None]
+    """The modules a section needs that cannot be found (a dls module's parent package is imported to look)."""
+    out = []
+    for name in NEEDS[section]:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ImportError:  # its parent package does not import
+            found = False
+        if not found:
+            out.append(name)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--count-syncs"]:
+        count_syncs_and_run(argv[1], argv[2:])
+        return 0
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))

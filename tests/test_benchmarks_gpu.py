@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -142,3 +143,84 @@ def test_an_integration_section_that_cannot_run_is_named_and_fails_the_run(
     assert out.rstrip().endswith("0 of 1 sections ok; failed or not run: trl")
     with pytest.raises(SystemExit, match="--steps must be more than 4"):
         integrations.main(["--quick", "--device", "cpu", "--steps", "4"])
+
+
+TITAN_LOG = """[titan] 2026-12-02 02:20:47,001 - root - INFO - Building the model
+[dls-sync]
+[dls-sync]
+[titan] 2026-12-02 02:20:49,097 - root - INFO - \x1b[31mstep:  1  \x1b[32mloss:  8.24244  \x1b[39m
+[dls-sync]
+[titan] 2026-12-02 02:20:50,060 - root - INFO - \x1b[31mstep:  2  \x1b[32mloss:  8.07785  \x1b[39m
+[titan] 2026-12-02 02:20:51,004 - root - INFO - \x1b[31mstep: 10  \x1b[32mloss:  8.12239  \x1b[39m
+[titan] 2026-12-02 02:20:52,980 - root - INFO - Sleeping 2 seconds for other ranks to complete
+"""
+
+
+def test_syncs_are_counted_between_torchtitans_step_lines() -> None:
+    """torchtitan logs each step after it (its colours in the line); the syncs marked before a step's line and after
+    the previous one are that step's."""
+    assert script("integrations_gpu").syncs_per_step(TITAN_LOG) == {1: 2, 2: 1, 10: 0}
+
+
+FAKE_SCALE_WORKER = """
+import json, os, sys
+out = sys.argv[1]
+assert sys.argv[2:] == ["dropin", "offload"] and os.environ["WORLD_SIZE"] == "1" and os.environ["RANK"] == "0"
+run = {"trace": [[65536.0, 1], [32768.0, 1], [32768.0, 2]], "params": "ab", "optimizer": "cd", "state_dict": {}}
+other = dict(run, params="ef" if os.environ["DLS_TEST_DEVICE"] == "cpu" and "DIFFER" in os.environ else "ab")
+offload = {f"{n}_{layers}": {"reads": [1, 1] if n == "dls" else [3, 3], "tensors": layers * 4, "skipped": 1}
+           for n in ("dls", "torch") for layers in (2, 6)}
+result = {"seconds": {"dropin": 1.0, "offload": 0.5}, "offload": offload,
+          "dropin": {"dls": run, "torch": other, "dls_clip": run, "torch_clip": run}}
+open(os.path.join(out, "rank0.json"), "w").write(json.dumps(result))
+"""
+
+
+def test_the_sharded_section_reads_the_scale_out_worker_and_fails_on_a_difference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The section runs the worker as the one rank of a world of one and judges what it wrote: equal runs are ok,
+    a drop-in whose parameters differ from torch's is a MISS and fails the section."""
+    integrations = script("integrations_gpu")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "_scale_worker.py").write_text(FAKE_SCALE_WORKER)
+    monkeypatch.setattr(integrations, "TESTS", tmp_path / "tests")
+    args = integrations.argparse.Namespace(quick=True, steps=8)
+    assert integrations.section_sharded(torch.device("cpu"), args, tmp_path / "a") is True
+    out = capsys.readouterr().out
+    assert re.search(r"drop-in, step +3 steps, 2 scales, final 32768 +ok$", out, re.M)
+    assert re.search(r"CPU offload, 6 layers: host reads per step \(most\) +dls 1, torch 3 \(24 tensors\) +info", out)
+    monkeypatch.setenv("DIFFER", "1")
+    assert integrations.section_sharded(torch.device("cpu"), args, tmp_path / "b") is False
+    assert re.search(r"drop-in, step .* MISS$", capsys.readouterr().out, re.M)
+
+
+FAKE_TITAN_WORKER = """
+import json, os, sys
+out, args = sys.argv[1], sys.argv[2:]
+assert args[args.index("--training.steps") + 1] == "5" and os.environ["DLS_TT_POISON"] == "5:0"
+assert __name__ == "__main__" and os.path.dirname(__file__) in sys.path  # run as the worker script is, by runpy
+print(open(os.path.join(os.path.dirname(__file__), "log.txt")).read(), file=sys.stderr)
+changed = {1: False, 2: False, 3: False, 4: True, 5: False}
+records = [{"step": s, "scale": 256.0, "skipped": sum(not changed[t] for t in range(1, s + 1)), "changed": c,
+            "last_epoch": sum(changed[t] for t in range(1, s + 1)),
+            "lr": 1e-4, "param_dtype": "torch.float32"} for s, c in changed.items()]
+result = {"records": records, "resumed_scaler": {}, "compute_dtype": "torch.float16"}
+open(os.path.join(out, "rank0.json"), "w").write(json.dumps(result))
+"""
+
+
+def test_the_torchtitan_section_runs_the_worker_counting_syncs_and_judges_its_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    integrations = script("integrations_gpu")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "_torchtitan_worker.py").write_text(FAKE_TITAN_WORKER)
+    (tmp_path / "tests" / "log.txt").write_text(TITAN_LOG)
+    monkeypatch.setattr(integrations, "TESTS", tmp_path / "tests")
+    args = integrations.argparse.Namespace(quick=True, steps=8)
+    assert integrations.section_torchtitan(torch.device("cpu"), args, tmp_path / "a") is True
+    table = capsys.readouterr().out.split("5. torchtitan")[1]
+    assert re.search(r"steps; skipped \(.*\) +5; 4 +ok$", table, re.M)
+    assert re.search(r"the injected overflow at step 5: skipped +True +ok$", table, re.M)
+    assert re.search(r"LR-scheduler steps = applied steps +1 = 1 +ok$", table, re.M)

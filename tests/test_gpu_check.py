@@ -74,7 +74,7 @@ def test_the_script_is_executable_and_its_time_boxes_fit_the_budget() -> None:
     assert len(gpu_check.LOG_NAMES) + 2 <= MAX_FILES
     assert all(NAME.match(name) for name in [*gpu_check.LOG_NAMES.values(), gpu_check.VERDICTS, gpu_check.SUMMARY])
     assert list(gpu_check.TIMEOUTS) == list(gpu_check.STEPS) == list(gpu_check.LOG_NAMES)
-    assert gpu_check.TIMEOUTS["integrations"] >= gpu_check.ITEM_TIMEOUT + 15
+    assert max(item.timeout for item in gpu_check.INTEGRATIONS) + 15 <= gpu_check.TIMEOUTS["integrations"]
     # The claim's runs, by their own estimate for an H100/H200, fit the budget its step gives them.
     claim = benchmark("claim_gpu")
     estimate = sum(claim.estimate_seconds(p.spec, p.way, p.steps) for p in claim.plan(False, claim.CHECKPOINTS[-1]))
@@ -171,15 +171,23 @@ def test_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> None:
     # The integrations: what is here ran on the CPU under gloo; what is not yet is named, in the summary and the
     # step's verdict, never passed over.
     status = {
-        r.split(" | ")[0].removeprefix("| integrations: "): r.split(" | ")[2] for r in rows if "integrations:" in r
+        r.split(" | ")[0].removeprefix("| integrations: "): r.split(" | ")[2].removesuffix(" |")
+        for r in rows
+        if "integrations:" in r
     }
     assert status["fsdp2+dcp"].startswith("ok: 2 tables, 5 checks ok, 0 MISS")
     trl_here = all(importlib.util.find_spec(m) is not None for m in ("trl", "datasets"))
     assert status["trl"].startswith("ok: 1 tables, 2 checks ok" if trl_here else "not present yet: module")
     verdict = next(v for v in verdicts if v.startswith("integrations:"))
-    for name, result in status.items():
-        assert result.startswith(("ok: ", "not present yet: ")), (name, result)
-        assert result.startswith("ok: ") or f"{name} (" in verdict, (name, verdict)
+    for item in gpu_check.INTEGRATIONS:
+        result = status[item.name]
+        if result.startswith("not present yet: "):
+            assert f"{item.name} (" in verdict, (item.name, verdict)  # named in the step's verdict too
+        elif item.on_cpu:  # the suite runs it on the CPU: a dry run checks that it is there
+            assert result == f"present: not run in a dry run: on the CPU the suite runs it ({item.on_cpu})"
+            assert (ROOT / item.on_cpu).is_file()
+        else:
+            assert result.startswith("ok: "), (item.name, result)
 
 
 def test_versions_without_nvidia_smi_or_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -464,6 +472,9 @@ def test_the_integrations_step_runs_what_is_there_and_names_what_is_not(
         gpu_check.Integration("absent module", "no such module", script=("x",), modules=("no_such_module_xyz", "json")),
         gpu_check.Integration("absent dls module", "not built", script=("x",), modules=("dls.integrations.no_such",)),
         gpu_check.Integration("tests", "a pytest selection", tests=(str(tmp_path / "test_marked.py"),)),
+        gpu_check.Integration(
+            "suite's", "run by the suite", script=(write_script(tmp_path, "s.py", "ok"),), on_cpu="tests/test_x.py"
+        ),
     )
     monkeypatch.setattr(gpu_check, "INTEGRATIONS", items)
     for dry in (True, False):
@@ -489,8 +500,11 @@ def test_the_integrations_step_runs_what_is_there_and_names_what_is_not(
         assert status["absent dls module"] == ("not present yet", "module dls.integrations.no_such")
         expected = "1 tests collected (-m cuda), not run" if dry else "1 passed, 0 failed, 0 errors, 0 skipped"
         assert status["tests"] == ("ok", expected)
+        suites = ("present", "not run in a dry run: on the CPU the suite runs it (tests/test_x.py)")
+        assert status["suite's"] == (suites if dry else ("ok", "1 tables, 1 checks ok, 0 MISS"))
         assert verdict.status == "FAIL"  # the MISS and the crash, in both
-        assert verdict.text.startswith("2 of 7 ok; failed: missed, crashed; not present yet: absent file (")
+        ok = "3 of 8 ok" + (" or present" if dry else "")
+        assert verdict.text.startswith(f"{ok}; failed: missed, crashed; not present yet: absent file (")
         section = dict(verdict.sections)["Integrations"]
         assert "| absent module | no such module | not present yet | module no_such_module_xyz |" in section
 
