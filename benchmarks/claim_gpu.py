@@ -35,7 +35,7 @@ tokens) and 35 TFLOP/s in float32 (no TF32: the datasheet's 67 TFLOP/s of float3
 builds: about 2 minutes for every run of the three tables.
 
     python3 benchmarks/claim_gpu.py                    # on CUDA (about 2 minutes on an H200, by the estimate)
-    python3 benchmarks/claim_gpu.py --budget 140       # as scripts/gpu-check runs it
+    python3 benchmarks/claim_gpu.py --budget 130       # as scripts/gpu-check runs it
     python3 benchmarks/claim_gpu.py --quick            # tiny models, a few steps: the CPU too (no figure)
 """
 
