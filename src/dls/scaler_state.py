@@ -128,11 +128,7 @@ def parse_state_dict(
     if not state_dict:
         raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled GradScaler.")
     own = (*state_keys(settings), "format_version", *TORCH_KEYS, *OLD_KEYS, *MEGATRON_KEYS, *extra)
-    _check_keys(state_dict, (*own, *(key for keys, _ in SAVED_FORMATS.values() for key in keys)))
-    for keys, read in SAVED_FORMATS.values():
-        if any(key in keys for key in state_dict):
-            state_dict = read(state_dict, settings, label, own)
-            break
+    state_dict = _from_saved(state_dict, settings, label, own)
     if not apply_settings:
         state_dict = {
             k: v for k, v in state_dict.items() if k not in ("growth_factor", "backoff_factor", "growth_interval")
@@ -182,6 +178,17 @@ def parse_state_dict(
     if "hysteresis_tracker" in values:
         values["hysteresis_tracker"] = min(max(int(values["hysteresis_tracker"]), 1), settings.hysteresis)
     return Loaded(values, settings, clamped, extras)
+
+
+def _from_saved(
+    state_dict: dict[Any, Any], settings: ScalerSettings, label: Callable[[str], str], own: tuple[str, ...]
+) -> dict[str, Any]:
+    """``state_dict`` with a peer's own saved state (``SAVED_FORMATS``) read into dls's keys; unknown keys refused."""
+    _check_keys(state_dict, (*own, *(key for keys, _ in SAVED_FORMATS.values() for key in keys)))
+    for keys, read in SAVED_FORMATS.values():
+        if any(key in keys for key in state_dict):
+            return read(state_dict, settings, label, own)
+    return state_dict
 
 
 def _check_keys(state_dict: dict[Any, Any], allowed: tuple[str, ...]) -> None:

@@ -451,7 +451,7 @@ class ScalerSettings:
         if problems:
             raise SettingsError(problems)
         build: Any = getattr(cls, peer)
-        return build(**arguments)  # type: ignore[no-any-return]
+        return build(**arguments)
 
     @classmethod
     def _build(cls, problems: list[tuple[str, str]], derived: set[str], **values: Any) -> ScalerSettings:
