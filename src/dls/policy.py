@@ -55,17 +55,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
-from dls.checks import (
-    FLOAT32_MAX,
-    FLOAT32_TINY,
-    INT64_MAX,
-    count_problem,
-    factor_problem,
-    flag_problem,
-    raise_first,
-    scale_problem,
-    tolerance_problem,
-)
+from dls import checks
 
 if TYPE_CHECKING:
     from dls.settings import ScalerSettings
@@ -103,11 +93,11 @@ def assign_(state: Any, new: Any) -> None:
 
 def count_skip(skipped: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
     """``skipped + f``, saturating at the int64 maximum instead of wrapping negative."""
-    return skipped + ((found_inf > 0) & (skipped < INT64_MAX)).long()
+    return skipped + ((found_inf > 0) & (skipped < checks.INT64_MAX)).long()
 
 
 def _count_skip_(skipped: torch.Tensor, overflow: torch.Tensor, saturate: bool) -> None:
-    skipped.add_(overflow & (skipped < INT64_MAX) if saturate else overflow)
+    skipped.add_(overflow & (skipped < checks.INT64_MAX) if saturate else overflow)
 
 
 class Rule(Protocol):
@@ -179,18 +169,18 @@ class DynamicRule:
     State: ClassVar[type[ScaleState]] = ScaleState
 
     def __post_init__(self) -> None:
-        raise_first(
-            count_problem("growth_interval", self.growth_interval),
+        checks.raise_first(
+            checks.count_problem("growth_interval", self.growth_interval),
             None
             if self.steps_after_growth in (0, 1) and self.steps_after_growth < self.growth_interval
             else f"steps_after_growth must be 0, or 1 with a growth_interval above 1; got {self.steps_after_growth!r}",
-            count_problem("hysteresis", self.hysteresis),
-            flag_problem("consecutive_hysteresis", self.consecutive_hysteresis),
-            factor_problem("growth_factor", self.growth_factor, above_one=True),
-            factor_problem("backoff_factor", self.backoff_factor, above_one=False),
-            tolerance_problem("overflow_tolerance", self.overflow_tolerance),
-            scale_problem("min_loss_scale", self.min_loss_scale),
-            scale_problem("max_loss_scale", self.max_loss_scale),
+            checks.count_problem("hysteresis", self.hysteresis),
+            checks.flag_problem("consecutive_hysteresis", self.consecutive_hysteresis),
+            checks.factor_problem("growth_factor", self.growth_factor, above_one=True),
+            checks.factor_problem("backoff_factor", self.backoff_factor, above_one=False),
+            checks.tolerance_problem("overflow_tolerance", self.overflow_tolerance),
+            checks.scale_problem("min_loss_scale", self.min_loss_scale),
+            checks.scale_problem("max_loss_scale", self.max_loss_scale),
         )
         if self.min_loss_scale > self.max_loss_scale:
             raise ValueError(
@@ -279,7 +269,7 @@ class DynamicRule:
                 grew >= overflow if self.consecutive_hysteresis else grew, self.hysteresis
             )
         if clean:  # the scale did not fall and was at least min_loss_scale: only growth can pass the maximum
-            if self.max_loss_scale < FLOAT32_MAX:
+            if self.max_loss_scale < checks.FLOAT32_MAX:
                 s.loss_scale.clamp_(max=self.max_loss_scale)
             return
         torch.clamp(scale, max=self.max_loss_scale, out=s.non_clamped_scale)
@@ -332,8 +322,8 @@ class Peer:
     interval: str
     growth_offset: int = 0
     steps_after_growth: int = 0
-    min_loss_scale: float = FLOAT32_TINY
-    max_loss_scale: float = FLOAT32_MAX
+    min_loss_scale: float = checks.FLOAT32_TINY
+    max_loss_scale: float = checks.FLOAT32_MAX
     cbfloat16_max_loss_scale: float | None = None
     required: tuple[str, ...] = ()
     when_none: Mapping[str, Any] = field(default_factory=dict)

@@ -20,7 +20,7 @@ What the scaler talks to, each through a declared seam: optimizer wrappers that 
 (``dls.optimizers.HoldsGradients``: ``dls.master_weights``); observers of its iterations (``StepObserver``,
 attached with ``observe``); the diagnostics, which give ``watch``, ``record`` and ``overflow_report`` their bodies
 (``Diagnostics``: ``dls.diagnostics`` registers itself when imported, which ``import dls`` does; the core imports
-nothing of it). The checkpoint format: ``dls.scaler_state``.
+nothing of it): both protocols in ``dls.observers``. The checkpoint format: ``dls.scaler_state``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from types import EllipsisType
-from typing import IO, TYPE_CHECKING, Any, Protocol, TypeVar, overload
+from typing import IO, TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ from dls.arguments import device_kind, is_available, parse_device, read_argument
 from dls.checks import count_problem, flag_problem, limit_problem, python_number
 from dls.handles import Removable
 from dls.loss_scale import LossScale
+from dls.observers import Diagnostics, Observation, StepObserver, diagnostics
 from dls.optimizers import OptimizerIndex, build_index, optimizer_list, refuse_shared
 from dls.scaler_state import TORCH_KEYS, parse_state_dict, state_keys, to_state_dict
 from dls.settings import MEGATRON, ScalerSettings, interval_name
@@ -51,69 +52,7 @@ if TYPE_CHECKING:  # annotations only: the diagnostics plug in through Diagnosti
     from dls.diagnostics.record import Recorder
     from dls.diagnostics.watch import OverflowReport, OverflowWatch
 
-__all__ = ["Diagnostics", "GradScaler", "Stage", "StepObserver", "use_diagnostics"]
-
-
-# ------------------------------------------------------------------------------------------- who else takes part
-class StepObserver(Protocol):
-    """What observes a scaler's iterations, attached with ``GradScaler.observe``: the diagnostics' watches and
-    recorder. The scaler calls these, in the order of an iteration."""
-
-    @property
-    def wants_outcome(self) -> bool:
-        """Whether to know on the host, per step, whether it was skipped: while one observer wants it, the scaler
-        reads the flag where it would not (fused and sync-free steps: one read each)."""
-        ...
-
-    def loss_scaled(self, outputs: Any) -> None:
-        """``scale(outputs)`` was called (a tensor, or nested lists/tuples of them)."""
-
-    def step_decided(self, optimizer: torch.optim.Optimizer, skipped: bool | None) -> None:
-        """``step(optimizer)`` was taken or skipped (``skipped``; ``None``: decided on the device, not read)."""
-
-    def before_rule(self, found_inf: torch.Tensor, gradients: Callable[[], kernels.Groups]) -> None:
-        """The rule is about to run on ``found_inf``; ``gradients()`` groups this iteration's unscaled gradients."""
-
-    def iteration_ended(self) -> None:
-        """``update()`` ran: the next ``scale()`` starts a new iteration."""
-
-
-class Diagnostics(Protocol):
-    """What ``dls.diagnostics`` gives every scaler (``use_diagnostics``), so that the core imports none of it."""
-
-    def new_scaler(self, scaler: GradScaler) -> None:
-        """A scaler was made (or unpickled): register the state it keeps in the scaler's checkpoint."""
-
-    def watch(self, scaler: GradScaler, model: torch.nn.Module, fallback: bool, process_group: Any) -> Any:
-        """The body of ``GradScaler.watch``."""
-
-    def record(self, scaler: GradScaler, file: Any, **options: Any) -> Any:
-        """The body of ``GradScaler.record``."""
-
-    def overflow_report(self, scaler: GradScaler) -> Any:
-        """The body of ``GradScaler.overflow_report``."""
-
-
-_DIAGNOSTICS: list[Diagnostics] = []
-
-
-def use_diagnostics(diagnostics: Diagnostics) -> None:
-    """Give every scaler made from now on ``diagnostics`` (``dls.diagnostics`` calls this when imported)."""
-    _DIAGNOSTICS[:] = [diagnostics]
-
-
-class _Observation(Removable):
-    """The handle ``GradScaler.observe`` returns."""
-
-    def __init__(self, observers: list[StepObserver], observer: StepObserver) -> None:
-        self._observers, self._observer = observers, observer
-
-    @property
-    def active(self) -> bool:
-        return any(o is self._observer for o in self._observers)
-
-    def remove(self) -> None:
-        self._observers[:] = [o for o in self._observers if o is not self._observer]
+__all__ = ["GradScaler", "Stage"]
 
 
 # ------------------------------------------------------------------------------ per optimizer: where it is, what it has
@@ -273,7 +212,7 @@ class GradScaler:
         half_dtype: the half format the defaults are chosen for; ``None``: ``dls.get_half_dtype_str()`` at
             construction (cstorch.amp's ``set_half_dtype``).
         sync_free: keep ``step`` on the device for optimizers that cannot take the flag themselves: the step
-            always runs and parameters and optimizer state are restored where it overflowed (``dls.sync_free``).
+            always runs and parameters and optimizer state are restored where it overflowed (``dls.device_step``).
         process_group: the group whose ranks must agree on overflow; default: the world group when
             ``torch.distributed`` is initialised, nothing otherwise.
         gradients_sharded: whether each rank holds a disjoint slice of the gradients, so the global norm for
@@ -498,8 +437,8 @@ class GradScaler:
         self._tracker = Tracker()
         self._observers: list[StepObserver] = []
         self._extra_state: dict[str, Any] = {}  # register_state
-        for diagnostics in _DIAGNOSTICS:
-            diagnostics.new_scaler(self)
+        if (provider := diagnostics()) is not None:
+            provider.new_scaler(self)
         self._born_with = tuple(self._extra_state)  # what a pickled scaler carries along
 
     # ------------------------------------------------------------------ queries
@@ -519,10 +458,7 @@ class GradScaler:
 
     @property
     def max_gradient_norm(self) -> float | None:
-        """Deprecated (goes in the next release): ``settings.max_gradient_norm``, the same value."""
-        warnings.warn(
-            "GradScaler.max_gradient_norm is deprecated: use scaler.settings.max_gradient_norm", DeprecationWarning, 2
-        )
+        """The global gradient-norm limit ``step()`` clips to (``None``: no clipping), as cstorch.amp names it."""
         return self._scale.settings.max_gradient_norm
 
     def get_scale(self) -> float:
@@ -1009,7 +945,7 @@ class GradScaler:
 
     # ------------------------------------------------------------------ observers and diagnostics
     def observe(self, observer: StepObserver) -> Removable:
-        """Tell ``observer`` (a [`StepObserver`][dls.scaler.StepObserver]) of this scaler's iterations until the
+        """Tell ``observer`` (a ``dls.observers.StepObserver``) of this scaler's iterations until the
         returned handle's ``remove()``. Observers belong to this process: a copy or a pickled scaler has none.
 
         Args:
@@ -1019,12 +955,13 @@ class GradScaler:
             A handle: ``remove()``, or a ``with`` block.
         """
         self._observers.append(observer)
-        return _Observation(self._observers, observer)
+        return Observation(self._observers, observer)
 
     def _diagnostics(self) -> Diagnostics:
-        if not _DIAGNOSTICS:  # import dls imports dls.diagnostics, which registers itself
+        provider = diagnostics()
+        if provider is None:  # import dls imports dls.diagnostics, which registers itself
             raise RuntimeError("dls.diagnostics is not imported: import dls first")
-        return _DIAGNOSTICS[0]
+        return provider
 
     def watch(self, model: torch.nn.Module, *, fallback: bool = False) -> OverflowWatch:
         """Name ``model``'s parameters and modules and record the order backward produces their gradients, so that
@@ -1214,14 +1151,14 @@ class GradScaler:
             )
         # A disabled scaler records only clipping. Observers and owners registered later belong to this process;
         # the state of those registered with the scaler (the modules its fallback watches keep) travels with it.
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_tracker", "_observers", "_extra_state")}
-        state["_process_group"] = None
-        state["_born_state"] = {name: self._extra_state[name].state_dict() for name in self._born_with}
-        return state
+        kept = {k: v for k, v in self.__dict__.items() if k not in ("_tracker", "_observers", "_extra_state")}
+        kept["_process_group"] = None
+        kept["_born_state"] = {name: self._extra_state[name].state_dict() for name in self._born_with}
+        return kept
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        born = state.pop("_born_state", {})
-        self.__dict__.update(state)
+    def __setstate__(self, pickled: dict[str, Any]) -> None:
+        born = pickled.pop("_born_state", {})
+        self.__dict__.update(pickled)
         self._wire()
         for name, value in born.items():
             if name in self._extra_state and value is not None:

@@ -60,7 +60,8 @@ from dls.diagnostics.fallback import Fallback, KeptState
 from dls.diagnostics.scales import module_label, pow2
 from dls.handles import Removable
 from dls.keep import KeptInFloat32, resolve_modules, unwrap
-from dls.scaler import GradScaler, use_diagnostics
+from dls.observers import use_diagnostics
+from dls.scaler import GradScaler
 
 __all__ = ["NonFiniteGradient", "OverflowReport", "OverflowWatch"]
 
