@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from dls import device_step, distributed, kernels
-from dls.arguments import device_kind, is_available, parse_device, read_arguments
+from dls.arguments import device_kind, is_available, parse_device, read_arguments, read_deepspeed
 from dls.checks import count_problem, flag_problem, limit_problem, python_number
 from dls.handles import Removable
 from dls.loss_scale import LossScale
@@ -187,7 +187,8 @@ class GradScaler:
       positional argument that is not a device. Note the positional difference: ``GradScaler(65536.)`` is a
       *static* scale of 65536.
 
-    DeepSpeed's and Megatron-LM's scalers have their own constructors: ``from_deepspeed`` and ``from_megatron``.
+    DeepSpeed's and Megatron-LM's scalers have their own constructors, ``from_deepspeed`` and ``from_megatron``, and
+    every peer of ``dls.policy.PEERS`` its own arguments: ``like``.
 
     Both dialects accept every argument below by keyword.
 
@@ -340,8 +341,6 @@ class GradScaler:
         Raises:
             ValueError: an unknown key or a bad value, named.
         """
-        from dls.arguments import read_deepspeed
-
         settings, enabled = read_deepspeed(fp16_config)
         return cls.from_settings(settings, enabled=enabled, device=device)
 
@@ -375,15 +374,8 @@ class GradScaler:
         Raises:
             ValueError: a bad argument, named.
         """
-        settings = ScalerSettings.megatron(
-            initial_scale=initial_scale,
-            min_scale=min_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-        )
-        return cls.from_settings(settings, device=device)
+        arguments = (initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis)
+        return cls.from_settings(ScalerSettings.megatron(*arguments), device=device)
 
     @classmethod
     def like(cls, peer: str, device: str | torch.device = "cuda", **arguments: Any) -> GradScaler:
