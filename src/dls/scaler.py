@@ -44,9 +44,9 @@ from dls.checks import count_problem, flag_problem, limit_problem, python_number
 from dls.handles import Removable
 from dls.loss_scale import LossScale
 from dls.observers import Diagnostics, Observation, StepObserver, diagnostics
-from dls.optimizers import OptimizerIndex, build_index, optimizer_list, refuse_shared
+from dls.optimizers import HoldsGradients, OptimizerIndex, build_index, optimizer_list, refuse_shared
 from dls.scaler_state import TORCH_KEYS, parse_state_dict, state_keys, to_state_dict
-from dls.settings import MEGATRON, ScalerSettings, interval_name
+from dls.settings import ScalerSettings, interval_name
 
 if TYPE_CHECKING:  # annotations only: the diagnostics plug in through Diagnostics
     from dls.diagnostics.record import Recorder
@@ -230,7 +230,8 @@ class GradScaler:
             problem).
     """
 
-    # The two signatures, as dls.arguments declares them (tests/test_settings.py compares them).
+    # The two signatures, as dls.arguments declares them (tests/test_settings.py compares them, and their defaults
+    # with the peers' table, dls.policy.PEERS): written out, so that the reference and an editor show them.
     @overload
     def __init__(
         self,
@@ -351,10 +352,10 @@ class GradScaler:
         *,
         initial_scale: float,
         min_scale: float,
-        growth_factor: float = MEGATRON["growth_factor"],
-        backoff_factor: float = MEGATRON["backoff_factor"],
-        growth_interval: int = MEGATRON["growth_interval"],
-        hysteresis: int = MEGATRON["hysteresis"],
+        growth_factor: float = 2.0,  # Megatron's defaults, as in dls.policy.PEERS (tests/test_settings.py)
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
     ) -> GradScaler:
         """A scaler that follows Megatron-LM's ``DynamicGradScaler(initial_scale, min_scale, growth_factor,
         backoff_factor, growth_interval, hysteresis)`` step by step, from its own arguments (the last four default
@@ -681,7 +682,8 @@ class GradScaler:
 
     def _tell_unscaled(self, optimizer: torch.optim.Optimizer) -> None:
         """User code runs next and may read or clip the gradients a wrapper knows (``dls.master_weights``)."""
-        hooks = self._tracker.index(optimizer).hooks
+        index = self._tracker.indexes.get(optimizer)  # what the index found: a protocol's isinstance is slow
+        hooks = index.hooks if index is not None else optimizer if isinstance(optimizer, HoldsGradients) else None
         if hooks is not None:
             hooks.dls_gradients_unscaled()
 
@@ -1057,12 +1059,10 @@ class GradScaler:
     def _apply_rule(self, progresses: dict[int, Progress]) -> None:
         flags: list[torch.Tensor] = []
         known: bool | None = False
-        ids: list[int] = []
-        for key, progress in progresses.items():
+        for progress in progresses.values():
             if progress.flag is None and progress.agreement is None:
                 continue
             flags.append(progress.found_inf)  # type: ignore[arg-type]  # a flag or its all-reduce is there
-            ids.append(key)
             # Where step() decided on the host (the default path), the rule knows the flag's value too.
             if known is not None:
                 known = None if progress.skipped is None else known or progress.skipped
@@ -1072,8 +1072,9 @@ class GradScaler:
                 "optimizers of this iteration first."
             )
         found_inf = flags[0] if len(flags) == 1 else kernels.max_flag(flags)
-        if self._observers:  # what the rule is about to see, on the device
-            opts = [o for o in self._tracker.indexes if id(o) in ids]
+        if self._observers:  # what the rule is about to see, on the device: the iteration's unscaled gradients
+            flagged = {k for k, p in self._tracker.iteration.items() if p.flag is not None or p.agreement is not None}
+            opts = [o for o in self._tracker.indexes if id(o) in flagged]
             for observer in self._observers:
                 observer.before_rule(found_inf, lambda: self._tracker.grads_of(opts))
         self._scale.update(found_inf, known)
