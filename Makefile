@@ -4,11 +4,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # What each target needs: the demo the trainer alone; the tests every integration, the docs tools and dev tools.
 DEMO_EXTRAS := train
-TEST_EXTRAS := train,dev,docs,tensorboard,lightning,hf,modelzoo,peers
+TEST_EXTRAS := train,dev,docs,tensorboard,lightning,hf,modelzoo,peers,torchtitan,trl
 # The CPU benchmarks, in the order `make bench` runs them; `make bench-smoke` (part of `make test`) runs each with
 # --smoke, its smallest sizes, so that a script that no longer runs fails the tests rather than a user's `make bench`.
 BENCH_CPU := bench_scaler bench_clip bench_step bench_overhead bench_scale_below_one bench_quantize bench_fp8 \
-	bench_watch bench_master_weights bench_host frameworks_fp16 bench_record
+	bench_watch bench_master_weights bench_host frameworks_fp16 bench_record bench_sharded
 
 .PHONY: setup demo test lint docs docs-check serve-docs bench bench-smoke bench-gpu clean
 

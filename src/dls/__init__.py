@@ -12,6 +12,7 @@ from dls.keep import keep_in_float32
 from dls.master_weights import MasterWeights, master_weights
 from dls.scaler import GradScaler, Stage
 from dls.settings import ScalerSettings
+from dls.sharded import ShardedGradScaler
 from dls.skip import SkipAware, skip_aware
 from dls.step import StepResult, optimizer_step
 
@@ -21,6 +22,7 @@ __all__ = [
     "OverflowReport",
     "OverflowWatch",
     "ScalerSettings",
+    "ShardedGradScaler",
     "SkipAware",
     "Stage",
     "StepResult",

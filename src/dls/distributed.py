@@ -136,11 +136,18 @@ def norm_is_sharded(optimizers: Sequence[torch.optim.Optimizer], setting: bool |
     if cls is None:
         return False
     return any(
-        isinstance(p, cls) and any(pl.is_shard() for pl in p.placements)
+        isinstance(p, cls) and bool(_split_dims(p.placements))
         for opt in optimizers
         for g in opt.param_groups
         for p in g["params"]
     )
+
+
+def _split_dims(placements: Sequence[Any]) -> list[int]:
+    """The mesh dimensions over which a parameter is split: every placement but ``Replicate``. Not
+    ``is_shard()``: the ``_StridedShard`` that FSDP2 gives tensor-parallel parameters on a 2-D mesh is no ``Shard``
+    (torch 2.13), and counting it as replicated made each data-parallel half clip by its own norm."""
+    return [d for d, placement in enumerate(placements) if not placement.is_replicate()]
 
 
 def global_norm(
@@ -153,9 +160,11 @@ def global_norm(
     part's factor, over the whole model however it is sharded.
 
     A ``DTensor`` gradient counts its local shard, summed over the mesh dimensions where its parameter is
-    sharded (``Shard``) and counted once where it is replicated. A plain gradient counts once when
-    ``plain_sharded`` is false (replicated: every rank holds the same), else it is summed over ``group``. The
-    keys, hence the collectives, come from parameters, not gradients: a rank without gradients joins them all.
+    split (``Shard``, ``_StridedShard``) and counted once where it is replicated; parameters on different meshes
+    (a LayerNorm sharded over ``dp`` only, linears over ``dp`` x ``tp``) each sum over their own mesh's groups.
+    A plain gradient counts once when ``plain_sharded`` is false (replicated: every rank holds the same), else it
+    is summed over ``group``. The keys, hence the collectives, come from parameters, not gradients: a rank
+    without gradients joins them all.
     """
     empty: list[list[torch.Tensor]] = [[] for _ in parts]
     buckets: dict[_Key, list[list[torch.Tensor]]] = {}
@@ -172,7 +181,7 @@ def global_norm(
                         key = mesh_groups.get(cache_key)
                         if key is None:
                             mesh = p.device_mesh
-                            dims = [d for d, pl in enumerate(p.placements) if pl.is_shard()]
+                            dims = _split_dims(p.placements)
                             key = mesh_groups[cache_key] = tuple(mesh.get_group(d) for d in dims)
                     else:
                         key = (group,) if plain_sharded else ()
