@@ -195,10 +195,19 @@ class Recorder:
     wants_outcome = False  # nothing is read back: the flag goes into the trace as a device tensor
 
     def loss_scaled(self, outputs: Any) -> None:
-        """Nothing to do: the trace has one row per rule step."""
+        """Nothing to do: the trace has one row per rule step.
+
+        Args:
+            outputs: what ``scale()`` was given.
+        """
 
     def step_decided(self, optimizer: torch.optim.Optimizer, skipped: bool | None) -> None:
-        """Nothing to do: the trace has one row per rule step."""
+        """Nothing to do: the trace has one row per rule step.
+
+        Args:
+            optimizer: the optimizer stepped.
+            skipped: whether its step was skipped (``None``: not read).
+        """
 
     def iteration_ended(self) -> None:
         """Nothing to do: the row was written before the rule ran."""
