@@ -445,7 +445,7 @@ def _defaults(function: Any) -> dict[str, Any]:
 
 def test_every_peers_defaults_come_from_its_row_of_the_one_table():
     from dls.arguments import DEEPSPEED_DEFAULTS
-    from dls.diagnostics.replaying import POLICIES
+    from dls.diagnostics.policies import POLICIES
     from dls.policy import PEERS
 
     torch_row, cerebras_row = PEERS["torch"].defaults, PEERS["cerebras"].defaults
