@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dls
-from dls.arguments import CEREBRAS_ONLY, CEREBRAS_SIGNATURE, TORCH_SIGNATURE
+from dls.arguments import CEREBRAS_SIGNATURE, SELECTS_CEREBRAS, TORCH_SIGNATURE
 from dls.settings import ScalerSettings, SettingsError
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -425,7 +425,7 @@ CSTORCH_GRAD_SCALER = [
 
 def test_the_cerebras_signature_starts_with_cstorchs_own():
     assert _params(CEREBRAS_SIGNATURE)[0][: len(CSTORCH_GRAD_SCALER)] == CSTORCH_GRAD_SCALER
-    assert set(CEREBRAS_ONLY) == {name for name, _ in CSTORCH_GRAD_SCALER} - {"init_scale"}
+    assert set(SELECTS_CEREBRAS) == {name for name, _ in CSTORCH_GRAD_SCALER} - {"init_scale"}
 
 
 def test_every_argument_of_one_dialect_is_accepted_by_keyword_in_the_other():

@@ -4,7 +4,7 @@ The dialect of a call (``dialect_of``), first match wins:
 
 1. a device first (``"cuda"``, ``"cpu"``, a ``torch.device``) or ``device=``: **torch**;
 2. a first positional argument that is not a device (cstorch.amp's ``loss_scale``), or any Cerebras-only argument
-   by keyword (``CEREBRAS_ONLY``: ``loss_scale``, ``steps_per_increase``, ``min_loss_scale``, ``max_loss_scale``,
+   by keyword (``SELECTS_CEREBRAS``: ``loss_scale``, ``steps_per_increase``, ``min_loss_scale``, ``max_loss_scale``,
    ``overflow_tolerance``, ``max_gradient_norm``): **cerebras**;
 3. anything else, ``GradScaler()`` included: **torch**, on torch's default device ``"cuda"`` — where CUDA is absent
    the scaler warns and disables itself, as ``torch.amp.GradScaler()`` does there.
@@ -39,8 +39,9 @@ _RUNTIME_DEFAULTS: dict[str, Any] = {
     "process_group": None,
     "gradients_sharded": None,
 }
-# Arguments only cstorch.amp's GradScaler has: one of them by keyword selects the Cerebras dialect.
-CEREBRAS_ONLY = (
+# Arguments only cstorch.amp's GradScaler has: one of them by keyword selects the Cerebras dialect (the trainer's
+# config has a CEREBRAS_ONLY of its own: Model Zoo keys dls does not honour).
+SELECTS_CEREBRAS = (
     "loss_scale",
     "steps_per_increase",
     "min_loss_scale",
@@ -81,7 +82,7 @@ def dialect_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """``"torch"`` or ``"cerebras"``: the dialect a ``GradScaler(*args, **kwargs)`` call speaks (module docstring)."""
     if kwargs.get("device") is not None or (args and _is_device(args[0])):
         return "torch"
-    if args or any(name in kwargs for name in CEREBRAS_ONLY):
+    if args or any(name in kwargs for name in SELECTS_CEREBRAS):
         return "cerebras"
     return "torch"
 

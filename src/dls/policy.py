@@ -75,17 +75,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
-from dls.checks import (
-    FLOAT32_MAX,
-    FLOAT32_TINY,
-    INT64_MAX,
-    count_problem,
-    factor_problem,
-    flag_problem,
-    raise_first,
-    scale_problem,
-    tolerance_problem,
-)
+from dls import checks
 
 if TYPE_CHECKING:
     from dls.settings import ScalerSettings
@@ -123,11 +113,11 @@ def assign_(state: Any, new: Any) -> None:
 
 def count_skip(skipped: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
     """``skipped + f``, saturating at the int64 maximum instead of wrapping negative."""
-    return skipped + ((found_inf > 0) & (skipped < INT64_MAX)).long()
+    return skipped + ((found_inf > 0) & (skipped < checks.INT64_MAX)).long()
 
 
 def _count_skip_(skipped: torch.Tensor, overflow: torch.Tensor, saturate: bool) -> None:
-    skipped.add_(overflow & (skipped < INT64_MAX) if saturate else overflow)
+    skipped.add_(overflow & (skipped < checks.INT64_MAX) if saturate else overflow)
 
 
 class Rule(Protocol):
@@ -199,18 +189,18 @@ class DynamicRule:
     State: ClassVar[type[ScaleState]] = ScaleState
 
     def __post_init__(self) -> None:
-        raise_first(
-            count_problem("growth_interval", self.growth_interval),
+        checks.raise_first(
+            checks.count_problem("growth_interval", self.growth_interval),
             None
             if self.steps_after_growth in (0, 1) and self.steps_after_growth < self.growth_interval
             else f"steps_after_growth must be 0, or 1 with a growth_interval above 1; got {self.steps_after_growth!r}",
-            count_problem("hysteresis", self.hysteresis),
-            flag_problem("consecutive_hysteresis", self.consecutive_hysteresis),
-            factor_problem("growth_factor", self.growth_factor, above_one=True),
-            factor_problem("backoff_factor", self.backoff_factor, above_one=False),
-            tolerance_problem("overflow_tolerance", self.overflow_tolerance),
-            scale_problem("min_loss_scale", self.min_loss_scale),
-            scale_problem("max_loss_scale", self.max_loss_scale),
+            checks.count_problem("hysteresis", self.hysteresis),
+            checks.flag_problem("consecutive_hysteresis", self.consecutive_hysteresis),
+            checks.factor_problem("growth_factor", self.growth_factor, above_one=True),
+            checks.factor_problem("backoff_factor", self.backoff_factor, above_one=False),
+            checks.tolerance_problem("overflow_tolerance", self.overflow_tolerance),
+            checks.scale_problem("min_loss_scale", self.min_loss_scale),
+            checks.scale_problem("max_loss_scale", self.max_loss_scale),
         )
         if self.min_loss_scale > self.max_loss_scale:
             raise ValueError(
@@ -299,7 +289,7 @@ class DynamicRule:
                 grew >= overflow if self.consecutive_hysteresis else grew, self.hysteresis
             )
         if clean:  # the scale did not fall and was at least min_loss_scale: only growth can pass the maximum
-            if self.max_loss_scale < FLOAT32_MAX:
+            if self.max_loss_scale < checks.FLOAT32_MAX:
                 s.loss_scale.clamp_(max=self.max_loss_scale)
             return
         torch.clamp(scale, max=self.max_loss_scale, out=s.non_clamped_scale)
@@ -350,7 +340,7 @@ class FairseqRule:
                 if steps == window:                             # (_iter - _last_overflow_iter) % window == 0
                     scale *= factor;  steps = 0;  iterations = 0    # _last_rescale_iter = _iter; overflows kept
 
-    ``threshold`` is ``min_loss_scale`` (``FLOAT32_TINY`` where fairseq sets none), ``window`` the
+    ``threshold`` is ``min_loss_scale`` (``checks.FLOAT32_TINY`` where fairseq sets none), ``window`` the
     ``growth_interval``, ``factor`` the ``growth_factor`` (the back-off divides by it, in float64, rounded once to
     float32). Where fairseq stops training, dls skips the step at the scale fairseq put back and goes on;
     ``non_clamped_scale`` is then the back-off it did not make, below the scale (``GradScaler.get_non_clamped_scale``:
@@ -361,8 +351,8 @@ class FairseqRule:
     growth_interval: int = 2000
     growth_factor: float = 2.0
     overflow_tolerance: float = 0.0
-    min_loss_scale: float = FLOAT32_TINY
-    max_loss_scale: float = FLOAT32_MAX
+    min_loss_scale: float = checks.FLOAT32_TINY
+    max_loss_scale: float = checks.FLOAT32_MAX
     stop_loss_scale: float = 1e-4
     State: ClassVar[type[FairseqState]] = FairseqState
     steps_after_growth: ClassVar[int] = 0  # a growth restarts the count at 0 (torch's timing)
@@ -411,7 +401,7 @@ class FairseqRule:
     def normalise_(self, state: FairseqState) -> None:
         state.steps_since_rescale.clamp_(max=self.growth_interval - 1)
         for counter in (state.iterations_since_rescale, state.overflows_since_rescale):
-            counter.clamp_(max=INT64_MAX // 2)  # far from wrapping, and the fraction is unchanged in practice
+            counter.clamp_(max=checks.INT64_MAX // 2)  # far from wrapping, and the fraction is unchanged in practice
 
     def lowest_after(self, scale_at_least: float, known_clean: bool) -> float:
         if known_clean:
@@ -448,7 +438,7 @@ class MxnetRule:
     """
 
     growth_interval: int = 2000
-    min_loss_scale: float = FLOAT32_TINY
+    min_loss_scale: float = checks.FLOAT32_TINY
     max_loss_scale: float = 2.0**24
     State: ClassVar[type[MxnetState]] = MxnetState
     steps_after_growth: ClassVar[int] = 0  # a growth restarts the count at 0 (torch's timing)
@@ -522,8 +512,8 @@ class Peer:
     interval: str
     growth_offset: int = 0
     steps_after_growth: int = 0
-    min_loss_scale: float = FLOAT32_TINY
-    max_loss_scale: float = FLOAT32_MAX
+    min_loss_scale: float = checks.FLOAT32_TINY
+    max_loss_scale: float = checks.FLOAT32_MAX
     cbfloat16_max_loss_scale: float | None = None
     required: tuple[str, ...] = ()
     when_none: Mapping[str, Any] = field(default_factory=dict)

@@ -131,8 +131,7 @@ def parse_state_dict(
     if not state_dict:
         raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled GradScaler.")
     own = (*state_keys(settings), "format_version", *TORCH_KEYS, *OLD_KEYS, *MEGATRON_KEYS, *extra)
-    _check_keys(state_dict, (*own, *(key for keys, _ in SAVED_FORMATS.values() for key in keys)))
-    state_dict = _read_saved_format(state_dict, settings, label, own)
+    state_dict = _from_saved(state_dict, settings, label, own)
     if not apply_settings:
         state_dict = {
             k: v for k, v in state_dict.items() if k not in ("growth_factor", "backoff_factor", "growth_interval")
@@ -184,11 +183,12 @@ def parse_state_dict(
     return Loaded(values, settings, clamped, extras)
 
 
-def _read_saved_format(
-    state_dict: dict[str, Any], settings: ScalerSettings, label: Callable[[str], str], own: tuple[str, ...]
+def _from_saved(
+    state_dict: dict[Any, Any], settings: ScalerSettings, label: Callable[[str], str], own: tuple[str, ...]
 ) -> dict[str, Any]:
-    """A peer's own saved state (``SAVED_FORMATS``) as dls's keys; any other dict as it is. The scaler's own peer's
-    format is tried first: Apex fp16_utils' attributes are a subset of DeepSpeed's names."""
+    """``state_dict`` with a peer's own saved state (``SAVED_FORMATS``) read into dls's keys; unknown keys refused.
+    The scaler's own peer's format is tried first: Apex fp16_utils' attributes are a subset of DeepSpeed's names."""
+    _check_keys(state_dict, (*own, *(key for keys, _ in SAVED_FORMATS.values() for key in keys)))
     for _, (keys, read) in sorted(SAVED_FORMATS.items(), key=lambda item: item[0] != settings.dialect):
         if any(key in keys for key in state_dict):
             return read(state_dict, settings, label, own)
