@@ -8,7 +8,7 @@ TEST_EXTRAS := train,dev,docs,tensorboard,lightning,hf,modelzoo,peers,torchtitan
 # The CPU benchmarks, in the order `make bench` runs them; `make bench-smoke` (part of `make test`) runs each with
 # --smoke, its smallest sizes, so that a script that no longer runs fails the tests rather than a user's `make bench`.
 BENCH_CPU := bench_scaler bench_clip bench_step bench_overhead bench_scale_below_one bench_quantize bench_fp8 \
-	bench_watch bench_master_weights bench_host frameworks_fp16 bench_record bench_sharded
+	bench_watch bench_master_weights bench_host bench_host_ops frameworks_fp16 bench_record bench_sharded
 
 .PHONY: setup demo test lint docs docs-check serve-docs bench bench-smoke bench-gpu clean
 
@@ -58,8 +58,9 @@ serve-docs: $(VENV)/.installed-test  # the site at http://127.0.0.1:8000, rebuil
 bench: $(VENV)/.installed-test  # about 18 minutes on 2 CPU cores (policy_lab_evidence.py, 23 more, runs alone); results and how to read them: benchmarks/RESULTS.md
 	@for name in $(BENCH_CPU); do echo "== benchmarks/$$name.py"; $(BIN)/python benchmarks/$$name.py || exit 1; done
 	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
-	  $(BIN)/python benchmarks/bench_gpu.py && $(BIN)/python benchmarks/bench_fp8_gpu.py; \
-	else echo "no CUDA device: GPU tables skipped (benchmarks/bench_gpu.py, benchmarks/bench_fp8_gpu.py)"; fi
+	  $(BIN)/python benchmarks/bench_gpu.py && $(BIN)/python benchmarks/bench_fp8_gpu.py && \
+	  $(BIN)/python benchmarks/claim_gpu.py && $(BIN)/python benchmarks/integrations_gpu.py; \
+	else echo "no CUDA device: GPU tables skipped (benchmarks/bench_gpu.py, bench_fp8_gpu.py, claim_gpu.py, integrations_gpu.py)"; fi
 
 bench-smoke: $(VENV)/.installed-test  # every CPU benchmark at its smallest sizes (about a minute): each runs to its end
 	@mkdir -p build/bench-smoke
@@ -70,13 +71,14 @@ bench-smoke: $(VENV)/.installed-test  # every CPU benchmark at its smallest size
 	done
 
 bench-gpu:  # on a machine with CUDA and a plain python3 that has torch (no venv): the GPU tables of benchmarks/RESULTS.md
-	python3 benchmarks/bench_gpu.py && python3 benchmarks/bench_fp8_gpu.py
+	python3 benchmarks/bench_gpu.py && python3 benchmarks/bench_fp8_gpu.py && python3 benchmarks/claim_gpu.py && \
+	  python3 benchmarks/bench_host_ops.py --device cuda && python3 benchmarks/integrations_gpu.py
 
 .PHONY: gpu-check gpu-wheels
-gpu-check:  # on the lent GPU machine (a plain python3 with torch, no venv): tests + GPU tables; docs/contributing.md
+gpu-check:  # on the lent GPU machine (a plain python3 with torch, no venv): tests, claim, tables, integrations; docs/contributing.md
 	python3 scripts/gpu-check
 
-gpu-wheels:  # here, before the device call: the wheels the GPU machine lacks (torchao for its torch 2.11) in .gpu-wheels/
+gpu-wheels:  # here, before the device call: the wheels the GPU machine lacks (torchao, TRL, torchtitan, ...: scripts/gpu-check's WHEELS) in .gpu-wheels/
 	$(PYTHON) scripts/gpu-check --fetch-wheels
 
 clean:

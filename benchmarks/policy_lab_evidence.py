@@ -44,8 +44,9 @@ import torch
 from bench_scaler import print_table
 
 import dls
-from dls.diagnostics.record import read_trace
-from dls.diagnostics.replaying import Replay, parse_policy, replay
+from dls.diagnostics.policies import parse_policy
+from dls.diagnostics.replaying import Replay, replay
+from dls.diagnostics.trace import read_trace
 from dls.loss_scale import LossScale
 from dls.settings import ScalerSettings
 from dls.train import config, data

@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from dls.train import checkpoint as ckpt
+from dls.train import rundir
 from dls.train.cli import main
 from dls.train.trainer import Trainer
 from test_train import metrics, tiny
@@ -224,7 +225,7 @@ def test_file_too_large_exits_3_and_keeps_what_was_written(tmp_path: Path) -> No
     assert proc.returncode == 3, err
     assert err == f"dls: error: {run / 'checkpoint_6.mdl'}: File too large (free some space or choose another " \
         "runconfig.model_dir, then --resume)\n"  # fmt: skip
-    assert [s for s, _ in ckpt.list_checkpoints(run)] == [2, 4]
+    assert [s for s, _ in rundir.list_checkpoints(run)] == [2, 4]
     assert ckpt.load_checkpoint(run / "checkpoint_4.mdl")["global_step"] == 4
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
     assert not [n for n in os.listdir(run) if n.endswith(".tmp") or n == ".dls.lock"]
@@ -248,7 +249,7 @@ def test_an_internal_error_exits_4_with_the_traceback_in_model_dir(
     assert str(report) in err
     text = report.read_text()
     assert "Traceback" in text and "ZeroDivisionError: a bug" in text
-    assert [s for s, _ in ckpt.list_checkpoints(run)] == [2, 4]
+    assert [s for s, _ in rundir.list_checkpoints(run)] == [2, 4]
 
 
 def test_ctrl_c_exits_130(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -261,7 +262,7 @@ def test_ctrl_c_exits_130(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsy
     capsys.readouterr()
     assert main(["train", config, "--resume", str(run), "--no_progress", "-o", "runconfig.max_steps=6"]) == 130
     assert capsys.readouterr().err == "dls: interrupted\n"
-    assert [s for s, _ in ckpt.list_checkpoints(run)] == [2, 4] and not (run / ".dls.lock").exists()
+    assert [s for s, _ in rundir.list_checkpoints(run)] == [2, 4] and not (run / ".dls.lock").exists()
 
 
 # ---------------------------------------------------------------------- 143: SIGTERM
@@ -281,7 +282,7 @@ def test_sigterm_checkpoints_the_last_step_then_exits_143(tmp_path: Path) -> Non
         proc.kill()
     assert proc.returncode == 143, err
     assert err == "dls: terminated (SIGTERM)\n"
-    ((step, path),) = ckpt.list_checkpoints(run)
+    ((step, path),) = rundir.list_checkpoints(run)
     assert ckpt.load_checkpoint(path)["global_step"] == step == metrics(run)[-1]["step"]
 
 

@@ -1,16 +1,22 @@
 """``dls train`` records a trace into model_dir; ``dls replay`` and ``dls tune`` read it (and one recorded through
-the library API): their tables, ``--json``, ``--plot``, and one-line errors with exit status 2."""
+the library API): their tables, ``--json``, ``--plot`` (every policy in every form, on the default trace and on a
+``record_trace: model`` one: an undecidable figure is null / "-", never NaN), one-line errors with exit status 2
+(a key or policy given twice, absurd specs, FIFOs, devices), and a plot that cannot be written: exit 3 naming it,
+no file left."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import dls
-from dls.diagnostics.record import read_trace
+from dls.diagnostics.trace import read_trace
 from dls.train.cli import main
 from test_record import fp16_loss, mlp
 
@@ -126,3 +132,170 @@ def test_bad_input_is_one_line_and_exit_2(
     assert main([arg.format(**paths) for arg in argv]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("dls: error: ") and message in err
+
+
+# ---------------------------------------------------------------------------------------------- every output form
+@pytest.fixture(scope="module")
+def default_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run of the shipped config as it is, with dls train's default trace (runconfig.record_trace: true, no model
+    hooks): clean steps at 2^15, which decide nothing above it."""
+    model_dir = tmp_path_factory.mktemp("lab") / "default"
+    overrides = ["runconfig.max_steps=30", f"runconfig.model_dir={model_dir}"]
+    assert main(["train", MLP, "--no_progress", "-o", *overrides]) == 0
+    return model_dir
+
+
+def _no_nan(token: str) -> None:
+    raise AssertionError(f"{token} in the JSON: an undecidable figure must be null")
+
+
+POLICIES = ["recorded", "torch", "cerebras", "megatron", "deepspeed", "static"]
+
+
+@pytest.mark.parametrize("which", ["default", "model"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_in_every_output_form_on_both_kinds_of_trace(
+    which: str, policy: str, run_dir: Path, default_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = str((default_dir if which == "default" else run_dir) / "trace.jsonl")
+    assert main(["replay", trace, "--policy", policy, "--json"]) == 0, capsys.readouterr().err
+    data = json.loads(capsys.readouterr().out, parse_constant=_no_nan)
+    (result,) = data["policies"]
+    assert len(result["scales"]) == len(result["scale_low"]) == data["steps"] == 30
+    if not result["bounds_exact"]:  # past MAX_BRANCHES states: the scales a step may take are undecidable
+        assert None in result["scale_high"]
+    assert main(["replay", trace, "--policy", policy]) == 0
+    table = capsys.readouterr().out
+    assert f"\n{policy} " in table and "nan" not in table.lower()
+    png = tmp_path / "replay.png"
+    assert main(["replay", trace, "--policy", policy, "--plot", str(png)]) == 0
+    assert f"Plot: {png}" in capsys.readouterr().out and png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_an_undecidable_figure_is_null_in_json_and_a_dash_in_the_table(
+    default_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = str(default_dir / "trace.jsonl")
+    assert main(["replay", trace, "--policy", "megatron", "--json"]) == 0  # from 2**32: every step undecided
+    (megatron,) = json.loads(capsys.readouterr().out, parse_constant=_no_nan)["policies"]
+    assert megatron["bounds_exact"] is False and megatron["scale_low"][-1] is None
+    data = read_trace(default_dir / "trace.jsonl")
+    for segment in data.segments:
+        segment.steps = [{k: v for k, v in row.items() if k != "exponents"} for row in segment.steps]
+    from dls.diagnostics.replaying import replay
+
+    (plain,) = replay(data, ["torch"])
+    assert plain.underflow is None and plain.to_dict()["underflow"] is None  # no histograms: undecidable
+    from dls.train.lab import _replay_text
+
+    row = next(line for line in _replay_text(data, [plain]).splitlines() if line.startswith("torch "))
+    assert row.split()[-3] == "-"  # the underflow column
+
+
+# ---------------------------------------------------------------------------------------------- argument errors
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["replay", "{trace}", "--policy", "torch:init_scale=1,init_scale=2"], "key 'init_scale' is given twice"),
+        (["replay", "{trace}", "--policy", "torch", "--policy", "torch"], "--policy 'torch' is given twice"),
+        (["replay", "{trace}", "--format", ""], "--format: format must be one of float16, bfloat16"),
+        (["tune", "{trace}", "--format", ""], "--format: format must be one of"),
+        (["tune", "{trace}", "--policy", "torch", "--policy", "torch"], "policy 'torch' is given twice"),
+        (["replay", "{trace}", "--plot", ""], "--plot is empty"),
+        (["replay", "{trace}", "--plot", "{dir}"], "is not a regular file"),
+        (["replay", "{trace}", "--policy", "torch:init_scale=2**100000"], "'2**100000' is not a number"),
+        (["replay", "{trace}", "--policy", "torch:init_scale=2**5000"], "'2**5000' is past a float's range"),
+        (["replay", "{trace}", "--policy", "torch:init_scale=" + "9" * 5000], "is not a number"),
+        (["replay", "{trace}", "--policy", "torch:init_scale=1e400"], "init_scale must be a number from 2**-126"),
+        (["replay", "{trace}", "--policy", "torch:init_scale=nan"], "'nan' is not a number"),
+        (["replay", "{trace}", "--policy", "torch:growth_interval=1e3"], "growth_interval must be an integer"),
+        (["replay", "{trace}", "--policy", "x" * 100_000], "unknown policy 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"),
+        (["replay", "{trace}", "--policy", "torch:" + "a=1," * 10_000], "policy 'torch' has no key 'a'"),
+        (["replay", "{trace}", "--policy", "torch:init_scale=1\n2"], "'1\\n2' is not a number"),
+        (["replay", "{trace}", "--policy", "recorded:" + "x" * 10_000], "policy 'recorded' takes no settings"),
+        (["replay", "{trace}", "--policy", ":"], "unknown policy ''"),
+        (["tune", "{trace}", "--policy", "torch:init_scale=2"], "unknown policy 'torch:init_scale=2'"),
+        (["tune", "{trace}", "--max-underflow", "nan"], "max_underflow must be a number in [0, 1]"),
+        (["tune", "{trace}", "--max-underflow=-inf"], "max_underflow must be a number in [0, 1]"),
+        (["replay", "{fifo}"], "is a FIFO, not a regular file"),
+        (["replay", "/dev/zero"], "/dev/zero is a device or socket, not a regular file"),
+        (["replay", "{dir}"], "is a directory, not a regular file"),
+        (["replay", "{empty}"], "holds no dls trace header"),
+    ],
+)
+def test_bad_policies_formats_and_paths_are_one_line_and_exit_2(
+    run_dir: Path, tmp_path: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "empty").write_bytes(b"")
+    paths = {"trace": str(run_dir / "trace.jsonl"), "fifo": str(tmp_path / "fifo"), "dir": str(tmp_path)}
+    paths["empty"] = str(tmp_path / "empty")
+    assert main([arg.format(**paths) if arg.startswith("{") else arg for arg in argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("dls: error: ") and message in err, err
+    assert len(err) < 500, err
+
+
+# ---------------------------------------------------------------------------------------------- the plot's path
+CLI = "import sys; from dls.train.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def test_a_plot_on_a_full_disk_names_its_path_and_leaves_no_file(run_dir: Path, tmp_path: Path) -> None:
+    """``ulimit -f`` (EFBIG, as a full disk's ENOSPC): the PNG cannot be written."""
+    out = tmp_path / "plots"
+    out.mkdir()
+    png = out / "replay.png"
+    script = f"import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); {CLI}"
+    proc = subprocess.run(
+        [sys.executable, "-c", script, "replay", str(run_dir / "trace.jsonl"), "--plot", str(png)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr == f"dls: error: {png}: File too large (free some space or give another --plot path)\n"
+    assert os.listdir(out) == []  # no partial file, no temporary
+
+
+def test_a_plot_replaces_a_file_but_never_follows_a_link(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = str(run_dir / "trace.jsonl")
+    png = tmp_path / "replay.png"
+    png.write_bytes(b"an older plot")
+    assert main(["replay", trace, "--policy", "torch", "--plot", str(png)]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG")
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("not to be clobbered")
+    (tmp_path / "link.png").symlink_to(target)
+    (tmp_path / "dangling.png").symlink_to(tmp_path / "nothing")
+    for name in ("link.png", "dangling.png"):
+        assert main(["replay", trace, "--policy", "torch", "--plot", str(tmp_path / name)]) == 2
+        assert "is a link, which dls does not follow" in capsys.readouterr().err
+    assert target.read_text() == "not to be clobbered" and not (tmp_path / "nothing").exists()
+    (tmp_path / "file").write_text("x")  # a parent that is a file: exit 3 naming the plot
+    assert main(["replay", trace, "--policy", "torch", "--plot", str(tmp_path / "file" / "p.png")]) == 3
+    assert capsys.readouterr().err.startswith(f"dls: error: {tmp_path / 'file' / 'p.png'}: ")
+    assert sorted(os.listdir(tmp_path)) == ["dangling.png", "elsewhere.txt", "file", "link.png", "replay.png"]
+
+
+def test_a_full_standard_output_and_a_trace_larger_than_memory_are_named_as_such(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = str(run_dir / "trace.jsonl")
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [sys.executable, "-c", CLI, "replay", trace, "--policy", "torch", "--json"],
+            stdout=full, stderr=subprocess.PIPE, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+    assert proc.returncode == 3
+    assert proc.stderr == (
+        "dls: error: the standard output: No space left on device (free some space or send the output elsewhere)\n"
+    )
+
+    def too_large(path: str) -> None:
+        raise MemoryError
+
+    monkeypatch.setattr("dls.diagnostics.trace.read_trace", too_large)
+    assert main(["replay", trace]) == 3
+    err = capsys.readouterr().err
+    assert err == f"dls: error: out of memory: reading the trace {trace}; replay a part of it (a header line, then " \
+        "the step lines that follow it)\n"  # fmt: skip

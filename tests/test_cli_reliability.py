@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from dls.train import checkpoint as ckpt
+from dls.train import rundir
 from dls.train.cli import main
 from dls.train.demo import DLS, FP16, base_config
 from dls.train.trainer import Trainer
@@ -94,7 +95,7 @@ def test_weights_turned_non_finite_are_never_the_newest_checkpoint(
     raw["runconfig"].update(checkpoint_steps=4, keep_checkpoint_max=5)
     assert main(["train", write_config(tmp_path / "c.yaml", raw), "--no_progress"]) == 1
     err = capsys.readouterr().err
-    found = ckpt.list_checkpoints(tmp_path / "run")
+    found = rundir.list_checkpoints(tmp_path / "run")
     assert found, "a checkpoint was written before the weights broke"
     for _, path in found:
         assert all(torch.isfinite(t).all() for t in ckpt.load_checkpoint(path)["model"].values()), path
@@ -169,9 +170,9 @@ def test_the_console_script_is_the_entry_module() -> None:
 # ---------------------------------------------------------------------- item 12: dls demo and the lock
 def test_demo_refuses_an_out_dir_another_run_holds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
-    with ckpt.RunDir(ckpt.resolve_model_dir(out)):
+    with rundir.RunDir(rundir.resolve_model_dir(out)):
         assert main(["demo", "--out", str(out), "--steps", "1", "--no_progress"]) == 2
-        assert os.listdir(out) == [ckpt.LOCK_FILE]
+        assert os.listdir(out) == [rundir.LOCK_FILE]
     err = one_line(capsys.readouterr().err)
     assert "--out" in err and "in use" in err and "runconfig.model_dir" not in err
 
@@ -229,7 +230,7 @@ def test_taking_over_a_stale_lock_does_not_say_it_is_still_held(
     import json
     import socket
 
-    (run / ckpt.LOCK_FILE).write_text(json.dumps({"pid": pid, "host": socket.gethostname()}))
+    (run / rundir.LOCK_FILE).write_text(json.dumps({"pid": pid, "host": socket.gethostname()}))
     assert main(["train", write_config(tmp_path / "c.yaml", tiny(run)), "--no_progress"]) == 0
     out = capsys.readouterr().out
     assert f"Taking over the lock of pid {pid}" in out and "still holds it" not in out
@@ -252,7 +253,7 @@ class FullDisk:
 
 @pytest.mark.parametrize("name", ["config.yaml", "metrics.jsonl"])
 def test_a_full_disk_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    with ckpt.RunDir(tmp_path) as run_dir:
+    with rundir.RunDir(tmp_path) as run_dir:
         monkeypatch.setattr(os, "fdopen", lambda fd, *args, **kwargs: FullDisk(fd))
         with pytest.raises(OSError) as info:
             if name == "metrics.jsonl":  # the session's first write
@@ -261,7 +262,7 @@ def test_a_full_disk_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytes
                 run_dir.replace(name, b"x: 1\n")
         monkeypatch.undo()
         assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path / name)
-        assert sorted(os.listdir(tmp_path)) == [ckpt.LOCK_FILE]
+        assert sorted(os.listdir(tmp_path)) == [rundir.LOCK_FILE]
 
 
 # ---------------------------------------------------------------------- adversarial: read-only media
@@ -282,7 +283,7 @@ def test_a_run_on_read_only_media_is_exit_3_naming_the_path_and_changes_nothing(
     monkeypatch.setattr(os, "open", read_only)
     assert main(["train", "--resume", str(run), "--no_progress", "-o", "runconfig.max_steps=6"]) == 3
     err = one_line(capsys.readouterr().err)
-    assert f"{run / ckpt.LOCK_FILE}: Read-only file system" in err
+    assert f"{run / rundir.LOCK_FILE}: Read-only file system" in err
     monkeypatch.undo()
     assert snapshot(run) == before
 
@@ -314,7 +315,7 @@ def test_a_link_named_like_a_checkpoint_is_never_resumed_from(
     args = ["train", "--resume", str(run), "--no_progress", "-o", "runconfig.max_steps=8"]
     assert main([*args, "runconfig.keep_checkpoint_max=2"]) == 0
     assert "Loading " + str(run / "checkpoint_4.mdl") in capsys.readouterr().out
-    assert [s for s, _ in ckpt.list_checkpoints(run)] == [6, 8]  # rotation counts real checkpoints only
+    assert [s for s, _ in rundir.list_checkpoints(run)] == [6, 8]  # rotation counts real checkpoints only
     assert ckpt.load_checkpoint(other)["global_step"] == 99  # the link's target is untouched
 
 
@@ -364,7 +365,7 @@ def test_out_of_memory_in_dls_data_names_its_own_options(
 ) -> None:
     """C8: `dls data gpt DIR --train 1000000000000` runs out of memory in NumPy (simulated here: a machine that
     overcommits memory would try); the advice names dls data's options, not a config key."""
-    from dls.train import modelzoo
+    from dls.train.modelzoo import data as modelzoo
 
     @functools.wraps(modelzoo.write_tiny_data)  # its signature: dls data's defaults come from it
     def write(**kwargs: Any) -> list[Path]:
@@ -382,7 +383,7 @@ def test_a_full_disk_in_dls_data_gives_its_own_advice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Not the trainer's (another runconfig.model_dir, then --resume): dls data has neither."""
-    from dls.train import modelzoo
+    from dls.train.modelzoo import data as modelzoo
 
     @functools.wraps(modelzoo.write_tiny_data)
     def write(**kwargs: Any) -> list[Path]:
@@ -413,7 +414,7 @@ def test_a_full_disk_while_taking_the_lock_names_the_lock_file_and_leaves_none(
     assert main(["train", config, "--no_progress"]) == 3
     monkeypatch.undo()
     err = one_line(capsys.readouterr().err)
-    assert err.startswith(f"dls: error: {run / ckpt.LOCK_FILE}: No space left on device")
+    assert err.startswith(f"dls: error: {run / rundir.LOCK_FILE}: No space left on device")
     assert (os.listdir(run) == []) if existing else not run.exists()
 
 

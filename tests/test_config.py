@@ -14,7 +14,8 @@ import yaml
 import dls
 from dls.settings import ScalerSettings, SettingsError
 from dls.train import config as C
-from dls.train.config import SECTION_CLASSES, ConfigError, load_config, load_yaml, parse_config, scaler_settings
+from dls.train.config import SECTION_CLASSES, load_config, load_yaml, parse_config, scaler_settings
+from dls.train.errors import ConfigError
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 
@@ -882,11 +883,13 @@ def test_the_memory_estimate_counts_the_checkpoint_written_from_memory(monkeypat
     # Measured: a Llama of 165M parameters (float32, one checkpoint) peaked at 4.5 GB, 28 bytes per parameter more
     # for each parameter added; the estimate of Model Zoo's Llama 3.2 1B (1.34e9 parameters) at 16 bytes per
     # parameter fitted a machine with 23 GiB free, where the kernel then killed the run.
+    import os
+
     from dls.train import config as config_module
 
     cfg = load_config(Path(__file__).parent / "data" / "modelzoo" / "llama3p2_1b_msl_8k.yaml")
     count = 128256 * 2048 + 16 * 2048 * (4 * 2048 + 3 * 8192)
-    monkeypatch.setattr(config_module.os, "sysconf", lambda name: 1)  # nothing free: the estimate is reported
+    monkeypatch.setattr(os, "sysconf", lambda name: 1)  # nothing free: the estimate is reported
     monkeypatch.setattr("builtins.open", lambda *a, **k: io.BytesIO(b"MemAvailable: 0 kB\n"))
     problem = config_module.memory_problem(cfg)
     assert problem is not None and problem.startswith("trainer.init.model.hidden_size: this run needs about")

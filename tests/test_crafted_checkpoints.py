@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from dls.train import checkpoint as ckpt
+from dls.train import rundir
 from dls.train.cli import main
 from dls.train.trainer import Trainer
 from test_train import tiny
@@ -259,7 +260,7 @@ def test_scheduler_state_loads_only_the_schedulers_own_keys(
 ) -> None:
     run = crafted(finished, "adamw", tmp_path, craft)
     assert resume(run) == 0
-    assert [step for step, _ in ckpt.list_checkpoints(run)][-1] == 6
+    assert [step for step, _ in rundir.list_checkpoints(run)][-1] == 6
 
 
 def test_optimizer_groups_load_only_the_optimizers_own_keys(finished: dict[str, Path], tmp_path: Path) -> None:
@@ -280,8 +281,11 @@ def test_a_finite_float8_weight_loads_as_its_float32_value(finished: dict[str, P
         state_of["weight"] = state["model"][key].float()
 
     run = crafted(finished, "adamw", tmp_path, to_float8)
-    assert resume(run, 4) == 0  # at its step already: loaded, checked, saved again
-    assert torch.equal(ckpt.load_checkpoint(run / "checkpoint_4.mdl")["model"]["net.0.weight"], state_of["weight"])
+    # At its step already: loaded and checked; a new directory gets it saved again (in place, a session never writes
+    # a step the directory holds: issue 38, S2).
+    new = tmp_path / "new"
+    assert resume(run / "checkpoint_4.mdl", 4, f"runconfig.model_dir={new}") == 0
+    assert torch.equal(ckpt.load_checkpoint(new / "checkpoint_4.mdl")["model"]["net.0.weight"], state_of["weight"])
 
 
 @pytest.mark.parametrize(
@@ -340,7 +344,7 @@ def test_the_stop_for_broken_weights_names_the_checkpoints_that_exist(
     assert "2 of this session's 2 steps were applied and one broke them" in err
     assert f"the newest checkpoint is {run / 'checkpoint_4.mdl'}" in err and "the run has no checkpoint" not in err
     assert f"then --resume {run}" in err
-    assert [step for step, _ in ckpt.list_checkpoints(run)] == [2, 4]  # no checkpoint of the broken weights
+    assert [step for step, _ in rundir.list_checkpoints(run)] == [2, 4]  # no checkpoint of the broken weights
 
 
 def test_the_stop_for_broken_weights_in_a_fork_names_where_it_started(

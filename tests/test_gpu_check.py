@@ -4,6 +4,7 @@ and the benchmarks' output, the output folder, the carried wheels) are checked h
 
 from __future__ import annotations
 
+import importlib
 import importlib.machinery
 import importlib.util
 import os
@@ -29,6 +30,13 @@ GPU_TABLES = (
     "5. CUDA graphs",
 )
 FP8_TABLES = ("1. first step", "2. training loss", "3. cost of a training step")
+CLAIM_TABLES = ("1. the headline claim", "2. underflow", "3. float16 parameters with dls's float32 master weights")
+HOST_OPS_TABLES = (
+    "1. unscale + inf check, per call",
+    "2. unscale + global clip, per call",
+    "3. step + update, per call",
+)
+INTEGRATION_TABLES = ("1. FSDP2 at world size 1 (gloo)", "2. DCP (gloo)", "3. TRL SFTTrainer, fp16=True")
 # What the device tool brings back from $OUT: at most 8 files, named in letters, digits, '.', '_' and '-'.
 MAX_FILES, NAME = 8, re.compile(r"^[A-Za-z0-9._-]+$")
 
@@ -47,6 +55,15 @@ def load_script() -> ModuleType:
 gpu_check = load_script()
 
 
+def benchmark(name: str) -> ModuleType:
+    """A script of benchmarks/ as a module (they import their neighbours by name)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
 def test_the_script_is_executable_and_its_time_boxes_fit_the_budget() -> None:
     assert SCRIPT.stat().st_mode & stat.S_IXUSR
     assert SCRIPT.read_text().startswith("#!/usr/bin/env python3\n")
@@ -56,6 +73,23 @@ def test_the_script_is_executable_and_its_time_boxes_fit_the_budget() -> None:
     assert gpu_check.TIMEOUTS["tests"] > gpu_check.PER_TEST_TIMEOUT
     assert len(gpu_check.LOG_NAMES) + 2 <= MAX_FILES
     assert all(NAME.match(name) for name in [*gpu_check.LOG_NAMES.values(), gpu_check.VERDICTS, gpu_check.SUMMARY])
+    assert list(gpu_check.TIMEOUTS) == list(gpu_check.STEPS) == list(gpu_check.LOG_NAMES)
+    assert max(item.timeout for item in gpu_check.INTEGRATIONS) + 15 <= gpu_check.TIMEOUTS["integrations"]
+    # The claim's runs, by their own estimate for an H100/H200, fit the budget its step gives them.
+    claim = benchmark("claim_gpu")
+    estimate = sum(claim.estimate_seconds(p.spec, p.way, p.steps) for p in claim.plan(False, claim.CHECKPOINTS[-1]))
+    assert 60 < estimate <= gpu_check.TIMEOUTS["claim"] - gpu_check.CLAIM_SLACK
+    # The carried wheels: one pin per project, within what the device call carries.
+    projects = [gpu_check.project(pin.split("==")[0]) for pin in gpu_check.WHEELS]
+    assert len(set(projects)) == len(projects) and all(pin.count("==") == 1 for pin in gpu_check.WHEELS)
+    assert gpu_check.WHEEL_LIMIT < 64 * 2**20
+    # docs/contributing.md gives the device call: its numbers are the script's.
+    guide = (ROOT / "docs" / "contributing.md").read_text()
+    total, boxes = sum(gpu_check.TIMEOUTS.values()), " + ".join(map(str, gpu_check.TIMEOUTS.values()))
+    assert f"time boxes add up to {total} s ({boxes})" in guide
+    timeout = re.search(r"^timeout_s: +(\d+)$", guide, re.M)
+    assert timeout is not None and total + 30 <= int(timeout.group(1)) <= 600  # the device tool's limit
+    assert all(f"`{name}`" in guide for name in [*gpu_check.LOG_NAMES.values(), *gpu_check.STEPS])
 
 
 # ---------------------------------------------------------------------------------------------- the dry run
@@ -69,6 +103,16 @@ def fake_nvidia_smi(folder: Path) -> None:
 
 
 HIDDEN = ("pydantic", "yaml", "h5py")  # the GPU machine lacks pydantic; the test modules need neither of the others
+# transformers (through huggingface_hub) imports PyYAML, which the GPU machine has: hidden from these scripts' processes
+# are pydantic and what transformers and TRL import where they find it, which the GPU machine lacks too (wandb, which
+# imports pydantic; DeepSpeed).
+NEED_YAML = ("claim_gpu.py", "integrations_gpu.py")
+HIDDEN_THERE = ("pydantic", "wandb", "deepspeed")
+HIDE = """import sys
+hidden = {hidden!r} if not any(arg.endswith({need!r}) for arg in sys.orig_argv) else {there!r}
+sys.modules.update(dict.fromkeys(hidden))
+open({marker!r}, "a").write("x")
+"""
 
 
 @pytest.mark.slow  # every step's subprocess imports torch; the benchmarks run at --quick sizes: about 30 s
@@ -78,7 +122,7 @@ def test_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> None:
     hide.mkdir()  # imported by every Python of the run: the packages in HIDDEN cannot be imported there
     hidden_in = tmp_path / "hidden-in"
     (hide / "sitecustomize.py").write_text(
-        f"import sys\nsys.modules.update(dict.fromkeys({HIDDEN!r}))\nopen({str(hidden_in)!r}, 'a').write('x')\n"
+        HIDE.format(hidden=HIDDEN, need=NEED_YAML, there=HIDDEN_THERE, marker=str(hidden_in))
     )
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out), PYTHONPATH=str(hide))
     started = time.monotonic()
@@ -101,19 +145,49 @@ def test_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> None:
     assert len(hidden_in.read_text()) >= len(gpu_check.STEPS)  # every step's Python ran without HIDDEN
     collected = re.search(r"dry run: (\d+) of \d+ tests collected", summary)
     assert collected is not None and int(collected.group(1)) >= 31 + 40  # the CUDA-marked tests + the device ones
-    for title in (*GPU_TABLES, *FP8_TABLES):
+    for title in (*GPU_TABLES, *FP8_TABLES, *CLAIM_TABLES, *HOST_OPS_TABLES, *INTEGRATION_TABLES[:2]):
         assert f"\n{title}" in summary, title
-    gpu_tables = gpu_check.parse_tables((out / gpu_check.LOG_NAMES["bench_gpu"]).read_text())
+    bench_gpu_log, host_ops_log = (out / gpu_check.LOG_NAMES["bench_gpu"]).read_text().split("bench_host_ops.py ")
+    gpu_tables = gpu_check.parse_tables(bench_gpu_log)
     assert [t.title[: len(g)] for t, g in zip(gpu_tables, GPU_TABLES)] == list(GPU_TABLES)
+    assert len(gpu_tables) == len(GPU_TABLES)
+    host_ops = gpu_check.parse_tables(host_ops_log)
+    assert [t.title[: len(h)] for t, h in zip(host_ops, HOST_OPS_TABLES)] == list(HOST_OPS_TABLES)
+    assert all(row["ops"].isdigit() and row["kernels"] == "n/a" for t in host_ops for row in t.rows)  # counted
     assert all(gpu_check.spread_of(t).startswith("A/A ") for t in gpu_tables)  # every table has its A/A row
     assert "A/A: high again / high" in summary
     assert " NO " not in summary  # dls's FP8 scales and payloads equal torch's (on the CPU too)
     targets = summary.split("## Targets")[1].split("\n## ")[0]
     rows = [line for line in targets.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert len(rows) == 9
+    assert len(rows) == 9 + 4 + 3 + len(gpu_check.INTEGRATIONS)  # bench_gpu/fp8/tests, claim, host ops, integrations
     not_run = [r for r in rows if r.endswith("| not run |")]
     assert not_run == ["| CUDA-graph replays bit-identical to eager (tests) | all pass | not run |"]  # no test run
     assert all(r.count(" | ") == 2 for r in rows), rows  # cells escape their own '|'
+
+    # The claim's verdict cells are filled (their figures mean nothing on the CPU: none is asserted).
+    claim = [r for r in rows if r.startswith("| claim 1. ")]
+    assert len(claim) == 2 and all(re.search(r"\| (ok|MISS) / (ok|MISS) / n/a \(speed-up ", r) for r in claim)
+    assert re.search(r"^\| claim 2\. .* \| ok / ok \| (ok|MISS) / (ok|MISS) \|$", targets, re.M)
+    # The integrations: what is here ran on the CPU under gloo; what is not yet is named, in the summary and the
+    # step's verdict, never passed over.
+    status = {
+        r.split(" | ")[0].removeprefix("| integrations: "): r.split(" | ")[2].removesuffix(" |")
+        for r in rows
+        if "integrations:" in r
+    }
+    assert status["fsdp2+dcp"].startswith("ok: 2 tables, 5 checks ok, 0 MISS")
+    trl_here = all(importlib.util.find_spec(m) is not None for m in ("trl", "datasets"))
+    assert status["trl"].startswith("ok: 1 tables, 2 checks ok" if trl_here else "not present yet: module")
+    verdict = next(v for v in verdicts if v.startswith("integrations:"))
+    for item in gpu_check.INTEGRATIONS:
+        result = status[item.name]
+        if result.startswith("not present yet: "):
+            assert f"{item.name} (" in verdict, (item.name, verdict)  # named in the step's verdict too
+        elif item.on_cpu:  # the suite runs it on the CPU: a dry run checks that it is there
+            assert result == f"present: not run in a dry run: on the CPU the suite runs it ({item.on_cpu})"
+            assert (ROOT / item.on_cpu).is_file()
+        else:
+            assert result.startswith("ok: "), (item.name, result)
 
 
 def test_versions_without_nvidia_smi_or_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,14 +246,14 @@ def test_a_failing_or_crashing_step_never_stops_the_next(tmp_path: Path, monkeyp
     def passes(check: Any, log: Any) -> Any:
         return gpu_check.Verdict("ok", "fine")
 
-    steps = {"versions": times_out, "tests": crashes, "bench_gpu": passes, "bench_fp8": passes}
+    steps = dict.fromkeys(gpu_check.STEPS, passes) | {"versions": times_out, "tests": crashes}
     monkeypatch.setattr(gpu_check, "STEP_FUNCTIONS", steps)
     monkeypatch.setattr(gpu_check, "WHEEL_DIR", tmp_path / "no-wheels")
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path / "out")]) == 1
     verdicts = (tmp_path / "out" / gpu_check.VERDICTS).read_text().splitlines()
     assert verdicts[0].startswith("versions: FAIL") and "sleeper timed out after 1 s" in verdicts[0]
     assert verdicts[1].startswith("tests: FAIL") and "gpu-check's own code failed: KeyError" in verdicts[1]
-    assert verdicts[2].startswith("bench_gpu: ok") and verdicts[3].startswith("bench_fp8: ok")
+    assert [v.split(" (")[0] for v in verdicts[2:]] == [f"{step}: ok" for step in gpu_check.STEPS[2:]]
     assert "KeyError: 'a bug in a step'" in (tmp_path / "out" / gpu_check.LOG_NAMES["tests"]).read_text()
     summary = (tmp_path / "out" / gpu_check.SUMMARY).read_text()
     assert "| tests | FAIL |" in summary and "| bench_fp8 | ok |" in summary
@@ -335,7 +409,8 @@ def test_the_tests_step_reports_counts_failures_and_where_a_timeout_stopped_it(
     assert check.tests is not None and check.tests.total == 5
 
     module = "test_stop.py"
-    check = gpu_check.Check(tmp_path, tmp_path, False, dict(os.environ), time.monotonic() + 5)
+    # 12 s: on a loaded 2-core machine pytest can take several seconds to start and run the first test.
+    check = gpu_check.Check(tmp_path, tmp_path, False, dict(os.environ), time.monotonic() + 12)
     with open(tmp_path / "log", "a", encoding="utf-8") as log:
         verdict = gpu_check.step_tests(check, log)
     assert verdict.status == "FAIL"
@@ -362,3 +437,112 @@ def test_tables_are_cut_into_cells_as_printed(capsys: pytest.CaptureFixture[str]
     assert "warning" not in tables[0].text
     assert tables[1].rows[0] == {"a b": "x y z", "c": "capture failed: RuntimeError: x"}
     assert gpu_check.spread_of(tables[1]) == "A/A spread 0.1"
+
+
+# ---------------------------------------------------------------------------------------------- integrations
+TABLE_SCRIPT = """
+import sys
+print("\\n1. a check\\nwhat  check\\nthis  " + {cell!r}.rjust(5))
+sys.exit({code})
+"""
+
+
+def write_script(folder: Path, name: str, cell: str, code: int = 0) -> str:
+    path = folder / name
+    path.write_text(TABLE_SCRIPT.format(cell=cell, code=code))  # a table as print_table prints it
+    return str(path)
+
+
+def test_the_integrations_step_runs_what_is_there_and_names_what_is_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dry run reports the items not present yet (and passes); a GPU run fails on them, and on a check that
+    printed MISS or a script that exited non-zero; every item's status is in the summary's section."""
+    (tmp_path / "test_marked.py").write_text(
+        "import pytest\n\n@pytest.mark.cuda\ndef test_on_cuda():\n    pass\n\ndef test_elsewhere():\n    pass\n"
+    )
+    (tmp_path / "conftest.py").write_text(
+        "def pytest_configure(config):\n    config.addinivalue_line('markers', 'cuda: x')\n"
+    )
+    items = (
+        gpu_check.Integration("good", "prints ok", script=(write_script(tmp_path, "good.py", "ok"),)),
+        gpu_check.Integration("missed", "prints MISS", script=(write_script(tmp_path, "missed.py", "MISS"),)),
+        gpu_check.Integration("crashed", "exits 3", script=(write_script(tmp_path, "crashed.py", "ok", 3),)),
+        gpu_check.Integration("absent file", "no such test", tests=("tests/test_no_such_file_here.py",)),
+        gpu_check.Integration("absent module", "no such module", script=("x",), modules=("no_such_module_xyz", "json")),
+        gpu_check.Integration("absent dls module", "not built", script=("x",), modules=("dls.integrations.no_such",)),
+        gpu_check.Integration("tests", "a pytest selection", tests=(str(tmp_path / "test_marked.py"),)),
+        gpu_check.Integration(
+            "suite's", "run by the suite", script=(write_script(tmp_path, "s.py", "ok"),), on_cpu="tests/test_x.py"
+        ),
+    )
+    monkeypatch.setattr(gpu_check, "INTEGRATIONS", items)
+    for dry in (True, False):
+        check = gpu_check.Check(
+            tmp_path, tmp_path, dry, gpu_check.step_env(tmp_path, None, dry), time.monotonic() + 200
+        )
+        if not dry:  # the GPU run's pytest arguments name --device cuda: a plain selection stands in for them
+            monkeypatch.setattr(
+                gpu_check,
+                "pytest_command",
+                lambda check, junit, files, selection: [sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                                                        "--rootdir", str(tmp_path), f"--junitxml={junit}", "-m",
+                                                        selection, *files],
+            )  # fmt: skip
+        with open(tmp_path / "log", "a", encoding="utf-8") as log:
+            verdict = gpu_check.step_integrations(check, log)
+        status = {name: (s, text) for name, s, text in check.integrations}
+        assert status["good"] == ("ok", "1 tables, 1 checks ok, 0 MISS")
+        assert status["missed"][0] == "FAIL" and "0 checks ok, 1 MISS" in status["missed"][1]
+        assert status["crashed"][0] == "FAIL" and status["crashed"][1].startswith("exited 3")
+        assert status["absent file"] == ("not present yet", "tests/test_no_such_file_here.py")
+        assert status["absent module"] == ("not present yet", "module no_such_module_xyz")  # json is there
+        assert status["absent dls module"] == ("not present yet", "module dls.integrations.no_such")
+        expected = "1 tests collected (-m cuda), not run" if dry else "1 passed, 0 failed, 0 errors, 0 skipped"
+        assert status["tests"] == ("ok", expected)
+        suites = ("present", "not run in a dry run: on the CPU the suite runs it (tests/test_x.py)")
+        assert status["suite's"] == (suites if dry else ("ok", "1 tables, 1 checks ok, 0 MISS"))
+        assert verdict.status == "FAIL"  # the MISS and the crash, in both
+        ok = "3 of 8 ok" + (" or present" if dry else "")
+        assert verdict.text.startswith(f"{ok}; failed: missed, crashed; not present yet: absent file (")
+        section = dict(verdict.sections)["Integrations"]
+        assert "| absent module | no such module | not present yet | module no_such_module_xyz |" in section
+
+    # Only items that pass, and one not present: ok in a dry run, FAIL on the GPU (the check is not whole there).
+    monkeypatch.setattr(gpu_check, "INTEGRATIONS", (items[0], items[3]))
+    for dry, expected in ((True, "ok"), (False, "FAIL")):
+        check = gpu_check.Check(tmp_path, tmp_path, dry, dict(os.environ), time.monotonic() + 60)
+        with open(tmp_path / "log", "a", encoding="utf-8") as log:
+            assert gpu_check.step_integrations(check, log).status == expected
+
+
+def test_the_summary_reads_the_claims_verdicts_from_its_printed_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    """claim_gpu.py's judgement (as well, faster, less memory; stalls, matches) as printed, read back by the
+    summary's rows: a float16 + dls run 3 % above float32's loss, faster and smaller, is ok on all three; one 8 %
+    above is not as well; a float16 run without a scaler whose loss fell as far as float32's did not stall."""
+    claim = benchmark("claim_gpu")
+    spec = claim.specs(True)["gpt2"]
+
+    def run(way: Any, losses: list[float], step: float, peak: int, skipped: int | None = None) -> Any:
+        return claim.Run(spec, way, len(losses), losses, [step] * len(losses), peak, skipped, params=1000)
+
+    base = [10.0, 6.0, 4.0, 2.0]
+    good = [run(claim.FLOAT32, base, 0.2, 100), run(claim.BFLOAT16, base, 0.1, 60),
+            run(claim.FLOAT16_DLS, [10.0, 6.0, 4.0, 2.06], 0.1, 60, 0)]  # fmt: skip
+    worse = [run(claim.FLOAT32, base, 0.2, 100), run(claim.BFLOAT16, base, 0.1, 60),
+             run(claim.FLOAT16_DLS, [10.0, 6.0, 4.0, 2.16], 0.3, 120, 2)]  # fmt: skip
+    claim.print_headline([good, worse])
+    claim.print_underflow([run(claim.FLOAT32, base, 0.2, 100), run(claim.FLOAT16_NONE, base, 0.1, 60),
+                           run(claim.FLOAT16_DLS, [10.0, 6.0, 4.0, 2.3], 0.1, 60, 0)])  # fmt: skip
+    claim.print_masters([(good[2], run(claim.MASTERS, base, 0.12, 50, 0))])
+    tables = gpu_check.parse_tables(capsys.readouterr().out)
+    rows = gpu_check.claim_rows(tables)
+    assert [r[2].split(" (")[0] for r in rows[:2]] == ["ok / ok / ok", "MISS / MISS / MISS"]
+    assert "(speed-up 2.000, memory 0.600, loss@4 2.0600)" in rows[0][2]
+    assert rows[2][2] == "MISS / MISS"  # no stall; 2.3 is 15 % off float32's 2.0
+    claim.print_underflow([run(claim.FLOAT32, base, 0.2, 100), run(claim.FLOAT16_NONE, [10.0, 9.9, 9.8, 9.8], 0.1, 60),
+                           run(claim.FLOAT16_DLS, [10.0, 6.0, 4.0, 1.98], 0.1, 60, 0)])  # fmt: skip
+    story = gpu_check.claim_rows(gpu_check.parse_tables(capsys.readouterr().out))
+    assert [r[2] for r in story if r[0].startswith("claim 2.")] == ["ok / ok"]  # stalled; 1 % off
+    assert rows[3][2] == f"{spec.label} 1.200 / 0.833"
+    assert gpu_check.claim_rows([])[0][2] == "not run"

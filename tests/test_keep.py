@@ -41,12 +41,16 @@ def test_half_parameters_are_upcast_exactly_and_left_untouched() -> None:
     model = amplifying_model(affine_norm=False).half()
     params = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
     x = batch(0)[0].half()
+    computed: list[torch.Tensor] = []  # the kept call's output as computed, before it is handed back
+    model.amplify.register_forward_hook(lambda _m, _a, out: computed.append(out))
     with dls.keep_in_float32(model, [model.amplify]):
         h = model.embed(x)
-        out = model.amplify(h)
-        assert out.dtype == torch.float32
-        assert torch.equal(out, float32_output(model.amplify, h))
-        out.sum().backward()
+        out, (inner,) = model.amplify(h), computed
+        assert inner.dtype == torch.float32
+        assert torch.equal(inner, float32_output(model.amplify, h))
+        # Outside autocast it is handed back in the dtype its neighbours compute in (issue 38, S4).
+        assert out.dtype == torch.float16 and torch.equal(out, inner.half())
+        inner.sum().backward()
     for name, p in model.named_parameters():
         assert p is params[name][0] and p.dtype == torch.float16 and torch.equal(p, params[name][1])
     assert model.amplify.weight.grad is not None and model.amplify.weight.grad.dtype == torch.float16

@@ -230,7 +230,7 @@ ROUND_2 = {
         f"{GPT3}pos_scaling_extra_args.original_max_position_embeddings=16",
     ],
     "gpt2_small_2.3.1.yaml": ["model.name=gpt2"],
-    # Release 1.x: its key names read as those releases' PyTorch code read them (config._from_release_1)
+    # Release 1.x: its key names read as those releases' PyTorch code read them (config.layouts.from_release_1)
     "gpt2_small_ws_1.8.0.yaml": ["model.name=gpt2", "eval_input.max_sequence_length=16"],
     "llama_7b_1.9.1.yaml": ["model.name=llama", f"{GPT3}rotary_dim=16"],
 }

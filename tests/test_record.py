@@ -1,6 +1,7 @@
 """Recording a scaler's rule steps (``scaler.record``, ``dls.diagnostics.record``): what each line holds, measured
 independently; that the model hooks' overflow scales decide where a step overflows; no host read on the fused and
-sync-free paths; the file format (versioned, readable by pandas, a cut-off last line tolerated, resume)."""
+sync-free paths; the file format (versioned, readable by pandas, resume). Every trace recorded here is read back by
+the reader that checks the format (``dls.diagnostics.trace``, whose own tests are ``test_trace.py``)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,8 @@ import torch
 
 import dls
 from conftest import from_dls, host_reads
-from dls.diagnostics.record import (
-    TRACE_VERSION,
-    TraceError,
-    kept_for_resume,
-    read_trace,
-)
+from dls.diagnostics.record import TRACE_VERSION, kept_for_resume
+from dls.diagnostics.trace import read_trace
 
 
 def mlp(seed: int = 0) -> torch.nn.Sequential:
@@ -295,35 +292,6 @@ def test_a_trace_reads_back_with_pandas_and_line_by_line(tmp_path: Path) -> None
     assert list(steps["scale"]) == [r["scale"] for r in read_trace(path).steps]
     for line in path.read_text().splitlines():
         json.loads(line)  # plain JSON: no NaN or Infinity
-
-
-def test_read_trace_tolerates_a_cut_off_last_line_and_refuses_what_is_not_a_trace(tmp_path: Path) -> None:
-    scaler = dls.GradScaler("cpu")
-    path = tmp_path / "trace.jsonl"
-    model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    with scaler.record(path):
-        for step in range(3):
-            scaler.scale(fp16_loss(model, step)).backward()
-            scaler.step(opt)
-            scaler.update()
-    text = path.read_text()
-    path.write_text(text + '{"step": 4, "scale": 65')
-    assert [r["step"] for r in read_trace(path).steps] == [1, 2, 3]
-    bad = tmp_path / "bad.jsonl"
-    for content, message in [
-        ("", "holds no dls trace header"),
-        ('{"step": 1, "scale": 1.0, "overflow": false}\n', "before any header"),
-        ('{"format": "something-else", "version": 1}\n', "not 'dls-trace'"),
-        ('{"format": "dls-trace", "version": 99}\n', "trace version 99; this dls reads versions 1 to 1"),
-        ('{"format": "dls-trace", "version": 1}\nnot json\n{"step": 1}\n', "line 2: not JSON"),
-        ('{"format": "dls-trace", "version": 1}\n{"step": 1}\n', "needs 'step', 'scale' and 'overflow'"),
-    ]:
-        bad.write_text(content)
-        with pytest.raises(TraceError, match=message):
-            read_trace(bad)
-    with pytest.raises(TraceError, match="cannot read the trace"):
-        read_trace(tmp_path / "missing.jsonl")
 
 
 def test_kept_for_resume_drops_the_steps_and_segments_after_the_checkpoint() -> None:

@@ -15,14 +15,10 @@ import torch
 
 import dls
 from conftest import ReferenceRule
-from dls.diagnostics.record import Segment, Trace, read_trace
-from dls.diagnostics.replaying import (
-    POLICIES,
-    config_lines,
-    parse_policy,
-    replay,
-    tune,
-)
+from dls.diagnostics.policies import POLICIES, config_lines, parse_policy
+from dls.diagnostics.replaying import replay
+from dls.diagnostics.trace import Segment, Trace, read_trace
+from dls.diagnostics.tuning import tune
 from dls.settings import ScalerSettings
 from test_record import fp16_loss, mlp, record_run
 
@@ -376,3 +372,22 @@ def test_the_config_lines_configure_the_same_rule() -> None:
     assert json.loads("{" + config_lines(parse_policy("static:loss_scale=2**10").settings)["DeepSpeed JSON"] + "}") == {
         "fp16": {"enabled": True, "loss_scale": 1024}
     }
+
+
+def test_extreme_overflow_scales_replay_without_an_arithmetic_error() -> None:
+    """Schema-valid extremes (a module overflow scale of 5e-324 beside one of 1.7e308): the quotient of the two
+    underflows to 0, which the estimate of the overflow reads as "far smaller tensors", not a division by zero."""
+    settings = ScalerSettings.torch(init_scale=1.0, growth_interval=2)
+    header = {
+        "format": "dls-trace", "version": 1, "start_step": 0, "histogram_every": None, "modules": ["a"], "state": {},
+        "settings": {f: getattr(settings, f) for f in settings.__dataclass_fields__},
+    }  # fmt: skip
+    rows = [
+        {"step": 1, "scale": 1.0, "overflow": False, "grad_amax": 5e-324, "module_overflow_scale": [5e-324]},
+        {"step": 2, "scale": 2.0, "overflow": True, "grad_amax": None, "module_overflow_scale": [1.7e308]},
+        {"step": 3, "scale": 1.0, "overflow": False, "grad_amax": 3.4e38, "module_overflow_scale": [1.7e308]},
+    ]
+    trace = Trace("extreme", [Segment(header, rows)])
+    for result in replay(trace, ["recorded", *OTHERS]):
+        assert len(result.scales) == 3 and result.skipped[1] <= result.skipped[0] <= result.skipped[2]
+        json.dumps(result.to_dict(), allow_nan=False)

@@ -17,12 +17,12 @@ import pytest
 import torch
 from rich.console import Console
 
-from dls.train import Trainer, TrainingStopped
+from dls.train import Trainer, TrainingStopped, rundir
 from dls.train import checkpoint as ckpt
-from dls.train.checkpoint import METRICS_FILE, PLOT_FILE, RunDir
 from dls.train.config import CHECKPOINT_STATES, parse_config
 from dls.train.data import BatchIterator, CharCorpus, build_dataset
 from dls.train.errors import ModelDirError
+from dls.train.rundir import METRICS_FILE, PLOT_FILE, RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -246,14 +246,14 @@ def test_autoload_without_a_readable_checkpoint_names_its_key(tmp_path: Path) ->
 # ---------------------------------------------------------------------- atomic writes
 def test_failed_rename_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with RunDir(tmp_path) as run_dir:
-        run_dir.save_checkpoint({"model": {"w": torch.ones(2)}, "global_step": 1}, 1)
+        ckpt.save_checkpoint(run_dir, {"model": {"w": torch.ones(2)}, "global_step": 1}, 1)
 
         def crash(*args: Any, **kwargs: Any) -> None:
             raise OSError("disk full")
 
         monkeypatch.setattr(os, "replace", crash)
         with pytest.raises(OSError, match="disk full"):
-            run_dir.save_checkpoint({"model": {"w": torch.zeros(2)}, "global_step": 2}, 2)
+            ckpt.save_checkpoint(run_dir, {"model": {"w": torch.zeros(2)}, "global_step": 2}, 2)
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint_1.mdl"]  # no partial file, no temp left
     assert ckpt.load_checkpoint(ckpt.load_resume_checkpoint(tmp_path)[0])["global_step"] == 1
 
@@ -261,7 +261,7 @@ def test_failed_rename_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch
 def test_keeps_the_last_n_checkpoints(tmp_path: Path) -> None:
     raw = tiny(tmp_path / "run", runconfig={"max_steps": 10, "checkpoint_steps": 2, "keep_checkpoint_max": 2})
     make_trainer(raw)[0].train()
-    assert [step for step, _ in ckpt.list_checkpoints(tmp_path / "run")] == [8, 10]
+    assert [step for step, _ in rundir.list_checkpoints(tmp_path / "run")] == [8, 10]
 
 
 def test_checkpoint_contents(tmp_path: Path) -> None:
@@ -442,7 +442,7 @@ def test_ctrl_c_finishes_the_step_and_checkpoints(tmp_path: Path) -> None:
         proc.kill()
     assert proc.returncode != 0 and "KeyboardInterrupt" in err
     assert "Interrupted at step" in out and "--resume" in out
-    ((step, path),) = ckpt.list_checkpoints(tmp_path / "run")
+    ((step, path),) = rundir.list_checkpoints(tmp_path / "run")
     assert ckpt.load_checkpoint(path)["global_step"] == step > 0
     raw["runconfig"]["max_steps"] = step + 2
     assert make_trainer(raw)[0].train(resume=tmp_path / "run").global_step == step + 2

@@ -14,9 +14,9 @@ import torch
 import yaml
 
 from dls.train import TrainingStopped
-from dls.train.checkpoint import TENSORBOARD_DIR
 from dls.train.cli import main
 from dls.train.errors import ModelDirError
+from dls.train.rundir import TENSORBOARD_DIR
 from dls.train.trainer import Trainer
 from test_train import make_trainer, metrics, tiny
 

@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from dls.train import checkpoint as ckpt
-from dls.train.checkpoint import RunDir
+from dls.train import rundir
 from dls.train.cli import main
+from dls.train.rundir import RunDir
 from test_train import make_trainer, metrics, tiny
 
 ALL_BUT_SCALER = "model,optimizer,dataloader,lr_scheduler,global_step,rng"
@@ -55,7 +56,7 @@ def test_resuming_a_copy_writes_into_the_copy_only(tmp_path: Path, capsys: pytes
     shutil.copytree(original, copy)  # its checkpoints still name the original's model_dir
     assert main(["train", "--resume", str(copy), "--no_progress", "-o", "runconfig.max_steps=6"]) == 0
     assert snapshot(original) == before
-    assert [s for s, _ in ckpt.list_checkpoints(copy)] == [2, 4, 6]
+    assert [s for s, _ in rundir.list_checkpoints(copy)] == [2, 4, 6]
     assert [r["step"] for r in metrics(copy)] == [1, 2, 3, 4, 5, 6]
 
 
@@ -69,7 +70,7 @@ def test_another_model_dir_is_a_fork_into_a_new_or_empty_directory(
     assert main([*args, f"runconfig.model_dir={fork}"]) == 0
     assert snapshot(source) == before
     assert [r["step"] for r in metrics(fork)] == [5, 6]  # the step count continues
-    assert [s for s, _ in ckpt.list_checkpoints(fork)] == [6]
+    assert [s for s, _ in rundir.list_checkpoints(fork)] == [6]
 
     used = tmp_path / "used"
     used.mkdir()
@@ -148,7 +149,7 @@ def test_an_unreadable_newest_checkpoint_of_a_directory_is_skipped(
     assert f"Skipping {newest}" in out and "checkpoint_4.mdl (step 4)" in out
     assert (run / "checkpoint_6.mdl.unreadable-2").read_bytes() == truncated  # kept, out of the way
     assert (run / "checkpoint_6.mdl.unreadable").read_bytes() == b"set aside before"
-    assert [s for s, _ in ckpt.list_checkpoints(run)] == [2, 4, 6, 8]
+    assert [s for s, _ in rundir.list_checkpoints(run)] == [2, 4, 6, 8]
     assert ckpt.load_checkpoint(run / "checkpoint_6.mdl")["global_step"] == 6  # the new history's step 6
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6, 7, 8]
 
@@ -167,8 +168,10 @@ def resumed(run: Path, **optimizer: Any) -> tuple[Any, str]:
 def save(state: dict[str, Any], path: Path) -> None:
     """Write ``state`` (as read) back to the checkpoint ``path``."""
     with RunDir(path.parent) as run_dir:
-        run_dir.save_checkpoint(
-            {k: v for k, v in state.items() if k not in ("format", "format_version")}, ckpt.checkpoint_step(path.name)
+        ckpt.save_checkpoint(
+            run_dir,
+            {k: v for k, v in state.items() if k not in ("format", "format_version")},
+            rundir.checkpoint_step(path.name),
         )
 
 

@@ -18,9 +18,10 @@ import pytest
 import yaml
 
 from dls.train import checkpoint as ckpt
-from dls.train.checkpoint import LOCK_FILE, RunDir
+from dls.train import rundir
 from dls.train.cli import main
 from dls.train.errors import ModelDirError
+from dls.train.rundir import LOCK_FILE, RunDir
 from test_train import make_trainer, metrics, tiny
 
 
@@ -63,7 +64,7 @@ def test_a_lock_held_by_another_process_then_left_by_its_kill(
     proc = subprocess.Popen([sys.executable, "-c", script, "train", config, "--no_progress"], env=env)
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(ckpt.list_checkpoints(run)) < 1:
+        while time.monotonic() < deadline and len(rundir.list_checkpoints(run)) < 1:
             time.sleep(0.05)
         assert main(["train", config, "--no_progress", "--resume", str(run)]) == 2
         assert f"in use by another dls run: pid {proc.pid} on host" in capsys.readouterr().err

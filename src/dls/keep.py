@@ -15,7 +15,11 @@ module's own call (hooks included):
   ``dls.emulate`` uses;
 * marks the call as kept, so that ``dls.emulate`` rounds nothing in the module or its descendants and a kept
   ``nn.Linear`` under ``dls.fp8.emulate`` computes without FP8 casts;
-* leaves floating outputs in float32 (the next autocast op casts them down as usual).
+* hands floating outputs back as its neighbours expect them: inside autocast in float32 (the next autocast op casts
+  them down as usual); outside it, in the half dtype the call's floating inputs came in (else the half dtype of the
+  module's parameters), so that a model whose parameters are half (``model.half()``, the trainer's
+  ``precision.half_params``), which computes without autocast, goes on in its dtype. An output beyond the half
+  format's range becomes inf there, as it would in the module's consumer: keep the module that holds both.
 
 Why a class swap rather than hooks: ``torch.compile`` guards on a module's class (hooks added after compiling are
 ignored by Dynamo), so keeping or releasing a module recompiles. The same technique is used by FSDP2's
@@ -66,23 +70,31 @@ class _Float32Call:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         global _kept_depth
         module: nn.Module = self  # type: ignore[assignment]
-        device_types = {"cpu"}
+        device_types, halves = {"cpu"}, []
 
         def to_float32(t: torch.Tensor) -> torch.Tensor:
             device_types.add(t.device.type)
+            if t.dtype in _HALF:
+                halves.append(t.dtype)
             return t if t.dtype == torch.float64 else t.float()
 
         args, kwargs = map_floating(args, to_float32), map_floating(kwargs, to_float32)
         with contextlib.ExitStack() as stack:
+            autocast = False
             for device_type in sorted(device_types):
                 if torch.is_autocast_enabled(device_type):
+                    autocast = True
                     stack.enter_context(torch.autocast(device_type, enabled=False))
             stack.enter_context(_float32_parameters(module))
             _kept_depth += 1
             try:
-                return super().__call__(*args, **kwargs)  # type: ignore[misc]
+                out = super().__call__(*args, **kwargs)  # type: ignore[misc]
             finally:
                 _kept_depth -= 1
+        if autocast:  # the next autocast op casts the float32 outputs
+            return out
+        back = halves[0] if halves else next((p.dtype for p in module.parameters() if p.dtype in _HALF), None)
+        return out if back is None else map_floating(out, lambda t: t.to(back) if t.dtype == torch.float32 else t)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # The kept class is made at run time (no importable name): pickle the original class, rebuilt kept.

@@ -8,16 +8,20 @@
   without touching the model's parameters, gradients or RNG states; returns per-format forward overflows, verdicts,
   recommended initial loss scales and a per-module table (``report.py`` renders it as text and as a PNG).
 * ``Recorder`` (``record.py``, made by ``GradScaler.record``): a trace of the scaler's steps (JSON lines);
-  ``read_trace`` reads it. ``replay`` (``replaying.py``) runs every peer's loss-scaling policy over a trace
-  with the scaler's own rule code, with bounds where the trace cannot decide; ``tune`` searches their settings
-  (``dls replay``, ``dls tune``).
+  ``read_trace`` (``trace.py``, the format's schema) reads and checks it. ``replay`` (``replaying.py``) runs every
+  peer's loss-scaling policy (``policies.py``, the table of peers) over a trace with the scaler's own rule code,
+  with bounds where the trace cannot decide; ``tune`` (``tuning.py``) searches their settings (``dls replay``,
+  ``dls tune``).
 
 Everything here needs torch alone; ``AuditResult.save_plot`` imports matplotlib when called.
 """
 
 from dls.diagnostics.auditing import AuditResult, FormatAudit, ModuleStats, audit, recommend_exponent
-from dls.diagnostics.record import Recorder, Trace, TraceError, read_trace
-from dls.diagnostics.replaying import Replay, TuneResult, config_lines, parse_policy, replay, tune
+from dls.diagnostics.policies import config_lines, parse_policy
+from dls.diagnostics.record import Recorder
+from dls.diagnostics.replaying import Replay, replay
+from dls.diagnostics.trace import Trace, TraceError, read_trace
+from dls.diagnostics.tuning import TuneResult, tune
 from dls.diagnostics.watch import NonFiniteGradient, OverflowReport, OverflowWatch
 
 __all__ = [

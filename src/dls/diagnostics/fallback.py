@@ -137,7 +137,8 @@ class Fallback:
                 warnings.warn(
                     f"dls fallback: {FRUITLESS_LIMIT} armed forward passes that overflowed found no module to keep "
                     "(the inputs were already inf/NaN, the overflow happens outside any module, e.g. in the loss "
-                    "function, or a kept module overflows float32 itself); the fallback is disarmed and keeps nothing "
+                    "function, or a kept module's output overflows float32 itself, or the half dtype it is handed "
+                    "back in to half-precision parameters); the fallback is disarmed and keeps nothing "
                     "more. dls.audit(...) names where the forward pass exceeds the format.",
                     stacklevel=4,
                 )
@@ -172,8 +173,14 @@ class Fallback:
         args, kwargs = saved
         buffers = {name: b.clone() for name, b in module.named_buffers()}
         devices = [t.device for t in module.parameters() if t.device.type == "cuda"]
+        outputs: list[Any] = []  # as computed in float32, before a kept call hands them back in a half dtype
+        hook = module.register_forward_hook(lambda _module, _args, out: outputs.append(out))
         with torch.no_grad(), torch.random.fork_rng(devices=list(dict.fromkeys(devices))):
-            out = module(*args, **kwargs)
+            try:
+                module(*args, **kwargs)
+            finally:
+                hook.remove()
+        out = outputs[-1]
         with torch.no_grad():
             for name, b in module.named_buffers():
                 b.copy_(buffers[name])

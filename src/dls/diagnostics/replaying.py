@@ -1,10 +1,9 @@
-"""Replaying loss-scaling policies over a recorded trace (``dls.diagnostics.record``), and searching their settings.
+"""Replaying loss-scaling policies over a recorded trace (``dls.diagnostics.trace``): the replay engine.
 
-Each policy is a ``dls.settings.ScalerSettings`` built from one table, ``POLICIES``: a peer's name
-(``torch``, ``cerebras``, ``megatron``, ``deepspeed``, ``static``, or ``recorded``: the recorded run's own settings
-and state), its own argument names and defaults, overridden as ``name:key=value,...``. Replay runs the rule those
-settings give (``settings.rule().update_`` on a ``dls.policy.ScaleState``, the code the scaler runs) once per
-recorded step, on the overflow flag the trace implies at the policy's scale.
+Each policy is a ``dls.settings.ScalerSettings`` from the table of peers, ``dls.diagnostics.policies``
+(``recorded``: the recorded run's own settings and state). Replay runs the rule those settings give
+(``settings.rule().update_`` on a ``dls.policy.ScaleState``, the code the scaler runs) once per recorded step, on
+the overflow flag the trace implies at the policy's scale. ``dls.diagnostics.tuning`` searches settings with it.
 
 What the trace decides. A step overflows at scale ``s`` when some tensor of its backward pass exceeds its
 format's range; backward is linear in the scale (exactly so for power-of-two ratios, short of underflow), so a
@@ -20,7 +19,10 @@ the fewest and the most skipped steps, steps at the minimum scale and underflow 
 reports the resulting **bounds**, exact over all outcomes consistent with the trace. Beside them, one **estimate**
 trajectory (plotted, and the figure tune ranks by after the bounds): an undecided step keeps its recorded outcome,
 except an overflow right after the recorded scale grew (a probe of the larger scale), taken not to overflow at or
-below the previous step's, clean, scale. The estimate is a guess and is always shown with its bounds.
+below the previous step's, clean, scale. The estimate is a guess and is always shown with its bounds. A figure
+the trace cannot decide at all (the scales a step may take once more than ``MAX_BRANCHES`` states would have to
+be followed; underflow without histograms) is ``None``, never NaN: ``null`` in JSON, ``-`` in ``dls replay``'s
+table.
 
 Underflow: the fraction of the nonzero gradient values of the latest histogram that would round to zero in the
 format (``float16``, ``bfloat16``, ``cbfloat16``, ``float8_e4m3fn``, ``float8_e5m2``) at the policy's scale,
@@ -32,253 +34,24 @@ underflowed in the recorded run are zeros in the trace and are not counted.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
-import re
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dls import formats
-from dls.diagnostics.record import Trace
+from dls.diagnostics.policies import RECORDED, Policy, parse_policy, recorded_settings
+from dls.diagnostics.trace import FLOAT16_MAX, Trace
 from dls.loss_scale import LossScale
-from dls.policy import FLOAT32_MAX, FLOAT32_TINY, ScaleState
+from dls.policy import FLOAT32_MAX, ScaleState
 from dls.scaler_state import parse_state_dict
-from dls.settings import ScalerSettings, SettingsError
+from dls.settings import ScalerSettings
 
-__all__ = [
-    "POLICIES",
-    "Policy",
-    "PolicyKind",
-    "Replay",
-    "TuneResult",
-    "config_lines",
-    "parse_policy",
-    "replay",
-    "tune",
-]
+__all__ = ["MAX_BRANCHES", "Replay", "replay"]
 
-FLOAT16_MAX = 65504.0
 MAX_BRANCHES = 256  # distinct rule states followed at once; beyond, the bounds of the rest are loose (documented)
-
-
-# ------------------------------------------------------------------------------------------------ the policy table
-@dataclass(frozen=True)
-class PolicyKind:
-    """One row of ``POLICIES``: a peer's dynamic loss-scaling policy.
-
-    Attributes:
-        name: the name given on the command line.
-        summary: what it is, in a line.
-        defaults: the peer's own argument names and defaults (``None``: the peer derives it).
-        build: ``(values, half_dtype) -> ScalerSettings`` with ``values`` the defaults, overridden.
-        grid: for ``dls tune``: the values tried per argument (the others keep their defaults).
-        labels: the peer's name of a ``ScalerSettings`` argument whose name differs (for error messages).
-    """
-
-    name: str
-    summary: str
-    defaults: dict[str, Any]
-    build: Callable[[dict[str, Any], str], ScalerSettings]
-    grid: dict[str, tuple[Any, ...]] = field(default_factory=dict)
-    labels: dict[str, str] = field(default_factory=dict)  # a ScalerSettings argument -> this peer's key
-
-
-def _torch(v: dict[str, Any], half: str) -> ScalerSettings:
-    return ScalerSettings.torch(**v, half_dtype=half)
-
-
-def _cerebras(v: dict[str, Any], half: str) -> ScalerSettings:
-    given = {k: value for k, value in v.items() if value is not None}
-    return ScalerSettings.cerebras(loss_scale="dynamic", half_dtype=half, **given)
-
-
-def _megatron(v: dict[str, Any], half: str) -> ScalerSettings:
-    from dls.scaler import GradScaler  # the library's constructor for Megatron-LM's arguments
-
-    return GradScaler.from_megatron("cpu", **v).settings
-
-
-def _deepspeed(v: dict[str, Any], half: str) -> ScalerSettings:
-    from dls.scaler import GradScaler  # the library's constructor for DeepSpeed's fp16 section (its growth timing)
-
-    return GradScaler.from_deepspeed({"enabled": True, "loss_scale": 0, **v}, device="cpu").settings
-
-
-def _static(v: dict[str, Any], half: str) -> ScalerSettings:
-    return ScalerSettings.torch(loss_scale=v["loss_scale"], half_dtype=half)
-
-
-POWERS = tuple(2.0**k for k in (8, 12, 16, 20, 24))
-POLICIES: dict[str, PolicyKind] = {
-    k.name: k
-    for k in (
-        PolicyKind(
-            "torch",
-            "torch.amp.GradScaler: grow x2 after growth_interval clean steps, halve on overflow, no floor",
-            {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000},
-            _torch,
-            {"init_scale": POWERS, "growth_interval": (100, 250, 500, 1000, 2000)},
-            {"steps_per_increase": "growth_interval"},
-        ),
-        PolicyKind(
-            "cerebras",
-            "cstorch.amp.GradScaler: ceiling 2**15 (2**31 for cbfloat16), floor 2**-14, overflow tolerance",
-            {
-                "init_scale": None,
-                "steps_per_increase": 2000,
-                "min_loss_scale": 2.0**-14,
-                "max_loss_scale": None,
-                "overflow_tolerance": 0.0,
-            },
-            _cerebras,
-            {"steps_per_increase": (100, 250, 500, 1000, 2000), "overflow_tolerance": (0.0, 0.01, 0.05)},
-        ),
-        PolicyKind(
-            "megatron",
-            "Megatron-LM's DynamicGradScaler: start 2**32, hysteresis 2, floor 1, grow after 1000 clean steps",
-            {
-                "initial_scale": 2.0**32,
-                "min_scale": 1.0,
-                "growth_factor": 2.0,
-                "backoff_factor": 0.5,
-                "growth_interval": 1000,
-                "hysteresis": 2,
-            },
-            _megatron,
-            {
-                "initial_scale": (2.0**16, 2.0**24, 2.0**32),
-                "growth_interval": (250, 500, 1000),
-                "hysteresis": (1, 2, 4),
-            },
-        ),
-        PolicyKind(
-            "deepspeed",
-            "DeepSpeed's DynamicLossScaler: 2**16, window 1000 (first growth after 1001), hysteresis 2, floor 1",
-            {
-                "initial_scale_power": 16,
-                "loss_scale_window": 1000,
-                "hysteresis": 2,
-                "consecutive_hysteresis": False,
-                "min_loss_scale": 1.0,
-            },
-            _deepspeed,
-            {"initial_scale_power": (12, 16, 24, 32), "loss_scale_window": (250, 500, 1000), "hysteresis": (1, 2, 4)},
-        ),
-        PolicyKind(
-            "static",
-            "a fixed scale: overflowing steps are skipped, the scale never moves",
-            {"loss_scale": 2.0**16},
-            _static,
-            {"loss_scale": POWERS},
-        ),
-    )
-}
-RECORDED = "recorded"
-
-
-@dataclass(frozen=True)
-class Policy:
-    """A policy to replay: ``spec`` as given, its ``kind`` (a ``POLICIES`` name or ``"recorded"``), the
-    ``values`` of its arguments (defaults overridden) and the ``settings`` they build. ``state``: where the
-    ``recorded`` policy starts (the trace's first header); other policies start fresh."""
-
-    spec: str
-    kind: str
-    values: dict[str, Any]
-    settings: ScalerSettings
-    state: dict[str, Any] | None = None
-
-
-_NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
-_POWER = re.compile(r"^2\*\*([+-]?\d+)$")
-
-
-def _parse_value(text: str) -> Any:
-    """``true``/``false``, an integer, a float, or ``2**k``."""
-    t = text.strip()
-    if t.lower() in ("true", "false"):
-        return t.lower() == "true"
-    if m := _POWER.match(t):
-        k = int(m.group(1))
-        return 2**k if k >= 0 else 2.0**k
-    if _NUMBER.match(t):
-        return int(t) if re.match(r"^[+-]?\d+$", t) else float(t)
-    raise ValueError(f"{text!r} is not a number (an integer, a float such as 1e-3, or 2**k) nor true/false")
-
-
-def parse_policy(spec: str, trace: Trace | None = None, half_dtype: str | None = None) -> Policy:
-    """The policy ``spec`` names: ``NAME`` or ``NAME:key=value,key=value`` with NAME from ``POLICIES`` or
-    ``recorded`` (the trace's own settings and starting state; needs ``trace``).
-
-    Args:
-        spec: the policy as written, e.g. ``"torch"`` or ``"cerebras:steps_per_increase=500"``.
-        trace: the trace, for ``recorded`` and for the half dtype.
-        half_dtype: the format whose defaults apply (default: the trace's, else float16).
-
-    Raises:
-        ValueError: an unknown name or key (with the allowed ones), a value that is not a number, or settings the
-            peer's constructor refuses; every message names the policy and the key.
-    """
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"a policy must be a name such as 'torch' or 'cerebras:steps_per_increase=500'; got {spec!r}")
-    name, _, rest = spec.strip().partition(":")
-    name = name.strip()
-    half = half_dtype or (trace.half_dtype if trace is not None else "float16")
-    allowed = [*POLICIES, RECORDED]
-    if name == RECORDED:
-        if rest.strip():
-            raise ValueError(f"policy 'recorded' takes no settings (it is the recorded run's own); got {spec!r}")
-        if trace is None:
-            raise ValueError("policy 'recorded' needs a trace: it replays the recorded run's own settings")
-        header = trace.segments[0].header
-        return Policy(spec, RECORDED, {}, _recorded_settings(header), dict(header.get("state") or {}))
-    if name not in POLICIES:
-        close = difflib.get_close_matches(name, allowed, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"unknown policy {name!r}{hint}; allowed: {', '.join(allowed)}")
-    kind = POLICIES[name]
-    values = dict(kind.defaults)
-    for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, eq, text = item.partition("=")
-        key = key.strip()
-        if not eq:
-            raise ValueError(
-                f"policy {name!r}: {item!r} is not key=value (e.g. {name}:{next(iter(kind.defaults))}=...)"
-            )
-        if key not in kind.defaults:
-            close = difflib.get_close_matches(key, list(kind.defaults), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"policy {name!r} has no key {key!r}{hint}; allowed: {', '.join(kind.defaults)}")
-        try:
-            values[key] = _parse_value(text)
-        except ValueError as exc:
-            raise ValueError(f"policy {name!r}, key {key!r}: {exc}") from None
-    return Policy(spec, name, values, _build(kind, values, half))
-
-
-def _build(kind: PolicyKind, values: dict[str, Any], half: str) -> ScalerSettings:
-    try:
-        return kind.build(values, half)
-    except SettingsError as exc:
-        problems = "; ".join(
-            message.replace(argument, kind.labels[argument], 1) if argument in kind.labels else message
-            for argument, message in exc.problems
-        )
-        raise ValueError(f"policy {kind.name!r}: {problems}") from None
-    except ValueError as exc:
-        raise ValueError(f"policy {kind.name!r}: {exc}") from None
-
-
-def _recorded_settings(header: dict[str, Any]) -> ScalerSettings:
-    fields = {f.name for f in dataclasses.fields(ScalerSettings)}
-    values = {k: v for k, v in dict(header.get("settings") or {}).items() if k in fields}
-    try:
-        return ScalerSettings(**values)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"the trace's settings cannot be read by this dls: {exc}") from None
 
 
 # ------------------------------------------------------------------------------------------------ what a step allows
@@ -365,7 +138,10 @@ def _overflow_estimate(rows: list[dict[str, Any]], steps: list[_Step | None], i:
     ratios = [b / a for a, b in zip(_finite_scales(rows[i]), before) if a is not None and b is not None]
     if known.clean_up_to > known.scale or (ratios and known.clean_up_to == known.scale):  # measured
         # Nothing finite measured in this step: its backward overflowed from its first tensor on (a spike).
-        return min(known.clean_up_to / max(ratios), scale * 0.5) if ratios else 0.0
+        if not ratios:
+            return 0.0
+        larger = max(ratios)  # 0.0 where the quotient underflowed: this step's tensors were far smaller
+        return min(known.clean_up_to / larger if larger > 0 else math.inf, scale * 0.5)
     if reference > i or known.scale < scale:
         return known.scale
     return 0.0
@@ -420,7 +196,8 @@ class Replay:
         underflow: the mean underflow fraction over applied steps in ``format`` (``None`` without histograms).
         undecided: steps of the estimate trajectory whose outcome the trace could not decide.
         scales, skips, guessed: per step of the estimate: the scale used, whether skipped, whether guessed.
-        scale_low, scale_high: per step, the lowest and highest scale any allowed outcome reaches.
+        scale_low, scale_high: per step, the lowest and highest scale any allowed outcome reaches (``None``
+            once ``bounds_exact`` is ``False``: any scale).
         first_departure: for ``recorded``: the first step whose replayed scale or skip differs from the trace's
             (``None``: the replay reproduces the recording exactly).
         format: the format the underflow is for.
@@ -436,8 +213,8 @@ class Replay:
     scales: list[float]
     skips: list[bool]
     guessed: list[bool]
-    scale_low: list[float]
-    scale_high: list[float]
+    scale_low: list[float | None]
+    scale_high: list[float | None]
     first_departure: int | None
     format: str
 
@@ -524,7 +301,7 @@ def replay(trace: Trace, policies: Iterable[str | Policy], fmt: str | None = Non
     steps, histograms, starts = _steps(trace)
     if not steps:
         raise ValueError(f"the trace {trace.path} has no steps (was the scaler's update() called while recording?)")
-    name = fmt or trace.half_dtype
+    name = trace.half_dtype if fmt is None else fmt
     try:
         underflow = _Underflow(histograms, formats.get(name))
     except (KeyError, ValueError):
@@ -549,13 +326,15 @@ def _replay_one(
     scales: list[float] = []
     skips: list[bool] = []
     guessed: list[bool] = []
-    low: list[float] = []
-    high: list[float] = []
+    low: list[float | None] = []
+    high: list[float | None] = []
+    step_low: float | None
+    step_high: float | None
     first_departure: int | None = None
     for t, step in enumerate(steps):
         if recorded and t in segment_of and t and exact:  # a resumed run: its own settings and state again
             header = trace.segments[segment_of[t]].header
-            settings = _recorded_settings(header)
+            settings = recorded_settings(header)
             rule, floor = settings.rule(), settings.min_loss_scale if settings.mode == "dynamic" else -1.0
             start = _start(settings, header.get("state"))
             branches = [_Branch(start, _merge_all(b.acc for b in branches))]
@@ -586,7 +365,7 @@ def _replay_one(
                 base = _merge_all(b.acc for b in branches)
                 branches = []
         else:  # from here on, any step may overflow or not, at any scale
-            step_low, step_high = math.nan, math.nan
+            step_low, step_high = None, None
             base = [base[0], base[1] + 1, base[2], base[3] + 1, base[4], base[5] + 1, base[6], base[7] + 1]
         low.append(step_low)
         high.append(step_high)
@@ -663,207 +442,3 @@ def _advance(
                 merged[key] = branch
         out = list(merged.values())
     return out, min(scales), max(scales)
-
-
-# ------------------------------------------------------------------------------------------------ config lines
-def config_lines(settings: ScalerSettings) -> dict[str, str]:
-    """The lines that configure ``settings``' rule in each system that can express it exactly: ``dls``,
-    ``torch.amp``, ``Model Zoo YAML`` (dls's trainer and cstorch's keys), ``DeepSpeed JSON``, ``Megatron flags``;
-    a system that cannot express it is left out.
-
-    Args:
-        settings: the rule to configure.
-    """
-    s = settings
-    out: dict[str, str] = {}
-    deepspeed_timing = s.dialect == "deepspeed"
-    interval = s.growth_interval  # torch's meaning: growth on the interval-th clean update
-    factors = (s.growth_factor, s.backoff_factor)
-    no_ceiling = s.max_loss_scale >= FLOAT32_MAX
-    if s.mode == "static":
-        out["dls"] = f"dls.GradScaler(loss_scale={_num(s.init_scale)})"
-        out["Model Zoo YAML"] = f"optimizer:\n  loss_scaling_factor: {_num(s.init_scale)}"
-        out["DeepSpeed JSON"] = f'"fp16": {{"enabled": true, "loss_scale": {_num(s.init_scale)}}}'
-        return out
-    if deepspeed_timing:
-        power = math.log2(s.init_scale)
-        fp16 = (
-            f'{{"enabled": true, "loss_scale": 0, "initial_scale_power": {int(power)}, "loss_scale_window": '
-            f'{s.steps_per_increase}, "hysteresis": {s.hysteresis}, "consecutive_hysteresis": '
-            f'{str(s.consecutive_hysteresis).lower()}, "min_loss_scale": {_num(s.min_loss_scale)}}}'
-        )
-        out["dls"] = f"dls.GradScaler.from_deepspeed({fp16.replace('true', 'True').replace('false', 'False')})"
-        out["DeepSpeed JSON"] = f'"fp16": {fp16}'
-        return out
-    extras = []
-    if s.hysteresis != 1:
-        extras.append(f"hysteresis={s.hysteresis}")
-    if s.consecutive_hysteresis:
-        extras.append("consecutive_hysteresis=True")
-    if s.overflow_tolerance:
-        extras.append(f"overflow_tolerance={_num(s.overflow_tolerance)}")
-    if s.dialect == "megatron":
-        args = [
-            '"cuda"',
-            f"initial_scale={_num(s.init_scale)}",
-            f"min_scale={_num(s.min_loss_scale)}",
-            f"growth_factor={_num(factors[0])}",
-            f"backoff_factor={_num(factors[1])}",
-            f"growth_interval={interval}",
-            f"hysteresis={s.hysteresis}",
-        ]
-        out["dls"] = f"dls.GradScaler.from_megatron({', '.join(args)})"
-    elif s.dialect == "cerebras":
-        args = [
-            'loss_scale="dynamic"',
-            f"init_scale={_num(s.init_scale)}",
-            f"steps_per_increase={s.steps_per_increase}",
-            f"min_loss_scale={_num(s.min_loss_scale)}",
-            f"max_loss_scale={_num(s.max_loss_scale)}",
-        ]
-        if factors != (2.0, 0.5):
-            args += [f"growth_factor={_num(factors[0])}", f"backoff_factor={_num(factors[1])}"]
-        out["dls"] = f"dls.GradScaler({', '.join(args + extras)})"
-    else:
-        args = [
-            '"cuda"',
-            f"init_scale={_num(s.init_scale)}",
-            f"growth_factor={_num(factors[0])}",
-            f"backoff_factor={_num(factors[1])}",
-            f"growth_interval={interval}",
-        ]
-        if s.min_loss_scale > FLOAT32_TINY:
-            extras.append(f"min_loss_scale={_num(s.min_loss_scale)}")
-        if not no_ceiling:
-            extras.append(f"max_loss_scale={_num(s.max_loss_scale)}")
-        out["dls"] = f"dls.GradScaler({', '.join(args + extras)})"
-    if s.hysteresis == 1 and not s.overflow_tolerance and no_ceiling and s.min_loss_scale <= FLOAT32_TINY:
-        out["torch.amp"] = (
-            f'torch.amp.GradScaler("cuda", init_scale={_num(s.init_scale)}, growth_factor={_num(factors[0])}, '
-            f"backoff_factor={_num(factors[1])}, growth_interval={interval})"
-        )
-    if interval >= 2:
-        yaml = [
-            "optimizer:",
-            "  loss_scaling_factor: dynamic",
-            f"  initial_loss_scale: {_num(s.init_scale)}",
-            f"  steps_per_increase: {interval - 1}",
-            f"  min_loss_scale: {_num(s.min_loss_scale)}",
-            f"  max_loss_scale: {_num(s.max_loss_scale)}",
-        ]
-        if factors != (2.0, 0.5):
-            yaml += [f"  growth_factor: {_num(factors[0])}", f"  backoff_factor: {_num(factors[1])}"]
-        if s.overflow_tolerance:
-            yaml.append(f"  overflow_tolerance: {_num(s.overflow_tolerance)}")
-        if s.hysteresis != 1:
-            yaml.append(f"  hysteresis: {s.hysteresis}")
-        if s.consecutive_hysteresis:
-            yaml.append("  consecutive_hysteresis: true")
-        out["Model Zoo YAML"] = "\n".join(yaml)
-    if factors == (2.0, 0.5) and not s.overflow_tolerance and not s.consecutive_hysteresis and no_ceiling:
-        out["Megatron flags"] = (
-            f"--fp16 --initial-loss-scale {_num(s.init_scale)} --min-loss-scale {_num(s.min_loss_scale)} "
-            f"--loss-scale-window {interval} --hysteresis {s.hysteresis}"
-        )
-    return out
-
-
-def _num(value: float) -> str:
-    """A number as a config file would hold it: ``2**k`` powers as plain integers or ``2**-k`` decimals."""
-    if value == int(value) and abs(value) < 2**63:
-        return str(int(value))
-    return repr(float(value))
-
-
-# ------------------------------------------------------------------------------------------------ tune
-@dataclass
-class TuneResult:
-    """What ``tune`` found. ``candidates``: every setting tried, replayed, in rank order (the fewest skipped
-    steps in the worst case the trace allows, then the estimate, then the least underflow); ``feasible``: whether
-    each met ``max_underflow`` (its underflow upper bound); ``best``: per policy, the first feasible candidate."""
-
-    candidates: list[Replay]
-    feasible: list[bool]
-    max_underflow: float | None
-    best: dict[str, Replay]
-    grid: dict[str, dict[str, tuple[Any, ...]]]
-
-
-def tune(
-    trace: Trace,
-    kinds: Sequence[str] | None = None,
-    *,
-    max_underflow: float | None = 1e-3,
-    fmt: str | None = None,
-) -> TuneResult:
-    """Search each policy's grid (``PolicyKind.grid``: every combination of the listed values, the other
-    arguments at their defaults) over ``trace`` and rank the settings (see ``TuneResult``).
-
-    Args:
-        trace: a trace from ``dls.diagnostics.record.read_trace``.
-        kinds: policy names of ``POLICIES`` (default: all that this dls can build).
-        max_underflow: the largest mean underflow fraction allowed (by its upper bound); ``None``: no limit.
-        fmt: the format of the underflow (default: the trace's half dtype).
-
-    Raises:
-        ValueError: an unknown policy name, a ``max_underflow`` outside [0, 1], or a trace without histograms
-            while ``max_underflow`` is set.
-    """
-    if max_underflow is not None and (
-        isinstance(max_underflow, bool) or not isinstance(max_underflow, (int, float)) or not 0 <= max_underflow <= 1
-    ):
-        raise ValueError(f"max_underflow must be a number in [0, 1] or None; got {max_underflow!r}")
-    names = list(kinds) if kinds else [k for k in POLICIES if _buildable(k, trace)]
-    for name in names:
-        if name not in POLICIES:
-            close = difflib.get_close_matches(name, list(POLICIES), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"unknown policy {name!r}{hint}; allowed: {', '.join(POLICIES)}")
-    steps, _, _ = _steps(trace)
-    if max_underflow is not None and not any(s.histogram >= 0 for s in steps):
-        raise ValueError(
-            "the trace has no gradient histograms, so underflow cannot be bounded: record with histogram_every, "
-            "or pass max_underflow=None (--max-underflow none)"
-        )
-    policies: list[Policy] = []
-    for name in names:
-        kind = POLICIES[name]
-        keys = list(kind.grid)
-        for combo in _product([kind.grid[k] for k in keys]):
-            spec = name + ":" + ",".join(f"{k}={_num(v) if isinstance(v, float) else v}" for k, v in zip(keys, combo))
-            try:
-                policies.append(parse_policy(spec, trace))
-            except ValueError:
-                continue  # a combination the peer refuses (e.g. an initial scale below the floor)
-    results = replay(trace, policies, fmt)
-
-    def ok(r: Replay) -> bool:
-        return max_underflow is None or (r.underflow is not None and r.underflow[2] <= max_underflow)
-
-    def rank(r: Replay) -> tuple[float, ...]:
-        under = r.underflow[0] if r.underflow is not None else 0.0
-        return (not ok(r), r.skipped[2], r.skipped[0], r.at_min_scale[2], under)
-
-    ordered = sorted(results, key=rank)
-    best: dict[str, Replay] = {}
-    for r in ordered:
-        if ok(r) and r.policy.kind not in best:
-            best[r.policy.kind] = r
-    return TuneResult(ordered, [ok(r) for r in ordered], max_underflow, best, {n: POLICIES[n].grid for n in names})
-
-
-def _buildable(name: str, trace: Trace) -> bool:
-    try:
-        parse_policy(name, trace)
-    except ValueError:
-        return False
-    return True
-
-
-def _product(lists: list[tuple[Any, ...]]) -> Iterable[tuple[Any, ...]]:
-    if not lists:
-        yield ()
-        return
-    for head in lists[0]:
-        for tail in _product(lists[1:]):
-            yield (head, *tail)

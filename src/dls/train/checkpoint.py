@@ -1,87 +1,52 @@
-"""A run's model_dir and its checkpoints. The directory: resolved once, locked for one run at a time (``flock``; a
-lock left by a killed run is taken over), written only through its descriptor, never through a link, each file
-atomically, checked once under the lock (:func:`check_model_dir`); rank 0 alone writes. POSIX only.
-``checkpoint_<step>.mdl``: Model Zoo's state names plus ``rng``, ``config``, ``trainer``, ``fp8``, ``format_version``
-(1: the LR schedule counted skipped steps; 2: applied steps only), the last N kept. Bytes that do not parse are
-*unreadable* (skipped when resuming a directory, then set aside); a file that parses but may not load is refused.
-:func:`restore` loads one into a trainer."""
+"""The checkpoint format and loading one into a trainer. ``checkpoint_<step>.mdl`` (written into the run directory by
+``dls.train.rundir``): a ``torch.save``-d dict of Model Zoo's state names plus ``rng``, ``config``, ``trainer``,
+``fp8``, ``format_version`` (1: the LR schedule counted skipped steps; 2: applied steps only), loaded with
+``weights_only=True``. Bytes that do not parse are *unreadable* (skipped when resuming a directory, then set aside);
+a file that parses but may not load is refused, naming the field (:func:`load_checkpoint`: the format and the step;
+:func:`restore`: each state, checked whole before it changes its part of the trainer)."""
 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import errno
-import fcntl
-import inspect
 import io
-import itertools
-import json
 import math
-import os
 import random
 import re
-import secrets
-import socket
-import stat
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import yaml
 
 import dls.fp8
-from dls.diagnostics.record import TRACE_FILE
 from dls.diagnostics.scales import pow2
+from dls.optimizer_state import NON_FINITE, all_finite, check_optimizer_state, tensor_problem
 from dls.policy import shown
 from dls.scaler_state import parse_state_dict
-from dls.train.config import CHECKPOINT_STATES, SCALER_KEYS, loss_scaling_mode, parse_config, scaler_settings
+from dls.train.config import (
+    CHECKPOINT_STATES,
+    SCALER_KEYS,
+    loss_scaling_mode,
+    parse_config,
+    scaler_settings,
+    step_once,
+)
 from dls.train.errors import CheckpointError, ConfigError, ModelDirError, is_out_of_memory
-from dls.train.reporting import describe_scaling, metrics_to_keep, plot_comparison, read_metrics
+from dls.train.reporting import describe_scaling
+from dls.train.rundir import RunDir, checkpoint_step, list_checkpoints, lock_holder
 
 if TYPE_CHECKING:  # annotations only
     from dls.train.config import TrainConfig
 
 FORMAT = "dls-checkpoint"
 FORMAT_VERSION = 2
-LOCK_FILE = ".dls.lock"
-METRICS_FILE = "metrics.jsonl"
-PLOT_FILE = "plots.png"
-CONFIG_FILE = "config.yaml"
-TENSORBOARD_DIR = "tensorboard"
-_TEMPORARIES = (".checkpoint_", *(f".{name}." for name in (METRICS_FILE, PLOT_FILE, CONFIG_FILE, TRACE_FILE)))
-_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class UnreadableCheckpoint(CheckpointError):
     """A checkpoint file whose bytes do not parse."""
-
-
-def checkpoint_path(model_dir: str | Path, step: int) -> Path:
-    return Path(model_dir) / f"checkpoint_{step}.mdl"
-
-
-def checkpoint_step(name: str) -> int:
-    """The step of a checkpoint's file name; -1 for any other name."""
-    match = re.fullmatch(r"checkpoint_(\d+)\.mdl", name)
-    return int(match.group(1)) if match else -1
-
-
-def list_checkpoints(model_dir: str | Path, dir_fd: int | None = None) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every checkpoint in ``model_dir`` (read through its descriptor ``dir_fd`` if given), oldest
-    first. A symbolic link under a checkpoint's name is not one (it may point at another run's file): never resumed
-    from, replaced when that step is written."""
-    directory, found = Path(model_dir), []
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        for name in os.listdir(directory if dir_fd is None else dir_fd):
-            with contextlib.suppress(OSError):  # gone meanwhile: none
-                info = os.stat(name if dir_fd is not None else directory / name, dir_fd=dir_fd, follow_symlinks=False)
-                if (step := checkpoint_step(name)) >= 0 and stat.S_ISREG(info.st_mode):
-                    found.append((step, directory / name))
-    return sorted(found)
 
 
 def load_resume_checkpoint(
@@ -98,6 +63,11 @@ def load_resume_checkpoint(
     if not p.exists():
         raise CheckpointError(f"{what}: {p} does not exist")
     if not (found := list_checkpoints(p)):
+        if (holder := lock_holder(p)) is not None:
+            raise ModelDirError(
+                f"{what}: {p} is in use by another dls run: {holder}, which has written no checkpoint yet. Wait for "
+                "its first checkpoint (or for it to finish), or stop it"
+            )
         raise CheckpointError(f"{what}: no checkpoint_<step>.mdl files in {p}")
     unreadable: list[tuple[Path, str]] = []
     for _, candidate in reversed(found):
@@ -128,366 +98,45 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{p} is not a dls training checkpoint (no 'model' state)")
     version = state.get("format_version", 1)
-    if isinstance(version, bool) or not isinstance(version, int):
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:  # no dls wrote it
         raise CheckpointError(
             f"{p} has format_version {shown(version)}; it must be an integer from 1 to {FORMAT_VERSION}"
         )
-    if not 1 <= version <= FORMAT_VERSION:
+    if version > FORMAT_VERSION:
         raise CheckpointError(
             f"{p} has checkpoint format version {version!r}; this dls reads versions 1 to {FORMAT_VERSION} (a higher "
             "one was written by a newer dls: resume it with that dls; nothing was changed)"
         )
+    _check_step(p, state)
     return state
 
 
-# ---------------------------------------------------------------------- the run directory
-def resolve_model_dir(path: str | Path, what: str = "runconfig.model_dir") -> Path:
-    """``path`` absolute with every link resolved (once per run); ``what`` names it in errors."""
-    if "\0" in str(path):
-        raise ModelDirError(f"{what} {str(path)!r} contains a NUL character, which no path can hold")
-    return Path(os.path.realpath(Path(path).expanduser()))
-
-
-def check_model_dir(
-    model_dir: Path,
-    checkpoint: Path | None,
-    unreadable: Sequence[tuple[Path, str]],
-    states: Sequence[str],
-    *,
-    overwrite: bool = False,
-    config_file: Path | None = None,
-) -> list[tuple[Path, str]]:
-    """Whether a run resuming from ``checkpoint`` (``None``: fresh) loading ``states`` may write into
-    ``model_dir``. A fresh run needs a directory without an earlier run's files (:func:`earlier_run_files`; the
-    input ``config_file`` is not one), unless ``overwrite`` moves them aside; a fork (another directory) a new or
-    empty one; in place, only from the newest readable checkpoint and loading ``global_step``. Raises
-    :class:`ModelDirError` (reading only); returns what :meth:`RunDir.open` renames before the run writes, each with
-    the suffix of its new name: the ``unreadable`` checkpoints (in place), or the earlier run's files
-    (``overwrite``)."""
-    fresh_hint = (
-        "choose another model_dir (-o runconfig.model_dir=NEW_DIR), or add --overwrite to move its files aside (each "
-        "renamed <name>.old-<time>; nothing is deleted)"
+def _check_step(path: Path, state: dict[str, Any]) -> None:
+    """A checkpoint's ``global_step`` is an integer >= 0 and, under a checkpoint's file name, the step that name
+    says: a run resumed from it goes on from there, in place, and so never rewinds over its own checkpoints."""
+    step, named = state.get("global_step"), checkpoint_step(path.name)
+    said, refused = (
+        f" (its file name says step {named})" if named >= 0 else "",
+        f"cannot load the global_step state of {path}",
     )
-    if checkpoint is None:
-        earlier = earlier_run_files(model_dir, config_file)
-        if overwrite or not earlier:
-            stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-            return [(path, f".old-{stamp}") for path in earlier]
-        if found := list_checkpoints(model_dir):
-            raise ModelDirError(
-                f"runconfig.model_dir {model_dir} already holds checkpoints (latest: step {found[-1][0]}). To "
-                f"continue that run, add --resume {model_dir}; to start over, {fresh_hint}."
-            )
-        names = ", ".join(p.name for p in earlier)
-        raise ModelDirError(
-            f"runconfig.model_dir {model_dir} holds {names} of an earlier run (no checkpoint to resume from), which "
-            f"a new run would replace. To keep them, {fresh_hint}."
+    if "global_step" not in state:
+        raise CheckpointError(f"{refused}: it holds no global_step{said}; nothing was changed")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
+        raise CheckpointError(f"{refused}: global_step must be an integer >= 0; got {shown(step)}{said}")
+    if named >= 0 and step != named:
+        raise CheckpointError(
+            f"{refused}: global_step is {step}, but its file name says step {named}: a checkpoint is resumed only at "
+            "the step it was saved at (nothing was changed)"
         )
-    if overwrite:
-        raise ModelDirError(
-            f"--overwrite starts a new run in {model_dir}, but this run loads the checkpoint {checkpoint}: resume "
-            "without --overwrite, or start without a checkpoint"
-        )
-    source = resolve_model_dir(checkpoint.parent)
-    if source != model_dir:
-        if model_dir.is_dir() and set(os.listdir(model_dir)) - {LOCK_FILE}:
-            raise ModelDirError(
-                f"runconfig.model_dir {model_dir} is not empty, and a run from the checkpoint of another directory "
-                f"({source}) starts a new run, which needs a new or empty directory. To continue {source} itself, "
-                f"resume it without another model_dir (or with -o runconfig.model_dir={source})."
-            )
-        return []
-    skipped, mine = {p.name for p, _ in unreadable}, checkpoint_step(checkpoint.name)
-    fork_hint = "load it into a new or empty directory instead: -o runconfig.model_dir=NEW_DIR"
-    if newer := [p for step, p in list_checkpoints(source) if p.name not in skipped and step > mine]:
-        raise ModelDirError(
-            f"{checkpoint} is not the latest checkpoint of {source} ({newer[-1].name} is): continuing in {source} "
-            f"would mix two histories of the run. Continue from the latest with --resume {source}, or {fork_hint}"
-        )
-    if "global_step" not in states:
-        raise ModelDirError(
-            f"loading {', '.join(states)} without global_step restarts at step 0, which in {source} would "
-            f"overwrite the run's metrics and leave its checkpoints behind. Add global_step to continue the run "
-            f"in place, or {fork_hint}"
-        )
-    return [(p, ".unreadable") for p, _ in unreadable]
 
 
-def earlier_run_files(model_dir: Path, config_file: Path | None = None) -> list[Path]:
-    """What in ``model_dir`` a run writes under a fixed name, so that a new run would replace it or mix with it:
-    checkpoint_<step>.mdl, metrics.jsonl, config.yaml (unless it is the input ``config_file``, which is never
-    written), plots.png, trace.jsonl and tensorboard/, whatever their kind (a link under such a name too)."""
-    try:
-        names = sorted(os.listdir(model_dir))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    fixed = (CONFIG_FILE, METRICS_FILE, PLOT_FILE, TRACE_FILE, TENSORBOARD_DIR)
-    found = [model_dir / name for name in names if name in fixed or checkpoint_step(name) >= 0]
-    config = model_dir / CONFIG_FILE
-    if config_file is not None and not config.is_symlink() and config.exists() and config.samefile(config_file):
-        found.remove(config)
-    return found
-
-
-def _holder(lock_fd: int, held: bool = True) -> str | None:
-    """Who holds the lock, as the record in its file says (``None``: none recorded); ``held``: still now (then a
-    holder that ended left a child with it)."""
-    try:
-        record = json.loads(os.pread(lock_fd, 4096, 0))
-    except (OSError, ValueError):  # empty, or not a record dls wrote
-        return None
-    if not isinstance(record, dict) or not record:
-        return None
-    pid, host = record.get("pid", "?"), record.get("host", "?")
-    text = f"pid {pid} on host {host}" + (f" (since {record['since']})" if record.get("since") else "")
-    if held and host == socket.gethostname() and isinstance(pid, int):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            text += f"; process {pid} has ended, so a process it started (which inherited the lock) still holds it"
-        except OSError:  # e.g. EPERM: it exists
-            pass
-    return text
-
-
-def is_same_file(dir_fd: int, name: str, other: Path | int) -> bool:
-    """Whether ``name`` in ``dir_fd`` (not followed) is the file ``other`` (a path or an open descriptor)."""
-    try:
-        return os.path.samestat(os.stat(name, dir_fd=dir_fd, follow_symlinks=False), os.stat(other))
-    except OSError:
-        return False
-
-
-class RunDir:
-    """``path`` (resolved), created if missing, opened and locked; ``what`` names it in messages. ``stale``: the
-    holder of a lock left by a run that ended without releasing it. A training run then calls :meth:`open`
-    and writes rows, checkpoints and plots. :meth:`close` (or the end of a ``with`` block) releases, last acquired
-    first, the session's files, the lock (its file removed) and the directory (removed, with the parents this
-    created for it, while empty)."""
-
-    def __init__(self, path: Path, what: str = "runconfig.model_dir") -> None:
-        self.path, self.what = path, what
-        self._held = contextlib.ExitStack()  # what close() releases, last acquired first
-        # The directories this creates (the path and any missing parents), removed again on close() while empty.
-        self._created = [d for d in (path, *path.parents) if not os.path.lexists(d)]
-        with contextlib.suppress(FileExistsError):  # a directory, or something refused below
-            path.mkdir(parents=True)
-        try:
-            self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
-        except OSError as exc:  # a link to anything (ELOOP, or ENOTDIR when it points at a file), or a file
-            if path.is_symlink():
-                raise ModelDirError(f"{what} {path} is a symbolic link; give the directory it points to") from None
-            if exc.errno == errno.ENOTDIR:
-                raise NotADirectoryError(errno.ENOTDIR, f"{what} is not a directory", str(path)) from None
-            raise
-        self.stale: str | None = None
-        self._metrics: IO[bytes] | None = None
-        self.events: Any = None  # torch.utils.tensorboard.SummaryWriter
-        self._held.callback(self._remove_if_created)  # last, once the lock and the directory are released
-        self._held.callback(os.close, self.fd)
-        with contextlib.ExitStack() as failed:  # the directory is closed again unless the lock is taken
-            failed.callback(self.close)
-            self._lock()
-            failed.pop_all()
-
-    def close(self) -> None:
-        self._held.close()
-
-    def __enter__(self) -> RunDir:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _lock(self) -> None:
-        while True:
-            with contextlib.ExitStack() as attempt:  # the lock file is closed unless this attempt takes the lock
-                fd = self._open(LOCK_FILE, os.O_RDWR | os.O_CREAT)
-                attempt.callback(os.close, fd)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    raise ModelDirError(
-                        f"{self.what} {self.path} is in use by another dls run: "
-                        f"{_holder(fd) or 'another process (no holder recorded)'}. Wait for it to finish (or stop it), "
-                        "or choose another model_dir"
-                    ) from None
-                # A holder that released between our open and our lock has unlinked the file we locked: retry.
-                if not is_same_file(self.fd, LOCK_FILE, fd):
-                    continue
-                self.stale = _holder(fd, held=False)
-                now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-                record = {"pid": os.getpid(), "host": socket.gethostname(), "since": now}
-                try:
-                    os.ftruncate(fd, 0)
-                    os.pwrite(fd, json.dumps(record).encode() + b"\n", 0)
-                    os.fsync(fd)
-                except OSError as exc:  # e.g. the disk is full: no lock file without its record is left
-                    with contextlib.suppress(OSError):
-                        os.unlink(LOCK_FILE, dir_fd=self.fd)
-                    exc.filename, exc.filename2 = str(self.path / LOCK_FILE), None
-                    raise
-                attempt.pop_all()
-                self._held.callback(self._unlock, fd)
-                return
-
-    def _unlock(self, fd: int) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(LOCK_FILE, dir_fd=self.fd)
-        os.close(fd)
-
-    def _remove_if_created(self) -> None:
-        for directory in self._created:  # the deepest first
-            try:
-                os.rmdir(directory)
-            except OSError:  # not empty: kept, and so are its parents
-                return
-
-    def _open(self, name: str, flags: int, kind: int = stat.S_IFREG) -> int:
-        """``name`` opened through the directory's descriptor; a symbolic link (never followed) or a file of another
-        kind than ``kind`` is refused (:class:`ModelDirError`), another error names the path."""
-        path = self.path / name
-        try:
-            fd = os.open(name, flags | _NOFOLLOW | os.O_NONBLOCK, 0o644, dir_fd=self.fd)
-        except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):  # a link; not a directory
-                exc.filename = str(path)
-                raise
-        else:
-            if stat.S_IFMT(os.fstat(fd).st_mode) == kind:
-                return fd
-            os.close(fd)
-        noun = "directory" if kind == stat.S_IFDIR else "regular file"
-        raise ModelDirError(f"{path} is not a {noun} (or is a symbolic link, which dls does not follow): move it away")
-
-    def replace(self, name: str, data: bytes | memoryview) -> Path:
-        """Write ``name`` atomically: a new temporary file (a planted name is never opened), flushed to disk, renamed
-        over ``name``; its path. Callers serialise into memory first, so that a failing write is the ``OSError`` it is,
-        naming the file (``torch.save`` into a file makes it a ``RuntimeError``); a failed write leaves no temporary
-        file."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
-        tmp, f = "", None
-        try:
-            while f is None:
-                tmp = f".{name}.{secrets.token_hex(6)}.tmp"
-                with contextlib.suppress(FileExistsError):  # someone planted this name: take another
-                    f = os.fdopen(os.open(tmp, flags, 0o644, dir_fd=self.fd), "wb")
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-            os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-        except BaseException as exc:
-            if f is not None:
-                with contextlib.suppress(OSError):  # close() flushes again, and raises again on a full disk
-                    f.close()
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=self.fd)
-            if isinstance(exc, OSError) and exc.errno is not None:
-                exc.filename, exc.filename2 = str(self.path / name), None
-            raise
-        with contextlib.suppress(OSError):
-            os.fsync(self.fd)
-        return self.path / name
-
-    def read(self, name: str) -> bytes | None:
-        """The bytes of the regular file ``name``; ``None`` when there is none (a link or other kind counts as none)."""
-        try:
-            fd = self._open(name, os.O_RDONLY)
-        except (FileNotFoundError, ModelDirError):
-            return None
-        with os.fdopen(fd, "rb") as f:
-            return f.read()
-
-    def open(
-        self, log: Callable[[str], None], *, set_aside: Sequence[tuple[Path, str]], step: int, config: dict[str, Any],
-        config_file: Path | None, tensorboard: bool = False,
-    ) -> None:  # fmt: skip
-        """Start a training session: rename each of ``set_aside`` (``(file, suffix)``: unreadable checkpoints, an
-        earlier run's files) to its name plus the suffix (the first free one), keep metrics.jsonl up to ``step``
-        open, write config.yaml (unless it is the input ``config_file``), start this session's TensorBoard events.
-        What can refuse (metrics.jsonl, tensorboard/ that stays) does so before anything changes."""
-        moving = {path.name for path, _ in set_aside}
-        events_fd = None if not tensorboard or TENSORBOARD_DIR in moving else self._events_dir()
-        keep = metrics_to_keep(  # may refuse
-            None if METRICS_FILE in moving else self.read(METRICS_FILE), self.path / METRICS_FILE, step
-        )
-        names = set(os.listdir(self.fd))
-        for name in names:  # the temporary files a killed writer left
-            if name.endswith(".tmp") and name.startswith(_TEMPORARIES):
-                with contextlib.suppress(OSError):
-                    os.unlink(name, dir_fd=self.fd)
-        for path, suffix in set_aside:  # out of the way of this run's files and rotation, under the first free name
-            free = (f"{path.name}{suffix}" + (f"-{n}" if n > 1 else "") for n in itertools.count(1))
-            kept = next(name for name in free if name not in names)
-            os.rename(path.name, kept, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-            names.add(kept)
-            why = "never resumed from" if suffix == ".unreadable" else "an earlier run's, moved aside by --overwrite"
-            log(f"Renamed {path.name} to {kept} (kept, {why})")
-        if tensorboard and events_fd is None:
-            events_fd = self._events_dir()
-        self.replace(METRICS_FILE, keep)
-        self._metrics = self._held.enter_context(os.fdopen(self._open(METRICS_FILE, os.O_WRONLY | os.O_APPEND), "ab"))
-        if config_file is not None and is_same_file(self.fd, CONFIG_FILE, config_file):
-            log(f"{self.path / CONFIG_FILE} is the input config: left as it is")
-        else:
-            self.replace(CONFIG_FILE, yaml.safe_dump(config, sort_keys=False).encode())
-        if events_fd is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # The directory as its descriptor's path, so that the writer cannot be redirected; a resumed session
-            # purges the events a crashed one wrote after its checkpoint, as its metrics rows are dropped.
-            proc = Path(f"/proc/self/fd/{events_fd}")
-            log_dir = proc if proc.is_dir() else self.path / TENSORBOARD_DIR
-            self.events = SummaryWriter(str(log_dir), purge_step=step + 1 if step else None, flush_secs=3600)
-            self._held.callback(self.events.close)
-
-    def _events_dir(self) -> int:
-        """tensorboard/ opened (created if missing); refused unless a directory (not a link) of the run's user
-        writable by no one else."""
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(TENSORBOARD_DIR, 0o755, dir_fd=self.fd)
-        events_fd = self._open(TENSORBOARD_DIR, os.O_RDONLY | os.O_DIRECTORY, stat.S_IFDIR)
-        self._held.callback(os.close, events_fd)
-        info = os.fstat(events_fd)
-        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise ModelDirError(
-                f"{self.path / TENSORBOARD_DIR} is writable by others than this run's user: move it away"
-            )
-        return events_fd
-
-    def write_row(self, row: dict[str, Any]) -> None:
-        """Append one metrics row (on disk before this returns) and its numbers as TensorBoard scalars."""
-        assert self._metrics is not None, "rows are written while the run directory is open"
-        try:
-            self._metrics.write((json.dumps(row, allow_nan=False) + "\n").encode())
-            self._metrics.flush()
-        except OSError as exc:  # e.g. the disk is full: say which file
-            exc.filename = exc.filename or str(self.path / METRICS_FILE)
-            raise
-        if self.events is not None:
-            for key, value in row.items():
-                if key not in ("step", "time") and isinstance(value, (int, float)):  # bool is an int
-                    self.events.add_scalar(key, float(value), row["step"])
-            self.events.flush()
-
-    def save_checkpoint(self, state: dict[str, Any], step: int, keep: int | None = None) -> Path:
-        """Write ``state`` as ``checkpoint_<step>.mdl`` atomically, then with ``keep`` delete all but the ``keep``
-        newest checkpoints (never the one just written; a link is not a checkpoint: it pushes no real one out)."""
-        buffer = io.BytesIO()  # in memory first: see replace()
-        torch.save({"format": FORMAT, "format_version": FORMAT_VERSION, **state}, buffer)
-        path = self.replace(checkpoint_path(self.path, step).name, buffer.getbuffer())
-        for _, old in list_checkpoints(self.path, self.fd)[:-keep] if keep is not None else []:
-            if old != path:
-                with contextlib.suppress(OSError):
-                    os.unlink(old.name, dir_fd=self.fd)
-        return path
-
-    def plot(self, title: str) -> Path:
-        """Write plots.png from metrics.jsonl; its path."""
-        png = io.BytesIO()
-        plot_comparison([("training loss", read_metrics(self.read(METRICS_FILE) or b""))], png, title)
-        return self.replace(PLOT_FILE, png.getbuffer())
+def save_checkpoint(run_dir: RunDir, state: dict[str, Any], step: int, keep: int | None = None) -> Path:
+    """``state`` with the format's header as ``checkpoint_<step>.mdl`` in ``run_dir`` (:meth:`RunDir.write_checkpoint`:
+    atomically, the last ``keep`` kept); serialised in memory first, so that a failing write is the ``OSError`` it is,
+    naming the file (``torch.save`` into a file makes it a ``RuntimeError``)."""
+    buffer = io.BytesIO()
+    torch.save({"format": FORMAT, "format_version": FORMAT_VERSION, **state}, buffer)
+    return run_dir.write_checkpoint(step, buffer.getbuffer(), keep)
 
 
 def rng_state() -> dict[str, Any]:
@@ -553,7 +202,7 @@ def _loading(key: str, path: Path) -> Iterator[None]:
 def _restore_step(trainer: Any, path: Path, state: dict[str, Any], saved_cfg: TrainConfig | None) -> None:
     """``global_step`` and the trainer's counters (first: what a bad file most often gets wrong, and the rng of more
     ranks uses it)."""
-    step = _number(state.get("global_step", 0), "global_step")
+    step = _number(state["global_step"], "global_step")  # present: load_checkpoint checked it
     if not isinstance(extra := state.get("trainer", {}), dict):
         raise ValueError(f"trainer must be a mapping; got {type(extra).__name__}")
     elapsed = _number(extra.get("elapsed", 0.0), "trainer.elapsed", integer=False)
@@ -576,7 +225,7 @@ def _restore_model(trainer: Any, path: Path, state: dict[str, Any], saved_cfg: T
         like = own.get(key)
         if not isinstance(like, torch.Tensor):  # not the model's (strict loading refuses it below) or extra state
             continue
-        problem = tensor_problem(value, like, finite=key in weights)
+        problem = tensor_problem(value, like, finite=key in weights, whose="this run's")
         if problem == NON_FINITE:
             broken.append(str(key))
         elif problem is not None:
@@ -680,46 +329,6 @@ def set_rng_state(rng: Any, field: str = "rng") -> None:
             raise ValueError(f"{field}.{key} is not a state of {key}'s generator ({_one_line(exc)})") from None
 
 
-NON_FINITE = "holds inf/NaN values"
-
-
-def tensor_problem(value: Any, like: torch.Tensor, finite: bool = True) -> str | None:
-    """What keeps ``value`` from being loaded into a tensor like ``like`` (``None``: nothing), checked in this order:
-    a dense tensor of ``like``'s shape (before anything reads its values: a crafted view of 10^12 elements costs
-    nothing until then); real unless ``like`` is complex; then, converted to ``like``'s dtype as loading converts
-    it, representable: :data:`NON_FINITE` where it holds inf/NaN and ``finite`` is asked, and values that the
-    conversion turned into inf (a float64 1e300 into float32) in any case. Complex values count by both parts;
-    float8 values are read through a float32 view. Integer targets take integer values within their range."""
-    if not isinstance(value, torch.Tensor):
-        return f"is {shown(value)}, not a tensor"
-    if value.layout != torch.strided or value.is_quantized or value.is_meta:
-        return f"is a {value.layout} {value.dtype} tensor{' on meta' if value.is_meta else ''}; a dense one is needed"
-    if value.shape != like.shape:
-        return f"is a tensor of shape {tuple(value.shape)}; this run's needs shape {tuple(like.shape)}"
-    dtype, name = like.dtype, str(like.dtype).removeprefix("torch.")
-    if value.is_complex() and not dtype.is_complex:
-        return f"is complex ({value.dtype}); it loads into {name}, which is real"
-    if not (dtype.is_floating_point or dtype.is_complex):
-        if value.is_floating_point() or value.is_complex():
-            return f"is a {value.dtype} tensor; it loads into {name}, which holds integers"
-        info = torch.iinfo(dtype) if dtype != torch.bool else None
-        low, high = (int(value.min()), int(value.max())) if value.numel() and info else (0, 0)
-        return None if info is None or info.min <= low <= high <= info.max else f"holds values beyond {name}'s range"
-    was = torch.isfinite(_real_view(value))
-    if finite and not bool(was.all()):
-        return NON_FINITE
-    now = torch.isfinite(_real_view(value.to(dtype)))
-    if not bool((now | ~was).all()):
-        largest = float(_real_view(value).abs()[was & ~now].max())
-        return f"holds values beyond {name}'s range (largest |value| {largest:.6g}), which loading would make inf"
-    return None
-
-
-def _real_view(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in a dtype ``torch.isfinite`` takes: float8 (which it does not) as float32."""
-    return t.float() if t.is_floating_point() and t.element_size() == 1 else t
-
-
 def _number(value: Any, what: str, integer: bool = True, low: int = 0) -> Any:
     """``value`` if it is an integer in [``low``, 2^63) (``integer``; else a finite number >= ``low``); else a
     ``ValueError`` naming ``what``."""
@@ -731,15 +340,6 @@ def _number(value: Any, what: str, integer: bool = True, low: int = 0) -> Any:
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:400] or type(exc).__name__
-
-
-def _finite(value: Any) -> bool:
-    """Whether every number in ``value`` (nested in lists, tuples, dicts) is finite."""
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, (list, tuple, dict)):
-        return all(_finite(v) for v in (value.values() if isinstance(value, dict) else value))
-    return True
 
 
 def _same_kind(value: Any, like: Any) -> bool:
@@ -755,10 +355,11 @@ def _same_kind(value: Any, like: Any) -> bool:
 def _check_optimizer(saved: Any, trainer: Any, then: str | None) -> dict[str, Any]:
     """The optimizer state dict to load, checked for what torch's ``load_state_dict`` does not check (it checks the
     group sizes, and MasterWeights its master weights, before changing anything): the optimizer family, each
-    group's hyperparameters (:func:`_check_group`), each parameter's state of its shape and a floating dtype,
-    finite once converted to the parameter's dtype, ``step`` a number >= 0, the state the family needs once it has
-    stepped. ``then``: the checkpoint's optimizer_type (``None``: its config is unreadable). A ``ValueError``
-    names the first bad field."""
+    group's hyperparameters (:func:`_check_group`), each parameter's state by the core's rules
+    (``dls.optimizer_state.check_optimizer_state``: its shape, a floating dtype, finite once converted, second
+    moments non-negative, ``step`` a number >= 0), the state the family needs once it has stepped and no other.
+    ``then``: the checkpoint's optimizer_type (``None``: its config is unreadable). A ``ValueError`` names the
+    first bad field."""
     groups, entries = (saved.get("param_groups"), saved.get("state")) if isinstance(saved, dict) else (None, None)
     if not isinstance(groups, list) or not isinstance(entries, dict) or not all(isinstance(g, dict) for g in groups):
         raise ValueError("it is not an optimizer state dict (state, param_groups)")
@@ -777,21 +378,18 @@ def _check_optimizer(saved: Any, trainer: Any, then: str | None) -> dict[str, An
     loaded = [_check_group(g, group, ng, cls, section) for g, (group, ng) in enumerate(zip(groups, now_groups))]
     needs = ("momentum_buffer",) if now == "SGD" else ("step", "exp_avg", "exp_avg_sq")  # once it has stepped
     known = (*needs, "max_exp_avg_sq") if any(g.get("amsgrad") for g in loaded) else needs
-    params = {i: (p, ng) for group, ng in zip(groups, now_groups) for i, p in zip(group["params"], ng["params"])}
+    checked = {**saved, "param_groups": loaded}
+    check_optimizer_state(inner, checked, name="optimizer")  # the indices, and each value: shape, dtype, finite, sign
+    params = {i: ng for group, ng in zip(groups, now_groups) for i in group["params"]}
     for index, entry in entries.items():
         field = f"optimizer.state[{shown(index)}]"
-        if not isinstance(index, int) or index not in params or not isinstance(entry, dict):
-            raise ValueError(f"{field} is not the state of a parameter of this run's optimizer")
-        param, group = params[index]
-        if missing := [k for k in needs if k not in entry and (k != "momentum_buffer" or group["momentum"])]:
+        if missing := [k for k in needs if k not in entry and (k != "momentum_buffer" or params[index]["momentum"])]:
             raise ValueError(f"{field} lacks {', '.join(missing)}")
         if unknown := [k for k in entry if k not in known]:
             raise ValueError(
                 f"{field} holds {shown(unknown[0])}, which is not state of this run's {now} ({', '.join(known)})"
             )
-        for key, value in entry.items():
-            _check_state_value(f"{field}.{key}", key, value, param)
-    return {**saved, "param_groups": loaded}
+    return checked
 
 
 def _family(groups: list[dict[str, Any]], now: str, then: str | None) -> str:
@@ -817,7 +415,7 @@ def _check_group(g: int, group: dict[str, Any], now_group: dict[str, Any], cls: 
     within the config's own ranges (its ``optimizer:`` ``section``); and all of them values ``cls`` takes, with
     which one step of it on a throwaway parameter is finite."""
     field, name = f"optimizer.param_groups[{g}]", cls.__name__
-    known = _step_once(cls, {k: v for k, v in now_group.items() if k != "params"})[0]
+    known = step_once(cls, {k: v for k, v in now_group.items() if k != "params"})[0]
     for key, value in group.items():
         mine = known.get(key, ...)
         if key == "params" or mine is ...:
@@ -833,32 +431,39 @@ def _check_group(g: int, group: dict[str, Any], now_group: dict[str, Any], cls: 
                 f"{field}.{key} must be of type {type(mine).__name__} as in this config's {name} ({mine!r}); got "
                 f"{shown(value)}"
             )
-        elif not _finite(value):
+        elif not all_finite(value):
             raise ValueError(f"{field}.{key} must be finite; got {value!r}")
     loaded = {**now_group, **{k: v for k, v in group.items() if k in known or k == "params"}}
     _check_config_ranges(
         field, {k: loaded[k] for k in ("betas", "eps", "weight_decay", "momentum") if k in loaded}, section
     )
-    try:
-        finite = _step_once(cls, {k: v for k, v in loaded.items() if k != "params"})[1]
-    except (ValueError, TypeError, RuntimeError, KeyError) as exc:
-        raise ValueError(f"{field} holds hyperparameters {name} refuses: {_one_line(exc)}") from None
-    if not finite:
-        raise ValueError(f"{field} holds hyperparameters with which a step of {name} gives inf/NaN")
+    hyper = {k: v for k, v in loaded.items() if k != "params"}
+    if (problem := _step_problem(cls, hyper)) is not None:
+        mine = {k: v for k, v in now_group.items() if k != "params"}
+        changed = [k for k in hyper if k in group and not _same_value(hyper[k], mine.get(k, ...))]
+        alone = [k for k in changed if _step_problem(cls, {**mine, k: hyper[k]}) is not None]  # which one does it
+        blamed = ", ".join(f"{k} = {shown(hyper[k])}" for k in (alone[:1] or changed))
+        where = f" (in {field}: {blamed}{' together' if not alone and len(changed) > 1 else ''})" if changed else ""
+        if problem:
+            raise ValueError(f"{field} holds hyperparameters {name} refuses: {problem}{where}")
+        raise ValueError(f"{field} holds hyperparameters with which a step of {name} gives inf/NaN{where}")
     return loaded
 
 
-def _step_once(cls: type, hyper: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """One step of ``cls`` with the hyperparameters ``hyper`` on a throwaway one-element parameter (1, gradient 1):
-    its group as it then is, and whether the parameter stayed finite."""
-    param = torch.ones(1, requires_grad=True)
-    param.grad = torch.ones(1)
-    accepted = inspect.signature(cls).parameters
-    optimizer = cls([param], **{k: v for k, v in hyper.items() if k in accepted})
-    optimizer.param_groups[0].update(hyper)  # also what the constructor does not take (initial_lr, kept state)
-    optimizer.step()
-    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-    return group, bool(torch.isfinite(param).all())
+def _step_problem(cls: type, hyper: dict[str, Any]) -> str | None:
+    """Why one step of ``cls`` with ``hyper`` fails (:func:`step_once`): what it raised, ``""`` when the step is not
+    finite, ``None`` when it is."""
+    try:
+        return None if step_once(cls, hyper)[1] else ""
+    except (ValueError, TypeError, RuntimeError, KeyError) as exc:
+        return _one_line(exc)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # tensors: not one truth value
+        return False
 
 
 def _check_config_ranges(field: str, values: dict[str, Any], section: Any) -> None:
@@ -876,26 +481,6 @@ def _check_config_ranges(field: str, values: dict[str, Any], section: Any) -> No
         key = ".".join(map(str, first["loc"]))
         rule = first["msg"].replace("Input should", "must")
         raise ValueError(f"{field}.{key} {rule}, as optimizer.{key} in a config; got {first.get('input')!r}") from None
-
-
-def _check_state_value(field: str, key: str, value: Any, param: torch.Tensor) -> None:
-    """One value of a parameter's optimizer state: ``step`` a number >= 0; a tensor of the parameter's shape and a
-    floating dtype, finite once converted to the parameter's dtype (as torch's loading converts it)."""
-    if key == "step":
-        count = (
-            value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() else value
-        )
-        _number(count, field, integer=False)
-    elif isinstance(value, torch.Tensor):
-        if not (value.is_floating_point() or value.is_complex()) or value.shape != param.shape:
-            raise ValueError(
-                f"{field} is a {value.dtype} tensor of shape {tuple(value.shape)}; this run's parameter "
-                f"needs a floating-point tensor of shape {tuple(param.shape)}"
-            )
-        if problem := tensor_problem(value, param):
-            raise ValueError(f"{field} {problem}")
-    elif not _finite(value):
-        raise ValueError(f"{field} holds inf/NaN values")
 
 
 def _check_scheduler(saved: Any, scheduler: Any, num_groups: int) -> dict[str, Any]:

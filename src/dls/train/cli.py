@@ -10,6 +10,7 @@ import contextlib
 import difflib
 import importlib.resources
 import importlib.util
+import inspect
 import re
 import shutil
 import sys
@@ -319,8 +320,8 @@ def _audit(args: argparse.Namespace) -> None:
     import dls
     from dls.diagnostics.scales import pow2
     from dls.train.audit import audit_formats, build_inputs
-    from dls.train.checkpoint import RunDir, resolve_model_dir
     from dls.train.config import load_config, loss_scaling_mode, scaler_settings
+    from dls.train.rundir import RunDir, resolve_model_dir
 
     if args.steps > MAX_AUDIT_STEPS:
         raise UsageError(f"--steps must be at most {MAX_AUDIT_STEPS}; got {args.steps}")
@@ -393,17 +394,25 @@ def _data(args: argparse.Namespace) -> int:
         raise UsageError(
             "dls data: an argument is empty ('' is no directory); give DIR, e.g. dls data mnist data/mnist"
         )
+    with _writing_to_dir():
+        try:
+            return write_data(args.args)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise OutOfMemory(first, "lower --train, --val, --msl or --files (or free memory)") from None
+
+
+@contextlib.contextmanager
+def _writing_to_dir() -> Iterator[None]:
+    """A full disk while ``dls data`` or ``dls init`` writes into DIR: their advice, not the trainer's."""
     try:
-        return write_data(args.args)
+        yield
     except OSError as exc:
         if exc.errno in SPACE_ERRORS:
             exc.advice = "free some space or write to another DIR"  # type: ignore[attr-defined]
         raise
-    except Exception as exc:
-        if not is_out_of_memory(exc):
-            raise
-        first = (str(exc).strip().splitlines() or [""])[0]
-        raise OutOfMemory(first, "lower --train, --val, --msl or --files (or free memory)") from None
 
 
 def shipped_configs() -> dict[str, Path]:
@@ -475,15 +484,15 @@ def _init(args: argparse.Namespace) -> None:
         raise UsageError(f"give the directory to write it into (dls init {args.name} DIR)")
     if not args.directory:
         raise UsageError(f"DIR is empty ('' is no directory); give one, e.g. dls init {args.name} my_run")
+    from dls.train.rundir import RunDir, resolve_model_dir
+
     directory = Path(args.directory)
-    target = directory / (args.name.rsplit("/", 1)[-1] + ".yaml")
-    if target.exists() or target.is_symlink():
-        raise UsageError(f"{target} exists; choose another directory (nothing was written)")
-    text = configs[args.name].read_text()
+    target = args.name.rsplit("/", 1)[-1] + ".yaml"
+    text, files = configs[args.name].read_text(), {}
     processor = _DATA_PROCESSOR.search(text)
     if processor is not None:  # everything checked before anything is written
         try:
-            from dls.train.modelzoo import require, write_tiny_data
+            from dls.train.modelzoo import require, tiny_data_files, write_tiny_data
         except ImportError:
             raise UsageError(
                 "this dls cannot write Model Zoo data (dls.train.modelzoo.write_tiny_data is missing); "
@@ -494,14 +503,16 @@ def _init(args: argparse.Namespace) -> None:
         kind = _KIND[processor.group(1)]
         if kind == "gpt":
             require("h5py")  # MissingExtras, naming the modelzoo extra
-    directory.mkdir(parents=True, exist_ok=True)
-    if processor is not None:
-        write_tiny_data(kind, directory / "data" / kind)
+        defaults = inspect.signature(write_tiny_data).parameters
+        data = tiny_data_files(kind, **{k: p.default for k, p in defaults.items() if k not in ("kind", "directory")})
+        files = {f"data/{kind}/{name}": content for name, content in data.items()}
         text = _point_data_dirs(text, directory / "data")
+    files[target] = text.encode()  # last: written once the data is there
+    with _writing_to_dir(), RunDir(resolve_model_dir(directory, "DIR"), "DIR") as out:  # new files only
+        out.create_all(files)
+    if processor is not None:
         print(f"Wrote a tiny {processor.group(1)} data set into {directory / 'data' / kind}")
-    with open(target, "x") as file:  # never over an existing file or through a link
-        file.write(text)
-    print(f"Wrote {target} (needs {_extras(text)}). Next: dls train {target}")
+    print(f"Wrote {directory / target} (needs {_extras(text)}). Next: dls train {directory / target}")
 
 
 def _point_data_dirs(text: str, data: Path) -> str:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dls.policy import shown
 from dls.train.config import ZOO_MODELS, DataConfig, ModelConfig
 from dls.train.errors import ConfigError
 
@@ -156,10 +157,12 @@ class BatchIterator:
         """Continue from ``state`` (:meth:`state_dict`); ``ValueError`` naming the field when it is not one."""
         if not isinstance(state, dict):
             raise ValueError(f"a mapping with epoch and position is expected; got {type(state).__name__}")
-        for key in ("epoch", "position"):
-            value = state.get(key)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-                raise ValueError(f"{key} must be an integer >= 0; got {value!r}")
+        # epoch and position are loaded; seed, batch_size and world_size (when saved) say what the saving run read,
+        # and the config decides them now: each is still checked, as a field of the format.
+        for key, low in {"epoch": 0, "position": 0, "seed": 0, "batch_size": 1, "world_size": 1}.items():
+            value = state.get(key) if key in ("epoch", "position") else state.get(key, low)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**63:
+                raise ValueError(f"{key} must be an integer >= {low}; got {shown(value)}")
         self.epoch, self._order = state["epoch"], None
         self.position = -(-state["position"] // self.world_size)  # rounded up: no batch slot is taken twice
 

@@ -10,9 +10,11 @@ first overflows. Loss: float32 MSE on 8 held-out batches after training.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
+import stat
 import time
 import warnings
 from collections import OrderedDict
@@ -27,10 +29,10 @@ from torch import nn
 
 import dls
 from dls.diagnostics.scales import pow2
-from dls.train.checkpoint import CONFIG_FILE, METRICS_FILE, PLOT_FILE, RunDir, resolve_model_dir
-from dls.train.config import parse_config
-from dls.train.errors import TrainingStopped
+from dls.train.config import load_yaml, parse_config, to_dict
+from dls.train.errors import ModelDirError, TrainingStopped
 from dls.train.reporting import PlotGroup, PlotRun, TrainResult, plot_demo, read_metrics
+from dls.train.rundir import CONFIG_FILE, RunDir, earlier_run_files, resolve_model_dir
 from dls.train.trainer import Trainer
 
 LOSS_WEIGHT = 1e-4
@@ -78,9 +80,11 @@ Result = tuple[str, TrainResult, "int | None", str]
 
 
 def run_demo(out: Path, steps: int, progress: bool = True) -> None:
-    """Train every run into ``out/<slug>/`` (``out`` locked like a model_dir), print the tables, write demo.png."""
+    """Train every run into ``out/<slug>/`` (``out`` locked like a model_dir), print the tables, write demo.png. An
+    earlier demo's output there is replaced, and said so (:func:`replace_earlier_demo`)."""
     console = Console()
     with RunDir(resolve_model_dir(out, "--out"), "--out") as run_dir:
+        replace_earlier_demo(out, console)
         console.print(
             f"[bold]dls demo[/]: a 3-layer tanh MLP learns a random teacher network; Adam, lr 1e-3, batch 128, {steps} "
             f"steps; the loss is multiplied by {LOSS_WEIGHT:g} (model.loss_weight), so float16 flushes many gradients."
@@ -109,18 +113,64 @@ def run_demo(out: Path, steps: int, progress: bool = True) -> None:
         console.print(f"Total wall time {total:.1f} s. Plot: {plot}. Per-run metrics and checkpoints: {out}/<run>/")
 
 
-def _train_one(slug: str, out: Path, steps: int, progress: bool, console: Console) -> Result:
-    label, precision, optimizer = RUNS[slug]
-    model_dir = out / slug
-    if model_dir.exists():  # a previous demo's outputs (the trainer's names only; links removed, never followed)
-        with RunDir(resolve_model_dir(model_dir)) as previous:
-            for name in os.listdir(previous.fd):
-                checkpoint = name.startswith("checkpoint_") and ".mdl" in name
-                if checkpoint or name in (METRICS_FILE, PLOT_FILE, CONFIG_FILE):
-                    os.unlink(name, dir_fd=previous.fd)
+def demo_config(slug: str, steps: int, model_dir: Path) -> dict[str, Any]:
+    """The config of the run ``slug`` of :data:`RUNS`."""
+    _, precision, optimizer = RUNS[slug]
     raw = base_config(steps, model_dir)
     raw["precision"].update(precision)
     raw["optimizer"].update(optimizer)
+    return raw
+
+
+def replace_earlier_demo(out: Path, console: Console) -> None:
+    """Delete the files an earlier ``dls demo`` wrote into ``out/<slug>/`` (the names a run writes, as
+    ``dls.train.rundir.earlier_run_files`` lists them; other files stay), and say so: a run directory is a
+    demo's when its config.yaml is the config this demo trains there (but for ``max_steps``). Any other earlier
+    run's files refuse the demo before anything is deleted (:class:`ModelDirError`, naming them). Each directory is
+    locked while its files are deleted, never through a link."""
+    replaced = []
+    for slug in RUNS:
+        model_dir = resolve_model_dir(out / slug, "--out")
+        if not (earlier := earlier_run_files(model_dir)):
+            continue
+        if not _is_demo_output(model_dir, slug) or any(p.is_dir() and not p.is_symlink() for p in earlier):
+            names = ", ".join(p.name for p in earlier)
+            raise ModelDirError(
+                f"--out {out}: {model_dir} holds {names} of a run that is not an earlier dls demo's (its config.yaml "
+                "is not the one this demo trains there), which the demo would replace. To keep them, choose another "
+                "--out (or move them away)"
+            )
+        replaced.append((model_dir, earlier))
+    for model_dir, earlier in replaced:
+        with RunDir(model_dir, "--out") as previous:
+            for path in earlier:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path.name, dir_fd=previous.fd)
+    if replaced:
+        runs = f"{len(replaced)} run{'s' * (len(replaced) > 1)}"
+        console.print(f"Replacing the output of an earlier dls demo in {out} ({runs})", highlight=False)
+
+
+def _is_demo_output(model_dir: Path, slug: str) -> bool:
+    """Whether ``model_dir/config.yaml`` (a regular file, not followed) is the config :func:`demo_config` trains
+    for ``slug``, whatever its ``max_steps`` and ``model_dir``."""
+    try:
+        fd = os.open(model_dir / CONFIG_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return False
+            saved = parse_config(load_yaml(f.read(1 << 20).decode("utf-8")))
+    except (OSError, ValueError):  # missing, a link, unreadable, not UTF-8, not a config (ConfigError)
+        return False
+    run = {"max_steps": saved.runconfig.max_steps, "model_dir": saved.runconfig.model_dir}
+    mine = parse_config(demo_config(slug, 1, model_dir))
+    mine = mine.model_copy(update={"runconfig": mine.runconfig.model_copy(update=run)})
+    return to_dict(saved) == to_dict(mine)
+
+
+def _train_one(slug: str, out: Path, steps: int, progress: bool, console: Console) -> Result:
+    label = RUNS[slug][0]
+    raw = demo_config(slug, steps, out / slug)
     console.print(f"\n[bold]{label}[/]")
     cfg = parse_config(raw, source=f"demo run {slug}")
     trainer = Trainer(cfg, console=console, progress=progress, summary=False, plot=False)

@@ -1,10 +1,13 @@
-"""``dls replay`` and ``dls tune``: the policy lab's command line (the work is ``dls.diagnostics.replaying``'s).
+"""``dls replay`` and ``dls tune``: the policy lab's command line (the work is ``dls.diagnostics``': ``trace``
+reads, ``replaying`` replays, ``tuning`` searches the table of ``policies``).
 
 ``dls replay TRACE --policy torch --policy "cerebras:steps_per_increase=500"`` prints, per policy, the steps it
 would have skipped, its steps at the minimum scale, the underflow in the run's format and the undecided steps,
-each as the estimate and the bounds the trace allows; ``--plot FILE`` draws one panel per policy (scale and
-skips against steps), ``--json`` prints it all as JSON. ``dls tune TRACE`` searches each policy's stated grid
-and prints the best settings with the lines to paste into each system. Bad input exits 2 with one line.
+each as the estimate and the bounds the trace allows (a figure the trace cannot decide: ``-``, ``null`` in
+JSON); ``--plot FILE`` draws one panel per policy (scale and skips against steps), ``--json`` prints it all as
+JSON. ``dls tune TRACE`` searches each policy's stated grid and prints the best settings with the lines to paste
+into each system. Bad input (a trace that breaks the format, a policy, an argument) exits 2 with one line naming
+it, before anything is written; a plot that cannot be written exits 3 naming its path, and leaves no file.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ import io
 import json
 import math
 import os
+import secrets
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dls.train.errors import UsageError
+from dls.train.errors import SPACE_ERRORS, OutOfMemory, UsageError
 
 REPLAY_EPILOG = """\
 policies: recorded (the run's own settings), torch, cerebras, megatron, deepspeed, static; NAME:key=value,...
@@ -28,7 +33,8 @@ examples:
   dls replay trace.jsonl --policy torch --policy "cerebras:steps_per_increase=500" --plot replay.png
 skipped: the estimate, then [lowest, highest] over every outcome the trace allows (steps it cannot decide: an
 overflow below the recorded scale; without record(model=...), a clean step above it).
-exit status: 0 done; 2 bad trace, policy or arguments."""
+a figure the trace cannot decide is "-" (null in --json).
+exit status: 0 done; 2 bad trace, policy or arguments; 3 the plot could not be written (disk full, permissions)."""
 
 TUNE_EPILOG = """\
 Each policy's grid (every combination; other arguments at the peer's defaults) is replayed; the settings with the
@@ -67,25 +73,50 @@ def add_commands(sub: Any, formatter: type[argparse.HelpFormatter]) -> None:
 
 
 def _read(path: str) -> Any:
-    from dls.diagnostics.record import TraceError, read_trace
+    from dls.diagnostics.trace import TraceError, read_trace
 
     try:
-        return read_trace(path)
+        trace = read_trace(path)
     except TraceError as exc:
         raise UsageError(str(exc)) from None
+    except MemoryError:  # a valid trace larger than the memory: the advice is not the trainer's
+        raise OutOfMemory(
+            f"reading the trace {path}", "replay a part of it (a header line, then the step lines that follow it)"
+        ) from None
+    if not trace.steps:
+        raise UsageError(f"the trace {path} holds no steps (was the scaler's update() called while recording?)")
+    return trace
+
+
+def _check_format(value: str | None) -> None:
+    from dls import formats
+
+    if value is not None and value not in formats.names():
+        raise UsageError(f"--format: format must be one of {', '.join(formats.names())}; got {value!r}")
+
+
+def _once(specs: Sequence[str]) -> None:
+    for i, spec in enumerate(specs):
+        if spec.strip() in (s.strip() for s in specs[:i]):
+            raise UsageError(f"--policy {spec.strip()!r} is given twice; give each policy once")
 
 
 def run_replay(args: argparse.Namespace) -> None:
-    from dls.diagnostics.replaying import POLICIES, RECORDED, replay
+    from dls.diagnostics.policies import POLICIES, RECORDED, buildable
+    from dls.diagnostics.replaying import replay
 
+    _check_format(args.format)
+    _once(args.policy or [])
+    if args.plot is not None:
+        _writable(Path(args.plot))
     trace = _read(args.trace)
     specs = args.policy or [RECORDED, *(name for name in POLICIES if name != "static")]
     try:
         if not args.policy:  # the defaults this dls can build (DeepSpeed's timing needs a dls that has it)
-            specs = [spec for spec in specs if _buildable(spec, trace)]
+            specs = [spec for spec in specs if buildable(spec, trace)]
         results = replay(trace, specs, args.format)
     except ValueError as exc:
-        raise UsageError(f"{'--format' if 'format must' in str(exc) else '--policy'}: {exc}") from None
+        raise UsageError(f"--policy: {exc}") from None
     plot = None
     if args.plot is not None:
         plot = _write(Path(args.plot), _plot_png(trace, results))
@@ -94,26 +125,25 @@ def run_replay(args: argparse.Namespace) -> None:
         data["policies"] = [r.to_dict() for r in results]
         if plot is not None:
             data["plot"] = str(plot)
-        print(json.dumps(data, indent=1, allow_nan=False, default=_plain))
+        _print(json.dumps(data, indent=1, allow_nan=False, default=_plain))
         return
-    print(_replay_text(trace, results))
-    if plot is not None:
-        print(f"Plot: {plot}")
+    _print(_replay_text(trace, results) + ("" if plot is None else f"\nPlot: {plot}"))
 
 
-def _buildable(spec: str, trace: Any) -> bool:
-    from dls.diagnostics.replaying import parse_policy
-
+def _print(text: str) -> None:
+    """``text`` on standard output, flushed: a full disk or a closed pipe behind it is this command's error (exit
+    3), named as the standard output, not a run's."""
     try:
-        parse_policy(spec, trace)
-    except ValueError:
-        return False
-    return True
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except OSError as exc:
+        error = OSError(exc.errno, exc.strerror or str(exc), "the standard output")
+        if exc.errno in SPACE_ERRORS:
+            error.advice = "free some space or send the output elsewhere"  # type: ignore[attr-defined]
+        raise error from None
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
     raise TypeError(f"not JSON: {type(value).__name__}")
 
 
@@ -127,8 +157,8 @@ def _count(triple: tuple[float, float, float], digits: int = 0) -> str:
 
 
 def _underflow(triple: tuple[float, float, float] | None) -> str:
-    if triple is None:
-        return "n/a"
+    if triple is None:  # no histogram in the trace: undecidable
+        return "-"
     estimate, low, high = triple
     text = f"{estimate:.2e}"
     return text if low == high == estimate else f"{text} [{low:.2e}, {high:.2e}]"
@@ -147,7 +177,7 @@ def _replay_text(trace: Any, results: Sequence[Any]) -> str:
     ]
     rows = [["policy", "skipped", "at min scale", f"underflow ({results[0].format})", "final scale", "undecided"]]
     for r in results:
-        final = "n/a" if r.final_scale is None else pow2(r.final_scale)
+        final = "-" if r.final_scale is None else pow2(r.final_scale)
         rows.append(
             [r.policy.spec, _count(r.skipped), _count(r.at_min_scale), _underflow(r.underflow), final, str(r.undecided)]
         )
@@ -167,8 +197,8 @@ def _replay_text(trace: Any, results: Sequence[Any]) -> str:
             lines.append(f"{r.policy.spec}: too many undecided steps to follow every outcome; its bounds are loose")
     if any(r.undecided for r in results) and not any(trace_has_modules(trace)):
         lines.append(
-            "undecided steps: record with scaler.record(..., model=model) (dls train does) to decide clean steps above "
-            "the recorded scale"
+            "undecided steps: record with scaler.record(..., model=model) (dls train: runconfig.record_trace: model) "
+            "to decide clean steps above the recorded scale"
         )
     return "\n".join(lines)
 
@@ -189,8 +219,8 @@ def _plot_png(trace: Any, results: Sequence[Any]) -> bytes:
     fig, axes = plt.subplots(len(results), 1, figsize=(9, 2.2 * len(results) + 0.6), sharex=True, squeeze=False)
     for ax, r in zip(axes[:, 0], results):
         ax.plot(steps, recorded, color="0.75", lw=1, label="recorded")
-        low = [math.log2(v) if v == v and v > 0 else math.nan for v in r.scale_low]
-        high = [math.log2(v) if v == v and v > 0 else math.nan for v in r.scale_high]
+        low = [math.nan if v is None else math.log2(v) for v in r.scale_low]  # None: any scale (no band)
+        high = [math.nan if v is None else math.log2(v) for v in r.scale_high]
         ax.fill_between(steps, low, high, color="tab:blue", alpha=0.2, lw=0, label="allowed by the trace")
         ax.plot(steps, [math.log2(v) for v in r.scales], color="tab:blue", lw=1.2, label="estimate")
         sure = [(s, math.log2(v)) for s, v, k, g in zip(steps, r.scales, r.skips, r.guessed) if k and not g]
@@ -210,22 +240,45 @@ def _plot_png(trace: Any, results: Sequence[Any]) -> bytes:
     return out.getvalue()
 
 
-def _write(path: Path, data: bytes) -> Path:
-    """``data`` into ``path`` through a temporary file in its directory (never through a link at ``path``)."""
+def _writable(path: Path) -> None:
+    """Refuse a ``--plot`` path that ``_write`` must not replace: a link (never followed), a directory, a FIFO."""
+    if str(path) in ("", "."):
+        raise UsageError("--plot is empty; give the PNG file to write")
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise UsageError(f"--plot: {path} is not a regular file (or is a link, which dls does not follow)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "xb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+
+
+def _write(path: Path, data: bytes) -> Path:
+    """``data`` into ``path`` (created, or replaced whole) through a temporary file in its directory, never
+    through a link at ``path``; on failure, no file of it is left and the ``OSError`` names ``path``."""
+    _writable(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OSError(exc.errno, f"{exc.strerror or exc} (making its directory {exc.filename})") from None
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        error = OSError(exc.errno, exc.strerror or str(exc), str(path))
+        if exc.errno in SPACE_ERRORS:
+            error.advice = "free some space or give another --plot path"  # type: ignore[attr-defined]
+        raise error from None
     return path
 
 
 def run_tune(args: argparse.Namespace) -> None:
-    from dls.diagnostics.replaying import config_lines, tune
+    from dls.diagnostics.policies import config_lines
+    from dls.diagnostics.tuning import tune
 
-    trace = _read(args.trace)
+    _check_format(args.format)
     text = str(args.max_underflow).strip().lower()
     try:
         limit = None if text == "none" else float(text)
@@ -233,6 +286,7 @@ def run_tune(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-underflow must be a fraction in [0, 1] or none; got {args.max_underflow!r}") from None
     if args.top < 1:
         raise UsageError(f"--top must be >= 1; got {args.top}")
+    trace = _read(args.trace)
     try:
         result = tune(trace, args.policy, max_underflow=limit, fmt=args.format)
     except ValueError as exc:
@@ -251,13 +305,13 @@ def run_tune(args: argparse.Namespace) -> None:
                 for r, ok in zip(result.candidates, result.feasible)
             ],
         }
-        print(json.dumps(data, indent=1, allow_nan=False, default=_plain))
+        _print(json.dumps(data, indent=1, allow_nan=False, default=_plain))
         return
-    print(_tune_text(trace, result, args.top))
+    _print(_tune_text(trace, result, args.top))
 
 
 def _tune_text(trace: Any, result: Any, top: int) -> str:
-    from dls.diagnostics.replaying import config_lines
+    from dls.diagnostics.policies import config_lines
 
     limit = "no underflow limit" if result.max_underflow is None else f"underflow <= {result.max_underflow:g}"
     lines = [

@@ -1,5 +1,5 @@
-"""Launching across ranks: the device and torchrun's process group (gloo on CPU, NCCL with a GPU per rank); the
-trainer wraps its model in DDP. Imports torch and the standard library only."""
+"""The machine a run launches on: its free memory, the device and torchrun's process group (gloo on CPU, NCCL with a
+GPU per rank); the trainer wraps its model in DDP. Imports torch and the standard library only."""
 
 from __future__ import annotations
 
@@ -22,6 +22,17 @@ def torchrun_env() -> TorchrunEnv:
     value that is not a decimal number reads as unset."""
     values = {field: os.environ.get(field.upper(), "").strip() for field in TorchrunEnv._fields}
     return TorchrunEnv(**{field: int(value) for field, value in values.items() if value.isdecimal()})
+
+
+def free_memory() -> int | None:
+    """The memory available to a new allocation here, in bytes (``MemAvailable``, else the free pages); ``None``
+    when the system does not say."""
+    try:
+        pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/meminfo", "rb") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith(b"MemAvailable:")), pages)
+    except (OSError, ValueError):
+        return None
 
 
 def resolve_device(name: str) -> torch.device:

@@ -1,7 +1,7 @@
 """The reference tables the documentation renders (docs/reference/trainer.md, through docs/hooks/generated.py): every
-config key the trainer reads, generated from the schema itself (``dls.train.config``'s sections and their pydantic
-fields, the layouts' tables, ``dls.train.modelzoo``'s key models), so that a key added there appears here with its
-type, default, allowed values and help; and the ``--help`` of every ``dls`` command.
+config key the trainer reads, generated from the schema itself (``dls.train.config.schema``'s sections and their
+pydantic fields, ``dls.train.config.layouts``' tables, ``dls.train.modelzoo``'s key models), so that a key added
+there appears here with its type, default, allowed values and help; and the ``--help`` of every ``dls`` command.
 
 Where a key lives in the current Model Zoo layout is found by running the config reader's own tables on probe
 values, not by a list kept here."""
@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from dls.train import config as schema
+from dls.train.config import layouts, schema, validation
 
 # Values offered to a layout table's reader functions (whose argument shapes differ): each is tried in turn.
 _PROBES: tuple[Callable[[list[str]], Any], ...] = (
@@ -30,7 +30,7 @@ _PROBES: tuple[Callable[[list[str]], Any], ...] = (
 )
 
 
-class _Recorder(schema._Reader):
+class _Recorder(layouts.Reader):
     """The config reader, recording where each key of dls's sections was written (``(section, key) -> paths``)."""
 
     def __init__(self) -> None:
@@ -43,7 +43,7 @@ class _Recorder(schema._Reader):
 
 def _every_key() -> list[str]:
     keys = {k for cls in schema.SECTION_CLASSES.values() for k in cls.model_fields}
-    keys |= set(getattr(schema, "_OPTIMIZER_ARGS", {}))
+    keys |= set(layouts.OPTIMIZER_ARGS)
     return sorted(keys)
 
 
@@ -71,7 +71,7 @@ def current_layout_paths() -> dict[tuple[str, str], list[str]]:
                         to(recorder, probe(_every_key()), path)
                     add(recorder.paths)
 
-    visit(schema._TRAINER, "trainer")
+    visit(layouts.CURRENT_LAYOUT, "trainer")
     return {target: [p.replace(".Adam.", ".<optimizer>.") for p in paths] for target, paths in found.items()}
 
 
@@ -92,11 +92,11 @@ def _default(value: Any) -> str:
 
 
 def _allowed(model: type[BaseModel], key: str) -> str:
-    shape = getattr(schema, "_SHAPES", {}).get(key)
+    shape = validation.SHAPES.get(key)
     if shape is not None:
         return str(shape)
     properties = model.model_json_schema()["properties"]
-    return schema._allowed(properties[key], big=False) if key in properties else "a mapping"
+    return validation.schema_in_words(properties[key], big=False) if key in properties else "a mapping"
 
 
 def _scaler_default(key: str) -> str:
@@ -122,7 +122,7 @@ def _scaler_default(key: str) -> str:
 def _section_titles() -> dict[str, str]:
     """dls's section -> its heading: its name, and its other names in Model Zoo's legacy layout (``train_input``)."""
     titles = {section: f"`{section}`" for section in schema.SECTION_CLASSES}
-    for written, section in getattr(schema, "_LEGACY", {}).items():
+    for written, section in layouts.LEGACY_SECTIONS.items():
         if section in titles and written != section and section != "eval_data":
             titles[section] += f" (`{written}` in Model Zoo's legacy layout)"
     return titles
@@ -131,7 +131,7 @@ def _section_titles() -> dict[str, str]:
 def config_keys_markdown() -> str:
     """Every key of dls's sections, one table per section, then Model Zoo's model and data keys (Markdown)."""
     current = current_layout_paths()
-    only = getattr(schema, "ONLY", {})
+    only = schema.ONLY
     titles = _section_titles()
     parts = []
     for section, cls in schema.SECTION_CLASSES.items():
@@ -154,7 +154,7 @@ def config_keys_markdown() -> str:
         parts.append("")
     moved = [
         f"`{legacy_section}.{key}` → `{to[0]}.{to[1]}`"
-        for legacy_section, table in getattr(schema, "_MOVED", {}).items()
+        for legacy_section, table in layouts.MOVED.items()
         for key, to in table.items()
         if isinstance(to, tuple) and (legacy_section, key) != to
     ]
@@ -167,7 +167,7 @@ def config_keys_markdown() -> str:
 def _modelzoo_markdown() -> str:
     """The keys of Model Zoo's models and data processors, as ``dls.train.modelzoo`` declares them."""
     try:
-        modelzoo = importlib.import_module("dls.train.modelzoo")
+        modelzoo = importlib.import_module("dls.train.modelzoo.keys")
     except ImportError:  # the modelzoo extra is missing: the docs build needs it
         raise ImportError("the config-key reference needs dls.train.modelzoo (pip install -e '.[modelzoo]')") from None
     parts = ["### Model Zoo's models and data processors\n"]
@@ -177,7 +177,7 @@ def _modelzoo_markdown() -> str:
         "`train_input:` / `eval_input:` of a Model Zoo data processor": "LoaderKeys",
     }
     for title, name in tables.items():
-        model = getattr(modelzoo, name, None)
+        model = getattr(modelzoo, name)
         if not isinstance(model, type) or not issubclass(model, BaseModel):
             continue
         doc = " ".join((model.__doc__ or "").split())
@@ -186,7 +186,7 @@ def _modelzoo_markdown() -> str:
         parts.append("|---|---|---|---|")
         properties = model.model_json_schema().get("properties", {})
         for key, field in model.model_fields.items():
-            allowed = schema._allowed(properties[key], big=False) if key in properties else "a mapping"
+            allowed = validation.schema_in_words(properties[key], big=False) if key in properties else "a mapping"
             default = "required" if field.is_required() else _default(field.default)
             what = field.description or "as in Model Zoo"
             parts.append(f"| `{key}` | {_cell(allowed)} | `{_cell(default)}` | {_cell(what)} |")
@@ -201,7 +201,7 @@ def _modelzoo_markdown() -> str:
         parts.append(f"Accepted only at Model Zoo's default ({kind}; another value is an error naming it): {listed}.\n")
     ignored = sorted(
         {str(k) for name, v in vars(modelzoo).items() if name.endswith("_IGNORED") for k in v}
-        | set(getattr(schema, "CEREBRAS_ONLY", ()))
+        | layouts.IGNORED_OFF_CEREBRAS
     )
     parts.append(
         "Accepted and listed once as ignored (they matter only on Cerebras hardware or to Model Zoo's launcher): "
@@ -254,7 +254,7 @@ def keys_text(width: int = 100) -> str:
     import textwrap
 
     rows: list[tuple[str, str, str] | str] = []
-    only = getattr(schema, "ONLY", {})
+    only = schema.ONLY
     for section, cls in schema.SECTION_CLASSES.items():
         rows.append(f"{section}:")
         for key, field in cls.model_fields.items():

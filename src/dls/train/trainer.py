@@ -33,7 +33,7 @@ from dls.diagnostics.record import TRACE_FILE, Recorder, kept_for_resume
 from dls.diagnostics.scales import module_label, pow2
 from dls.emulate import EmulationHandle
 from dls.train import checkpoint as ckpt
-from dls.train import config, data, reporting
+from dls.train import config, data, reporting, rundir
 from dls.train.errors import MissingExtras, RankError, TrainingStopped, describe, exit_status
 from dls.train.launch import resolve_device
 from dls.train.reporting import TrainResult, json_number
@@ -73,8 +73,8 @@ class Trainer:
                     f"runconfig.tensorboard needs the 'tensorboard' extra ({exc}); install it with: "
                     "pip install 'dls[tensorboard]'"
                 ) from None
-        self.model_dir = ckpt.resolve_model_dir(rc.model_dir)
-        self.run_dir: ckpt.RunDir | None = None  # rank 0, while train() holds model_dir
+        self.model_dir = rundir.resolve_model_dir(rc.model_dir)
+        self.run_dir: rundir.RunDir | None = None  # rank 0, while train() holds model_dir
         self.crash_dir: Path | None = None  # where a crash report may go: model_dir, once this run has locked it
         ckpt.seed_everything(rc.seed)
         # Model Zoo data: the directories are checked here, not by dls validate.
@@ -205,7 +205,7 @@ class Trainer:
         self._resumed_from: Path | None = None  # the checkpoint this session started from
 
         def lock() -> None:  # first: nothing of model_dir is read before its lock is held
-            run_dir = self.run_dir = ckpt.RunDir(self.model_dir)
+            run_dir = self.run_dir = rundir.RunDir(self.model_dir)
             self.crash_dir = self.model_dir  # then a crash report may go there
             if run_dir.stale:
                 self.log(f"Taking over the lock of {run_dir.stale}: that run ended without releasing it")
@@ -233,7 +233,7 @@ class Trainer:
                 key = "runconfig.checkpoint_path"  # or trainer.fit.ckpt_path: errors name the key as written
                 resume, what = rc.checkpoint_path, self.cfg.sources.get(key, key)
             autoload = rc.autoload_last_checkpoint and not overwrite  # --overwrite starts a new run
-            if resume is None and autoload and ckpt.list_checkpoints(self.model_dir):
+            if resume is None and autoload and rundir.list_checkpoints(self.model_dir):
                 key = "runconfig.autoload_last_checkpoint"  # the same command again continues the run (--resume DIR)
                 resume, what = self.model_dir, self.cfg.sources.get(key, key)
             path, state, unreadable = (None, None, []) if resume is None else ckpt.load_resume_checkpoint(resume, what)
@@ -242,12 +242,14 @@ class Trainer:
                 states = rc.load_checkpoint_states
             for bad, reason in unreadable:
                 self.log(f"Skipping {bad}: {reason}")
-            check = functools.partial(ckpt.check_model_dir, overwrite=overwrite, config_file=self.config_file)
+            check = functools.partial(rundir.check_model_dir, overwrite=overwrite, config_file=self.config_file)
             self._on_rank0(lambda: aside.extend(check(self.model_dir, path, unreadable, states)))
             if path is not None and state is not None:
                 ckpt.restore(self, path, state, states)
                 del state
             self._resumed_from = path
+            if path is not None and rundir.checkpoint_path(self.model_dir, self.global_step).exists():
+                self._last_checkpoint = rundir.checkpoint_path(self.model_dir, self.global_step)  # in place: saved
             self._session_from = (self.global_step, self.scaler.get_num_skipped_steps())  # for the stop messages
             self._on_rank0(open_run_dir)
             return self._train()
@@ -288,7 +290,7 @@ class Trainer:
                         self._evaluate(step)
                     if rc.checkpoint_steps and step % rc.checkpoint_steps == 0 and step < max_steps:
                         self._save()
-                if self._last_checkpoint != ckpt.checkpoint_path(self.model_dir, self.global_step):  # not saved yet
+                if self._last_checkpoint != rundir.checkpoint_path(self.model_dir, self.global_step):  # not saved yet
                     self._save()
         except KeyboardInterrupt:  # a second Ctrl-C, in the middle of a step
             self._display.close()
@@ -327,7 +329,7 @@ class Trainer:
             skipped_steps=self.scaler.get_num_skipped_steps(), scaling=config.loss_scaling_mode(cfg),
             loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None,
             grad_underflow=grad_underflow, fp8_flushed=fp8_flushed, fp8_saturated=fp8_saturated,
-            wall_time=wall_time, checkpoint=self._last_checkpoint, metrics_path=self.model_dir / ckpt.METRICS_FILE,
+            wall_time=wall_time, checkpoint=self._last_checkpoint, metrics_path=self.model_dir / rundir.METRICS_FILE,
             plot_path=plot,
         )  # fmt: skip
         if stopped is not None:
@@ -599,8 +601,8 @@ class Trainer:
             }
             optional = {"grad_scaler": self.scaler if self.scaler.is_enabled() else None, "fp8": self.fp8}
             state.update((key, value.state_dict()) for key, value in optional.items() if value is not None)
-            self.run_dir.save_checkpoint(state, self.global_step, self.cfg.runconfig.keep_checkpoint_max)
-        self._last_checkpoint = ckpt.checkpoint_path(self.model_dir, self.global_step)
+            ckpt.save_checkpoint(self.run_dir, state, self.global_step, self.cfg.runconfig.keep_checkpoint_max)
+        self._last_checkpoint = rundir.checkpoint_path(self.model_dir, self.global_step)
         return self._last_checkpoint
 
     def _broken_weights(self, broken: list[str]) -> TrainingStopped:
@@ -614,7 +616,7 @@ class Trainer:
             how += "would overflow"
         else:  # the weights it started from were inf/NaN already
             how = f"no step of this session was applied ({steps} skipped), so they held inf/NaN when it started"
-        found, origin = ckpt.list_checkpoints(dir_), self._resumed_from
+        found, origin = rundir.list_checkpoints(dir_), self._resumed_from
         newest, then = "the run has no checkpoint", "start again"
         if found:
             newest = f"the newest checkpoint is {found[-1][1]}"
@@ -637,24 +639,14 @@ def build_optimizer(cfg: config.TrainConfig, model: torch.nn.Module) -> torch.op
     ``adjust_learning_rate`` groups their own): the LR schedule (a ``LambdaLR``) multiplies it. Model Zoo's models
     take Model Zoo's parameter groups and optimizers (``dls.train.modelzoo``: no weight decay on biases and norms;
     cstorch's Adam/AdamW, whose ``correct_bias`` is honoured); dls's own, torch's (whose AdamW always corrects)."""
-    opt = cfg.optimizer
-    if cfg.model.name not in config.ZOO_MODELS:
-        params: Any = model.parameters()
-    else:
+    opt, (cls, hyper) = cfg.optimizer, config.optimizer_class(cfg.optimizer, cfg.model.name)
+    params: Any = model.parameters()
+    if cfg.model.name in config.ZOO_MODELS:
         from dls.train import modelzoo  # imported only by runs of Model Zoo models
 
         where = cfg.sources.get("optimizer.adjust_learning_rate", "optimizer.adjust_learning_rate")
         params = modelzoo.param_groups(model, opt.weight_decay, dict(opt.adjust_learning_rate), where)
-        if opt.optimizer_type != "SGD":  # cstorch's SGD is torch's
-            decoupled = opt.optimizer_type == "AdamW"
-            return modelzoo.CerebrasAdam(
-                params, lr=1.0, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
-                correct_bias=opt.correct_bias, decoupled_weight_decay=decoupled,
-            )  # fmt: skip
-    if opt.optimizer_type == "SGD":
-        return torch.optim.SGD(params, lr=1.0, momentum=opt.momentum, weight_decay=opt.weight_decay)
-    cls = torch.optim.Adam if opt.optimizer_type == "Adam" else torch.optim.AdamW
-    return cls(params, lr=1.0, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    return cls(params, lr=1.0, **hyper)
 
 
 def learning_rate_at(schedule: float | Sequence[Any], step: int) -> float:

@@ -1,0 +1,32 @@
+"""Cerebras Model Zoo's models and data formats for ``dls train`` (the ``modelzoo`` extra: h5py, transformers):
+
+- ``keys``: the keys of a Model Zoo model's and data processor's sections (``parse_model``, ``parse_loader``);
+- ``models``: ``build_model`` on Hugging Face's classes, ``fit_to_data``, Model Zoo's parameter groups, cstorch's
+  Adam;
+- ``data``: the data readers (``build_loader``, ``check_data``), the tiny data sets of ``dls data`` (``main``);
+- ``extra``: ``require``, the extra's imports."""
+
+from __future__ import annotations
+
+from dls.train.modelzoo.data import (
+    IGNORE_INDEX,
+    MAX_VOCAB,
+    GptDataset,
+    MnistDataset,
+    build_loader,
+    check_data,
+    main,
+    read_idx,
+    tiny_data_files,
+    write_tiny_data,
+)
+from dls.train.modelzoo.extra import require
+from dls.train.modelzoo.keys import FcMnistKeys, GptKeys, Initializer, LoaderKeys, parse_loader, parse_model
+from dls.train.modelzoo.models import LR_GROUPS, CausalLM, CerebrasAdam, FcMnist, build_model, fit_to_data, param_groups
+
+__all__ = [
+    "IGNORE_INDEX", "LR_GROUPS", "MAX_VOCAB", "CausalLM", "CerebrasAdam", "FcMnist", "FcMnistKeys", "GptDataset",
+    "GptKeys", "Initializer", "LoaderKeys", "MnistDataset", "build_loader", "build_model", "check_data",
+    "fit_to_data", "main", "param_groups", "parse_loader", "parse_model", "read_idx", "require", "tiny_data_files",
+    "write_tiny_data",
+]  # fmt: skip
