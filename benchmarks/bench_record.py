@@ -66,14 +66,14 @@ class Variant:
 
     def _timed_hook(self) -> None:
         assert self.recorder is not None
-        inner = self.recorder.rule_step
+        inner = self.recorder.before_rule
 
-        def timed(found_inf: torch.Tensor) -> None:
+        def timed(found_inf: torch.Tensor, gradients: Any) -> None:
             t0 = time.thread_time()
-            inner(found_inf)
+            inner(found_inf, gradients)
             self.in_recorder += time.thread_time() - t0
 
-        self.recorder.rule_step = timed  # type: ignore[method-assign]
+        self.recorder.before_rule = timed  # type: ignore[method-assign]
 
     def step(self) -> None:
         tokens, targets = self.batches[self.round % len(self.batches)]

@@ -3,8 +3,8 @@
 Unscaling multiplies by ``1/scale``. While the scale is at least 1 that factor is at most 1, so a finite scaled
 gradient stays finite and checking the input (what torch's AMP kernel does) is enough. Below 1 a finite scaled
 gradient can overflow once unscaled, so dls also checks the result. The host cannot read the scale without a
-device sync, so dls keeps a lower bound of it on the host (``LossScale.at_least``: exact after a read, halved by
-every ``update()``) and takes the careful form while that bound is below 1:
+device sync, so dls keeps a lower bound of it on the host (``LossScale.known.scale_at_least``: exact after a read,
+halved by every ``update()``) and takes the careful form while that bound is below 1:
 
 * ``unscale_`` (and ``step()`` on the default path): one more read pass over the unscaled gradients
   (``kernels.mul_and_check_(..., factor_may_exceed_one=True)``);
@@ -89,7 +89,8 @@ def bench_unscale(
     }
     times = interleave(cases, device, reps, warmup)
     assert low.get_num_skipped_steps() == 0 and high.get_num_skipped_steps() == 0, "benchmark gradients overflowed"
-    assert low._scale.may_be_below_one and not high._scale.may_be_below_one, "a scaler left its case"
+    below = [scaler._scale.known.scale_may_be_below_one() for scaler in (low, high)]
+    assert below == [True, False], "a scaler left its case"
     return times
 
 
@@ -106,7 +107,8 @@ def bench_check(
         "torch": Case(run=lambda: theirs._check_inf_per_device(opt)),
     }
     times = interleave(cases, device, reps, warmup)
-    assert low._scale.may_be_below_one and not high._scale.may_be_below_one, "a scaler left its case"
+    below = [scaler._scale.known.scale_may_be_below_one() for scaler in (low, high)]
+    assert below == [True, False], "a scaler left its case"
     return times
 
 

@@ -347,9 +347,9 @@ def bench_unscale(
 
 def fused_step_check(scaler: dls.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor:
     """The overflow check ``scaler.step(optimizer)`` runs before the step of an optimizer that unscales inside its
-    own kernel (``GradScaler._fused_step``): a read of the still-scaled gradients, nothing written. It neither
+    own kernel (``GradScaler._step_fused``): a read of the still-scaled gradients, nothing written. It neither
     changes the scale nor its host bound, so it can be repeated without closing the iteration."""
-    return scaler._check_scaled(optimizer)
+    return scaler._check_scaled(optimizer, scaler._tracker.progress(optimizer))
 
 
 def bench_check(
@@ -367,7 +367,7 @@ def bench_check(
         "floor": Case(run=lambda: torch._foreach_mul_(grads, one)),
     }
     times = interleave(cases, device, reps, warmup)
-    assert not ours._scale.may_be_below_one, "the check ran in the scale-below-1 case"
+    assert not ours._scale.known.scale_may_be_below_one(), "the check ran in the scale-below-1 case"
     return times
 
 

@@ -110,11 +110,11 @@ def train(
             assert recorder is not None
             with recorder.paused():  # not a step of the run: the hooks measure nothing
                 for name, state in states.items():
-                    scale = float(state.tensor)
+                    scale = float(state.state.loss_scale)
                     grads = torch.autograd.grad(m.loss(model, batch, step).float() * scale, params, allow_unused=True)
                     overflow = not all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
                     shadow_seen[name].append((scale, overflow))
-                    state.apply_rule(torch.tensor(float(overflow)))
+                    state.update(torch.tensor(float(overflow)))
         scale = scaler.get_scale()
         dls.optimizer_step(m.loss(model, batch, step), opt, scaler, max_gradient_norm=m.clip)
         seen.append((scale, scaler.step_was_skipped(opt)))

@@ -460,9 +460,9 @@ def check_compiled_step(device: torch.device) -> None:
     assert sites, "expected torch's own breaks (backward, Optimizer.step, the fused kernel)"
     inside_dls = [s for s in sites if s.startswith(DLS_DIR)]
     if torch.__version__ < (2, 13):  # type: ignore[operator]
-        # Dynamo cannot set an optimizer's attributes there: dls.sync_free.fused_step hands the fused kernel its
+        # Dynamo cannot set an optimizer's attributes there: dls.device_step.fused_step hands the fused kernel its
         # scale and flag outside the graph, a break beside the kernel's own.
-        inside_dls = [s for s in inside_dls if not s.startswith(os.path.join(DLS_DIR, "sync_free.py:"))]
+        inside_dls = [s for s in inside_dls if not s.startswith(os.path.join(DLS_DIR, "device_step.py:"))]
     assert inside_dls == [], f"graph breaks inside dls: {inside_dls}"
     assert scaler_state == ref_scaler_state
     assert_same(state, ref_state, "compiled vs eager")

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 import dls
 from dls import formats
-from dls.emulate import EmulationHandle
+from dls.emulation import EmulationHandle
 from dls.formats import FloatFormat
 
 CB = formats.cbfloat16

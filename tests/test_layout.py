@@ -1,8 +1,12 @@
 """Where one step lives (issue 19): a steady-state ``scale(loss).backward(); step(opt); update()`` enters at most four
-dls source files (the scaler, the gradient passes, the scale it holds, the rule) on the default path."""
+dls source files (the scaler, the gradient passes, the scale it holds, the rule) on the default path, with no more
+calls into dls than before issue 39; and the seams of issue 39: no import circle but through ``TYPE_CHECKING``, the
+core imports nothing of the diagnostics or the trainer, and no module reads a private attribute of a scaler."""
 
 from __future__ import annotations
 
+import ast
+import copy
 import sys
 from pathlib import Path
 from types import FrameType
@@ -49,3 +53,141 @@ def test_a_step_enters_at_most_four_dls_files(make: Any) -> None:
     entered = _files_entered(make())
     assert len(entered) <= 4, sorted(entered)
     assert "scaler.py" in entered
+
+
+# The calls a steady step made into dls on main before issue 39 (this test's model, by set-up): a redesign may only
+# make fewer. Counted with sys.setprofile, as _files_entered does.
+CALLS_BEFORE = {"torch-dialect": 59, "cerebras-dialect": 59, "hysteresis": 59}
+
+
+@pytest.mark.parametrize("name", list(CALLS_BEFORE))
+def test_a_step_makes_no_more_calls_into_dls_than_before(name: str) -> None:
+    make = {
+        "torch-dialect": lambda: dls.GradScaler("cpu"),
+        "cerebras-dialect": lambda: dls.GradScaler("dynamic"),
+        "hysteresis": lambda: dls.GradScaler("dynamic", hysteresis=2),
+    }[name]
+    assert _calls(make()) <= CALLS_BEFORE[name]
+
+
+def _calls(scaler: dls.GradScaler) -> int:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = 0
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        nonlocal calls
+        calls += event == "call" and frame.f_code.co_filename.startswith(SRC)
+
+    for iteration in range(3):
+        loss = model(torch.ones(3, 4)).sum()
+        if iteration == 2:
+            sys.setprofile(profile)
+        try:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        finally:
+            sys.setprofile(None)
+        opt.zero_grad()
+    return calls
+
+
+# ---------------------------------------------------------------------------------------------- who imports whom
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """The dls modules ``path`` imports, each with whether only under ``if TYPE_CHECKING:``."""
+    tree = ast.parse(path.read_text())
+    typing_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "dls":
+            names = [f"{node.module}.{a.name}" for a in node.names]
+            modules = [n for n in names if _module_path(n) is not None] or [node.module]
+            out += [(m, id(node) in typing_only) for m in modules]
+        elif isinstance(node, ast.Import):
+            out += [(a.name, id(node) in typing_only) for a in node.names if a.name.split(".")[0] == "dls"]
+    return out
+
+
+def _module_path(name: str) -> Path | None:
+    base = Path(SRC).parent.joinpath(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _graph(typing_too: bool) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in Path(SRC).rglob("*.py"):
+        rel = path.relative_to(Path(SRC).parent).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        imported = {m for m, typing_only in _imports(path) if typing_too or not typing_only}
+        # Importing dls.diagnostics.watch runs dls/diagnostics/__init__.py first: an import of that package too.
+        packages = {".".join(m.split(".")[:i]) for m in imported for i in range(2, m.count(".") + 1)}
+        graph[name] = (imported | packages) - {name}
+    return graph
+
+
+def test_no_import_circle_inside_dls_but_through_type_checking() -> None:
+    """The library (the trainer, ``dls.train``, apart: its own layout)."""
+    graph = {k: v for k, v in _graph(typing_too=False).items() if not k.startswith("dls.train")}
+    cycles = []
+    for start in graph:
+        stack = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph.get(node, ()):
+                if node.startswith(nxt + ".") or nxt.startswith("dls.train"):
+                    continue  # a package is imported before its modules: importing it again is no circle
+                if nxt == start:
+                    cycles.append(path)
+                elif nxt not in path and len(path) < 12:
+                    stack.append((nxt, [*path, nxt]))
+    assert not cycles, cycles[:3]
+
+
+def test_the_core_imports_nothing_of_the_diagnostics() -> None:
+    graph = _graph(typing_too=False)
+    core = ["dls.scaler", "dls.loss_scale", "dls.policy", "dls.kernels", "dls.optimizers", "dls.observers"]
+    for module in core:
+        assert not {m for m in graph[module] if m.startswith(("dls.diagnostics", "dls.train"))}, module
+
+
+def test_no_module_reads_a_private_attribute_of_a_grad_scaler(tmp_path: Path) -> None:
+    """Every other part of dls speaks to a scaler through its public methods: watches and the fallback, the
+    recorder, skip-aware wrappers, master weights, optimizer_step, the checkpoint, a copy."""
+    reads: set[str] = set()
+    original = dls.GradScaler.__getattribute__
+    here = str(Path(SRC) / "scaler.py")
+
+    def spy(self: Any, name: str) -> Any:
+        if name.startswith("_") and not name.startswith("__"):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(SRC) and caller != here:
+                reads.add(f"{caller[len(SRC) + 1 :]}: {name}")
+        return original(self, name)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dls.GradScaler, "__getattribute__", spy)
+        scaler = dls.GradScaler("cpu", init_scale=2.0**20)
+        opt = dls.master_weights(inner)
+        watch = scaler.watch(model, fallback=True)
+        ema = dls.skip_aware(torch.optim.swa_utils.AveragedModel(model), scaler)
+        with scaler.record(tmp_path / "trace.jsonl", model=model):
+            for i in range(3):
+                loss = model(torch.ones(2, 4)).sum() * (1e30 if i == 1 else 1.0)
+                dls.optimizer_step(loss, opt, scaler, max_gradient_norm=1.0)
+                ema.update_parameters(model)
+        scaler.overflow_report()
+        scaler.load_state_dict(scaler.state_dict())
+        copy.deepcopy(scaler)
+        watch.remove()
+    assert not reads, sorted(reads)

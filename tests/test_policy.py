@@ -386,3 +386,62 @@ def test_in_place_update_equals_pure_update(
         rule.update_(in_place, flag)
         for name, a, b in zip(pure._fields, pure, in_place):
             assert a.item() == b.item(), name
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rule=torch_rules,
+    flags=st.lists(st.booleans(), min_size=1, max_size=40),
+    init_exp=st.integers(-14, 127),
+)
+def test_an_update_known_clean_on_the_host_changes_what_the_whole_rule_changes(
+    rule: DynamicRule, flags: list[bool], init_exp: int
+) -> None:
+    """``update_(known_clean=True)`` (a step decided on the host, clean, the scale at least the floor) leaves out
+    ops, never an effect: the state equals the whole rule's, but ``non_clamped_scale``, left unwritten (it is the
+    scale)."""
+    init = min(max(2.0**init_exp, rule.min_loss_scale), rule.max_loss_scale)
+    whole, known = rule.initial_state(init), rule.initial_state(init)
+    for overflow in flags:
+        flag = torch.tensor(float(overflow))
+        rule.update_(whole, flag)
+        rule.update_(known, flag, known_clean=not overflow)
+        for name, a, b in zip(whole._fields, whole, known):
+            if name == "non_clamped_scale" and not overflow:
+                assert a.item() == whole.loss_scale.item(), name
+            else:
+                assert a.item() == b.item(), name
+        known.non_clamped_scale.copy_(whole.non_clamped_scale)
+
+
+def test_the_static_rule_known_clean_changes_nothing() -> None:
+    state = StaticRule(hysteresis=2).initial_state(128.0)
+    before = [t.clone() for t in state]
+    StaticRule(hysteresis=2).update_(state, torch.tensor(0.0), known_clean=True)
+    assert [t.item() for t in state] == [t.item() for t in before] and state.hysteresis_tracker.item() == 2
+
+
+def test_normalise_brings_loaded_counters_within_the_rule() -> None:
+    rule = DynamicRule(growth_interval=4, hysteresis=2)
+    state = rule.initial_state(8.0)._replace(
+        steps_since_rescale=torch.tensor(9, dtype=torch.int32),
+        overflows_since_rescale=torch.tensor(7),
+        hysteresis_tracker=torch.tensor(-3),
+    )
+    rule.normalise_(state)
+    assert (state.steps_since_rescale.item(), state.overflows_since_rescale.item()) == (3, 3)
+    assert state.hysteresis_tracker.item() == 1
+    rule.update_(state, torch.tensor(0.0))  # the next clean update grows
+    assert state.loss_scale.item() == 16.0
+
+
+def test_lowest_after_bounds_the_scale_after_any_update() -> None:
+    rule = DynamicRule(growth_interval=1, backoff_factor=0.25, min_loss_scale=1.0, max_loss_scale=64.0)
+    state = rule.initial_state(8.0)
+    low = 8.0
+    for overflow in (True, True, False, True, False, False, False, False):
+        rule.update_(state, torch.tensor(float(overflow)))
+        low = rule.lowest_after(low, known_clean=not overflow)
+        assert low <= state.loss_scale.item()
+    assert rule.lowest_after(100.0, known_clean=True) == 64.0  # the clamp to the maximum
+    assert StaticRule().lowest_after(3.0, known_clean=False) == 3.0

@@ -19,7 +19,7 @@ import torch
 
 import dls
 from conftest import from_dls, host_reads
-from dls.diagnostics.record import TRACE_VERSION, kept_for_resume
+from dls.diagnostics.record import TRACE_VERSION, kept_for_resume, recording
 from dls.diagnostics.trace import read_trace
 
 
@@ -227,7 +227,7 @@ def test_rows_are_buffered_and_written_every_flush_every_steps() -> None:
     recorder.flush()
     assert lines() == 9
     recorder.close()
-    assert scaler._recorder is None
+    assert recording(scaler) is None
     recorder.close()  # again: nothing happens
 
 
@@ -243,7 +243,7 @@ def test_record_refuses_bad_arguments_before_anything_changes(tmp_path: Path) ->
         scaler.record(tmp_path / "t.jsonl", model=mlp(), model_format="float17")
     with pytest.raises(ValueError, match="file must be a path or a binary file object"):
         scaler.record(42)  # type: ignore[arg-type]
-    assert not (tmp_path / "t.jsonl").exists() and scaler._recorder is None
+    assert not (tmp_path / "t.jsonl").exists() and recording(scaler) is None
     with pytest.raises(ValueError, match="the scaler is disabled"):
         dls.GradScaler("cpu", enabled=False).record(tmp_path / "t.jsonl")
     with scaler.record(tmp_path / "t.jsonl"), pytest.raises(ValueError, match="already recording into"):
@@ -254,8 +254,8 @@ def test_a_recording_scaler_pickles_without_its_recorder(tmp_path: Path) -> None
     scaler = dls.GradScaler("cpu")
     with scaler.record(tmp_path / "t.jsonl"):
         clone = pickle.loads(pickle.dumps(scaler))
-        assert clone._recorder is None
-        assert copy.deepcopy(scaler)._recorder is None
+        assert recording(clone) is None
+        assert recording(copy.deepcopy(scaler)) is None
 
 
 def test_the_model_hooks_are_removed_and_a_paused_recorder_measures_nothing() -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dls
-from dls.arguments import CEREBRAS_ONLY, CEREBRAS_SIGNATURE, TORCH_SIGNATURE
+from dls.arguments import CEREBRAS_SIGNATURE, SELECTS_CEREBRAS, TORCH_SIGNATURE
 from dls.settings import ScalerSettings, SettingsError
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -425,10 +425,87 @@ CSTORCH_GRAD_SCALER = [
 
 def test_the_cerebras_signature_starts_with_cstorchs_own():
     assert _params(CEREBRAS_SIGNATURE)[0][: len(CSTORCH_GRAD_SCALER)] == CSTORCH_GRAD_SCALER
-    assert set(CEREBRAS_ONLY) == {name for name, _ in CSTORCH_GRAD_SCALER} - {"init_scale"}
+    assert set(SELECTS_CEREBRAS) == {name for name, _ in CSTORCH_GRAD_SCALER} - {"init_scale"}
 
 
 def test_every_argument_of_one_dialect_is_accepted_by_keyword_in_the_other():
     torch_names = set(TORCH_SIGNATURE.parameters)
     cerebras_names = set(CEREBRAS_SIGNATURE.parameters)
     assert torch_names == cerebras_names
+
+
+# ---------------------------------------------------------------------- the peers' defaults, in one table
+def _defaults(function: Any) -> dict[str, Any]:
+    return {
+        p.name: p.default
+        for p in inspect.signature(function).parameters.values()
+        if p.default is not inspect.Parameter.empty
+    }
+
+
+def test_every_peers_defaults_come_from_its_row_of_the_one_table():
+    from dls.arguments import DEEPSPEED_DEFAULTS
+    from dls.diagnostics.policies import POLICIES
+    from dls.policy import PEERS
+
+    torch_row, cerebras_row = PEERS["torch"].defaults, PEERS["cerebras"].defaults
+    assert dict(_params(TORCH_SIGNATURE)[0][1:5]) == torch_row
+    assert dict(_params(CEREBRAS_SIGNATURE)[0][:7]) == cerebras_row
+    assert _defaults(ScalerSettings.deepspeed) == PEERS["deepspeed"].defaults
+    assert {k: v for k, v in DEEPSPEED_DEFAULTS.items() if k != "enabled"} == PEERS["deepspeed"].defaults
+    megatron = PEERS["megatron"]
+    optional = {k: v for k, v in megatron.defaults.items() if k not in megatron.required}
+    assert _defaults(ScalerSettings.megatron) == optional
+    assert {k: v for k, v in _defaults(dls.GradScaler.from_megatron).items() if k != "device"} == optional
+    assert set(inspect.signature(ScalerSettings.megatron).parameters) >= set(megatron.required)
+    for name in ("torch", "megatron", "deepspeed"):  # the policy lab's rows say the same
+        assert POLICIES[name].defaults.items() <= PEERS[name].defaults.items(), name
+    for name, row in PEERS.items():  # and so do the settings each dialect builds
+        settings = ScalerSettings(mode="dynamic", init_scale=1.0, min_loss_scale=1.0, max_loss_scale=2.0, dialect=name)
+        assert settings.growth_interval - settings.steps_per_increase == row.growth_offset
+        rule = settings.rule()
+        assert rule.growth_interval == settings.growth_interval and rule.steps_after_growth == row.steps_after_growth
+
+
+def test_each_dialects_default_bounds_are_its_rows():
+    from dls.policy import PEERS
+
+    for half in ("float16", "cbfloat16"):
+        cerebras = ScalerSettings.cerebras(half_dtype=half)
+        top = PEERS["cerebras"].cbfloat16_max_loss_scale if half == "cbfloat16" else PEERS["cerebras"].max_loss_scale
+        assert (cerebras.min_loss_scale, cerebras.max_loss_scale, cerebras.init_scale) == (2.0**-14, top, top)
+    assert ScalerSettings.cerebras(half_dtype="cbfloat16").max_loss_scale == 2.0**31
+    plain = ScalerSettings.torch()
+    assert (plain.min_loss_scale, plain.max_loss_scale) == (PEERS["torch"].min_loss_scale, FLOAT32_MAX)
+    assert ScalerSettings.deepspeed().max_loss_scale == ScalerSettings.megatron(1.0, 1.0).max_loss_scale == FLOAT32_MAX
+
+
+def test_like_builds_each_peers_scaler_from_its_own_arguments():
+    assert (
+        dls.GradScaler.like("torch", "cpu", init_scale=8.0).settings == dls.GradScaler("cpu", init_scale=8.0).settings
+    )
+    assert ScalerSettings.like("cerebras", steps_per_increase=5) == ScalerSettings.cerebras(steps_per_increase=5)
+    deepspeed = dls.GradScaler.from_deepspeed({"enabled": True, "hysteresis": 1}, device="cpu")
+    assert dls.GradScaler.like("deepspeed", "cpu", hysteresis=1).settings == deepspeed.settings
+    megatron = dls.GradScaler.from_megatron("cpu", initial_scale=2.0**16, min_scale=1.0, hysteresis=3)
+    assert dls.GradScaler.like("megatron", "cpu", initial_scale=2.0**16, min_scale=1.0, hysteresis=3).settings == (
+        megatron.settings
+    )
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda: ScalerSettings.like("megatorn"),
+            r"peer must be one of .*; got 'megatorn' \(did you mean 'megatron'\?\)",
+        ),
+        (lambda: ScalerSettings.like("torch", growth_intervall=3), r"no argument 'growth_intervall' \(did you mean"),
+        (lambda: ScalerSettings.like("torch", steps_per_increase=3), r"torch's scaler has no argument 'steps_per_inc"),
+        (lambda: ScalerSettings.like("megatron", min_scale=1.0), r"megatron's scaler requires initial_scale"),
+        (lambda: ScalerSettings.like("deepspeed", hysteresis=0), r"^hysteresis must be an integer"),
+    ],
+)
+def test_like_refuses_what_the_peer_does_not_take_naming_it(call: Any, message: str):
+    with pytest.raises(ValueError, match=message):
+        call()

@@ -182,7 +182,7 @@ def test_bfloat16_trains_without_loss_scaling_as_model_zoo_unless_forced() -> No
 
 
 def test_gpu_backend_is_torch_amps_rule_as_model_zoos_gpu_path_builds_it() -> None:
-    from dls.policy import FLOAT32_MAX, FLOAT32_TINY
+    from dls.checks import FLOAT32_MAX, FLOAT32_TINY
     from dls.settings import ScalerSettings
     from dls.train.config import GPU_NEVER, load_config, scaler_settings
 

@@ -4,7 +4,7 @@ The dialect of a call (``dialect_of``), first match wins:
 
 1. a device first (``"cuda"``, ``"cpu"``, a ``torch.device``) or ``device=``: **torch**;
 2. a first positional argument that is not a device (cstorch.amp's ``loss_scale``), or any Cerebras-only argument
-   by keyword (``CEREBRAS_ONLY``: ``loss_scale``, ``steps_per_increase``, ``min_loss_scale``, ``max_loss_scale``,
+   by keyword (``SELECTS_CEREBRAS``: ``loss_scale``, ``steps_per_increase``, ``min_loss_scale``, ``max_loss_scale``,
    ``overflow_tolerance``, ``max_gradient_norm``): **cerebras**;
 3. anything else, ``GradScaler()`` included: **torch**, on torch's default device ``"cuda"`` — where CUDA is absent
    the scaler warns and disables itself, as ``torch.amp.GradScaler()`` does there.
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from dls.settings import ScalerSettings, SettingsError
+from dls.settings import DEEPSPEED, ScalerSettings, SettingsError
 
 # Arguments of GradScaler that are not settings: where the scaler runs, and torch's name for the growth interval
 # in the Cerebras dialect (and the reverse).
@@ -39,8 +39,9 @@ _RUNTIME_DEFAULTS: dict[str, Any] = {
     "process_group": None,
     "gradients_sharded": None,
 }
-# Arguments only cstorch.amp's GradScaler has: one of them by keyword selects the Cerebras dialect.
-CEREBRAS_ONLY = (
+# Arguments only cstorch.amp's GradScaler has: one of them by keyword selects the Cerebras dialect (the trainer's
+# config has a CEREBRAS_ONLY of its own: Model Zoo keys dls does not honour).
+SELECTS_CEREBRAS = (
     "loss_scale",
     "steps_per_increase",
     "min_loss_scale",
@@ -81,7 +82,7 @@ def dialect_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """``"torch"`` or ``"cerebras"``: the dialect a ``GradScaler(*args, **kwargs)`` call speaks (module docstring)."""
     if kwargs.get("device") is not None or (args and _is_device(args[0])):
         return "torch"
-    if args or any(name in kwargs for name in CEREBRAS_ONLY):
+    if args or any(name in kwargs for name in SELECTS_CEREBRAS):
         return "cerebras"
     return "torch"
 
@@ -170,17 +171,10 @@ def is_available(device: torch.device) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- DeepSpeed
-# DeepSpeed's fp16 section (deepspeed.runtime.precision_config.DeepSpeedFP16Config): the keys of the loss scaler,
-# with DeepSpeed's defaults, and those that configure something else.
-DEEPSPEED_DEFAULTS: dict[str, Any] = {
-    "enabled": False,
-    "loss_scale": 0,
-    "initial_scale_power": 16,
-    "loss_scale_window": 1000,
-    "hysteresis": 2,
-    "consecutive_hysteresis": False,
-    "min_loss_scale": 1,
-}
+# DeepSpeed's fp16 section (deepspeed.runtime.precision_config.DeepSpeedFP16Config): its switch (off by default in
+# DeepSpeed), the keys of the loss scaler (their defaults: DeepSpeed's row of dls.policy.PEERS), and those that
+# configure something else.
+DEEPSPEED_DEFAULTS: dict[str, Any] = {"enabled": False, **DEEPSPEED.defaults}
 DEEPSPEED_OTHER_KEYS = ("auto_cast", "fp16_master_weights_and_grads")
 
 

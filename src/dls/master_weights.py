@@ -51,8 +51,9 @@ activations do (the model runs wholly in half precision, so nothing is kept in f
 
 Skipped steps leave model parameters, masters and optimizer state bit-identical on every path: the host path
 does not call ``step()``; fused optimizers get ``grad_scale``/``found_inf`` forwarded and leave the masters
-alone, so the write-back rewrites the same values; after a sync-free masked step (``dls.sync_free``) restored
-masters and state, ``dls_state_restored`` writes the restored masters back.
+alone, so the write-back rewrites the same values; after a sync-free masked step (``dls.device_step``) restored
+masters and state, ``dls_state_restored`` writes the restored masters back. The three hooks are what the scaler
+tells an optimizer wrapper (``dls.optimizers.HoldsGradients``).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ import dataclasses
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -207,7 +208,7 @@ class MasterWeights(torch.optim.Optimizer):
             return param
         raise ValueError("param is not a parameter of this optimizer")
 
-    # ------------------------------------------------------------------ hooks called by dls.GradScaler
+    # ------------------------------------------------------------------ dls.optimizers.HoldsGradients: the scaler calls
     def dls_collect_gradients(self) -> None:
         """Fill the masters' gradients from the model's (called by ``dls.GradScaler`` before it reads them)."""
         self._reload_changed_params()
@@ -238,7 +239,8 @@ class MasterWeights(torch.optim.Optimizer):
             pr.remember_grad()
 
     def dls_state_restored(self) -> None:
-        """Write the masters back after a sync-free step restored them (called by ``dls.sync_free``)."""
+        """Write the masters back after a sync-free step restored them (called by ``dls.GradScaler`` after
+        ``dls.device_step.masked_step``)."""
         self._write_back()
 
     # ------------------------------------------------------------------ optimizer interface
@@ -529,3 +531,9 @@ def _check_unique(params: list[torch.Tensor], name: str = "optimizer") -> None:
         if id(p) in seen:
             raise ValueError(f"{name} lists a parameter more than once (shape {tuple(p.shape)}, {p.dtype})")
         seen.add(id(p))
+
+
+if TYPE_CHECKING:  # what the scaler relies on, checked by mypy
+    from dls.optimizers import HoldsGradients
+
+    _HOLDS_GRADIENTS: type[HoldsGradients] = MasterWeights

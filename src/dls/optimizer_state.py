@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from dls.policy import shown
+from dls.checks import shown
 
 __all__ = ["NON_FINITE", "NON_NEGATIVE", "SCALARS", "all_finite", "check_optimizer_state", "tensor_problem"]
 

@@ -1,6 +1,8 @@
-"""The loss-scale update rule, pure: ``(state, found_inf) -> state`` on 0-dim device tensors, never read back.
+"""Each peer's loss-scale rule, once: pure ``(state, found_inf) -> state`` on 0-dim device tensors, never read back;
+the state each rule acts on; and ``PEERS``, the one table of the peers dls follows (their defaults and timing).
 
-The dynamic rule, once per ``update()``, with ``f = 1`` if any gradient of the iteration was inf/NaN, else 0:
+The dynamic rule of torch.amp, cstorch.amp, Megatron-LM and DeepSpeed, once per ``update()``, with ``f = 1`` if any
+gradient of the iteration was inf/NaN, else 0:
 
     steps += 1;  overflows += f;  skipped += f                 # skipped saturates at 2**63 - 1
     if f and overflows / steps > overflow_tolerance:           # an overflow that counts (float32 division)
@@ -21,7 +23,7 @@ with ``hysteresis=1`` every counted overflow backs off. Overflows within ``overf
 fraction of overflowing updates since the last rescale) neither spend the budget nor reset the counts. Products
 are computed in float64 and rounded once to float32: torch's own kernel computes them.
 
-The growth timing is each peer's own, set by the dialect (``ScalerSettings.growth_interval`` and ``rule()``):
+The growth timing is each peer's own, set by its row of ``PEERS`` (``growth_offset``, ``steps_after_growth``):
 
 * torch.amp and Megatron-LM grow on the interval-th clean step after the last rescale: ``growth_interval`` is the
   interval, ``steps_after_growth = 0``;
@@ -33,29 +35,36 @@ The growth timing is each peer's own, set by the dialect (``ScalerSettings.growt
   restart its count. Here ``growth_interval = scale_window + 1`` and ``steps_after_growth = 1``: ``steps`` is then
   that count of DeepSpeed's, taken modulo the window into ``1..scale_window`` once it is positive.
 
-With ``hysteresis=1``, no tolerance and torch's timing this is torch.amp's rule plus the clamps.
+With ``hysteresis=1``, no tolerance and torch's timing this is torch.amp's rule plus the clamps. A static scale
+(``StaticRule``) only counts the skipped steps.
 
-``ScaleState`` is immutable; ``update_`` writes into long-lived buffers so CUDA graphs that captured them see the
-new values.
+What every rule offers the scaler (``Rule``): ``initial_state``, ``update_`` (the rule written into the state's
+buffers, so that CUDA graphs that captured them see the new values; ``known_clean`` leaves out what an update whose
+flag the host knows to be clean cannot change) and ``normalise_`` (counters loaded from elsewhere brought within
+what the rule holds, before its next update). A rule's state is a ``NamedTuple`` of 0-dim tensors with the fields
+``loss_scale`` (float32) and ``num_skipped_steps`` (int64); its other fields are the rule's own counters,
+saved under their names in the scaler's state dict (``dls.scaler_state``). How to add a peer's rule:
+``docs/architecture.md``.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
-FLOAT32_MAX = torch.finfo(torch.float32).max
-FLOAT32_TINY = torch.finfo(torch.float32).tiny  # 2**-126, the smallest normal float32
-INT32_MAX = 2**31 - 1  # steps_since_rescale is int32, as torch's growth tracker
-INT64_MAX = 2**63 - 1
+from dls import checks
+
+if TYPE_CHECKING:
+    from dls.settings import ScalerSettings
 
 
 class ScaleState(NamedTuple):
-    """The loss scale and its counters: scales float32, ``steps_since_rescale`` int32 (the growth tracker torch's
-    kernel takes), the other counters int64; ``hysteresis_tracker`` is the budget of the module docstring."""
+    """The state of the dynamic and the static rule: scales float32, ``steps_since_rescale`` int32 (the growth
+    tracker torch's kernel takes), the other counters int64; ``hysteresis_tracker`` is the budget of the module
+    docstring."""
 
     loss_scale: torch.Tensor
     non_clamped_scale: torch.Tensor
@@ -66,129 +75,82 @@ class ScaleState(NamedTuple):
 
 
 def initial_state(loss_scale: float, hysteresis: int = 1, device: torch.device | str | None = None) -> ScaleState:
-    """A fresh state holding ``loss_scale``, every counter at zero and the hysteresis budget full."""
+    """A fresh ``ScaleState`` holding ``loss_scale``, every counter at zero and the hysteresis budget full."""
     scale = torch.tensor(loss_scale, dtype=torch.float32, device=device)
     zero = torch.zeros((), dtype=torch.int64, device=device)
     steps = torch.zeros((), dtype=torch.int32, device=device)
     budget = torch.tensor(hysteresis, dtype=torch.int64, device=device)
-    return ScaleState(scale, scale.clone(), steps, zero.clone(), zero.clone(), budget)
+    return ScaleState(scale, scale.clone(), steps, zero, zero.clone(), budget)
 
 
-def assign_(state: ScaleState, new: ScaleState) -> None:
-    """Copy ``new`` into the buffers of ``state``, so graphs that captured those buffers see the new values."""
+def assign_(state: Any, new: Any) -> None:
+    """Copy the tensors of ``new`` into the buffers of ``state`` (a rule's state, same type), so graphs that
+    captured those buffers see the new values."""
     for dst, src in zip(state, new):
         if dst is not src:
             dst.copy_(src)
 
 
-def shown(value: object) -> str:
-    """``value`` for an error message: a tensor by its dtype and shape, anything else by its ``repr``, cut short
-    (a 400-digit integer or a long list would bury the message)."""
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
+def count_skip(skipped: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
+    """``skipped + f``, saturating at the int64 maximum instead of wrapping negative."""
+    return skipped + ((found_inf > 0) & (skipped < checks.INT64_MAX)).long()
 
 
-# Validators shared by the rules, dls.settings and the trainer's config: each returns None when ``value`` is
-# allowed, else a message that names ``name`` and says what is allowed.
-def python_number(value: object) -> int | float | None:
-    """The Python ``int`` or ``float`` that ``value`` stands for: itself, a NumPy scalar or 0-dim array, or a 0-dim
-    tensor of a real dtype (as torch.amp takes them); ``None`` for anything else. A bool is a flag, never a number,
-    and so are NumPy's and torch's bools."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex() or value.is_meta:
-            return None
-        value = value.item()
-    elif type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
-        value = value.item()  # type: ignore[attr-defined]  # NumPy scalars and 0-dim arrays: a Python number
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return value
+def _count_skip_(skipped: torch.Tensor, overflow: torch.Tensor, saturate: bool) -> None:
+    skipped.add_(overflow & (skipped < checks.INT64_MAX) if saturate else overflow)
 
 
-def _real(value: object) -> float | None:
-    """``value`` as a float when it is a real number (``python_number``) that a float can hold, else ``None``."""
-    number = python_number(value)
-    if number is None:
-        return None
-    try:
-        return float(number)
-    except OverflowError:  # an int beyond float's range
-        return None
+class Rule(Protocol):
+    """What the scaler (``dls.loss_scale``) and the policy lab ask of a rule."""
 
+    State: ClassVar[type[Any]]  # its state, a NamedTuple of 0-dim tensors (the module docstring)
 
-def scale_problem(name: str, value: object) -> str | None:
-    """A loss scale must be a normal float32 (2**-126 to float32's max): its inverse is then finite too, so
-    unscaling never multiplies by inf (0 * inf would turn every gradient into NaN)."""
-    v = _real(value)
-    if v is not None and FLOAT32_TINY <= v <= FLOAT32_MAX:
-        return None
-    return f"{name} must be a number from 2**-126 to float32's max 3.4028e38 (a normal float32); got {shown(value)}"
+    def initial_state(self, loss_scale: float, device: torch.device | str | None = None) -> Any:
+        """A fresh state (the rule's ``NamedTuple``) starting at ``loss_scale``."""
+        ...
 
+    def update_(self, state: Any, found_inf: torch.Tensor, *, known_clean: bool = False, saturate: bool = True) -> None:
+        """One update, written into ``state``'s buffers. ``known_clean``: the caller knows that ``found_inf`` is 0
+        and that the scale is at least the rule's ``min_loss_scale`` (a step decided on the host): the rule may leave
+        out what such an update cannot change, and leaves ``non_clamped_scale`` unwritten (it is the scale).
+        ``saturate=False``: the caller knows the skip count is far from its maximum."""
+        ...
 
-def factor_problem(name: str, value: object, above_one: bool) -> str | None:
-    """``growth_factor`` (``above_one``) must be in (1, float32 max]; ``backoff_factor`` in (0, 1)."""
-    v = _real(value)
-    if v is not None and (1 < v <= FLOAT32_MAX if above_one else 0 < v < 1):
-        return None
-    allowed = "a number > 1" if above_one else "a number in (0, 1)"
-    return f"{name} must be {allowed}; got {shown(value)}"
+    def normalise_(self, state: Any) -> None:
+        """Bring counters loaded from elsewhere (or left by other settings) within what this rule holds."""
+        ...
 
-
-def count_problem(name: str, value: object, maximum: int = INT32_MAX) -> str | None:
-    """A count (a growth interval, a hysteresis) is a positive integer — a Python int, a NumPy integer or a 0-dim
-    integer tensor, never a float such as ``100.0`` — that fits the int32 counters it is compared with. The one
-    statement of this rule: the scaler's arguments and the trainer's config both use it."""
-    number = python_number(value)
-    if isinstance(number, int) and 1 <= number <= maximum:
-        return None
-    limit = "2**31 - 1" if maximum == INT32_MAX else f"2**31 - {INT32_MAX + 1 - maximum}"
-    return (
-        f"{name} must be an integer from 1 to {limit} (a count: an int, not a float such as 100.0; the counters "
-        f"are int32, as torch's); got {shown(value)}"
-    )
-
-
-def flag_problem(name: str, value: object) -> str | None:
-    if isinstance(value, bool):
-        return None
-    return f"{name} must be True or False; got {shown(value)}"
-
-
-def limit_problem(name: str, value: object) -> str | None:
-    """A gradient limit (``max_gradient_norm``, ``max_gradient_value``): a positive finite number (never a bool) or
-    ``None``."""
-    v = _real(value)
-    if value is None or (v is not None and 0 < v < math.inf):
-        return None
-    return f"{name} must be a positive finite number or None; got {shown(value)}"
-
-
-def tolerance_problem(name: str, value: object) -> str | None:
-    v = _real(value)
-    if v is not None and 0 <= v < 1:
-        return None
-    return f"{name} must be a number in [0, 1); got {shown(value)}"
-
-
-def _raise_first(*problems: str | None) -> None:
-    for problem in problems:
-        if problem is not None:
-            raise ValueError(problem)
+    def lowest_after(self, scale_at_least: float, known_clean: bool) -> float:
+        """A lower bound of the scale after one update, given ``scale_at_least`` before it (``dls.loss_scale``'s
+        host bound: a rule that may lower the scale after a clean flag says so here)."""
+        ...
 
 
 @dataclass(frozen=True)
 class StaticRule:
-    """A fixed scale. Overflowing steps are still skipped and counted; nothing else changes."""
+    """A fixed scale. Overflowing steps are still skipped and counted; nothing else changes. ``hysteresis``: the
+    budget its state carries (a state dict holds it), never spent."""
+
+    hysteresis: int = 1
+    State: ClassVar[type[ScaleState]] = ScaleState
+
+    def initial_state(self, loss_scale: float, device: torch.device | str | None = None) -> ScaleState:
+        return initial_state(loss_scale, self.hysteresis, device)
 
     def update(self, state: ScaleState, found_inf: torch.Tensor) -> ScaleState:
         return state._replace(num_skipped_steps=count_skip(state.num_skipped_steps, found_inf))
 
-    def update_(self, state: ScaleState, found_inf: torch.Tensor, saturate: bool = True) -> None:
-        """``update`` written into ``state``'s buffers (``saturate=False``: the caller knows the skip count is far
-        from its maximum, one op fewer)."""
-        _count_skip_(state.num_skipped_steps, found_inf > 0, saturate)
+    def update_(
+        self, state: ScaleState, found_inf: torch.Tensor, *, known_clean: bool = False, saturate: bool = True
+    ) -> None:
+        if not known_clean:
+            _count_skip_(state.num_skipped_steps, found_inf > 0, saturate)
+
+    def normalise_(self, state: ScaleState) -> None:
+        state.hysteresis_tracker.clamp_(min=1, max=self.hysteresis)
+
+    def lowest_after(self, scale_at_least: float, known_clean: bool) -> float:
+        return scale_at_least
 
 
 @dataclass(frozen=True)
@@ -204,25 +166,44 @@ class DynamicRule:
     min_loss_scale: float = 2.0**-14
     max_loss_scale: float = 2.0**15
     steps_after_growth: int = 0  # DeepSpeed's timing: 1 (see the module docstring)
+    State: ClassVar[type[ScaleState]] = ScaleState
 
     def __post_init__(self) -> None:
-        _raise_first(
-            count_problem("growth_interval", self.growth_interval),
+        checks.raise_first(
+            checks.count_problem("growth_interval", self.growth_interval),
             None
             if self.steps_after_growth in (0, 1) and self.steps_after_growth < self.growth_interval
             else f"steps_after_growth must be 0, or 1 with a growth_interval above 1; got {self.steps_after_growth!r}",
-            count_problem("hysteresis", self.hysteresis),
-            flag_problem("consecutive_hysteresis", self.consecutive_hysteresis),
-            factor_problem("growth_factor", self.growth_factor, above_one=True),
-            factor_problem("backoff_factor", self.backoff_factor, above_one=False),
-            tolerance_problem("overflow_tolerance", self.overflow_tolerance),
-            scale_problem("min_loss_scale", self.min_loss_scale),
-            scale_problem("max_loss_scale", self.max_loss_scale),
+            checks.count_problem("hysteresis", self.hysteresis),
+            checks.flag_problem("consecutive_hysteresis", self.consecutive_hysteresis),
+            checks.factor_problem("growth_factor", self.growth_factor, above_one=True),
+            checks.factor_problem("backoff_factor", self.backoff_factor, above_one=False),
+            checks.tolerance_problem("overflow_tolerance", self.overflow_tolerance),
+            checks.scale_problem("min_loss_scale", self.min_loss_scale),
+            checks.scale_problem("max_loss_scale", self.max_loss_scale),
         )
         if self.min_loss_scale > self.max_loss_scale:
             raise ValueError(
                 f"min_loss_scale ({self.min_loss_scale!r}) must not exceed max_loss_scale ({self.max_loss_scale!r})"
             )
+
+    @classmethod
+    def from_settings(cls, settings: ScalerSettings) -> DynamicRule:
+        """The rule of ``settings``, with the growth timing of its dialect's row of ``PEERS``."""
+        return cls(
+            growth_interval=settings.growth_interval,
+            steps_after_growth=PEERS[settings.dialect].steps_after_growth,
+            consecutive_hysteresis=settings.consecutive_hysteresis,
+            growth_factor=settings.growth_factor,
+            backoff_factor=settings.backoff_factor,
+            overflow_tolerance=settings.overflow_tolerance,
+            hysteresis=settings.hysteresis,
+            min_loss_scale=settings.min_loss_scale,
+            max_loss_scale=settings.max_loss_scale,
+        )
+
+    def initial_state(self, loss_scale: float, device: torch.device | str | None = None) -> ScaleState:
+        return initial_state(loss_scale, self.hysteresis, device)
 
     def update(self, state: ScaleState, found_inf: torch.Tensor) -> ScaleState:
         """The rule on a copy of ``state``."""
@@ -231,33 +212,33 @@ class DynamicRule:
         return new
 
     def update_(
-        self, state: ScaleState, found_inf: torch.Tensor, saturate: bool = True, count_skip: bool = True
+        self, state: ScaleState, found_inf: torch.Tensor, *, known_clean: bool = False, saturate: bool = True
     ) -> None:
         """``update`` written into ``state``'s buffers, around torch's fused kernel (``torch._amp_update_scale_``:
         back off and reset the count on an overflow, else count, and grow at the interval unless the product would
         be inf, resetting the count either way). The kernel is told only of counted overflows; a counted overflow
         the budget absorbs gets its scale back. Device ops with ``saturate=False`` (2 more with it): 5 for torch's
         rule, 14 with hysteresis, 12 with tolerance, 21 with both and ``consecutive_hysteresis``, 8 with DeepSpeed's
-        timing and 16 with its hysteresis (tests/test_update.py counts them).
+        timing and 16 with its hysteresis; ``known_clean`` (``Rule.update_``): torch's kernel alone for torch's
+        rule, plus the restart of the count after a growth, the budget's refill, the reset of the overflow count and
+        a max clamp where each applies (tests/test_update.py counts them).
 
-        ``steps_since_rescale`` must be below ``growth_interval`` (the caller clamps it when it loads a state or
-        shortens the interval), as after every update: the kernel grows at ``==``. ``count_skip=False`` leaves
-        ``num_skipped_steps`` to the caller.
+        ``steps_since_rescale`` must be below ``growth_interval`` (``normalise_`` brings loaded counters there), as
+        after every update: the kernel grows at ``==``.
         """
         s, hysteresis, tolerance = state, self.hysteresis > 1, self.overflow_tolerance > 0
-        after = self.steps_after_growth
-        # As a mask, where something below needs one (torch's rule without the skip count: nothing does).
-        overflow = found_inf > 0 if count_skip or hysteresis or tolerance or after else found_inf
+        after, clean = self.steps_after_growth, known_clean
+        overflow = found_inf > 0 if not clean else found_inf  # a mask (a clean flag needs none: it is 0)
         counted_inf = found_inf  # what the kernel backs off on: counted overflows only
-        if tolerance:
+        if tolerance and not clean:
             s.overflows_since_rescale.add_(overflow)
             # int / int is a float32 division of the counts: the documented contract of the tolerance test.
             counted_inf = found_inf * (
                 s.overflows_since_rescale / (s.steps_since_rescale + 1) > self.overflow_tolerance
             )
-        if hysteresis or after:
+        if (hysteresis or after) and not clean:
             counted = counted_inf > 0 if tolerance else overflow
-        if hysteresis:
+        if hysteresis and not clean:
             absorbed = counted & (s.hysteresis_tracker > 1)  # the budget pays: no back-off
             before = s.loss_scale.clone()
         torch._amp_update_scale_(
@@ -269,63 +250,179 @@ class DynamicRule:
             self.growth_interval,
         )
         scale = s.loss_scale
-        if hysteresis or tolerance or after:
+        refill_all = self.consecutive_hysteresis and clean  # every clean step refills: no mask needed
+        if tolerance or after or (hysteresis and not refill_all):
             reset = s.steps_since_rescale == 0  # the kernel resets the count on a counted overflow or a growth
+        if after or (hysteresis and not refill_all):
+            grew = reset if clean else reset > counted  # a growth event (reset & ~counted)
         if tolerance:
             s.overflows_since_rescale.masked_fill_(reset, 0)
-        if hysteresis or after:
-            grew = reset > counted  # a growth event (reset & ~counted)
         if after:
             s.steps_since_rescale.add_(grew, alpha=after)
-        if hysteresis:
+        if hysteresis and not clean:
             scale = torch.where(absorbed, before, scale)
             s.hysteresis_tracker.add_(absorbed, alpha=-1)  # sub_ refuses a bool
-            refill = grew
-            if self.consecutive_hysteresis:
-                refill = refill >= overflow  # DeepSpeed: also after a clean step (refill | ~overflow)
-            s.hysteresis_tracker.masked_fill_(refill, self.hysteresis)
+        if hysteresis and refill_all:
+            s.hysteresis_tracker.fill_(self.hysteresis)
+        elif hysteresis:  # DeepSpeed's consecutive_hysteresis also refills after a clean step (grew | ~overflow)
+            s.hysteresis_tracker.masked_fill_(
+                grew >= overflow if self.consecutive_hysteresis else grew, self.hysteresis
+            )
+        if clean:  # the scale did not fall and was at least min_loss_scale: only growth can pass the maximum
+            if self.max_loss_scale < checks.FLOAT32_MAX:
+                s.loss_scale.clamp_(max=self.max_loss_scale)
+            return
         torch.clamp(scale, max=self.max_loss_scale, out=s.non_clamped_scale)
         torch.clamp(s.non_clamped_scale, min=self.min_loss_scale, out=s.loss_scale)
-        if count_skip:
-            _count_skip_(s.num_skipped_steps, overflow, saturate)
+        _count_skip_(s.num_skipped_steps, overflow, saturate)
 
-    def update_known_(self, state: ScaleState, found_inf: torch.Tensor, overflow: bool) -> None:
-        """``update_`` when the host knows the flag's value (``overflow``) and the scale is within its bounds,
-        without counting the skip (the caller counts it on the host). After a clean step every rule is torch's
-        kernel (``steps + 1``, growth at the interval, dropped if it would reach inf, the count reset either way)
-        plus the budget refill where the count was reset (and DeepSpeed's count set to 1 there), and a max clamp
-        only when ``max_loss_scale`` is below float32's max; ``non_clamped_scale`` is then left stale (it equals
-        ``loss_scale``)."""
-        if overflow:
-            self.update_(state, found_inf, count_skip=False)
-            return
-        torch._amp_update_scale_(
-            state.loss_scale,
-            state.steps_since_rescale,
-            found_inf,
-            self.growth_factor,
-            self.backoff_factor,
-            self.growth_interval,
+    def normalise_(self, state: ScaleState) -> None:
+        """Counters at or past the growth interval (loaded, or the interval shortened) are brought to one below it,
+        so that the next clean update grows and no counter wraps; the budget into ``[1, hysteresis]``."""
+        most = self.growth_interval - 1
+        state.steps_since_rescale.clamp_(max=most)
+        state.overflows_since_rescale.clamp_(max=most)
+        state.hysteresis_tracker.clamp_(min=1, max=self.hysteresis)
+
+    def lowest_after(self, scale_at_least: float, known_clean: bool) -> float:
+        """A clean update only grows the scale (or clamps it to the maximum); any other backs off at most once."""
+        low = scale_at_least if known_clean else max(scale_at_least * self.backoff_factor, self.min_loss_scale)
+        return min(low, self.max_loss_scale)
+
+
+# ------------------------------------------------------------------------------------------------ the peers
+REQUIRED = None  # in ``Peer.defaults``: an argument the peer's constructor requires (see ``Peer.required``)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One row of ``PEERS``: a loss scaler that dls follows step by step, and each fact about it that dls uses.
+
+    Attributes:
+        name: the dialect's name (``ScalerSettings.dialect``, the policy lab's policy name).
+        summary: what it is, in a line.
+        defaults: the peer's own constructor arguments, by its names, with its defaults (for an argument in
+            ``required``: the value its command line defaults to, used where a value is needed).
+        interval: the peer's name for the growth interval (``steps_per_increase`` in dls's settings).
+        growth_offset: updates after the last rescale at which the scale grows, minus ``interval``: torch.amp's
+            ``growth_interval`` is ``interval + growth_offset`` (what a state dict tells torch.amp).
+        steps_after_growth: where the growth count restarts after a growth (DeepSpeed's timing: 1).
+        min_loss_scale, max_loss_scale: the bounds dls holds the scale within where the peer sets none.
+        cbfloat16_max_loss_scale: the default maximum for cbfloat16, where it differs.
+        required: arguments the peer's constructor requires.
+        when_none: what an argument whose default is ``None`` stands for, where that is a number (the bounds:
+            ``min_loss_scale``, ``max_loss_scale``).
+        rule: builds the rule of a ``ScalerSettings`` of this dialect (a dynamic one; a static scale is always
+            ``StaticRule``).
+    """
+
+    name: str
+    summary: str
+    defaults: Mapping[str, Any]
+    interval: str
+    growth_offset: int = 0
+    steps_after_growth: int = 0
+    min_loss_scale: float = checks.FLOAT32_TINY
+    max_loss_scale: float = checks.FLOAT32_MAX
+    cbfloat16_max_loss_scale: float | None = None
+    required: tuple[str, ...] = ()
+    when_none: Mapping[str, Any] = field(default_factory=dict)
+    rule: Callable[[ScalerSettings], Rule] = field(default=DynamicRule.from_settings)
+
+    def __getitem__(self, argument: str) -> Any:
+        """The default of one of the peer's arguments (``PEERS["deepspeed"]["hysteresis"]``)."""
+        return self.defaults[argument]
+
+
+PEERS: dict[str, Peer] = {
+    peer.name: peer
+    for peer in (
+        Peer(
+            "torch",
+            "torch.amp.GradScaler: grow x2 after growth_interval clean steps, halve on overflow, no floor",
+            {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000},
+            interval="growth_interval",
+        ),
+        Peer(
+            "cerebras",
+            "cstorch.amp.GradScaler: ceiling 2**15 (2**31 for cbfloat16), floor 2**-14, overflow tolerance",
+            {
+                "loss_scale": None,
+                "init_scale": None,
+                "steps_per_increase": None,
+                "min_loss_scale": None,
+                "max_loss_scale": None,
+                "overflow_tolerance": 0.0,
+                "max_gradient_norm": None,
+            },
+            interval="steps_per_increase",
+            growth_offset=1,  # cstorch.amp grows when steps_since_rescale > steps_per_increase
+            min_loss_scale=2.0**-14,
+            max_loss_scale=2.0**15,
+            cbfloat16_max_loss_scale=2.0**31,
+            when_none={"steps_per_increase": 2000},
+        ),
+        Peer(
+            "deepspeed",
+            "DeepSpeed's DynamicLossScaler: 2**16, window 1000 (first growth after 1001), hysteresis 2, floor 1",
+            # DeepSpeed's fp16 config section (DeepSpeedFP16Config), as from_deepspeed reads it
+            {
+                "loss_scale": 0,
+                "initial_scale_power": 16,
+                "loss_scale_window": 1000,
+                "hysteresis": 2,
+                "consecutive_hysteresis": False,
+                "min_loss_scale": 1,
+            },
+            interval="loss_scale_window",
+            growth_offset=1,  # the first growth after an overflow comes on the (window + 1)-th clean update
+            steps_after_growth=1,
+        ),
+        Peer(
+            "megatron",
+            "Megatron-LM's DynamicGradScaler: start 2**32, hysteresis 2, floor 1, grow after 1000 clean steps",
+            {
+                "initial_scale": 2.0**32,
+                "min_scale": 1.0,
+                "growth_factor": 2.0,
+                "backoff_factor": 0.5,
+                "growth_interval": 1000,
+                "hysteresis": 2,
+            },
+            interval="growth_interval",
+            required=("initial_scale", "min_scale"),  # the values above: --initial-loss-scale, --min-loss-scale
+        ),
+    )
+}
+
+
+# Moved to dls.checks (one release of deprecated aliases, for code that imported them from here).
+_MOVED = (
+    "FLOAT32_MAX",
+    "FLOAT32_TINY",
+    "INT32_MAX",
+    "INT64_MAX",
+    "shown",
+    "python_number",
+    "scale_problem",
+    "factor_problem",
+    "count_problem",
+    "flag_problem",
+    "limit_problem",
+    "tolerance_problem",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        import warnings
+
+        from dls import checks
+
+        warnings.warn(
+            f"dls.policy.{name} moved to dls.checks.{name}; the old name goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
         )
-        if self.hysteresis > 1 and self.consecutive_hysteresis:
-            state.hysteresis_tracker.fill_(self.hysteresis)
-        refill = self.hysteresis > 1 and not self.consecutive_hysteresis
-        if refill or self.overflow_tolerance > 0 or self.steps_after_growth:
-            grew = state.steps_since_rescale == 0  # the kernel resets the count exactly on a growth event
-            if refill:
-                state.hysteresis_tracker.masked_fill_(grew, self.hysteresis)
-            if self.overflow_tolerance > 0:
-                state.overflows_since_rescale.masked_fill_(grew, 0)
-            if self.steps_after_growth:
-                state.steps_since_rescale.add_(grew, alpha=self.steps_after_growth)
-        if self.max_loss_scale < FLOAT32_MAX:
-            state.loss_scale.clamp_(max=self.max_loss_scale)
-
-
-def count_skip(skipped: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
-    """``skipped + f``, saturating at the int64 maximum instead of wrapping negative."""
-    return skipped + ((found_inf > 0) & (skipped < INT64_MAX)).long()
-
-
-def _count_skip_(skipped: torch.Tensor, overflow: torch.Tensor, saturate: bool) -> None:
-    skipped.add_(overflow & (skipped < INT64_MAX) if saturate else overflow)
+        return getattr(checks, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,18 +1,26 @@
 """``GradScaler``: dynamic loss scaling with the surface of ``cstorch.amp.GradScaler`` and ``torch.amp.GradScaler``.
 
-One step, read top to bottom: ``scale`` multiplies the loss; ``unscale_`` / ``clip_gradients_and_return_isfinite``
-unscale, clip and raise the overflow flag with the passes of ``dls.kernels``; ``step`` takes or skips the
-optimizer's step — ``GradScaler._step_if_finite``, **the one place a step is skipped**; ``update`` applies the rule
-of ``dls.policy`` to the flag (``dls.loss_scale`` holds the scale) — **the one place the scale changes**. Per
-iteration each optimizer moves READY → UNSCALED (or CLIPPED) → STEPPED (``Stage``); ``update()`` brings every
-optimizer back to READY. The checkpoint format: ``dls.scaler_state``.
+One iteration, top to bottom:
+
+1. ``scale(loss)``: the loss times the scale (float32 for half losses); the scale follows the loss's device.
+2. ``unscale_(optimizer)`` / ``clip_gradients_and_return_isfinite(optimizers)``: the passes of ``dls.kernels`` (the
+   unscale fused with the inf/NaN check; the global norm and the clip) raise the optimizer's overflow flag, agreed
+   across ranks (``dls.distributed``). Each optimizer moves READY → UNSCALED (or CLIPPED) → STEPPED (``Stage``).
+3. ``step(optimizer)``: unscales (and clips, with ``max_gradient_norm``) what is still READY, then
+   ``_step_if_finite``: **the one place a step is skipped**, on one of three paths (the table in its docstring).
+4. ``update()``: the rule of ``dls.policy`` on the iteration's flag, in ``dls.loss_scale``: **the one place the
+   scale changes**; every optimizer back to READY.
 
 A step is skipped when some gradient *as the optimizer would receive it* (unscaled, and clipped when the scaler
 clips) is inf/NaN in its dtype. Only ``step`` reads a tensor back (the flag), and not for optimizers that take the
 flag themselves (torch's fused optimizers) nor with ``sync_free=True``, except at a parameter's first step after
-each reset of the optimizer's state: state that does not exist yet cannot be protected on the device. Optimizers
-holding their gradients elsewhere (``dls.master_weights``) hook in through ``dls_collect_gradients``,
-``dls_gradients_unscaled`` and ``dls_state_restored``.
+each reset of the optimizer's state: state that does not exist yet cannot be protected on the device.
+
+What the scaler talks to, each through a declared seam: optimizer wrappers that hold their gradients elsewhere
+(``dls.optimizers.HoldsGradients``: ``dls.master_weights``); observers of its iterations (``StepObserver``,
+attached with ``observe``); the diagnostics, which give ``watch``, ``record`` and ``overflow_report`` their bodies
+(``Diagnostics``: ``dls.diagnostics`` registers itself when imported, which ``import dls`` does; the core imports
+nothing of it): both protocols in ``dls.observers``. The checkpoint format: ``dls.scaler_state``.
 """
 
 from __future__ import annotations
@@ -30,21 +38,24 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar, overload
 import torch
 import torch.distributed as dist
 
-from dls import distributed, kernels, sync_free
-from dls.arguments import device_kind, is_available, parse_device, read_arguments
+from dls import device_step, distributed, kernels
+from dls.arguments import device_kind, is_available, parse_device, read_arguments, read_deepspeed
+from dls.checks import count_problem, flag_problem, limit_problem, python_number
+from dls.handles import Removable
 from dls.loss_scale import LossScale
-from dls.policy import count_problem, flag_problem, limit_problem, python_number
-from dls.scaler_state import STATE_KEYS, TORCH_KEYS, parse_state_dict, to_state_dict
-from dls.settings import DEFAULT_STEPS_PER_INCREASE, GROWTH_OFFSET, TORCH_INIT_SCALE, ScalerSettings, interval_name
+from dls.observers import Diagnostics, Observation, StepObserver, diagnostics
+from dls.optimizers import HoldsGradients, OptimizerIndex, build_index, optimizer_list, refuse_shared
+from dls.scaler_state import TORCH_KEYS, parse_state_dict, state_keys, to_state_dict
+from dls.settings import ScalerSettings, interval_name
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: the diagnostics plug in through Diagnostics
     from dls.diagnostics.record import Recorder
-    from dls.diagnostics.watch import OverflowReport, OverflowWatch, Watches
+    from dls.diagnostics.watch import OverflowReport, OverflowWatch
 
-__all__ = ["GradScaler", "Stage", "optimizer_list"]
+__all__ = ["GradScaler", "Stage"]
 
 
-# ------------------------------------------------------------- per optimizer: the state machine and the gradient index
+# ------------------------------------------------------------------------------ per optimizer: where it is, what it has
 class Stage(enum.Enum):
     """Where an optimizer is in the current iteration (``GradScaler.stage``)."""
 
@@ -55,13 +66,13 @@ class Stage(enum.Enum):
 
 
 @dataclasses.dataclass
-class IterationState:
-    """One optimizer in the current iteration; after its step, also how the step ended (``step_was_skipped``)."""
+class Progress:
+    """One optimizer in the current iteration; after its step, also how the step ended (``skipped``)."""
 
     stage: Stage = Stage.READY
     flag: torch.Tensor | None = None  # float32 0-dim on the scale's device; read it through found_inf
     agreement: distributed.Agreement | None = None  # the flag's all-reduce across ranks while in flight
-    collected: bool = False  # dls_collect_gradients() was called this iteration
+    collected: bool = False  # the optimizer's HoldsGradients.dls_collect_gradients() ran this iteration
     skipped: bool | None = None  # how step() ended, when the host knows (update() then takes its cheap path)
 
     @property
@@ -76,158 +87,83 @@ class IterationState:
         self.flag, self.agreement = value, None
 
 
-@dataclasses.dataclass
-class _Index:
-    """What is cached per optimizer, valid while its param groups hold the same parameters (an identity check of
-    the lists per step: a parameter swapped into an existing list re-indexes)."""
-
-    signature: tuple[tuple[int, ...], ...]
-    grads: kernels.GradIndex  # holds the parameters, so the ids in the signature cannot be reused
-    has_dtensors: bool
-    # Parameters stepped through this scaler (id → parameter) since the optimizer's state was last reset (a new
-    # state object, or a shorter one): see Tracker.has_stepped.
-    stepped: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
-    state: Any = None  # the optimizer.state object the stepped record refers to
-    state_len: int = 0  # its length when last marked
-    # Other optimizers of this scaler sharing a parameter with this one: (optimizer ref, where, where theirs).
-    shared: list[tuple[weakref.ref[torch.optim.Optimizer], str, str, tuple[int, ...]]] = dataclasses.field(
-        default_factory=list
-    )
-
-
 class Tracker:
-    """Per-optimizer bookkeeping of one scaler. Optimizers are keyed weakly (or by id within an iteration, as
+    """Per-optimizer bookkeeping of one scaler: this iteration's ``Progress``, and each optimizer's index
+    (``dls.OptimizerIndex``, built there). Optimizers are keyed weakly (or by id within an iteration, as
     torch does), so tracking never keeps an optimizer alive."""
 
     def __init__(self) -> None:
-        self.iteration: dict[int, IterationState] = {}
-        self._indexes: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Index] = weakref.WeakKeyDictionary()
-        self.last: weakref.WeakKeyDictionary[torch.optim.Optimizer, IterationState] = weakref.WeakKeyDictionary()
+        self.iteration: dict[int, Progress] = {}
+        self.indexes: weakref.WeakKeyDictionary[torch.optim.Optimizer, OptimizerIndex] = weakref.WeakKeyDictionary()
+        self.last: weakref.WeakKeyDictionary[torch.optim.Optimizer, Progress] = weakref.WeakKeyDictionary()
 
-    def state(self, optimizer: torch.optim.Optimizer) -> IterationState:
-        check_optimizer(optimizer)
-        return self.iteration.setdefault(id(optimizer), IterationState())
+    def progress(self, optimizer: torch.optim.Optimizer) -> Progress:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+        return self.iteration.setdefault(id(optimizer), Progress())
 
-    def new_iteration(self) -> None:
-        self.iteration.clear()
+    def index(self, optimizer: torch.optim.Optimizer) -> OptimizerIndex:
+        sig = tuple(tuple(map(id, g["params"])) for g in optimizer.param_groups)  # what an index is valid for
+        index = self.indexes.get(optimizer)
+        if index is None or index.signature != sig:
+            index = self.indexes[optimizer] = build_index(optimizer, sig, list(self.indexes.items()))
+        return index
 
-    # ------------------------------------------------------------------ gradients
-    def grads(self, optimizer: torch.optim.Optimizer) -> kernels.Groups:
+    def grads(self, optimizer: torch.optim.Optimizer, progress: Progress) -> kernels.Groups:
         """The optimizer's gradients grouped by (device, dtype); ``DTensor`` gradients (FSDP2) as their local
         shards, which in-place passes reach through."""
-        state = self.state(optimizer)
-        index = self._index(optimizer)
+        index = self.index(optimizer)
         if index.shared:
             self.check_disjoint([optimizer])
-        if not state.collected:
-            state.collected = True
-            collect = getattr(optimizer, "dls_collect_gradients", None)
-            if collect is not None:
-                collect()
+        if not progress.collected:
+            progress.collected = True
+            if index.hooks is not None:
+                index.hooks.dls_collect_gradients()
         groups = index.grads.groups()
         return distributed.local_shards(groups) if index.has_dtensors else groups
 
-    def grads_of(self, optimizers: list[torch.optim.Optimizer]) -> kernels.Groups:
+    def grads_of(self, opts: list[torch.optim.Optimizer]) -> kernels.Groups:
         merged: kernels.Groups = {}
-        for optimizer in optimizers:
-            for key, grads in self.grads(optimizer).items():
+        for optimizer in opts:
+            for key, grads in self.grads(optimizer, self.progress(optimizer)).items():
                 merged.setdefault(key, []).extend(grads)
         return merged
 
-    def _index(self, optimizer: torch.optim.Optimizer) -> _Index:
-        signature = tuple(tuple(map(id, g["params"])) for g in optimizer.param_groups)
-        index = self._indexes.get(optimizer)
-        if index is None or index.signature != signature:
-            where = _positions(optimizer)
-            params = [p for _, p in where.values()]
-            index = _Index(signature, kernels.GradIndex(params), distributed.has_dtensors(params))
-            self._link_shared(optimizer, index, where)
-            self._indexes[optimizer] = index
-        return index
+    def check_disjoint(self, opts: list[torch.optim.Optimizer]) -> None:
+        indexes = [self.index(optimizer) for optimizer in opts]  # built first: building links them
+        started = (key for key, progress in self.iteration.items() if progress.stage is not Stage.READY)
+        refuse_shared(opts, indexes, started)
 
-    def _link_shared(self, optimizer: torch.optim.Optimizer, index: _Index, where: dict[int, Any]) -> None:
-        """Record which other optimizers of this scaler hold a parameter of ``optimizer`` (both ways): unscaling
-        both in one iteration would unscale that gradient twice (``check_disjoint``)."""
-        for other, other_index in list(self._indexes.items()):
-            other_index.shared = [s for s in other_index.shared if s[0]() not in (None, optimizer)]
-            if other is optimizer:
-                continue
-            theirs = _positions(other, own=False)
-            common = where.keys() & theirs.keys()
-            if common:
-                pid = next(iter(common))
-                shape = tuple(where[pid][1].shape)
-                index.shared.append((weakref.ref(other), where[pid][0], theirs[pid][0], shape))
-                other_index.shared.append((weakref.ref(optimizer), theirs[pid][0], where[pid][0], shape))
-
-    def check_disjoint(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        """Refuse, before anything changes, to unscale ``optimizers`` together or after other optimizers of this
-        iteration when they share a parameter: its gradient would be unscaled (and counted in a norm) twice."""
-        indexes = [self._index(optimizer) for optimizer in optimizers]  # built first: building links them
-        for i, index in enumerate(indexes):
-            for ref, mine, theirs, shape in index.shared:
-                other = ref()
-                if other is None:
-                    continue
-                j = next((k for k, o in enumerate(optimizers) if o is other), None)
-                if j is not None and j > i:
-                    raise ValueError(
-                        f"optimizers[{i}].{mine} (shape {shape}) is also optimizers[{j}].{theirs}: a parameter in "
-                        "two optimizers would have its gradient unscaled twice; give each parameter to one optimizer"
-                    )
-                stage = self.iteration.get(id(other))
-                if j is None and stage is not None and stage.stage is not Stage.READY:
-                    name = "optimizer" if len(optimizers) == 1 else f"optimizers[{i}]"
-                    raise ValueError(
-                        f"{name}.{mine} (shape {shape}) is also {theirs} of another optimizer already unscaled or "
-                        "stepped in this iteration: its gradient would be unscaled twice; give each parameter to one "
-                        "optimizer"
-                    )
-
-    # ------------------------------------------------------------------ steps
-    def has_stepped(self, optimizer: torch.optim.Optimizer) -> bool:
+    def has_stepped(self, optimizer: torch.optim.Optimizer, index: OptimizerIndex) -> bool:
         """Whether every parameter with a gradient has stepped through this scaler since the optimizer's state was
         last reset (``load_state_dict``, ``state.clear()``): only then does all the state a step touches exist, so
         that the step can be skipped or masked on the device. O(1) once every parameter has stepped."""
-        index = self._index(optimizer)
         state = optimizer.state
-        if state is not index.state or len(state) < index.state_len:
+        if state is not index.optimizer_state or len(state) < index.state_len:
             index.stepped.clear()  # reset (load_state_dict, state.clear(), del state[p]): look again
-            index.state, index.state_len = state, len(state)
+            index.optimizer_state, index.state_len = state, len(state)
         if len(index.stepped) == len(index.grads.params):
             return True
         return all(id(p) in index.stepped for p in index.grads.params if p.grad is not None)
 
-    def mark_stepped(self, optimizer: torch.optim.Optimizer) -> None:
-        index = self._index(optimizer)
+    def mark_stepped(self, optimizer: torch.optim.Optimizer, index: OptimizerIndex) -> None:
         if len(index.stepped) < len(index.grads.params):
             index.stepped.update((id(p), p) for p in index.grads.params if p.grad is not None)
-        index.state, index.state_len = optimizer.state, len(optimizer.state)
+        index.optimizer_state, index.state_len = optimizer.state, len(optimizer.state)
 
 
-def _positions(optimizer: torch.optim.Optimizer, own: bool = True) -> dict[int, tuple[str, torch.Tensor]]:
-    """Where each parameter is in ``optimizer.param_groups``. In the optimizer being indexed (``own``) a parameter
-    listed twice (an in-place edit of the groups) would be unscaled twice and raises."""
-    where: dict[int, tuple[str, torch.Tensor]] = {}
-    for g, group in enumerate(optimizer.param_groups):
-        for k, p in enumerate(group["params"]):
-            here = f"param_groups[{g}]['params'][{k}]"
-            if own and id(p) in where:
-                raise ValueError(
-                    f"optimizer.{here} (shape {tuple(p.shape)}) is also optimizer.{where[id(p)][0]}: a parameter "
-                    "listed twice would have its gradient unscaled twice"
-                )
-            where[id(p)] = (here, p)
-    return where
+def _distributed() -> bool:
+    """Whether ranks may have to agree (``dls.distributed`` decides per group); the default path never enters it."""
+    return dist.is_available() and dist.is_initialized()
 
 
-def check_optimizer(optimizer: Any) -> None:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
-
-
-def takes_scale_and_flag(optimizer: torch.optim.Optimizer) -> bool:
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of a warning raised in this module that points at the first caller outside it (the
+    constructors reach ``_setup`` through one or two frames here)."""
+    level, frame = 1, sys._getframe(1)  # the warning's frame
+    while frame.f_back is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 # ---------------------------------------------------------------------------------------------------------- the scaler
@@ -251,7 +187,8 @@ class GradScaler:
       positional argument that is not a device. Note the positional difference: ``GradScaler(65536.)`` is a
       *static* scale of 65536.
 
-    DeepSpeed's and Megatron-LM's scalers have their own constructors: ``from_deepspeed`` and ``from_megatron``.
+    DeepSpeed's and Megatron-LM's scalers have their own constructors, ``from_deepspeed`` and ``from_megatron``, and
+    every peer of ``dls.policy.PEERS`` its own arguments: ``like``.
 
     Both dialects accept every argument below by keyword.
 
@@ -276,7 +213,7 @@ class GradScaler:
         half_dtype: the half format the defaults are chosen for; ``None``: ``dls.get_half_dtype_str()`` at
             construction (cstorch.amp's ``set_half_dtype``).
         sync_free: keep ``step`` on the device for optimizers that cannot take the flag themselves: the step
-            always runs and parameters and optimizer state are restored where it overflowed (``dls.sync_free``).
+            always runs and parameters and optimizer state are restored where it overflowed (``dls.device_step``).
         process_group: the group whose ranks must agree on overflow; default: the world group when
             ``torch.distributed`` is initialised, nothing otherwise.
         gradients_sharded: whether each rank holds a disjoint slice of the gradients, so the global norm for
@@ -293,15 +230,16 @@ class GradScaler:
             problem).
     """
 
-    # The two signatures, as dls.arguments declares them (tests/test_settings.py compares them).
+    # The two signatures, as dls.arguments declares them (tests/test_settings.py compares them, and their defaults
+    # with the peers' table, dls.policy.PEERS): written out, so that the reference and an editor show them.
     @overload
     def __init__(
         self,
         device: str | torch.device = "cuda",
-        init_scale: float = TORCH_INIT_SCALE,
+        init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
-        growth_interval: int = DEFAULT_STEPS_PER_INCREASE,
+        growth_interval: int = 2000,
         enabled: bool = True,
         *,
         loss_scale: str | float = "dynamic",
@@ -404,8 +342,6 @@ class GradScaler:
         Raises:
             ValueError: an unknown key or a bad value, named.
         """
-        from dls.arguments import read_deepspeed
-
         settings, enabled = read_deepspeed(fp16_config)
         return cls.from_settings(settings, enabled=enabled, device=device)
 
@@ -416,7 +352,7 @@ class GradScaler:
         *,
         initial_scale: float,
         min_scale: float,
-        growth_factor: float = 2.0,
+        growth_factor: float = 2.0,  # Megatron's defaults, as in dls.policy.PEERS (tests/test_settings.py)
         backoff_factor: float = 0.5,
         growth_interval: int = 1000,
         hysteresis: int = 2,
@@ -439,15 +375,24 @@ class GradScaler:
         Raises:
             ValueError: a bad argument, named.
         """
-        settings = ScalerSettings.megatron(
-            initial_scale=initial_scale,
-            min_scale=min_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-        )
-        return cls.from_settings(settings, device=device)
+        arguments = (initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis)
+        return cls.from_settings(ScalerSettings.megatron(*arguments), device=device)
+
+    @classmethod
+    def like(cls, peer: str, device: str | torch.device = "cuda", **arguments: Any) -> GradScaler:
+        """A scaler whose scale and skip decisions are ``peer``'s, step by step, configured with the peer's own
+        argument names and defaults: ``GradScaler.like("megatron", "cpu", initial_scale=2.0**16, min_scale=1.0)``.
+        The peers and what dls does differently: ``dls.policy.PEERS`` and the switching guide.
+
+        Args:
+            peer: ``"torch"``, ``"cerebras"``, ``"deepspeed"`` (its ``fp16`` config keys), ``"megatron"``.
+            device: where the scale lives (``"cpu"`` or a CUDA device).
+            **arguments: the peer's own constructor arguments.
+
+        Raises:
+            ValueError: an unknown peer or argument (with the closest name), or a bad value, named.
+        """
+        return cls.from_settings(ScalerSettings.like(peer, **arguments), device=device)
 
     def _setup(
         self,
@@ -477,17 +422,17 @@ class GradScaler:
         self._sync_free, self._gradients_sharded = sync_free, gradients_sharded
         self._process_group = process_group
         self._scale = LossScale(settings, device)
-        self._extra_state: dict[str, Any] = {}  # register_state
         self._wire()
 
     def _wire(self) -> None:
-        """The per-process parts, built anew after unpickling: the per-optimizer bookkeeping and the watches."""
-        from dls.diagnostics.watch import Watches  # the diagnostics are imported with a scaler, not with dls
-
+        """The per-process parts, built anew after unpickling: the per-optimizer bookkeeping, the observers, the
+        state other objects keep in this scaler's checkpoint (the diagnostics' first: loads may precede a watch)."""
         self._tracker = Tracker()
-        self._reports: Watches = Watches()
-        self._recorder: Recorder | None = None  # record(): the trace of this process's rule steps
-        self.register_state("kept_in_float32", self._reports.kept)  # registered first: loads may precede a watch
+        self._observers: list[StepObserver] = []
+        self._extra_state: dict[str, Any] = {}  # register_state
+        if (provider := diagnostics()) is not None:
+            provider.new_scaler(self)
+        self._born_with = tuple(self._extra_state)  # what a pickled scaler carries along
 
     # ------------------------------------------------------------------ queries
     @property
@@ -506,7 +451,7 @@ class GradScaler:
 
     @property
     def max_gradient_norm(self) -> float | None:
-        """The global gradient-norm limit ``step()`` clips to (``None``: no clipping)."""
+        """The global gradient-norm limit ``step()`` clips to (``None``: no clipping), as cstorch.amp names it."""
         return self._scale.settings.max_gradient_norm
 
     def get_scale(self) -> float:
@@ -524,7 +469,7 @@ class GradScaler:
 
     def get_scale_tensor(self) -> torch.Tensor:
         """The scale as a 0-dim float32 device tensor (no host sync), e.g. for logging inside compiled code."""
-        return self._scale.tensor
+        return self._scale.state.loss_scale
 
     def stage(self, optimizer: torch.optim.Optimizer) -> Stage:
         """Where ``optimizer`` is in the current iteration.
@@ -532,7 +477,7 @@ class GradScaler:
         Args:
             optimizer: an optimizer of this iteration (one the scaler has not seen yet is ``Stage.READY``).
         """
-        return self._tracker.state(optimizer).stage
+        return self._tracker.progress(optimizer).stage
 
     def step_was_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the last ``step(optimizer)`` (or ``step_if_finite``) through this scaler was skipped because the
@@ -552,17 +497,6 @@ class GradScaler:
             last.skipped = bool(last.flag.item())
         return last.skipped
 
-    def _last_step(self, optimizer: torch.optim.Optimizer) -> IterationState:
-        check_optimizer(optimizer)
-        last = self._tracker.last.get(optimizer)
-        if last is None:
-            raise RuntimeError("step_was_skipped(): this optimizer has not stepped through this scaler yet")
-        return last
-
-    def _stepped_optimizers(self) -> list[torch.optim.Optimizer]:
-        """The live optimizers that have stepped through this scaler (``dls.skip_aware`` binds to a single one)."""
-        return list(self._tracker.last.keys())
-
     def step_was_skipped_tensor(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """``step_was_skipped`` as a 0-dim bool tensor on the scale's device, never read back to the host: to
         select on the device (``torch.where(skipped, old, new)``) in sync-free loops.
@@ -577,6 +511,19 @@ class GradScaler:
         if last.flag is None:
             return torch.tensor(bool(last.skipped), device=self._scale.device)
         return last.flag > 0
+
+    def stepped_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The live optimizers that have stepped through this scaler, in the order of their first step (each one's
+        last step: ``step_was_skipped``)."""
+        return list(self._tracker.last.keys())
+
+    def _last_step(self, optimizer: torch.optim.Optimizer) -> Progress:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+        last = self._tracker.last.get(optimizer)
+        if last is None:
+            raise RuntimeError("step_was_skipped(): this optimizer has not stepped through this scaler yet")
+        return last
 
     def get_growth_factor(self) -> float:
         """torch.amp's accessor: the factor the scale grows by."""
@@ -614,7 +561,7 @@ class GradScaler:
             new_interval: updates without a counted overflow before the scale grows (at least 2 in the Cerebras
                 and DeepSpeed dialects).
         """
-        offset = GROWTH_OFFSET.get(self._scale.settings.dialect, 0)
+        offset = self._scale.settings.growth_offset
         if problem := count_problem("new_interval", new_interval):
             raise ValueError(problem)
         interval = int(python_number(new_interval))  # type: ignore[arg-type]  # an integer: checked above
@@ -643,16 +590,18 @@ class GradScaler:
         """
         if not self._enabled:
             return outputs
-        if isinstance(outputs, torch.Tensor) and not self._tracker.iteration:
+        scale = self._scale.state.loss_scale
+        if isinstance(outputs, torch.Tensor) and not self._tracker.iteration and outputs.device != scale.device:
             self._scale.follow(outputs.device)
-        if self._reports.watches or self._reports.report is not None:
-            self._reports.new_loss(outputs)
+            scale = self._scale.state.loss_scale
+        for observer in self._observers:
+            observer.loss_scaled(outputs)
         cache: dict[torch.device, torch.Tensor] = {}
 
         def apply(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
                 if value.device not in cache:
-                    cache[value.device] = self._scale.tensor.to(value.device, non_blocking=True)
+                    cache[value.device] = scale.to(value.device, non_blocking=True)
                 if value.dtype in (torch.float16, torch.bfloat16):
                     value = value.float()
                 return value * cache[value.device]
@@ -679,13 +628,13 @@ class GradScaler:
         """
         if not self._enabled:
             return
-        state = self._tracker.state(optimizer)
-        if state.stage in (Stage.UNSCALED, Stage.CLIPPED):
+        progress = self._tracker.progress(optimizer)
+        if progress.stage in (Stage.UNSCALED, Stage.CLIPPED):
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        if state.stage is Stage.STEPPED:
+        if progress.stage is Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        self._unscale_and_check([optimizer], [state])
-        _tell_unscaled(optimizer)
+        self._unscale_and_check([optimizer], [progress])
+        self._tell_unscaled(optimizer)
 
     def clip_gradients_and_return_isfinite(
         self,
@@ -715,65 +664,85 @@ class GradScaler:
         self._tracker.check_disjoint(opts)
         isfinite, norm = self._clip_and_check(opts, max_norm, return_norm)
         for opt in opts:
-            _tell_unscaled(opt)
+            self._tell_unscaled(opt)
         return (isfinite, norm) if return_norm else isfinite
 
-    # The passes (unscale, check, clip; pure in dls.kernels) and the skip decision.
+    def check_disjoint(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Raise, changing nothing, what unscaling ``optimizers`` now would raise for a parameter they share with
+        each other or with an optimizer already unscaled or stepped in this iteration (its gradient would be
+        unscaled twice): ``dls.optimizer_step`` checks before the backward pass.
+
+        Args:
+            optimizers: the optimizers to be unscaled together.
+
+        Raises:
+            ValueError: a shared parameter, named by where it is in each optimizer.
+        """
+        self._tracker.check_disjoint(optimizer_list(optimizers, "optimizers"))
+
+    def _tell_unscaled(self, optimizer: torch.optim.Optimizer) -> None:
+        """User code runs next and may read or clip the gradients a wrapper knows (``dls.master_weights``)."""
+        index = self._tracker.indexes.get(optimizer)  # what the index found: a protocol's isinstance is slow
+        hooks = index.hooks if index is not None else optimizer if isinstance(optimizer, HoldsGradients) else None
+        if hooks is not None:
+            hooks.dls_gradients_unscaled()
+
+    # The passes (unscale, check, clip; pure in dls.kernels).
     def _flag_pass(
-        self, optimizer: torch.optim.Optimizer, run: Callable[..., None], inv_scale: torch.Tensor
+        self, optimizer: torch.optim.Optimizer, progress: Progress, run: Callable[..., None], inv_scale: torch.Tensor
     ) -> torch.Tensor:
         """``run`` (``kernels.mul_and_check_`` or ``kernels.check_unscaled_``) over the optimizer's gradients, factor
         ``inv_scale``; returns the flag on the scale's device (not yet agreed across ranks)."""
-        groups = self._tracker.grads(optimizer)
+        groups = self._tracker.grads(optimizer, progress)
         devices = {d for d, _ in groups}
         found = kernels.zero_flags(devices)
-        run(groups, kernels.per_device(inv_scale, devices), found, self._scale.may_be_below_one)
+        run(groups, kernels.per_device(inv_scale, devices), found, self._scale.known.scale_may_be_below_one())
         return kernels.gather_flags(found, self._scale.device)
 
-    def _unscale_and_check(self, optimizers: list[torch.optim.Optimizer], states: list[IterationState]) -> None:
+    def _unscale_and_check(self, opts: list[torch.optim.Optimizer], progresses: list[Progress]) -> None:
         """Unscale each optimizer's gradients and set its agreed overflow flag (stage → UNSCALED)."""
         inv_scale = self._scale.inverse()
-        for optimizer, state in zip(optimizers, states):
-            flag = self._flag_pass(optimizer, kernels.mul_and_check_, inv_scale)
-            # Across ranks the flag is agreed asynchronously: reading state.found_inf waits for the all-reduce.
+        for optimizer, progress in zip(opts, progresses):
+            flag = self._flag_pass(optimizer, progress, kernels.mul_and_check_, inv_scale)
+            # Across ranks the flag is agreed asynchronously: reading progress.found_inf waits for the all-reduce.
             agreement = distributed.start_agreement(flag, self._process_group) if _distributed() else None
-            state.flag, state.agreement = flag, agreement
-            state.stage = Stage.UNSCALED
+            progress.flag, progress.agreement = flag, agreement
+            progress.stage = Stage.UNSCALED
 
-    def _check_scaled(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    def _check_scaled(self, optimizer: torch.optim.Optimizer, progress: Progress) -> torch.Tensor:
         """The agreed flag of ``optimizer``'s still-scaled gradients, without unscaling them (one read pass)."""
-        flag = self._flag_pass(optimizer, kernels.check_unscaled_, self._scale.inverse())
+        flag = self._flag_pass(optimizer, progress, kernels.check_unscaled_, self._scale.inverse())
         return distributed.agree_on_overflow(flag, self._process_group) if _distributed() else flag
 
     def _clip_and_check(
-        self, optimizers: list[torch.optim.Optimizer], max_norm: float | None, want_norm: bool = False
+        self, opts: list[torch.optim.Optimizer], max_norm: float | None, want_norm: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         norm: torch.Tensor | None
-        states = [self._tracker.state(opt) for opt in optimizers]
-        if any(s.stage is Stage.STEPPED for s in states):
+        progresses = [self._tracker.progress(opt) for opt in opts]
+        if any(p.stage is Stage.STEPPED for p in progresses):
             raise RuntimeError("gradients cannot be clipped after step() on the same optimizer before update().")
         if not self._enabled:
             # Nothing to unscale or skip; clipping still applies, and the flag still tells the truth.
             if max_norm is None and not want_norm:
                 return torch.ones((), dtype=torch.bool, device=self._scale.device), None
-            found_inf, norm = self._clip([], optimizers, max_norm, want_norm)
-            for state in states:
-                state.stage = Stage.CLIPPED if max_norm is not None else state.stage
+            found_inf, norm = self._clip([], opts, max_norm, want_norm)
+            for progress in progresses:
+                progress.stage = Stage.CLIPPED if max_norm is not None else progress.stage
             return found_inf == 0, norm
-        ready = [(o, s) for o, s in zip(optimizers, states) if s.stage is Stage.READY]
-        done = [o for o, s in zip(optimizers, states) if s.stage is not Stage.READY]
+        ready = [(o, p) for o, p in zip(opts, progresses) if p.stage is Stage.READY]
+        done = [o for o, p in zip(opts, progresses) if p.stage is not Stage.READY]
         if max_norm is None and not want_norm:
             if ready:
-                self._unscale_and_check([o for o, _ in ready], [s for _, s in ready])
-            found_inf, norm = kernels.max_flag([s.found_inf for s in states]), None
+                self._unscale_and_check([o for o, _ in ready], [p for _, p in ready])
+            found_inf, norm = kernels.max_flag([p.found_inf for p in progresses]), None
         else:
             found_inf, norm = self._clip([o for o, _ in ready], done, max_norm, want_norm)
-            found_inf = kernels.max_flag([found_inf, *(s.found_inf for s in states if s.stage is not Stage.READY)])
+            found_inf = kernels.max_flag([found_inf, *(p.found_inf for p in progresses if p.stage is not Stage.READY)])
             if _distributed():
                 found_inf = distributed.agree_on_overflow(found_inf, self._process_group)
-        for state in states:
-            state.stage = Stage.CLIPPED if max_norm is not None else Stage.UNSCALED
-            state.found_inf = found_inf
+        for progress in progresses:
+            progress.stage = Stage.CLIPPED if max_norm is not None else Stage.UNSCALED
+            progress.found_inf = found_inf
         return found_inf == 0, norm
 
     def _clip(
@@ -806,7 +775,8 @@ class GradScaler:
         for groups, factor in parts:
             if groups and (factor is not one or max_norm is not None):
                 dtypes_max = min(torch.finfo(dtype).max for _, dtype in groups)
-                check = (max_norm is None and self._scale.may_be_below_one) or (max_norm or 0) >= dtypes_max / 2
+                below_one = max_norm is None and self._scale.known.scale_may_be_below_one()
+                check = below_one or (max_norm or 0) >= dtypes_max / 2
                 found = kernels.mul_and_raise(groups, factor * coef, found, check)
         return found, total_norm
 
@@ -830,13 +800,13 @@ class GradScaler:
         max_norm = self._scale.settings.max_gradient_norm
         if not self._enabled:
             # No scaling, no skipping; max_gradient_norm still clips (bfloat16 runs use it too).
-            if max_norm is not None and self._tracker.state(optimizer).stage is not Stage.CLIPPED:
+            if max_norm is not None and self._tracker.progress(optimizer).stage is not Stage.CLIPPED:
                 self._clip_and_check([optimizer], max_norm, want_norm=False)
             return self._step_unchecked(optimizer, args, kwargs)
-        state = self._state_to_step(optimizer, args, kwargs)
-        if max_norm is not None and state.stage is not Stage.CLIPPED:
-            others = (s for key, s in self._tracker.iteration.items() if key != id(optimizer))
-            if any(s.stage in (Stage.CLIPPED, Stage.STEPPED) for s in others):
+        progress = self._progress_to_step(optimizer, args, kwargs)
+        if max_norm is not None and progress.stage is not Stage.CLIPPED:
+            others = (p for key, p in self._tracker.iteration.items() if key != id(optimizer))
+            if any(p.stage in (Stage.CLIPPED, Stage.STEPPED) for p in others):
                 warnings.warn(
                     "step() clips each optimizer by the norm of its own gradients; for one global norm over "
                     "several optimizers call clip_gradients_and_return_isfinite([...]) with all of them before "
@@ -844,7 +814,7 @@ class GradScaler:
                     stacklevel=2,
                 )
             self._clip_and_check([optimizer], max_norm)
-        return self._step_if_finite(optimizer, state, args, kwargs)
+        return self._step_if_finite(optimizer, progress, args, kwargs)
 
     def step_if_finite(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step(*args, **kwargs)`` if the flag recorded by ``unscale_`` or
@@ -863,86 +833,130 @@ class GradScaler:
         """
         if not self._enabled:
             return self._step_unchecked(optimizer, args, kwargs)
-        state = self._state_to_step(optimizer, args, kwargs)
-        if state.stage is Stage.READY:
+        progress = self._progress_to_step(optimizer, args, kwargs)
+        if progress.stage is Stage.READY:
             raise RuntimeError(
                 "step_if_finite() needs the overflow flag: call unscale_() or "
                 "clip_gradients_and_return_isfinite() first, or use step()."
             )
-        return self._step_if_finite(optimizer, state, args, kwargs)
+        return self._step_if_finite(optimizer, progress, args, kwargs)
 
-    def _state_to_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: Any) -> IterationState:
+    def _progress_to_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: Any) -> Progress:
         if "closure" in kwargs or (args and callable(args[0])):
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        state = self._tracker.state(optimizer)
-        if state.stage is Stage.STEPPED:
+        progress = self._tracker.progress(optimizer)
+        if progress.stage is Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        return state
+        return progress
 
     def _step_if_finite(
-        self, optimizer: torch.optim.Optimizer, state: IterationState, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, optimizer: torch.optim.Optimizer, progress: Progress, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """The step, skipped where the flag says so; the one place the path is chosen: the optimizer's own kernel
-        when it takes the flag (from READY: it unscales, too), else on the device (sync-free) or on the host."""
-        if takes_scale_and_flag(optimizer):
-            return self._step_fused(optimizer, state, args, kwargs)
-        if state.stage is Stage.READY:
-            self._unscale_and_check([optimizer], [state])
-        found_inf = state.found_inf
+        """The step, taken or skipped as the flag says: the one place that decides, on one of three paths.
+
+        ====== ============================================ =========================== ===========================
+        path   when                                          the flag                    a skipped step
+        ====== ============================================ =========================== ===========================
+        host   the default                                  read here, once (one sync)  ``optimizer.step`` not run
+        fused  the optimizer takes the scale and the flag   handed to its kernel        its kernel changes nothing
+               (``_step_supports_amp_scaling``: torch's     (from READY: a read-only
+               ``fused=True``; it unscales too)             check pass, no unscale)
+        masked ``sync_free=True``, once every parameter     not read                    the step runs; parameters
+               has stepped (``Tracker.has_stepped``)                                    and state are put back on
+                                                                                        the device
+        ====== ============================================ =========================== ===========================
+
+        A parameter's first step (state that does not exist yet cannot be protected on the device) is decided on
+        the host on the fused and masked paths too.
+        """
+        index = self._tracker.index(optimizer)
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._step_fused(optimizer, index, progress, args, kwargs)
+        if progress.stage is Stage.READY:
+            self._unscale_and_check([optimizer], [progress])
+        found_inf = progress.found_inf
         assert found_inf is not None
-        state.stage = Stage.STEPPED
-        if self._sync_free and self._tracker.has_stepped(optimizer):
-            self._record(optimizer, state, found_inf, None)
-            return sync_free.masked_step(optimizer, found_inf, args, kwargs)
-        if self._record(optimizer, state, found_inf, self._scale.read_flag(found_inf)):
+        progress.stage = Stage.STEPPED
+        if self._sync_free and self._tracker.has_stepped(optimizer, index):
+            self._decided(optimizer, progress, found_inf, None)
+            result = device_step.masked_step(optimizer, found_inf, args, kwargs)
+            if index.hooks is not None:  # e.g. master weights: re-derive what the step wrote from restored state
+                index.hooks.dls_state_restored()
+            return result
+        if self._decided(optimizer, progress, found_inf, self._scale.read_flag(found_inf)):
             return None
         result = optimizer.step(*args, **kwargs)
-        self._tracker.mark_stepped(optimizer)
+        self._tracker.mark_stepped(optimizer, index)
         return result
 
     def _step_fused(
-        self, optimizer: torch.optim.Optimizer, state: IterationState, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        optimizer: torch.optim.Optimizer,
+        index: OptimizerIndex,
+        progress: Progress,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> Any:
         """Hand the scale and the flag to an optimizer whose kernel unscales and skips by itself (no sync)."""
         grad_scale: torch.Tensor | None = None
-        if state.stage is Stage.READY:
+        if progress.stage is Stage.READY:
             # Only a read pass for the flag: the optimizer kernel divides by grad_scale while it updates.
-            state.found_inf = self._check_scaled(optimizer)
-            grad_scale = self._scale.tensor
-        found_inf = state.found_inf
+            progress.found_inf = self._check_scaled(optimizer, progress)
+            grad_scale = self._scale.state.loss_scale
+        found_inf = progress.found_inf
         assert found_inf is not None
-        first_step = not self._tracker.has_stepped(optimizer)
-        state.stage = Stage.STEPPED
+        first_step = not self._tracker.has_stepped(optimizer, index)
+        progress.stage = Stage.STEPPED
         if first_step and self._scale.read_flag(found_inf):
-            self._record(optimizer, state, found_inf, True)
+            self._decided(optimizer, progress, found_inf, True)
             return None
-        if self._record(optimizer, state, found_inf, False if first_step else None):
-            return None  # known on the host (a watch read it): nothing for the kernel to do
-        result = sync_free.fused_step(optimizer, grad_scale, found_inf, args, kwargs)
+        if self._decided(optimizer, progress, found_inf, False if first_step else None):
+            return None  # known on the host (an observer wanted it read): nothing for the kernel to do
+        result = device_step.fused_step(optimizer, grad_scale, found_inf, args, kwargs)
         if first_step:
-            self._tracker.mark_stepped(optimizer)
+            self._tracker.mark_stepped(optimizer, index)
         return result
 
-    def _record(
-        self, optimizer: torch.optim.Optimizer, state: IterationState, found_inf: torch.Tensor, skipped: bool | None
+    def _decided(
+        self, optimizer: torch.optim.Optimizer, progress: Progress, found_inf: torch.Tensor, skipped: bool | None
     ) -> bool:
-        """Remember how the step ended; while a watch is active, know it now (one read on the fused and sync-free
-        paths) and build the overflow report from the gradients, which still exist. Returns whether skipped."""
-        # Watches.active() inlined: a step without watches enters no diagnostics file (tests/test_layout.py).
-        watches = [w for w in self._reports.watches if w.active]
-        if skipped is None and watches:
-            skipped = self._scale.read_flag(found_inf)
-        state.skipped, self._tracker.last[optimizer] = skipped, state
-        if skipped and watches:
-            self._reports.overflowed(watches, float(self._scale.tensor))  # the overflow path: one more read is fine
+        """Remember how the step ended and tell the observers; while one wants the outcome, know it now (one read
+        on the fused and sync-free paths). Returns whether skipped."""
+        if skipped is None:
+            for observer in self._observers:
+                if observer.wants_outcome:
+                    skipped = self._scale.read_flag(found_inf)
+                    break
+        progress.skipped, self._tracker.last[optimizer] = skipped, progress
+        for observer in self._observers:
+            observer.step_decided(optimizer, skipped)
         return bool(skipped)
 
     def _step_unchecked(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A disabled scaler's step: never skipped (closures pass through, as in torch)."""
-        self._tracker.last[optimizer] = IterationState(skipped=False)
+        self._tracker.last[optimizer] = Progress(skipped=False)
         return optimizer.step(*args, **kwargs)
 
-    # ------------------------------------------------------------------ diagnostics
+    # ------------------------------------------------------------------ observers and diagnostics
+    def observe(self, observer: StepObserver) -> Removable:
+        """Tell ``observer`` (a ``dls.observers.StepObserver``) of this scaler's iterations until the
+        returned handle's ``remove()``. Observers belong to this process: a copy or a pickled scaler has none.
+
+        Args:
+            observer: what to call at each point of an iteration.
+
+        Returns:
+            A handle: ``remove()``, or a ``with`` block.
+        """
+        self._observers.append(observer)
+        return Observation(self._observers, observer)
+
+    def _diagnostics(self) -> Diagnostics:
+        provider = diagnostics()
+        if provider is None:  # import dls imports dls.diagnostics, which registers itself
+            raise RuntimeError("dls.diagnostics is not imported: import dls first")
+        return provider
+
     def watch(self, model: torch.nn.Module, *, fallback: bool = False) -> OverflowWatch:
         """Name ``model``'s parameters and modules and record the order backward produces their gradients, so that
         after an overflowing step ``overflow_report()`` says where it started (``dls.diagnostics.watch``).
@@ -950,7 +964,8 @@ class GradScaler:
         ``fallback=True``: modules whose half-precision output overflows are found and kept in float32 from then on
         (``dls.diagnostics.fallback``; ``watch.kept_in_float32``, carried by the scaler's state dict). Clean steps
         cost no kernel: a Python hook per parameter in backward (about 1 µs each on a CPU); on the fused and
-        sync-free paths ``step`` reads the flag while a watch is active. ``watch(...).remove()`` takes it out.
+        sync-free paths ``step`` reads the flag while a watch is active (the watches observe the scaler,
+        ``observe``). ``watch(...).remove()`` takes it out.
 
         Args:
             model: the model whose backward to follow.
@@ -959,7 +974,7 @@ class GradScaler:
         Returns:
             The [`OverflowWatch`][dls.diagnostics.OverflowWatch] (a handle: ``remove()``, or a ``with`` block).
         """
-        return self._reports.watch(model, fallback, self._process_group)
+        return self._diagnostics().watch(self, model, fallback, self._process_group)
 
     def record(
         self,
@@ -992,9 +1007,7 @@ class GradScaler:
         Raises:
             ValueError: an argument outside what is allowed (named), a disabled scaler, or one already recording.
         """
-        from dls.diagnostics.record import Recorder
-
-        return Recorder(
+        return self._diagnostics().record(
             self, file, model=model, histogram_every=histogram_every, flush_every=flush_every,
             start_step=start_step, append=append, model_format=model_format,
         )  # fmt: skip
@@ -1003,7 +1016,7 @@ class GradScaler:
         """Where this iteration's overflow started (first module in backward order, the parameters with inf/NaN
         gradients, whether the loss itself was non-finite), once ``step()`` found it; readable after ``update()``
         until the next iteration's ``scale()``. ``None`` after a clean step or without a ``watch``."""
-        return self._reports.report
+        return self._diagnostics().overflow_report(self)
 
     # ------------------------------------------------------------------ update
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -1020,15 +1033,16 @@ class GradScaler:
             RuntimeError: no optimizer of this iteration was unscaled or stepped.
         """
         if not self._enabled:
-            self._tracker.new_iteration()  # only clipping was recorded
+            self._tracker.iteration.clear()  # only clipping was recorded
             return
         if new_scale is not None:
-            flags = [s.found_inf for s in self._tracker.iteration.values() if s.found_inf is not None]
+            flags = [p.found_inf for p in self._tracker.iteration.values() if p.found_inf is not None]
             self._scale.set(new_scale, kernels.max_flag(flags) if flags else None)
         else:
-            self._apply_rule(list(self._tracker.iteration.values()))
-        self._tracker.new_iteration()
-        self._reports.stale = True
+            self._apply_rule(self._tracker.iteration)
+        self._tracker.iteration.clear()
+        for observer in self._observers:
+            observer.iteration_ended()
 
     def update_scale(self, optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> None:
         """Apply the scale rule to the flags of ``optimizers`` without starting a new iteration
@@ -1039,22 +1053,31 @@ class GradScaler:
         """
         if not self._enabled:
             return
-        opts = optimizer_list(optimizers, "optimizers")
-        self._apply_rule([self._tracker.iteration.get(id(o), IterationState()) for o in opts])
+        iteration = self._tracker.iteration
+        self._apply_rule({id(o): iteration.get(id(o), Progress()) for o in optimizer_list(optimizers, "optimizers")})
 
-    def _apply_rule(self, states: list[IterationState]) -> None:
-        states = [s for s in states if s.flag is not None or s.agreement is not None]
-        if not states:
+    def _apply_rule(self, progresses: dict[int, Progress]) -> None:
+        flags: list[torch.Tensor] = []
+        known: bool | None = False
+        for progress in progresses.values():
+            if progress.flag is None and progress.agreement is None:
+                continue
+            flags.append(progress.found_inf)  # type: ignore[arg-type]  # a flag or its all-reduce is there
+            # Where step() decided on the host (the default path), the rule knows the flag's value too.
+            if known is not None:
+                known = None if progress.skipped is None else known or progress.skipped
+        if not flags:
             raise RuntimeError(
                 "No inf checks were recorded prior to update(): call step() (or unscale_()) on the "
                 "optimizers of this iteration first."
             )
-        # Where step() decided on the host (the default path), the rule knows the flag's value too.
-        known = None if any(s.skipped is None for s in states) else any(s.skipped for s in states)
-        found_inf = kernels.max_flag([s.found_inf for s in states])
-        if self._recorder is not None:
-            self._recorder.rule_step(found_inf)  # what the rule is about to see, on the device
-        self._scale.apply_rule(found_inf, known)
+        found_inf = flags[0] if len(flags) == 1 else kernels.max_flag(flags)
+        if self._observers:  # what the rule is about to see, on the device: the iteration's unscaled gradients
+            flagged = {k for k, p in self._tracker.iteration.items() if p.flag is not None or p.agreement is not None}
+            opts = [o for o in self._tracker.indexes if id(o) in flagged]
+            for observer in self._observers:
+                observer.before_rule(found_inf, lambda: self._tracker.grads_of(opts))
+        self._scale.update(found_inf, known)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -1062,9 +1085,9 @@ class GradScaler:
         (``dls.scaler_state``): ``torch.amp.GradScaler.load_state_dict`` accepts it. ``{}`` when disabled."""
         if not self._enabled:
             return {}
-        values = self._scale.values()
         extra = {name: owner.state_dict() for name, owner in self._extra_state.items()}
-        return to_state_dict(values, self._scale.settings) | {k: v for k, v in extra.items() if v is not None}
+        values = to_state_dict(self._scale.values(), self._scale.settings)
+        return values | {k: v for k, v in extra.items() if v is not None}
 
     def register_state(self, name: str, owner: Any) -> None:
         """Keep ``owner``'s state in this scaler's checkpoint under ``name``. ``owner`` has ``state_dict()``
@@ -1084,7 +1107,7 @@ class GradScaler:
 
     def state_dict_keys(self) -> tuple[str, ...]:
         """Every key this scaler's state dict may hold (its own, torch's, registered ones)."""
-        return (*STATE_KEYS, "format_version", *TORCH_KEYS, *self._extra_state)
+        return (*state_keys(self._scale.settings), "format_version", *TORCH_KEYS, *self._extra_state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dls or a ``torch.amp.GradScaler`` state dict: keys present replace, missing keys keep their
@@ -1099,13 +1122,14 @@ class GradScaler:
         """
         if not self._enabled:
             return
-        loaded = parse_state_dict(state_dict, self._scale.settings, extra=tuple(self._extra_state))
+        settings = self._scale.settings
+        loaded = parse_state_dict(state_dict, settings, extra=tuple(self._extra_state))
         for name, value in loaded.extra.items():
             self._extra_state[name].check_state(value)
         if loaded.clamped is not None:
             warnings.warn(
                 f"the loaded loss scale {loaded.clamped!r} is outside [min_loss_scale, max_loss_scale] = "
-                f"[{self._scale.settings.min_loss_scale!r}, {self._scale.settings.max_loss_scale!r}]; clamped to "
+                f"[{settings.min_loss_scale!r}, {settings.max_loss_scale!r}]; clamped to "
                 f"{loaded.values['loss_scale']!r}",
                 stacklevel=2,
             )
@@ -1118,22 +1142,21 @@ class GradScaler:
             raise RuntimeError(
                 "A GradScaler may only be pickled at the beginning of an iteration, or after scaler.update()."
             )
-        # A disabled scaler records only clipping. Watches and registered owners belong to this process; the
-        # modules the watches keep are this scaler's state: the next fallback watch keeps them.
-        parts = ("_tracker", "_reports", "_extra_state", "_recorder")
-        state = {k: v for k, v in self.__dict__.items() if k not in parts}
-        state["_process_group"] = None
-        state["_kept_in_float32"] = self._reports.kept.state_dict()
-        return state
+        # A disabled scaler records only clipping. Observers and owners registered later belong to this process;
+        # the state of those registered with the scaler (the modules its fallback watches keep) travels with it.
+        kept = {k: v for k, v in self.__dict__.items() if k not in ("_tracker", "_observers", "_extra_state")}
+        kept["_process_group"] = None
+        kept["_born_state"] = {name: self._extra_state[name].state_dict() for name in self._born_with}
+        return kept
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        kept = state.pop("_kept_in_float32", None)
-        self.__dict__.update(state)
-        self._extra_state = {}
+    def __setstate__(self, pickled: dict[str, Any]) -> None:
+        born = pickled.pop("_born_state", {})
+        self.__dict__.update(pickled)
         self._wire()
-        self._reports.kept.loaded = kept
+        for name, value in born.items():
+            if name in self._extra_state and value is not None:
+                self._extra_state[name].load_state_dict(value)
 
-    # ------------------------------------------------------------------ helpers
     def __repr__(self) -> str:
         s = self._scale.settings
         return (
@@ -1141,40 +1164,3 @@ class GradScaler:
             f"{s.steps_per_increase}, min_loss_scale={s.min_loss_scale}, max_loss_scale={s.max_loss_scale}, "
             f"max_gradient_norm={s.max_gradient_norm})"
         )
-
-
-# ---------------------------------------------------------------------- module helpers
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` of a warning raised in this module that points at the first caller outside it (the
-    constructors reach ``_setup`` through one or two frames here)."""
-    level, frame = 1, sys._getframe(1)  # the warning's frame
-    while frame.f_back is not None and frame.f_code.co_filename == __file__:
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _distributed() -> bool:
-    """Whether ranks may have to agree (``dls.distributed`` decides per group); the default path never enters it."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def optimizer_list(
-    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], name: str
-) -> list[torch.optim.Optimizer]:
-    """``optimizers`` (one or a sequence) as a list without repeats; ``ValueError`` naming ``name`` otherwise."""
-    if isinstance(optimizers, torch.optim.Optimizer):
-        items = [optimizers]
-    else:
-        items = list(optimizers) if isinstance(optimizers, Iterable) and not isinstance(optimizers, str) else []
-    if not items or not all(isinstance(o, torch.optim.Optimizer) for o in items):
-        raise ValueError(f"{name} must be a torch.optim.Optimizer or a non-empty list of them; got {optimizers!r}")
-    return list({id(o): o for o in items}.values())  # an optimizer listed twice is still unscaled once
-
-
-def _tell_unscaled(optimizer: torch.optim.Optimizer) -> None:
-    """User code runs next and may read or clip the gradients it knows (``dls.master_weights``)."""
-    hook = getattr(optimizer, "dls_gradients_unscaled", None)
-    if hook is not None:
-        hook()

@@ -44,17 +44,13 @@ from typing import Any
 
 import torch
 
-from dls.policy import INT32_MAX, INT64_MAX, python_number, scale_problem, shown
-from dls.settings import GROWTH_OFFSET, ScalerSettings, SettingsError, interval_name
+from dls.checks import INT32_MAX, INT64_MAX, python_number, scale_problem, shown
+from dls.policy import ScaleState
+from dls.settings import ScalerSettings, SettingsError, interval_name
 
 FORMAT_VERSION = 2
-STATE_KEYS = (
-    "loss_scale",
-    "steps_since_rescale",
-    "overflows_since_rescale",
-    "num_skipped_steps",
-    "hysteresis_tracker",
-)
+# The dynamic and static rules' state under its own names (non_clamped_scale is the scale as loaded, not saved).
+STATE_KEYS = tuple(name for name in ScaleState._fields if name != "non_clamped_scale")
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 OLD_KEYS = ("hysteresis_hits",)  # format 1
 MEGATRON_KEYS = ("growth_tracker",)  # besides scale and hysteresis_tracker, which torch and dls write too
@@ -78,17 +74,25 @@ COUNTER_MAX = {
 }
 
 
+def state_keys(settings: ScalerSettings) -> tuple[str, ...]:
+    """The keys of the rule's own state in a state dict: the fields of its state (``dls.policy``), but the
+    non-clamped scale, which loads as the scale."""
+    return tuple(name for name in settings.rule().State._fields if name != "non_clamped_scale")
+
+
 def to_state_dict(values: dict[str, Any], settings: ScalerSettings) -> dict[str, Any]:
-    """The checkpoint of a scaler whose state holds ``values`` (the ``STATE_KEYS``, as Python numbers)."""
-    return {
-        **{key: values[key] for key in STATE_KEYS},
+    """The checkpoint of a scaler whose state holds ``values`` (``state_keys``, as Python numbers)."""
+    out = {
+        **values,
         "format_version": FORMAT_VERSION,
         "scale": values["loss_scale"],
         "growth_factor": settings.growth_factor,
         "backoff_factor": settings.backoff_factor,
         "growth_interval": settings.growth_interval,
-        "_growth_tracker": values["steps_since_rescale"],
     }
+    if "steps_since_rescale" in values:  # torch's growth tracker
+        out["_growth_tracker"] = values["steps_since_rescale"]
+    return out
 
 
 @dataclass(frozen=True)
@@ -123,10 +127,8 @@ def parse_state_dict(
         raise ValueError(f"state_dict must be a dict; got {type(state_dict).__name__}")
     if not state_dict:
         raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled GradScaler.")
-    own = (*STATE_KEYS, "format_version", *TORCH_KEYS, *OLD_KEYS, *MEGATRON_KEYS, *extra)
-    _check_keys(state_dict, (*own, *DEEPSPEED_KEYS))
-    if any(key in DEEPSPEED_KEYS for key in state_dict):
-        state_dict = _from_deepspeed(state_dict, settings, label, own)
+    own = (*state_keys(settings), "format_version", *TORCH_KEYS, *OLD_KEYS, *MEGATRON_KEYS, *extra)
+    state_dict = _from_saved(state_dict, settings, label, own)
     if not apply_settings:
         state_dict = {
             k: v for k, v in state_dict.items() if k not in ("growth_factor", "backoff_factor", "growth_interval")
@@ -176,6 +178,17 @@ def parse_state_dict(
     if "hysteresis_tracker" in values:
         values["hysteresis_tracker"] = min(max(int(values["hysteresis_tracker"]), 1), settings.hysteresis)
     return Loaded(values, settings, clamped, extras)
+
+
+def _from_saved(
+    state_dict: dict[Any, Any], settings: ScalerSettings, label: Callable[[str], str], own: tuple[str, ...]
+) -> dict[str, Any]:
+    """``state_dict`` with a peer's own saved state (``SAVED_FORMATS``) read into dls's keys; unknown keys refused."""
+    _check_keys(state_dict, (*own, *(key for keys, _ in SAVED_FORMATS.values() for key in keys)))
+    for keys, read in SAVED_FORMATS.values():
+        if any(key in keys for key in state_dict):
+            return read(state_dict, settings, label, own)
+    return state_dict
 
 
 def _check_keys(state_dict: dict[Any, Any], allowed: tuple[str, ...]) -> None:
@@ -267,6 +280,13 @@ def _from_deepspeed(
     return out
 
 
+# The peers' own saved states, read as they save them: the keys that tell each apart, and its reader into dls's keys
+# (checked against the scaler's settings, named as given). Megatron-LM's is dls's under other names (SAME_VALUE).
+SAVED_FORMATS: dict[str, tuple[tuple[str, ...], Callable[..., dict[str, Any]]]] = {
+    "deepspeed": (DEEPSPEED_KEYS, _from_deepspeed),
+}
+
+
 def _with_torch_settings(
     settings: ScalerSettings, numbers: dict[str, float], label: Callable[[str], str]
 ) -> ScalerSettings:
@@ -277,7 +297,7 @@ def _with_torch_settings(
             changes[key] = numbers.pop(key)
     if "growth_interval" in numbers:
         interval = numbers.pop("growth_interval")
-        offset = GROWTH_OFFSET.get(settings.dialect, 0)
+        offset = settings.growth_offset
         if offset and settings.mode != "dynamic" and interval == 1:
             interval = 2  # torch's interval 1 has no equivalent with an offset; a fixed scale never grows anyway
         if not (_integral(interval) and 1 + offset <= interval <= INT32_MAX):

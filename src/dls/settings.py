@@ -20,7 +20,8 @@ In the torch and Cerebras dialects, an explicit ``init_scale`` above the default
 (never a silent clamp), and an explicit ``max_loss_scale`` below an explicit ``init_scale`` is an error naming
 both. Every scale is a normal float32 (``2**-126`` to float32's max), so its inverse is finite and unscaling never
 multiplies by inf. A number may be a Python ``int`` or ``float``, a NumPy scalar or 0-dim array, or a 0-dim tensor;
-a count (``steps_per_increase``/``growth_interval``, ``hysteresis``) must be an integer (``dls.policy.count_problem``).
+a count (``steps_per_increase``/``growth_interval``, ``hysteresis``) must be an integer (``dls.checks.count_problem``).
+Each dialect's defaults and growth timing are its row of ``dls.policy.PEERS``.
 
 The trainer's YAML config builds the same object (``ScalerSettings.cerebras``) and re-labels each problem with
 its YAML key, so ``dls validate`` accepts exactly what ``GradScaler`` accepts.
@@ -35,13 +36,10 @@ from typing import Any
 
 import torch
 
-from dls.formats import HALF_DTYPE_NAMES, get_half_dtype_str, half_dtype_name
-from dls.policy import (
+from dls.checks import (
     FLOAT32_MAX,
     FLOAT32_TINY,
     INT32_MAX,
-    DynamicRule,
-    StaticRule,
     count_problem,
     factor_problem,
     flag_problem,
@@ -50,17 +48,13 @@ from dls.policy import (
     scale_problem,
     tolerance_problem,
 )
+from dls.formats import HALF_DTYPE_NAMES, get_half_dtype_str, half_dtype_name
+from dls.policy import PEERS, Rule, StaticRule
 
 MODES = ("dynamic", "static", "off")
-DIALECTS = ("cerebras", "torch", "deepspeed", "megatron")
-# growth_interval - steps_per_increase, per dialect (the others: 0): cstorch.amp grows when steps_since_rescale >
-# steps_per_increase; DeepSpeed's first growth after an overflow comes on the (window + 1)-th clean update.
-GROWTH_OFFSET = {"cerebras": 1, "deepspeed": 1}
-CEREBRAS_MAX_LOSS_SCALE = 2.0**15
-CBFLOAT16_MAX_LOSS_SCALE = 2.0**31
-CEREBRAS_MIN_LOSS_SCALE = 2.0**-14
-TORCH_INIT_SCALE = 2.0**16
-DEFAULT_STEPS_PER_INCREASE = 2000
+DIALECTS = tuple(PEERS)  # each dialect's defaults and growth timing: its row of dls.policy.PEERS
+TORCH, CEREBRAS, DEEPSPEED, MEGATRON = (PEERS[name] for name in ("torch", "cerebras", "deepspeed", "megatron"))
+TORCH_INIT_SCALE = TORCH["init_scale"]
 # The fields that hold numbers (NumPy scalars and 0-dim tensors are taken as the Python numbers they stand for).
 NUMBER_FIELDS = (
     "init_scale",
@@ -94,7 +88,8 @@ def default_max_loss_scale(half_dtype: str) -> float:
     Args:
         half_dtype: ``"float16"``, ``"bfloat16"`` or ``"cbfloat16"``.
     """
-    return CBFLOAT16_MAX_LOSS_SCALE if half_dtype == "cbfloat16" else CEREBRAS_MAX_LOSS_SCALE
+    cbfloat16 = CEREBRAS.cbfloat16_max_loss_scale
+    return cbfloat16 if half_dtype == "cbfloat16" and cbfloat16 is not None else CEREBRAS.max_loss_scale
 
 
 @dataclass(frozen=True)
@@ -121,7 +116,7 @@ class ScalerSettings:
     init_scale: float
     min_loss_scale: float
     max_loss_scale: float
-    steps_per_increase: int = DEFAULT_STEPS_PER_INCREASE
+    steps_per_increase: int = CEREBRAS.when_none["steps_per_increase"]
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     overflow_tolerance: float = 0.0
@@ -150,7 +145,7 @@ class ScalerSettings:
         steps_per_increase: int | None = None,
         min_loss_scale: float | None = None,
         max_loss_scale: float | None = None,
-        overflow_tolerance: float = 0.0,
+        overflow_tolerance: float = CEREBRAS["overflow_tolerance"],
         max_gradient_norm: float | None = None,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
@@ -203,9 +198,11 @@ class ScalerSettings:
             {"init_scale"} if start is None else set(),
             mode=mode,
             init_scale=top if start is None else start,
-            min_loss_scale=CEREBRAS_MIN_LOSS_SCALE if min_loss_scale is None else min_loss_scale,
+            min_loss_scale=CEREBRAS.min_loss_scale if min_loss_scale is None else min_loss_scale,
             max_loss_scale=top,
-            steps_per_increase=DEFAULT_STEPS_PER_INCREASE if steps_per_increase is None else steps_per_increase,
+            steps_per_increase=CEREBRAS.when_none["steps_per_increase"]
+            if steps_per_increase is None
+            else steps_per_increase,
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
             overflow_tolerance=overflow_tolerance,
@@ -219,10 +216,10 @@ class ScalerSettings:
     @classmethod
     def torch(
         cls,
-        init_scale: float = TORCH_INIT_SCALE,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = DEFAULT_STEPS_PER_INCREASE,
+        init_scale: float = TORCH["init_scale"],
+        growth_factor: float = TORCH["growth_factor"],
+        backoff_factor: float = TORCH["backoff_factor"],
+        growth_interval: int = TORCH["growth_interval"],
         *,
         loss_scale: str | float = "dynamic",
         min_loss_scale: float | None = None,
@@ -267,8 +264,8 @@ class ScalerSettings:
             set(),
             mode=mode,
             init_scale=start,
-            min_loss_scale=FLOAT32_TINY if min_loss_scale is None else min_loss_scale,
-            max_loss_scale=FLOAT32_MAX if max_loss_scale is None else max_loss_scale,
+            min_loss_scale=TORCH.min_loss_scale if min_loss_scale is None else min_loss_scale,
+            max_loss_scale=TORCH.max_loss_scale if max_loss_scale is None else max_loss_scale,
             steps_per_increase=growth_interval,
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
@@ -283,12 +280,12 @@ class ScalerSettings:
     @classmethod
     def deepspeed(
         cls,
-        loss_scale: float = 0,
-        initial_scale_power: int = 16,
-        loss_scale_window: int = 1000,
-        hysteresis: int = 2,
-        consecutive_hysteresis: bool = False,
-        min_loss_scale: float = 1,
+        loss_scale: float = DEEPSPEED["loss_scale"],
+        initial_scale_power: int = DEEPSPEED["initial_scale_power"],
+        loss_scale_window: int = DEEPSPEED["loss_scale_window"],
+        hysteresis: int = DEEPSPEED["hysteresis"],
+        consecutive_hysteresis: bool = DEEPSPEED["consecutive_hysteresis"],
+        min_loss_scale: float = DEEPSPEED["min_loss_scale"],
     ) -> ScalerSettings:
         """DeepSpeed's ``fp16`` config section, with its names and defaults: ``loss_scale`` 0 is dynamic scaling
         from ``2**initial_scale_power``, growing by 2 with DeepSpeed's timing (``dls.policy``) and backing off by half
@@ -342,7 +339,7 @@ class ScalerSettings:
             mode="dynamic" if static == 0 else "static",
             init_scale=2.0 ** int(power) if static == 0 else static,  # type: ignore[arg-type]
             min_loss_scale=min_loss_scale,
-            max_loss_scale=FLOAT32_MAX,
+            max_loss_scale=DEEPSPEED.max_loss_scale,
             steps_per_increase=loss_scale_window,
             growth_factor=2.0,
             backoff_factor=0.5,
@@ -357,10 +354,10 @@ class ScalerSettings:
         cls,
         initial_scale: float,
         min_scale: float,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
+        growth_factor: float = MEGATRON["growth_factor"],
+        backoff_factor: float = MEGATRON["backoff_factor"],
+        growth_interval: int = MEGATRON["growth_interval"],
+        hysteresis: int = MEGATRON["hysteresis"],
     ) -> ScalerSettings:
         """Megatron-LM's ``DynamicGradScaler(initial_scale, min_scale, growth_factor, backoff_factor,
         growth_interval, hysteresis)``, with the defaults of Megatron's command line for the last four; torch's
@@ -409,7 +406,7 @@ class ScalerSettings:
             mode="dynamic",
             init_scale=as_held["initial_scale"],
             min_loss_scale=as_held["min_scale"],
-            max_loss_scale=FLOAT32_MAX,
+            max_loss_scale=MEGATRON.max_loss_scale,
             steps_per_increase=growth_interval,
             growth_factor=as_held["growth_factor"],
             backoff_factor=as_held["backoff_factor"],
@@ -417,6 +414,44 @@ class ScalerSettings:
             half_dtype="float16",
             dialect="megatron",
         )
+
+    @classmethod
+    def like(cls, peer: str, **arguments: Any) -> ScalerSettings:
+        """The settings of ``peer``'s loss scaler, from its own constructor's arguments (its names, its defaults):
+        a name of ``dls.policy.PEERS`` (``"torch"``, ``"cerebras"``, ``"deepspeed"``: its ``fp16`` config section,
+        ``"megatron"``), built by the classmethod of that name.
+
+        Args:
+            peer: the peer's name.
+            **arguments: the peer's own arguments; the others take its defaults.
+
+        Raises:
+            ValueError: an unknown peer, an argument the peer does not take (each with the closest name), or a
+                required one missing.
+            SettingsError: a bad value, named as the peer names it.
+        """
+        row = PEERS.get(peer) if isinstance(peer, str) else None
+        if row is None:
+            close = difflib.get_close_matches(str(peer), list(PEERS), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"peer must be one of {', '.join(map(repr, PEERS))}; got {peer!r}{hint}")
+        problems = []
+        for name in arguments:
+            if name not in row.defaults:
+                close = difflib.get_close_matches(name, list(row.defaults), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                problems.append(
+                    (name, f"{peer}'s scaler has no argument {name!r}{hint}; it takes {', '.join(row.defaults)}")
+                )
+        problems += [
+            (name, f"{peer}'s scaler requires {name} (e.g. {row[name]!r}, its command line's default)")
+            for name in row.required
+            if name not in arguments
+        ]
+        if problems:
+            raise SettingsError(problems)
+        build: Any = getattr(cls, peer)
+        return build(**arguments)
 
     @classmethod
     def _build(cls, problems: list[tuple[str, str]], derived: set[str], **values: Any) -> ScalerSettings:
@@ -443,23 +478,20 @@ class ScalerSettings:
         ``steps_since_rescale > steps_per_increase``; DeepSpeed dialect: the first growth after an overflow comes on
         the ``(loss_scale_window + 1)``-th clean update, later ones every window, see ``dls.policy``). What
         torch.amp is told in a state dict, so it follows the same trajectory to the next growth."""
-        return self.steps_per_increase + GROWTH_OFFSET.get(self.dialect, 0)
+        return self.steps_per_increase + self.growth_offset
 
-    def rule(self) -> DynamicRule | StaticRule:
-        """The scale-update rule these settings describe (``off`` keeps the scale: a static rule)."""
+    @property
+    def growth_offset(self) -> int:
+        """``growth_interval - steps_per_increase``: 1 in the Cerebras and DeepSpeed dialects, else 0 (the dialect's
+        row of ``dls.policy.PEERS``)."""
+        return PEERS[self.dialect].growth_offset
+
+    def rule(self) -> Rule:
+        """The scale-update rule these settings describe: the dialect's (``dls.policy.PEERS``); a static scale,
+        and ``off``, keep the scale (``StaticRule``)."""
         if self.mode != "dynamic":
-            return StaticRule()
-        return DynamicRule(
-            growth_interval=self.growth_interval,
-            steps_after_growth=int(self.dialect == "deepspeed"),
-            consecutive_hysteresis=self.consecutive_hysteresis,
-            growth_factor=self.growth_factor,
-            backoff_factor=self.backoff_factor,
-            overflow_tolerance=self.overflow_tolerance,
-            hysteresis=self.hysteresis,
-            min_loss_scale=self.min_loss_scale,
-            max_loss_scale=self.max_loss_scale,
-        )
+            return StaticRule(self.hysteresis)
+        return PEERS[self.dialect].rule(self)
 
 
 def _problems(v: dict[str, Any], skip: set[str] | frozenset[str] = frozenset()) -> list[tuple[str, str]]:
@@ -468,7 +500,8 @@ def _problems(v: dict[str, Any], skip: set[str] | frozenset[str] = frozenset()) 
     out: list[tuple[str, str]] = []
     static = v["mode"] == "static"
     scale_name = "loss_scale" if static else "init_scale"
-    spi_max = INT32_MAX - GROWTH_OFFSET.get(v["dialect"], 0)  # growth_interval fits int32 too
+    peer = PEERS.get(v["dialect"]) if isinstance(v["dialect"], str) else None
+    spi_max = INT32_MAX - (peer.growth_offset if peer else 0)  # growth_interval fits int32 too
     checks: list[tuple[str, str | None]] = [
         (
             "mode",
@@ -516,9 +549,8 @@ def interval_name(dialect: str) -> str:
     Args:
         dialect: ``"torch"``, ``"cerebras"``, ``"deepspeed"`` or ``"megatron"``.
     """
-    return {"torch": "growth_interval", "megatron": "growth_interval", "deepspeed": "loss_scale_window"}.get(
-        dialect, "steps_per_increase"
-    )
+    peer = PEERS.get(dialect) if isinstance(dialect, str) else None
+    return peer.interval if peer else "steps_per_increase"
 
 
 def _named(*checks: tuple[str, str | None]) -> list[tuple[str, str]]:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from dls.policy import flag_problem
+from dls.checks import flag_problem
 from dls.scaler import GradScaler
 
 _T = TypeVar("_T")
@@ -92,7 +92,7 @@ class SkipAware:
         """The optimizer of the chain that steps through the scaler; ``None`` while none of them has stepped. Without
         a chain, the scaler's one stepped optimizer (an error naming them when it has stepped several)."""
         if self._resolved is None and not self._candidates:
-            stepped = self._scaler._stepped_optimizers()
+            stepped = self._scaler.stepped_optimizers()
             if len(stepped) > 1:
                 names = ", ".join(f"{type(o).__name__} at {id(o):#x}" for o in stepped)
                 raise ValueError(

@@ -7,8 +7,9 @@ from typing import NamedTuple
 
 import torch
 
-from dls.policy import limit_problem, python_number
-from dls.scaler import GradScaler, Stage, optimizer_list
+from dls.checks import limit_problem, python_number
+from dls.optimizers import optimizer_list
+from dls.scaler import GradScaler, Stage
 
 
 class StepResult(NamedTuple):
@@ -82,10 +83,10 @@ def optimizer_step(
                 "a whole iteration (scale, backward, unscale, clip, step, update)"
             )
 
-    grad_scaler._tracker.check_disjoint(optimizers)
+    grad_scaler.check_disjoint(optimizers)
     max_norm = max_gradient_norm
     if max_norm is None and max_gradient_value is None:
-        max_norm = grad_scaler.max_gradient_norm
+        max_norm = grad_scaler.settings.max_gradient_norm
     loss_scale = grad_scaler.get_scale_tensor().clone()
     grad_scaler.scale(loss).backward()
     want_norm = gradient_norm or max_norm is not None  # clipping by norm computes it anyway

@@ -45,7 +45,7 @@ from torch.utils.hooks import RemovableHandle
 from dls import formats as _formats
 from dls.diagnostics.report import AuditResult, FormatAudit, ModuleStats
 from dls.diagnostics.scales import HIST_BINS, HIST_LOW, module_label, percent, pow2, recommend_exponent
-from dls.emulate import emulate
+from dls.emulation import emulate
 from dls.formats import FloatFormat
 from dls.keep import floating_tensors, in_kept_call, keep_in_float32
 

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dls.checks import FLOAT32_MAX, FLOAT32_TINY, shown
 from dls.diagnostics.trace import Trace, settings_of
-from dls.policy import FLOAT32_MAX, FLOAT32_TINY, shown
 from dls.settings import ScalerSettings, SettingsError
 
 __all__ = ["POLICIES", "RECORDED", "Policy", "PolicyKind", "buildable", "config_lines", "config_number", "parse_policy"]

@@ -60,7 +60,7 @@ import json
 import math
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -69,13 +69,23 @@ import torch
 from torch import nn
 
 from dls import formats, kernels
+from dls.checks import count_problem
 from dls.keep import unwrap
-from dls.policy import count_problem
 
 if TYPE_CHECKING:
     from dls.scaler import GradScaler
 
-__all__ = ["TRACE_FILE", "TRACE_FORMAT", "TRACE_VERSION", "Recorder", "Segment", "Trace", "TraceError", "read_trace"]
+__all__ = [
+    "TRACE_FILE",
+    "TRACE_FORMAT",
+    "TRACE_VERSION",
+    "Recorder",
+    "Segment",
+    "Trace",
+    "TraceError",
+    "read_trace",
+    "recording",
+]
 
 TRACE_FORMAT = "dls-trace"
 TRACE_FILE = "trace.jsonl"  # its name in a dls train model_dir
@@ -148,8 +158,8 @@ class Recorder:
                 raise ValueError(problem)
         if not scaler.is_enabled():
             raise ValueError("the scaler is disabled (or its mode is no scaling): there is no loss scale to record")
-        if scaler._recorder is not None:
-            raise ValueError(f"this scaler is already recording into {scaler._recorder.name}; close() that first")
+        if (recorder := recording(scaler)) is not None:
+            raise ValueError(f"this scaler is already recording into {recorder.name}; close() that first")
         self.flush_every, self.histogram_every = flush_every, histogram_every
         self._scaler_ref = weakref.ref(scaler)
         self.name: str = str(getattr(file, "name", file))
@@ -178,14 +188,36 @@ class Recorder:
             "modules": [] if self._modules is None else self._modules.names,
         }
         self._write([header])
-        scaler._recorder = self
+        _RECORDING[scaler] = self
+        self._observation = scaler.observe(self)
 
-    # ------------------------------------------------------------------ the scaler's hook
-    def rule_step(self, found_inf: torch.Tensor) -> None:
-        """Called by ``GradScaler`` right before its rule updates the scale.
+    # ------------------------------------------------------------------ what it observes (dls.scaler.StepObserver)
+    wants_outcome = False  # nothing is read back: the flag goes into the trace as a device tensor
+
+    def loss_scaled(self, outputs: Any) -> None:
+        """Nothing to do: the trace has one row per rule step.
+
+        Args:
+            outputs: what ``scale()`` was given.
+        """
+
+    def step_decided(self, optimizer: torch.optim.Optimizer, skipped: bool | None) -> None:
+        """Nothing to do: the trace has one row per rule step.
+
+        Args:
+            optimizer: the optimizer stepped.
+            skipped: whether its step was skipped (``None``: not read).
+        """
+
+    def iteration_ended(self) -> None:
+        """Nothing to do: the row was written before the rule ran."""
+
+    def before_rule(self, found_inf: torch.Tensor, gradients: Callable[[], kernels.Groups]) -> None:
+        """Called by ``GradScaler`` right before its rule updates the scale: one row of the trace.
 
         Args:
             found_inf: the iteration's overflow flag (a device tensor; not read here).
+            gradients: groups the iteration's unscaled gradients.
         """
         scaler = self._scaler_ref()
         if scaler is None or self._closed:
@@ -196,7 +228,7 @@ class Recorder:
             self._flush_async()
             self._rows = torch.empty((self.flush_every, _COLUMNS), dtype=torch.float32, device=device)
             self._nan = torch.full((), math.nan, device=device)
-        groups = scaler._tracker.grads_of(self._optimizers(scaler))
+        groups = gradients()
         amax, amax16 = _largest_magnitudes(groups, device, self._nan)
         values = [scale, found_inf.to(device, torch.float32), amax, amax16]
         torch.stack(values, out=self._rows[self._row])
@@ -208,13 +240,6 @@ class Recorder:
         self._row += 1
         if self._row == self.flush_every:
             self._flush_async()
-
-    @staticmethod
-    def _optimizers(scaler: GradScaler) -> list[torch.optim.Optimizer]:
-        """The optimizers of the current iteration (the rule runs on their flags)."""
-        tracker = scaler._tracker
-        ids = {key for key, state in tracker.iteration.items() if state.flag is not None or state.agreement is not None}
-        return [optimizer for optimizer in tracker._indexes if id(optimizer) in ids]
 
     # ------------------------------------------------------------------ writing
     def flush(self) -> None:
@@ -248,9 +273,10 @@ class Recorder:
             self._closed = True
             if self._modules is not None:
                 self._modules.remove()
+            self._observation.remove()
             scaler = self._scaler_ref()
-            if scaler is not None and scaler._recorder is self:
-                scaler._recorder = None
+            if scaler is not None and _RECORDING.get(scaler) is self:
+                del _RECORDING[scaler]
             if self._owns_file:
                 self._file.close()
 
@@ -285,6 +311,19 @@ class Recorder:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.steps} steps"
         return f"Recorder({self.name!r}, {state})"
+
+
+# The recorder of each scaler while it records (one at a time).
+_RECORDING: weakref.WeakKeyDictionary[GradScaler, Recorder] = weakref.WeakKeyDictionary()
+
+
+def recording(scaler: GradScaler) -> Recorder | None:
+    """The recorder recording ``scaler`` now, or ``None``.
+
+    Args:
+        scaler: a ``dls.GradScaler``.
+    """
+    return _RECORDING.get(scaler)
 
 
 def _dls_version() -> str:

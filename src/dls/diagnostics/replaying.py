@@ -42,10 +42,11 @@ from typing import Any
 import torch
 
 from dls import formats
+from dls.checks import FLOAT32_MAX
 from dls.diagnostics.policies import RECORDED, Policy, parse_policy, recorded_settings
 from dls.diagnostics.trace import FLOAT16_MAX, Trace
 from dls.loss_scale import LossScale
-from dls.policy import FLOAT32_MAX, ScaleState
+from dls.policy import ScaleState
 from dls.scaler_state import parse_state_dict
 from dls.settings import ScalerSettings
 

@@ -37,8 +37,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import MISSING, dataclass, field, fields
 from typing import IO, Any
 
+from dls.checks import FLOAT32_MAX, FLOAT32_TINY, INT64_MAX, shown
 from dls.diagnostics.record import STATE_FIELDS, TRACE_FORMAT, TRACE_VERSION
-from dls.policy import FLOAT32_MAX, FLOAT32_TINY, INT64_MAX, shown
 from dls.scaler_state import parse_state_dict
 from dls.settings import ScalerSettings, SettingsError
 

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dls.checks import shown
 from dls.diagnostics.policies import POLICIES, Policy, buildable, config_number, parse_policy
 from dls.diagnostics.replaying import Replay, replay
 from dls.diagnostics.trace import Trace
-from dls.policy import shown
 
 __all__ = ["TuneResult", "tune"]
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -54,11 +55,13 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dls import distributed
+from dls.checks import flag_problem
 from dls.diagnostics.fallback import Fallback, KeptState
 from dls.diagnostics.scales import module_label, pow2
 from dls.handles import Removable
 from dls.keep import KeptInFloat32, resolve_modules, unwrap
-from dls.policy import flag_problem
+from dls.observers import use_diagnostics
+from dls.scaler import GradScaler
 
 __all__ = ["NonFiniteGradient", "OverflowReport", "OverflowWatch"]
 
@@ -395,9 +398,11 @@ class OverflowWatch(Removable):
 class Watches:
     """The watches of one ``GradScaler`` (``GradScaler.watch``), the overflow report of the current iteration and
     the modules its fallback watches keep in float32 (``kept``: the scaler's checkpoint entry ``kept_in_float32``).
-    The scaler calls in only while a watch exists or a report is held: a step without them never enters this file."""
+    It observes the scaler (``dls.scaler.StepObserver``) only while a watch exists or a report is held: a step
+    without them never enters this file."""
 
-    def __init__(self) -> None:
+    def __init__(self, scaler: GradScaler) -> None:
+        self._scaler = weakref.ref(scaler)
         self.watches: list[OverflowWatch] = []
         # What scale() was given in this iteration, detached, while a watch is active: every micro-batch's loss under
         # gradient accumulation, so that a forward overflow in any of them counts (the step is skipped for it).
@@ -405,24 +410,50 @@ class Watches:
         self.report: OverflowReport | None = None
         self.stale = False  # update() ran: the next scale() starts an iteration without a report
         self.kept = KeptState(self.active)
+        self._observation: Removable | None = None
 
     def watch(self, model: nn.Module, fallback: bool, process_group: Any) -> OverflowWatch:
         self.watches = [w for w in self.watches if w.active]
         watch = OverflowWatch(model, fallback=fallback, process_group=process_group)
         self.kept.adopt(watch)  # a loaded kept_in_float32 applies to a fallback watch made after the load
         self.watches.append(watch)
+        scaler = self._scaler()
+        if self._observation is None and scaler is not None:
+            self._observation = scaler.observe(self)
         return watch
 
     def active(self) -> list[OverflowWatch]:
         return [w for w in self.watches if w.active]
 
-    def new_loss(self, outputs: Any) -> None:
+    # ------------------------------------------------------------------ the scaler's iterations
+    @property
+    def wants_outcome(self) -> bool:
+        """While a watch is active the scaler knows every step's outcome on the host (one read on the fused and
+        sync-free paths), so that a skipped step gets its report while its gradients exist."""
+        return any(w.active for w in self.watches)
+
+    def loss_scaled(self, outputs: Any) -> None:
         """``scale()`` was called: a new iteration clears the last report and losses; keep the loss for the report."""
         if self.stale:
             self.report, self.stale = None, False
             self.seen_losses.clear()
         if self.watches:
             self.seen_losses.append(_detached(outputs))
+        elif self.report is None and self._observation is not None:  # nothing left to observe
+            self._observation.remove()
+            self._observation = None
+
+    def step_decided(self, optimizer: torch.optim.Optimizer, skipped: bool | None) -> None:
+        watches = self.active() if skipped else []
+        scaler = self._scaler()
+        if watches and scaler is not None:
+            self.overflowed(watches, float(scaler.get_scale_tensor()))  # the overflow path: one more read is fine
+
+    def before_rule(self, found_inf: torch.Tensor, gradients: Any) -> None:
+        return None
+
+    def iteration_ended(self) -> None:
+        self.stale = True
 
     def overflowed(self, watches: list[OverflowWatch], loss_scale: float) -> None:
         """A step of the iteration was skipped (agreed across ranks): report it, once per iteration."""
@@ -435,6 +466,32 @@ class Watches:
         losses = self.seen_losses or None  # None: no scale() this iteration, the forward pass is not checked
         reports = [w.after_skip(w.build_report(losses, loss_scale=loss_scale)) for w in watches]
         self.report = next((r for r in reports if r.first_module is not None), reports[0] if reports else None)
+
+
+class _Diagnostics:
+    """What the diagnostics give every ``GradScaler`` (``dls.scaler.Diagnostics``): ``watch``, ``record``,
+    ``overflow_report``, and the checkpoint entry ``kept_in_float32``."""
+
+    def __init__(self) -> None:
+        self._watches: weakref.WeakKeyDictionary[GradScaler, Watches] = weakref.WeakKeyDictionary()
+
+    def new_scaler(self, scaler: GradScaler) -> None:
+        watches = self._watches[scaler] = Watches(scaler)
+        scaler.register_state("kept_in_float32", watches.kept)
+
+    def watch(self, scaler: GradScaler, model: nn.Module, fallback: bool, process_group: Any) -> OverflowWatch:
+        return self._watches[scaler].watch(model, fallback, process_group)
+
+    def record(self, scaler: GradScaler, file: Any, **options: Any) -> Any:
+        from dls.diagnostics.record import Recorder
+
+        return Recorder(scaler, file, **options)
+
+    def overflow_report(self, scaler: GradScaler) -> OverflowReport | None:
+        return self._watches[scaler].report
+
+
+use_diagnostics(_Diagnostics())
 
 
 def _detached(outputs: Any) -> Any:

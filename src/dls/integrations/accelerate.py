@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from dls.checks import flag_problem
 from dls.keep import unwrap
-from dls.policy import flag_problem
 from dls.scaler import GradScaler
 
 try:

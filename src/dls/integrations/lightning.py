@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from dls.checks import flag_problem
 from dls.diagnostics.watch import OverflowWatch
 from dls.keep import unwrap
-from dls.policy import flag_problem
 from dls.scaler import GradScaler
 from dls.skip import SkipAware, skip_aware
 

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 import dls.fp8
+from dls.checks import shown
 from dls.diagnostics.scales import pow2
 from dls.optimizer_state import NON_FINITE, all_finite, check_optimizer_state, tensor_problem
-from dls.policy import shown
 from dls.scaler_state import parse_state_dict
 from dls.train.config import (
     CHECKPOINT_STATES,

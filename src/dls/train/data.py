@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dls.policy import shown
+from dls.checks import shown
 from dls.train.config import ZOO_MODELS, DataConfig, ModelConfig
 from dls.train.errors import ConfigError
 

@@ -31,7 +31,7 @@ from dls.diagnostics import OverflowReport
 from dls.diagnostics.fallback import apply_precision_fallback, fallback_note
 from dls.diagnostics.record import TRACE_FILE, Recorder, kept_for_resume
 from dls.diagnostics.scales import module_label, pow2
-from dls.emulate import EmulationHandle
+from dls.emulation import EmulationHandle
 from dls.train import checkpoint as ckpt
 from dls.train import config, data, reporting, rundir
 from dls.train.errors import MissingExtras, RankError, TrainingStopped, describe, exit_status

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from dls.policy import FLOAT32_MAX, INT64_MAX
+from dls.checks import FLOAT32_MAX, INT64_MAX
 from dls.settings import ScalerSettings
 
 ModelName = Literal["mlp", "transformer_lm", "fc_mnist", "gpt2", "gpt3", "llama"]

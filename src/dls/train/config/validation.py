@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from dls.policy import FLOAT32_MAX, INT64_MAX
+from dls.checks import FLOAT32_MAX, INT64_MAX
 from dls.settings import TORCH_INIT_SCALE, ScalerSettings, SettingsError
 from dls.train.config.layouts import (
     CURRENT_LAYOUT,

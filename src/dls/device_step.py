@@ -1,5 +1,6 @@
-"""Steps that read nothing back: ``fused_step`` for optimizers whose kernel takes the scale and the overflow flag
-(torch's ``fused=True`` optimizers), ``masked_step`` for those that cannot (``GradScaler(sync_free=True)``).
+"""Optimizer steps decided on the device, without reading the overflow flag back: ``fused_step`` for optimizers whose
+kernel takes the scale and the flag (torch's ``fused=True`` optimizers, on every path), ``masked_step`` for those that
+cannot (``GradScaler(sync_free=True)``). Which one runs, and when the host decides instead: ``dls.scaler``.
 
 ``masked_step``: the step always runs; afterwards parameters and optimizer state are put back, with ``torch.where``
 on the device, wherever the flag says the gradients overflowed. Nothing is read back to the host, so a training
@@ -69,7 +70,8 @@ def masked_step(
     """Run the step unconditionally, then put back parameters and optimizer state where it overflowed.
 
     Only called once every parameter with a gradient has stepped since the optimizer's state was last reset
-    (``Tracker.has_stepped`` in ``dls.scaler``), so the state the step touches exists before it. Exact:
+    (``Tracker.has_stepped`` in ``dls.scaler``; the scaler then tells a wrapper holding its gradients elsewhere,
+    ``dls.optimizers.HoldsGradients``), so the state the step touches exists before it. Exact:
     ``torch.where`` selects the old bits. The state must live on the flag's device (e.g. ``capturable=True`` for
     Adam on CUDA), or the flag is copied to the state's device once per step (one host sync). State that
     is not a tensor (a custom optimizer's Python step count) cannot be selected on the device: when the step
@@ -119,7 +121,4 @@ def masked_step(
     if host_values and bool(on(torch.device("cpu"))):
         for state, key, old_value in host_values:
             state[key] = old_value
-    restored = getattr(optimizer, "dls_state_restored", None)
-    if restored is not None:  # e.g. master weights: re-derive what the step wrote from the restored state
-        restored()
     return result

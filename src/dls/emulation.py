@@ -156,8 +156,8 @@ _Slot = tuple[nn.Module, str, torch.Tensor]
 
 
 class EmulationHandle(Removable):
-    """What [`emulate`][dls.emulate.emulate] returns: ``remove()`` uninstalls the hooks (idempotent), and the handle is
-    a context manager that removes them on exit.
+    """What [`emulate`][dls.emulation.emulate] returns: ``remove()`` uninstalls the hooks (idempotent), and the handle
+    is a context manager that removes them on exit.
 
     Attributes:
         fmt: the [`FloatFormat`][dls.formats.FloatFormat] emulated.

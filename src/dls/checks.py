@@ -1,0 +1,114 @@
+"""What a value may be: the numeric limits of the scaler and the validators that name the argument.
+
+Each validator returns ``None`` when ``value`` is allowed, else one message that names the argument and says what is
+allowed, so that every caller (the scaler's arguments, ``dls.settings``, the rules, the trainer's YAML config, the
+diagnostics) refuses a bad value with the same words before anything changes. A number is a Python ``int`` or
+``float``, a NumPy scalar or 0-dim array, or a 0-dim real tensor (``python_number``); a bool is never a number.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+FLOAT32_TINY = torch.finfo(torch.float32).tiny  # 2**-126, the smallest normal float32
+INT32_MAX = 2**31 - 1  # steps_since_rescale is int32, as torch's growth tracker
+INT64_MAX = 2**63 - 1
+
+
+def shown(value: object) -> str:
+    """``value`` for an error message: a tensor by its dtype and shape, anything else by its ``repr``, cut short
+    (a 400-digit integer or a long list would bury the message)."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
+
+
+def python_number(value: object) -> int | float | None:
+    """The Python ``int`` or ``float`` that ``value`` stands for: itself, a NumPy scalar or 0-dim array, or a 0-dim
+    tensor of a real dtype (as torch.amp takes them); ``None`` for anything else. A bool is a flag, never a number,
+    and so are NumPy's and torch's bools."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex() or value.is_meta:
+            return None
+        value = value.item()
+    elif type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+        value = value.item()  # type: ignore[attr-defined]  # NumPy scalars and 0-dim arrays: a Python number
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return value
+
+
+def _real(value: object) -> float | None:
+    """``value`` as a float when it is a real number (``python_number``) that a float can hold, else ``None``."""
+    number = python_number(value)
+    if number is None:
+        return None
+    try:
+        return float(number)
+    except OverflowError:  # an int beyond float's range
+        return None
+
+
+def scale_problem(name: str, value: object) -> str | None:
+    """A loss scale must be a normal float32 (2**-126 to float32's max): its inverse is then finite too, so
+    unscaling never multiplies by inf (0 * inf would turn every gradient into NaN)."""
+    v = _real(value)
+    if v is not None and FLOAT32_TINY <= v <= FLOAT32_MAX:
+        return None
+    return f"{name} must be a number from 2**-126 to float32's max 3.4028e38 (a normal float32); got {shown(value)}"
+
+
+def factor_problem(name: str, value: object, above_one: bool) -> str | None:
+    """``growth_factor`` (``above_one``) must be in (1, float32 max]; ``backoff_factor`` in (0, 1)."""
+    v = _real(value)
+    if v is not None and (1 < v <= FLOAT32_MAX if above_one else 0 < v < 1):
+        return None
+    allowed = "a number > 1" if above_one else "a number in (0, 1)"
+    return f"{name} must be {allowed}; got {shown(value)}"
+
+
+def count_problem(name: str, value: object, maximum: int = INT32_MAX) -> str | None:
+    """A count (a growth interval, a hysteresis) is a positive integer — a Python int, a NumPy integer or a 0-dim
+    integer tensor, never a float such as ``100.0`` — that fits the int32 counters it is compared with. The one
+    statement of this rule: the scaler's arguments and the trainer's config both use it."""
+    number = python_number(value)
+    if isinstance(number, int) and 1 <= number <= maximum:
+        return None
+    limit = "2**31 - 1" if maximum == INT32_MAX else f"2**31 - {INT32_MAX + 1 - maximum}"
+    return (
+        f"{name} must be an integer from 1 to {limit} (a count: an int, not a float such as 100.0; the counters "
+        f"are int32, as torch's); got {shown(value)}"
+    )
+
+
+def flag_problem(name: str, value: object) -> str | None:
+    if isinstance(value, bool):
+        return None
+    return f"{name} must be True or False; got {shown(value)}"
+
+
+def limit_problem(name: str, value: object) -> str | None:
+    """A gradient limit (``max_gradient_norm``, ``max_gradient_value``): a positive finite number (never a bool) or
+    ``None``."""
+    v = _real(value)
+    if value is None or (v is not None and 0 < v < math.inf):
+        return None
+    return f"{name} must be a positive finite number or None; got {shown(value)}"
+
+
+def tolerance_problem(name: str, value: object) -> str | None:
+    v = _real(value)
+    if v is not None and 0 <= v < 1:
+        return None
+    return f"{name} must be a number in [0, 1); got {shown(value)}"
+
+
+def raise_first(*problems: str | None) -> None:
+    """``ValueError`` with the first problem that is not ``None``."""
+    for problem in problems:
+        if problem is not None:
+            raise ValueError(problem)
