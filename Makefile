@@ -44,8 +44,15 @@ lint: $(VENV)/.installed-test
 docs-check: $(VENV)/.installed-test  # the site must build without a warning (broken links, missing API names)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir build/site
 
-test: lint docs-check bench-smoke build/peers/.fetched
-	$(BIN)/pytest -q
+# The checks first, side by side (each is one process; --output-sync prints each one's output whole when it ends, and
+# any failure stops the target before the tests), then the tests on every core: pytest-xdist, one worker per core,
+# each test file one unit of work (the files that launch rank processes one unit together: tests/conftest.py).
+# `make test PYTEST_WORKERS=0` runs the tests in this one process.
+PYTEST_WORKERS ?= auto
+test: $(VENV)/.installed-test build/peers/.fetched
+	@echo "lint, docs-check and bench-smoke side by side (each prints its output when it ends)..."
+	@$(MAKE) --no-print-directory -j3 --output-sync=target lint docs-check bench-smoke
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 docs: $(VENV)/.installed-test  # the site, in site/
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict

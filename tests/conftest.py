@@ -16,6 +16,10 @@ Plain helpers, imported with ``from conftest import ...``:
 * ``load_example``: a script of ``examples/`` as a module;
 * ``launch_ranks``, ``free_port``, ``dist_env``: multi-process runs on CPU (gloo, 127.0.0.1 only); ``run_rank``: the
   worker's side of ``launch_ranks``.
+
+Under pytest-xdist (``make test``: ``-n auto --dist loadfile``) each test file is one unit of work, run by one
+worker, so that a module-scoped fixture is built once; the files of ``LAUNCHING_FILES`` together are ONE unit,
+handed out first (``pytest_xdist_make_scheduler``).
 """
 
 from __future__ import annotations
@@ -453,6 +457,45 @@ def load_example(name: str) -> ModuleType:
 
 
 # ---------------------------------------------------------------------------------------------- several processes
+# The test files that launch ranks (``launch_ranks``, torchrun): each launch keeps both cores busy by itself, so under
+# pytest-xdist these files form one unit of work, run in turn by one worker while the others take the rest: two
+# launches side by side (8 processes on 2 cores for two 4-rank runs) would only slow each other, against the ranks'
+# 60 s collective timeout and the launches' deadlines. The unit goes out first: it is the longest.
+# ``launch_ranks`` fails a test of a file missing here.
+LAUNCHING_FILES = frozenset(
+    {
+        "test_distributed.py",
+        "test_fallback.py",
+        "test_fp8_distributed.py",
+        "test_fsdp_mesh.py",
+        "test_integration_torchtitan.py",
+        "test_master_weights.py",
+        "test_train_ddp.py",
+    }
+)
+LAUNCHES = "tests/launching rank processes"  # the unit's name in xdist's log
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: ignored where the plugin is not installed
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile``, with the files of ``LAUNCHING_FILES`` as one unit, handed out before the others."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LaunchesTogether(LoadFileScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return LAUNCHES if Path(path).name in LAUNCHING_FILES else path
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if LAUNCHES in self.workqueue:
+                self.workqueue.move_to_end(LAUNCHES, last=False)
+            super()._assign_work_unit(node)
+
+    return LaunchesTogether(config, log)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -472,7 +515,11 @@ def launch_ranks(
 ) -> list[dict[str, Any]]:
     """Run ``python worker OUT *args`` once per rank (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_*`` set as
     torchrun sets them, plus ``env``) and return what each rank wrote to ``OUT/rank{r}.json``. A rank that fails, or
-    ranks still running after ``timeout`` seconds (then killed), fail the test with the ranks' logs."""
+    ranks still running after ``timeout`` seconds (then killed), fail the test with the ranks' logs. The calling
+    test's file must be one of ``LAUNCHING_FILES``."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split("::", 1)[0]
+    if test and Path(test).name not in LAUNCHING_FILES:
+        pytest.fail(f"{test} launches ranks: add {Path(test).name!r} to LAUNCHING_FILES in tests/conftest.py")
     base = dist_env(MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size), **env)
     logs = [out / f"rank{r}.log" for r in range(world_size)]
     procs = []
