@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import yaml
 
-from dls.diagnostics.record import TRACE_FILE
+from dls.diagnostics.trace import TRACE_FILE
 from dls.train.errors import ModelDirError
 from dls.train.reporting import metrics_to_keep, plot_comparison, read_metrics
 

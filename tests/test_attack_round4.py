@@ -1,0 +1,142 @@
+"""Issue 38's last item: a fresh attack on the policy lab and the trainer (the cases: /tmp/lab-attack/attack.py of
+that session, its findings in CHANGELOG.md). Each test here failed before its fix. Also the recorder's side of the
+trace format: one reader (``dls.diagnostics.trace``), its constants in one place, a segment appended without a
+``start_step``, and the trace a resumed run keeps read with the reader's bounds."""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+import dls
+from dls.diagnostics import record, trace
+from dls.diagnostics.trace import TRACE_FILE, read_trace
+from dls.train.cli import main
+from dls.train.trainer import trace_to_keep
+from test_record import fp16_loss, mlp
+from test_train import tiny
+
+SOURCE = Path(__file__).resolve().parent.parent / "src" / "dls"
+
+
+def one_line(err: str) -> str:
+    assert err.startswith("dls: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def record_steps(path: Path, steps: int, **options: Any) -> None:
+    scaler = dls.GradScaler("cpu", init_scale=2.0**10)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with scaler.record(path, **options):
+        for i in range(steps):
+            scaler.scale(fp16_loss(model, i)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+
+
+# ---------------------------------------------------------------------- one reader, one set of constants
+def test_the_recorder_holds_no_second_trace_reader_and_imports_the_formats_constants() -> None:
+    for name in ("read_trace", "Trace", "Segment", "TraceError", "kept_for_resume"):
+        assert getattr(record, name, None) in (None, getattr(trace, name, object())), name
+    assert not hasattr(record, "kept_for_resume") and not hasattr(record, "Segment")
+    for name in ("TRACE_FORMAT", "TRACE_VERSION", "STATE_FIELDS"):
+        assert getattr(record, name) is getattr(trace, name)  # imported, not defined twice
+    tree = ast.parse((SOURCE / "diagnostics" / "record.py").read_text())
+    assigned = {
+        t.id for node in ast.walk(tree) if isinstance(node, ast.Assign) for t in node.targets if hasattr(t, "id")
+    }
+    assert not assigned & {"TRACE_FORMAT", "TRACE_VERSION", "STATE_FIELDS", "TRACE_FILE"}
+    imports = [node.module for node in ast.walk(ast.parse((SOURCE / "diagnostics" / "trace.py").read_text()))
+               if isinstance(node, ast.ImportFrom)]  # fmt: skip
+    assert "dls.diagnostics.record" not in imports  # the format does not depend on its writer
+
+
+# ---------------------------------------------------------------------- appending a segment
+def test_a_segment_appended_without_start_step_continues_the_trace(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    record_steps(path, 3)
+    record_steps(path, 2, append=True)  # before: start_step 0, a trace its own reader refused
+    read = read_trace(path)
+    assert [s.header["start_step"] for s in read.segments] == [0, 3]
+    assert [r["step"] for r in read.steps] == [1, 2, 3, 4, 5]
+
+
+def test_a_segment_appended_before_the_traces_last_step_is_refused_before_writing(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    record_steps(path, 3)
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match=r"start_step 1 comes before step 3.*t\.jsonl"):
+        record_steps(path, 2, append=True, start_step=1)
+    assert path.read_bytes() == before
+    record_steps(path, 1, append=True, start_step=10)  # a gap is allowed: a resumed run lost steps
+    assert [r["step"] for r in read_trace(path).steps] == [1, 2, 3, 11]
+
+
+@pytest.mark.parametrize("content", [b"not a trace\n", b'{"format": "dls-trace", "version": 9}\n', b"[" * 10**5])
+def test_appending_to_a_file_that_is_not_a_trace_is_refused_before_writing(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=r"append=True: .*t\.jsonl"):
+        record_steps(path, 1, append=True)
+    assert path.read_bytes() == content
+
+
+def test_appending_to_a_missing_or_empty_file_starts_at_step_0(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    record_steps(path, 2, append=True)
+    path.write_bytes(b"")
+    record_steps(path, 2, append=True)
+    assert [r["step"] for r in read_trace(path).steps] == [1, 2]
+
+
+# ---------------------------------------------------------------------- the trace a resumed run keeps
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished tiny run (checkpoints at steps 2 and 4, a trace), copied by each test that changes it."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    (run.parent / "c.yaml").write_text(yaml.safe_dump(tiny(run, runconfig={"max_steps": 4, "checkpoint_steps": 2})))
+    assert main(["train", str(run.parent / "c.yaml"), "--no_progress"]) == 0
+    return run
+
+
+def test_trace_to_keep_of_no_trace_keeps_nothing(tmp_path: Path) -> None:
+    # moved from test_record.py (kept_for_resume(None, 3) == b"")
+    assert trace_to_keep(None, tmp_path / TRACE_FILE, 3) == b""
+    assert trace_to_keep(b"", tmp_path / TRACE_FILE, 3) == b""
+    assert trace_to_keep(b'{"format": "dls-tr', tmp_path / TRACE_FILE, 3) == b""  # killed mid-header
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [b"[" * 100_000 + b"]" * 100_000 + b"\n", b'{"step": "5", "scale": 1.0, "overflow": false}\n', b"\xff\xfe\n"],
+    ids=["nesting-bomb", "string-step", "binary"],
+)
+def test_a_resume_refuses_a_crafted_trace_before_anything_changes(
+    finished: Path, tmp_path: Path, tail: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = Path(shutil.copytree(finished, tmp_path / "run"))
+    (run / TRACE_FILE).write_bytes((run / TRACE_FILE).read_bytes() + tail)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    assert main(["train", "--resume", str(run), "-o", "runconfig.max_steps=6", "--no_progress"]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert f"{run / TRACE_FILE}, line" in err and "move the file away" in err
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before  # nothing written
+
+
+def test_a_resume_keeps_the_trace_up_to_its_checkpoint_and_the_result_reads(finished: Path, tmp_path: Path) -> None:
+    run = Path(shutil.copytree(finished, tmp_path / "run"))
+    (run / "checkpoint_4.mdl").unlink()  # resumed from step 2: the steps 3 and 4 recorded after it go
+    assert main(["train", "--resume", str(run), "-o", "runconfig.max_steps=5", "--no_progress"]) == 0
+    read = read_trace(run / TRACE_FILE)
+    assert [s.header["start_step"] for s in read.segments] == [0, 2]
+    assert [r["step"] for r in read.steps] == [1, 2, 3, 4, 5]
+    assert json.loads((run / TRACE_FILE).read_text().splitlines()[0])["format"] == "dls-trace"
