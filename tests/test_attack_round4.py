@@ -140,3 +140,48 @@ def test_a_resume_keeps_the_trace_up_to_its_checkpoint_and_the_result_reads(fini
     assert [s.header["start_step"] for s in read.segments] == [0, 2]
     assert [r["step"] for r in read.steps] == [1, 2, 3, 4, 5]
     assert json.loads((run / TRACE_FILE).read_text().splitlines()[0])["format"] == "dls-trace"
+
+
+# ---------------------------------------------------------------------- a long trace replays in bounded work
+def long_trace(path: Path, steps: int) -> Path:
+    """``steps`` steps of a trace without model hooks, an overflow every 97th: every clean step is undecided above
+    its scale, so that the bounds follow hundreds of states."""
+    settings = dls.settings.ScalerSettings.torch(init_scale=2.0**15)
+    head = {
+        "format": "dls-trace", "version": 1, "start_step": 0,
+        "settings": {f: getattr(settings, f) for f in settings.__dataclass_fields__},
+    }  # fmt: skip
+    rows = [
+        {"step": i, "scale": 32768.0, "overflow": i % 97 == 0, "grad_amax": None if i % 97 == 0 else 1e-5}
+        for i in range(1, steps + 1)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in [head, *rows]))
+    return path
+
+
+def test_the_bounds_of_a_long_trace_stop_at_a_budget_of_rule_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: the bounds followed up to 256 states for every step (50,000 steps: minutes per policy, `dls replay`
+    # past a minute on its defaults); now they widen once MAX_BRANCH_STEPS rule steps were spent on them.
+    from dls.diagnostics import replaying
+
+    trace_ = read_trace(long_trace(tmp_path / "t.jsonl", 600))
+    calls = 0
+    advance = replaying._advance
+
+    def counted(branches: list[Any], *args: Any) -> Any:
+        nonlocal calls
+        calls += len(branches)
+        return advance(branches, *args)
+
+    monkeypatch.setattr(replaying, "_advance", counted)
+    (exact,) = replaying.replay(trace_, ["torch"])
+    assert exact.bounds_exact and calls > 2_000  # the states the bounds follow without a budget
+    monkeypatch.setattr(replaying, "MAX_BRANCH_STEPS", 2_000, raising=False)
+    calls = 0
+    (cut,) = replaying.replay(trace_, ["torch"])
+    assert not cut.bounds_exact and calls <= 2_000 + replaying.MAX_BRANCHES
+    assert cut.scales == exact.scales and cut.skipped[0] == exact.skipped[0]  # the estimate is the same
+    assert cut.skipped[1] <= exact.skipped[1] <= exact.skipped[2] <= cut.skipped[2]  # looser, still bounds
+    assert cut.scale_low[-1] is None  # undecided from the cut on
