@@ -185,3 +185,35 @@ def test_the_bounds_of_a_long_trace_stop_at_a_budget_of_rule_steps(
     assert cut.scales == exact.scales and cut.skipped[0] == exact.skipped[0]  # the estimate is the same
     assert cut.skipped[1] <= exact.skipped[1] <= exact.skipped[2] <= cut.skipped[2]  # looser, still bounds
     assert cut.scale_low[-1] is None  # undecided from the cut on
+
+
+# ---------------------------------------------------------------------- dls replay's outputs
+@pytest.fixture
+def recorded(tmp_path: Path) -> Path:
+    path = tmp_path / "t.jsonl"
+    record_steps(path, 4, histogram_every=2)
+    return path
+
+
+def test_a_plot_onto_the_trace_itself_is_refused_and_the_trace_kept(
+    recorded: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = recorded.read_bytes()
+    monkeypatch.chdir(recorded.parent)
+    for plot in (str(recorded), "./t.jsonl"):  # before: the PNG replaced the trace
+        assert main(["replay", str(recorded), "--plot", plot]) == 2
+        err = one_line(capsys.readouterr().err)
+        assert f"--plot: {plot} is the trace being replayed" in err
+    assert recorded.read_bytes() == before
+
+
+def test_replay_without_a_standard_output_is_exit_3_naming_it(
+    recorded: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sys.stdout", None)  # `dls replay T >&-`: Python has no sys.stdout (before: exit 4)
+    for command in (
+        ["replay", str(recorded)],
+        ["tune", str(recorded), "--max-underflow", "none", "--policy", "static"],
+    ):
+        assert main(command) == 3
+        assert "the standard output: it is closed" in one_line(capsys.readouterr().err)

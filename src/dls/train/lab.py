@@ -13,6 +13,7 @@ it, before anything is written; a plot that cannot be written exits 3 naming its
 from __future__ import annotations
 
 import argparse
+import errno
 import io
 import json
 import math
@@ -109,6 +110,8 @@ def run_replay(args: argparse.Namespace) -> None:
     _once(args.policy or [])
     if args.plot is not None:
         _writable(Path(args.plot))
+        if _same_file(args.plot, args.trace):  # replacing it would lose the trace for a picture of it
+            raise UsageError(f"--plot: {args.plot} is the trace being replayed; give another path for the PNG")
     trace = _read(args.trace)
     specs = args.policy or [RECORDED, *(name for name in POLICIES if name != "static")]
     try:
@@ -130,10 +133,20 @@ def run_replay(args: argparse.Namespace) -> None:
     _print(_replay_text(trace, results) + ("" if plot is None else f"\nPlot: {plot}"))
 
 
-def _print(text: str) -> None:
-    """``text`` on standard output, flushed: a full disk or a closed pipe behind it is this command's error (exit
-    3), named as the standard output, not a run's."""
+def _same_file(a: str, b: str) -> bool:
     try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):  # either missing (or not a path): not the same existing file
+        return False
+
+
+def _print(text: str) -> None:
+    """``text`` on standard output, flushed: a full disk, a closed pipe or no standard output at all (closed
+    before the command started: ``sys.stdout`` is ``None``) is this command's error (exit 3), named as the
+    standard output, not a run's."""
+    try:
+        if sys.stdout is None:
+            raise OSError(errno.EBADF, "it is closed (nothing to print to)")
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
     except OSError as exc:
