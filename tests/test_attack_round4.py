@@ -217,3 +217,20 @@ def test_replay_without_a_standard_output_is_exit_3_naming_it(
     ):
         assert main(command) == 3
         assert "the standard output: it is closed" in one_line(capsys.readouterr().err)
+
+
+# ---------------------------------------------------------------------- configs
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [("2001-13-45", "month must be in 1..12"), ("1" + "0" * 5000, "Exceeds the limit (4300 digits)")],
+    ids=["date", "5000-digits"],
+)
+def test_a_value_yaml_cannot_construct_is_named_as_such(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str, said: str
+) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model:\n  name: mlp\nrunconfig:\n  seed: {value}\n")
+    assert main(["validate", str(config)]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert f"in {config}: a value YAML cannot read: {said}" in err  # before: "the config expands to month must ..."
+    assert "set_int_max_str_digits" not in err and "expands to" not in err
