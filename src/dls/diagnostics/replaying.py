@@ -366,11 +366,11 @@ def _replay_one(
         guessed.append(decided is None)
         if recorded and first_departure is None and (s != step.scale or overflow != step.overflow):
             first_departure = step.number
-        rule.update_(estimate, _ONE if overflow else _ZERO)
+        _update(rule, estimate, overflow, s, settings.min_loss_scale)
         # The bounds: every outcome the trace allows.
         if exact:
             spent += len(branches)
-            branches, step_low, step_high = _advance(branches, step, rule, floor, underflow)
+            branches, step_low, step_high = _advance(branches, step, rule, floor, underflow, settings.min_loss_scale)
             if len(branches) > MAX_BRANCHES or (spent > MAX_BRANCH_STEPS and len(branches) > 1):
                 exact = False
                 base = _merge_all(b.acc for b in branches)
@@ -415,8 +415,18 @@ def _merge_all(accs: Iterable[list[float]]) -> list[float]:
     return out
 
 
+def _update(rule: Any, state: ScaleState, overflow: bool, scale: float, min_scale: float) -> None:
+    """One update of ``state`` as the scaler runs it when the host knows the outcome
+    (``dls.loss_scale.LossScale.update``): a clean step at or above the floor on the rule's known-clean path, the
+    fewest device ops (``non_clamped_scale`` is then the scale, and no replay reads it)."""
+    if not overflow and scale >= min_scale:
+        rule.update_(state, _ZERO, known_clean=True)
+    else:
+        rule.update_(state, _ONE if overflow else _ZERO)
+
+
 def _advance(
-    branches: list[_Branch], step: _Step, rule: Any, floor: float, underflow: _Underflow
+    branches: list[_Branch], step: _Step, rule: Any, floor: float, underflow: _Underflow, min_scale: float
 ) -> tuple[list[_Branch], float, float]:
     """Every branch one step on (two where the trace cannot decide), equal states merged; the lowest and highest
     scale used."""
@@ -441,7 +451,7 @@ def _advance(
                 acc[5] += u
                 acc[6] += 1
                 acc[7] += 1
-            rule.update_(state, _ONE if overflow else _ZERO)
+            _update(rule, state, overflow, s, min_scale)
             out.append(_Branch(state, acc))
     if len(out) > 1:
         merged: dict[tuple[float, ...], _Branch] = {}
