@@ -264,3 +264,18 @@ def test_replay_updates_a_clean_step_on_the_rules_known_clean_path(
 
 def _flag(overflow: bool) -> torch.Tensor:
     return torch.ones(()) if overflow else torch.zeros(())
+
+
+def test_a_resume_refuses_a_nesting_bomb_in_metrics_naming_the_line(
+    finished: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = Path(shutil.copytree(finished, tmp_path / "run"))
+    metrics = run / "metrics.jsonl"
+    lines = metrics.read_bytes().count(b"\n")
+    metrics.write_bytes(metrics.read_bytes() + b"[" * 100_000 + b"]" * 100_000 + b"\n")
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    # before: json's RecursionError, exit 4
+    assert main(["train", "--resume", str(run), "-o", "runconfig.max_steps=6", "--no_progress"]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert f"{metrics} line {lines + 1} is not a metrics row (nested too deeply" in err
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
