@@ -279,3 +279,12 @@ def test_a_resume_refuses_a_nesting_bomb_in_metrics_naming_the_line(
     err = one_line(capsys.readouterr().err)
     assert f"{metrics} line {lines + 1} is not a metrics row (nested too deeply" in err
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+
+
+def test_a_lock_file_holding_a_nesting_bomb_is_no_holder(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".dls.lock").write_text("[" * 4096)  # not a record dls wrote; before: RecursionError, every run exit 4
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(tiny(run, runconfig={"max_steps": 2, "checkpoint_steps": 2})))
+    assert main(["train", str(tmp_path / "c.yaml"), "--no_progress"]) == 0
+    assert (run / "checkpoint_2.mdl").is_file()
