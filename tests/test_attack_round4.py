@@ -288,3 +288,18 @@ def test_a_lock_file_holding_a_nesting_bomb_is_no_holder(tmp_path: Path) -> None
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(tiny(run, runconfig={"max_steps": 2, "checkpoint_steps": 2})))
     assert main(["train", str(tmp_path / "c.yaml"), "--no_progress"]) == 0
     assert (run / "checkpoint_2.mdl").is_file()
+
+
+def test_tune_says_first_when_its_search_takes_minutes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dls.train import lab
+
+    path = long_trace(tmp_path / "t.jsonl", 50)
+    monkeypatch.setattr(lab, "LONG_TUNE", 10, raising=False)  # before: silent for minutes on a long trace
+    assert main(["tune", str(path), "--policy", "static", "--max-underflow", "none"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("dls tune: replaying ") and "over 50 steps takes a while" in err and "--policy" in err
+    monkeypatch.setattr(lab, "LONG_TUNE", 10**9)
+    assert main(["tune", str(path), "--policy", "static", "--max-underflow", "none"]) == 0
+    assert capsys.readouterr().err == ""
