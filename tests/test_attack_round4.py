@@ -303,3 +303,12 @@ def test_tune_says_first_when_its_search_takes_minutes(
     monkeypatch.setattr(lab, "LONG_TUNE", 10**9)
     assert main(["tune", str(path), "--policy", "static", "--max-underflow", "none"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_plot_path_ending_in_a_slash_is_refused(
+    recorded: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(recorded.parent)
+    assert main(["replay", str(recorded), "--plot", "p.png/"]) == 2  # before: rc 0, p.png written
+    assert "--plot: p.png/ names a directory" in one_line(capsys.readouterr().err)
+    assert not (recorded.parent / "p.png").exists()

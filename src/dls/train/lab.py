@@ -111,6 +111,8 @@ def run_replay(args: argparse.Namespace) -> None:
     _check_format(args.format)
     _once(args.policy or [])
     if args.plot is not None:
+        if args.plot.endswith(("/", os.sep)):  # Path() drops the slash: p.png/ would be written as p.png
+            raise UsageError(f"--plot: {args.plot} names a directory; give the PNG file to write")
         _writable(Path(args.plot))
         if _same_file(args.plot, args.trace):  # replacing it would lose the trace for a picture of it
             raise UsageError(f"--plot: {args.plot} is the trace being replayed; give another path for the PNG")
