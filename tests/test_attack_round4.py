@@ -312,3 +312,12 @@ def test_a_plot_path_ending_in_a_slash_is_refused(
     assert main(["replay", str(recorded), "--plot", "p.png/"]) == 2  # before: rc 0, p.png written
     assert "--plot: p.png/ names a directory" in one_line(capsys.readouterr().err)
     assert not (recorded.parent / "p.png").exists()
+
+
+@pytest.mark.parametrize("command", [["keys"], ["init"]])
+def test_commands_that_wrap_text_run_without_a_standard_output(
+    command: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sys.stdout", None)  # `dls keys >&-`; before: exit 4 (None has no isatty)
+    assert main(command) == 0  # as print() does: nothing to print to, nothing printed
+    assert capsys.readouterr().err == ""

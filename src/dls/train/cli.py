@@ -189,9 +189,10 @@ def _report(exc: BaseException, crash_dir: Path | None) -> int:
 
 
 def _width() -> int:
-    """Where to wrap text: the terminal's width, or 100 columns when the output is not a terminal (a file, a pipe:
-    nothing is cut, lines are wrapped as in this command's other texts)."""
-    return shutil.get_terminal_size((100, 24)).columns if sys.stdout.isatty() else 100
+    """Where to wrap text: the terminal's width, or 100 columns when the output is not a terminal (a file, a pipe,
+    none: nothing is cut, lines are wrapped as in this command's other texts)."""
+    tty = sys.stdout is not None and sys.stdout.isatty()  # None: started with its standard output closed
+    return shutil.get_terminal_size((100, 24)).columns if tty else 100
 
 
 def existing_config(path: str) -> str:
