@@ -321,3 +321,32 @@ def test_commands_that_wrap_text_run_without_a_standard_output(
     monkeypatch.setattr("sys.stdout", None)  # `dls keys >&-`; before: exit 4 (None has no isatty)
     assert main(command) == 0  # as print() does: nothing to print to, nothing printed
     assert capsys.readouterr().err == ""
+
+
+class _Full:
+    """A standard output on a full disk."""
+
+    def write(self, text: str) -> int:
+        raise OSError(28, "No space left on device")
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("command", ["validate", "keys"])
+def test_a_full_standard_output_is_named_with_its_own_advice(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(tiny(tmp_path / "run")))
+    monkeypatch.setattr("sys.stdout", _Full())
+    assert main([command, str(config)] if command == "validate" else [command]) == 3
+    err = one_line(capsys.readouterr().err)  # before: "... (free some space or choose another runconfig.model_dir"
+    assert (
+        err
+        == "dls: error: the standard output: No space left on device (free some space or send the output elsewhere)\n"
+    )
+    assert not (tmp_path / "run").exists()

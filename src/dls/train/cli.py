@@ -28,6 +28,7 @@ from dls.train.errors import (
     ConfigError,
     ExitStatus,
     MissingExtras,
+    NamedOutput,
     OutOfMemory,
     UsageError,
     describe,
@@ -140,6 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     args.crash_dir = None  # where a crash report may go (dls train sets it)
+    stdout = sys.stdout
+    if stdout is not None:
+        sys.stdout = NamedOutput(stdout)  # type: ignore[assignment]
     try:
         with signals():  # Ctrl-C / SIGTERM raise from here on (dls_entry)
             missing = [package for module, package in TRAIN_EXTRA.items() if not _importable(module)]
@@ -152,9 +156,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise UsageError(f"--steps must be >= 1; got {args.steps}")
             if getattr(args, "out", None) == "":  # dls demo and dls audit: not the current directory
                 raise UsageError("--out is empty; give the directory to write into")
-            return COMMANDS[args.command](args) or 0
+            status = COMMANDS[args.command](args) or 0
+            if sys.stdout is not None:
+                sys.stdout.flush()  # what is buffered fails here, named, not at the interpreter's exit
+            return status
     except (Exception, KeyboardInterrupt) as exc:
         return _report(exc, args.crash_dir)
+    finally:
+        sys.stdout = stdout
 
 
 def _importable(module: str) -> bool:

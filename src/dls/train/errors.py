@@ -99,6 +99,38 @@ def exit_status(exc: BaseException) -> ExitStatus:
 SPACE_ERRORS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
+def standard_output_error(exc: OSError) -> OSError:
+    """``exc``, raised writing to the standard output, as the error of that output (exit 3): named as such, with
+    the advice to send it elsewhere when the disk behind it is full, not the trainer's about its model_dir."""
+    error = OSError(exc.errno, exc.strerror or str(exc), "the standard output")
+    if exc.errno in SPACE_ERRORS:
+        error.advice = "free some space or send the output elsewhere"  # type: ignore[attr-defined]
+    return error
+
+
+class NamedOutput:
+    """``sys.stdout`` while a ``dls`` command runs: a write or flush that fails raises ``standard_output_error``
+    (a ``dls train`` or ``dls validate`` printing into a full disk was told to free space for its model_dir)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except OSError as exc:
+            raise standard_output_error(exc) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            raise standard_output_error(exc) from None
+
+
 def describe(exc: BaseException) -> str:
     """The text after ``dls: error:``; an ``OSError`` names its path(s) and the system's reason. The advice for a
     full disk or for memory is the trainer's, unless the error carries its command's as ``advice``."""

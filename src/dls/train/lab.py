@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dls.train.errors import SPACE_ERRORS, OutOfMemory, UsageError
+from dls.train.errors import SPACE_ERRORS, OutOfMemory, UsageError, standard_output_error
 
 REPLAY_EPILOG = """\
 policies: recorded (the run's own settings), torch, cerebras, megatron, deepspeed, static; NAME:key=value,...
@@ -154,10 +154,7 @@ def _print(text: str) -> None:
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
     except OSError as exc:
-        error = OSError(exc.errno, exc.strerror or str(exc), "the standard output")
-        if exc.errno in SPACE_ERRORS:
-            error.advice = "free some space or send the output elsewhere"  # type: ignore[attr-defined]
-        raise error from None
+        raise (exc if exc.filename == "the standard output" else standard_output_error(exc)) from None
 
 
 def _plain(value: Any) -> Any:
