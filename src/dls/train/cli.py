@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.crash_dir = None  # where a crash report may go (dls train sets it)
     stdout = sys.stdout
     if stdout is not None:
-        sys.stdout = NamedOutput(stdout)  # type: ignore[assignment]
+        sys.stdout = NamedOutput(stdout)
     try:
         with signals():  # Ctrl-C / SIGTERM raise from here on (dls_entry)
             missing = [package for module, package in TRAIN_EXTRA.items() if not _importable(module)]
