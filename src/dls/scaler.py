@@ -699,21 +699,28 @@ class GradScaler:
 
     # The passes (unscale, check, clip; pure in dls.kernels).
     def _flag_pass(
-        self, optimizer: torch.optim.Optimizer, progress: Progress, run: Callable[..., None], inv_scale: torch.Tensor
+        self,
+        optimizer: torch.optim.Optimizer,
+        progress: Progress,
+        run: Callable[..., None],
+        inv_scale: torch.Tensor | None,
+        below_one: bool,
     ) -> torch.Tensor:
         """``run`` (``kernels.mul_and_check_`` or ``kernels.check_unscaled_``) over the optimizer's gradients, factor
-        ``inv_scale``; returns the flag on the scale's device (not yet agreed across ranks)."""
+        ``inv_scale`` (``None``: a check that needs none); returns the flag on the scale's device (not yet agreed
+        across ranks). A fresh flag per pass (one operator), not a buffer reused across calls: a flag outlives its
+        iteration (``step_was_skipped`` reads it until the optimizer's next step, the recorder keeps it)."""
         groups = self._tracker.grads(optimizer, progress)
         devices = {d for d, _ in groups}
         found = kernels.zero_flags(devices)
-        run(groups, kernels.per_device(inv_scale, devices), found, self._scale.known.scale_may_be_below_one())
+        run(groups, None if inv_scale is None else kernels.per_device(inv_scale, devices), found, below_one)
         return kernels.gather_flags(found, self._scale.device)
 
     def _unscale_and_check(self, opts: list[torch.optim.Optimizer], progresses: list[Progress]) -> None:
         """Unscale each optimizer's gradients and set its agreed overflow flag (stage → UNSCALED)."""
-        inv_scale = self._scale.inverse()
+        inv_scale, below_one = self._scale.inverse(), self._scale.known.scale_may_be_below_one()
         for optimizer, progress in zip(opts, progresses):
-            flag = self._flag_pass(optimizer, progress, kernels.mul_and_check_, inv_scale)
+            flag = self._flag_pass(optimizer, progress, kernels.mul_and_check_, inv_scale, below_one)
             # Across ranks the flag is agreed asynchronously: reading progress.found_inf waits for the all-reduce.
             agreement = distributed.start_agreement(flag, self._process_group) if _distributed() else None
             progress.flag, progress.agreement = flag, agreement
@@ -721,7 +728,10 @@ class GradScaler:
 
     def _check_scaled(self, optimizer: torch.optim.Optimizer, progress: Progress) -> torch.Tensor:
         """The agreed flag of ``optimizer``'s still-scaled gradients, without unscaling them (one read pass)."""
-        flag = self._flag_pass(optimizer, progress, kernels.check_unscaled_, self._scale.inverse())
+        # At a scale of at least 1 the check reads the gradients alone: no inverse scale to compute.
+        below_one = self._scale.known.scale_may_be_below_one()
+        inv_scale = self._scale.inverse() if below_one else None
+        flag = self._flag_pass(optimizer, progress, kernels.check_unscaled_, inv_scale, below_one)
         return distributed.agree_on_overflow(flag, self._process_group) if _distributed() else flag
 
     def _clip_and_check(
@@ -767,27 +777,40 @@ class GradScaler:
         by ``clip_coef / scale`` (``clip_coef`` alone for already unscaled gradients). Returns the overflow flag
         (the norm is inf/NaN exactly when an element is) and the norm."""
         home = self._scale.device
-        inv_scale = self._scale.inverse() if self._enabled else torch.ones((), device=home)
-        one = torch.ones((), dtype=torch.float32, device=home)
-        parts = [(self._tracker.grads_of(scaled), inv_scale), (self._tracker.grads_of(unscaled), one)]
+        inv_scale = self._scale.inverse() if self._enabled else None
+        both = ((self._tracker.grads_of(scaled), inv_scale), (self._tracker.grads_of(unscaled), None))
+        parts = [(groups, factor) for groups, factor in both if groups]  # factor None: already unscaled
+        found = torch.zeros((), dtype=torch.float32, device=home)
         sharded = self._gradients_sharded
         if _distributed() and distributed.norm_is_sharded(scaled + unscaled, sharded, self._process_group):
             # Each rank holds a slice of the gradients: squared norms are summed across ranks.
-            opts = [(scaled, inv_scale), (unscaled, one)]
+            one = torch.ones((), dtype=torch.float32, device=home)
+            opts = [(scaled, one if inv_scale is None else inv_scale), (unscaled, one)]
             total_norm = distributed.global_norm(opts, home, self._process_group, plain_sharded=sharded is True)
+            kernels.check_nonfinite([total_norm], found)
+        elif len(parts) == 1 and parts[0][1] is not None:
+            # Nearly always: the AMP kernel unscales the norm of the still-scaled gradients and raises the flag
+            # where it is not finite, two operators (a check after it too while the scale may be below 1).
+            total_norm = kernels.global_norm(parts[0][0], None, home)
+            below_one = self._scale.known.scale_may_be_below_one()
+            kernels.mul_and_check_({(home, torch.float32): [total_norm]}, {home: parts[0][1]}, {home: found}, below_one)
         else:
-            norms = [kernels.global_norm(g, kernels.per_device(f, {d for d, _ in g}), home) for g, f in parts]
-            total_norm = torch.linalg.vector_norm(torch.stack(norms))
-        found = (~torch.isfinite(total_norm)).float()
-        coef = one if max_norm is None else kernels.clip_coefficient(total_norm, max_norm)
+            norms = [kernels.global_norm(g, None if f is None else kernels.per_device(f, {d for d, _ in g}), home)
+                     for g, f in parts]  # fmt: skip
+            total_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+            kernels.check_nonfinite([total_norm], found)
+        coef = None if max_norm is None else kernels.clip_coefficient(total_norm, max_norm)
         # A finite norm bounds every clipped element by max_norm: only a max_norm near a gradient dtype's largest
         # value (or an unscale by more than 1 without clipping) can make a product overflow.
         for groups, factor in parts:
-            if groups and (factor is not one or max_norm is not None):
-                dtypes_max = min(torch.finfo(dtype).max for _, dtype in groups)
-                below_one = max_norm is None and self._scale.known.scale_may_be_below_one()
-                check = below_one or (max_norm or 0) >= dtypes_max / 2
-                found = kernels.mul_and_raise(groups, factor * coef, found, check)
+            if factor is None and coef is None:
+                continue  # already unscaled, and not clipped
+            dtypes_max = min(torch.finfo(dtype).max for _, dtype in groups)
+            below_one = max_norm is None and self._scale.known.scale_may_be_below_one()
+            check = below_one or (max_norm or 0) >= dtypes_max / 2
+            multiplier = coef if factor is None else factor if coef is None else factor * coef
+            assert multiplier is not None
+            found = kernels.mul_and_raise(groups, multiplier, found, check)
         return found, total_norm
 
     # ------------------------------------------------------------------ step
