@@ -900,7 +900,9 @@ class GradScaler:
         ====== ============================================ =========================== ===========================
 
         A parameter's first step (state that does not exist yet cannot be protected on the device) is decided on
-        the host on the fused and masked paths too.
+        the host on the fused and masked paths too; so is every step of an optimizer that keeps state on the host
+        while the flag is on a device (AdamW without ``capturable=True``): putting that state back would read the
+        flag anyway, and one read costs less than the masked step around it (``benchmarks/RESULTS.md`` §13).
         """
         index = self._tracker.index(optimizer)
         if getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -911,11 +913,26 @@ class GradScaler:
         assert found_inf is not None
         progress.stage = Stage.STEPPED
         if self._sync_free and self._tracker.has_stepped(optimizer, index):
-            self._decided(optimizer, progress, found_inf, None)
-            result = device_step.masked_step(optimizer, found_inf, args, kwargs)
-            if index.hooks is not None:  # e.g. master weights: re-derive what the step wrote from restored state
-                index.hooks.dls_state_restored()
-            return result
+            masked = device_step.masked_snapshot(optimizer, found_inf, index.restorable)
+            if masked is not None:
+                snapshot, restorable = masked
+                if restorable is not index.restorable:
+                    index.restorable = restorable
+                self._decided(optimizer, progress, found_inf, None)
+                result = optimizer.step(*args, **kwargs)
+                snapshot.restore()
+                if index.hooks is not None:  # e.g. master weights: re-derive what the step wrote from restored state
+                    index.hooks.dls_state_restored()
+                return result
+            if not index.warned_host_state:
+                index.warned_host_state = True
+                warnings.warn(
+                    f"sync_free=True: {type(optimizer).__name__} keeps optimizer state on the host (AdamW and Adam "
+                    "without capturable=True keep their step counts there), so its steps are decided on the host, "
+                    "one read of the flag each, as without sync_free; fused=True or capturable=True keep them on "
+                    "the device",
+                    stacklevel=3,
+                )
         if self._decided(optimizer, progress, found_inf, self._scale.read_flag(found_inf)):
             return None
         result = optimizer.step(*args, **kwargs)
