@@ -140,7 +140,11 @@ class Snapshot:
     (a multiplier of another dtype would send the foreach operators down their per-tensor path)."""
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, restorable: Restorable, others: dict[_Slot, Any]
+        self,
+        optimizer: torch.optim.Optimizer,
+        found_inf: torch.Tensor,
+        restorable: Restorable,
+        others: dict[_Slot, Any],
     ) -> None:
         self.optimizer, self.restorable = optimizer, restorable
         self.found = overflow = found_inf > 0
@@ -150,7 +154,7 @@ class Snapshot:
         for key, bits in restorable.groups.items():  # a loop, not a comprehension: see dls.kernels.per_device
             self.overflow[key] = on = overflow.to(device=key[0], dtype=key[1], non_blocking=True)
             self.keep[key] = 1 - on
-            self.kept[key] = torch._foreach_mul(bits, on)
+            self.kept[key] = list(torch._foreach_mul(bits, on))
         self.others = {slot: copy.deepcopy(value) for slot, value in others.items()}
 
     def restore(self) -> None:
@@ -194,7 +198,7 @@ class Snapshot:
 
 def masked_snapshot(
     optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, restorable: Restorable | None
-) -> tuple[Snapshot, Restorable] | None:
+) -> tuple[Snapshot, Restorable | None] | None:
     """Before a masked step: the bits to put back where it overflows (``Snapshot.restore`` after the step), and what
     to keep for the next step; ``None`` where the optimizer keeps state on the host while the flag is on a device
     (AdamW and Adam without ``capturable=True`` keep their step counts there): restoring them would need the flag on

@@ -231,9 +231,7 @@ def check_unscaled_(
         torch.maximum(flag, (~torch.isfinite(unscaled)).any().to(flag.dtype), out=flag)
 
 
-def global_norm(
-    groups: Groups, factor: dict[torch.device, torch.Tensor] | None, device: torch.device
-) -> torch.Tensor:
+def global_norm(groups: Groups, factor: dict[torch.device, torch.Tensor] | None, device: torch.device) -> torch.Tensor:
     """One read pass: the L2 norm (float32, on ``device``) of all gradients, each multiplied by
     ``factor[its device]`` (``None``: by nothing).
 
