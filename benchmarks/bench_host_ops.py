@@ -289,6 +289,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("   capturable) are among them and no sync")
         if device.type == "cpu":
             print("   kernels, syncs: n/a on the CPU (every operator runs on the host there)")
+        if table == "step":
+            print_sync_free_costs(counted)
+
+
+def print_sync_free_costs(counted: list[Counted]) -> None:
+    """Per optimizer and tensor count, ``sync_free=True`` against the default path (the one flag read it avoids): the
+    operators it adds and its host time, medians from the same run."""
+    by_key = {(c.path.table, c.path.tensors, c.path.scaler): c for c in counted}
+    for (table, tensors, scaler), free in by_key.items():
+        default = by_key.get((table, tensors, "dls"))
+        if scaler != "dls sync_free" or default is None:
+            continue
+        syncs = "" if free.syncs is None else f", syncs {free.syncs} vs {default.syncs}"
+        print(f"   sync_free vs default, {table.removeprefix('step ')} x{tensors}: ops {free.ops} vs {default.ops}"
+              f"{syncs}, host time {free.host_us / default.host_us:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":
