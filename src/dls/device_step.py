@@ -1,12 +1,16 @@
 """Optimizer steps decided on the device, without reading the overflow flag back: ``fused_step`` for optimizers whose
-kernel takes the scale and the flag (torch's ``fused=True`` optimizers, on every path), ``masked_step`` for those that
+kernel takes the scale and the flag (torch's ``fused=True`` optimizers, on every path), the masked step for those that
 cannot (``GradScaler(sync_free=True)``). Which one runs, and when the host decides instead: ``dls.scaler``.
 
-``masked_step``: the step always runs; afterwards parameters and optimizer state are put back, with ``torch.where``
-on the device, wherever the flag says the gradients overflowed. Nothing is read back to the host, so a training
-loop can run ahead of the device (and be captured in a CUDA graph); the price is a copy of parameters and state
-per step. Only valid once every parameter with a gradient has taken a real step: state that does not exist yet
-cannot be restored on the device, so the scaler decides an optimizer's first step on the host.
+The masked step (``masked_snapshot``, then the step, then ``Snapshot.restore``): the step always runs; afterwards
+parameters and optimizer state are put back, on the device, wherever the flag says the gradients overflowed. Nothing is
+read back to the host, so a training loop can run ahead of the device (and be captured in a CUDA graph); the price is
+a copy of parameters and state per step and two passes over them after it, each a foreach operator per device and
+dtype (an integer view of the bits, multiplied by 0 or 1: exact). Only valid once every parameter with a gradient has
+taken a real step: state that does not exist yet cannot be restored on the device, so the scaler decides an
+optimizer's first step on the host. State on the host while the flag is on a device (AdamW's step counts without
+``capturable=True``) could only be restored by reading the flag: the masked step declines, and the scaler decides
+the step on the host, which costs that one read and nothing else.
 """
 
 from __future__ import annotations

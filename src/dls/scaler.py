@@ -214,7 +214,11 @@ class GradScaler:
         half_dtype: the half format the defaults are chosen for; ``None``: ``dls.get_half_dtype_str()`` at
             construction (cstorch.amp's ``set_half_dtype``).
         sync_free: keep ``step`` on the device for optimizers that cannot take the flag themselves: the step
-            always runs and parameters and optimizer state are restored where it overflowed (``dls.device_step``).
+            always runs and parameters and optimizer state are restored where it overflowed (``dls.device_step``),
+            at the price of a copy of both and two foreach passes over them per step. An optimizer that keeps state
+            on the host (AdamW and Adam without ``capturable=True`` on CUDA: their step counts) cannot be restored
+            without reading the flag, so its steps are decided on the host (one read, as without ``sync_free``;
+            said once): use ``fused=True`` (no read, no copy) or ``capturable=True`` there.
         process_group: the group whose ranks must agree on overflow; default: the world group when
             ``torch.distributed`` is initialised, nothing otherwise.
         gradients_sharded: whether each rank holds a disjoint slice of the gradients, so the global norm for
