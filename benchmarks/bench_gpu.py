@@ -13,8 +13,8 @@ Runs with a plain ``python3`` that has torch (the GPU machine has no virtual env
 3. ``step`` -- a whole training step of GPT-2 small (124M parameters, sequence 1024, float16 autocast; built with
    ``transformers`` when importable, else the small built-in transformer of ``bench_step.py`` at GPT-2-small's
    sizes) with AdamW, fused AdamW and ``sync_free=True``: vs torch.amp and vs no scaler. Targets with fused AdamW:
-   dls/torch <= 1.00, dls/none <= 1.01; with AdamW and ``sync_free=True``: dls/torch <= 1.00; host syncs per step (``torch.cuda.set_sync_debug_mode("warn")``, counted
-   around ``step`` + ``update`` in one untimed step): 0 on the fused path and on the sync-free path with state on
+   dls/torch <= 1.00, dls/none <= 1.01; with AdamW and ``sync_free=True``: dls/torch <= 1.00; host syncs per step
+   (``torch.cuda.set_sync_debug_mode("warn")``, counted around ``step`` + ``update`` in one untimed step): 0 on the fused path and on the sync-free path with state on
    the device, 1 on the default path and on the sync-free path where the optimizer keeps state on the host
    (AdamW's step counts without ``capturable=True``: dls then decides the step on the host, one read, as the default
    path does; ``benchmarks/bench_host_ops.py`` on CUDA measures the masked step with capturable AdamW).

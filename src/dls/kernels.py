@@ -72,7 +72,11 @@ class GradIndex:
     def groups(self) -> Groups:
         groups: Groups = {}
         for key, params in self._by_key.items():
-            grads = [p.grad for p in params if p.grad is not None]
+            grads = []
+            for p in params:  # one read of .grad each (a comprehension filtering on it reads it twice)
+                g = p.grad
+                if g is not None:
+                    grads.append(g)
             if not grads:
                 continue
             g = grads[0]
