@@ -16,8 +16,9 @@ Runs with a plain ``python3`` that has torch (the GPU machine has no virtual env
    dls/torch <= 1.00, dls/none <= 1.01; with AdamW and ``sync_free=True``: dls/torch <= 1.00; host syncs per step
    (``torch.cuda.set_sync_debug_mode("warn")``, counted around ``step`` + ``update`` in one untimed step): 0 on the
    fused path and on the sync-free path with state on the device, 1 on the default path and on the sync-free path
-   where the optimizer keeps state on the host (AdamW's step counts without ``capturable=True``: dls then decides the step on the host, one read, as the default
-   path does; ``benchmarks/bench_host_ops.py`` on CUDA measures the masked step with capturable AdamW).
+   where the optimizer keeps state on the host (AdamW's step counts without ``capturable=True``: dls then decides
+   the step on the host, one read, as the default path does; ``benchmarks/bench_host_ops.py`` on CUDA measures the
+   masked step with capturable AdamW).
 4. ``overhead`` -- host overhead where steps are launch-bound: 1,000 small parameters, ``scale`` + ``step`` +
    ``update`` (gradients already there) vs torch's. No target in the issue: ratios for information, against A/A.
 5. ``graphs`` -- a whole step captured in a CUDA graph vs the same step eager, dls and torch, on the paths that can
