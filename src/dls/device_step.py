@@ -152,11 +152,10 @@ class Snapshot:
     ) -> None:
         self.optimizer, self.restorable = optimizer, restorable
         self.found = overflow = found_inf > 0
-        self.overflow: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self.keep: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self.kept: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for key, bits in restorable.groups.items():  # a loop, not a comprehension: see dls.kernels.per_device
-            self.overflow[key] = on = overflow.to(device=key[0], dtype=key[1], non_blocking=True)
+            on = overflow.to(device=key[0], dtype=key[1], non_blocking=True)
             self.keep[key] = 1 - on
             self.kept[key] = list(torch._foreach_mul(bits, on))
         self.others = {slot: copy.deepcopy(value) for slot, value in others.items()}
@@ -215,7 +214,7 @@ def masked_snapshot(
     is restored per tensor; state that is not a tensor, by a read of the flag where the step changed it.
 
     The price of no sync for optimizers without a fused kernel: a copy of parameters and state per step (one
-    foreach multiply per device and dtype), and a read and a write of each after the step (two foreach operators).
+    foreach multiply per device and dtype), and two passes over them after the step (a multiply, an add).
     """
     slots, tensors, others = _contents(optimizer)
     if found_inf.device.type != "cpu" and any(t.device.type == "cpu" for t in tensors):
