@@ -106,7 +106,7 @@ class Trainer:
         self.fp8: dls.fp8.Fp8Handle | None = None  # FP8 Linear layers (precision.fp8)
         if prec.fp8 is not None:  # before DDP: FP8's delayed scaling reduces its amaxes over the same ranks
             group = dist.group.WORLD if self.world_size > 1 else None
-            self.fp8 = dls.fp8.emulate(self.model, dls.fp8.recipe_from_dict(dict(prec.fp8)), process_group=group)
+            self.fp8 = dls.fp8.emulate_recipe(self.model, dls.fp8.recipe_from_dict(dict(prec.fp8)), process_group=group)
         self.emulation: EmulationHandle | None = None  # dls.emulate's hooks (cbfloat16, precision.emulate), per session
         self._recorded: tuple[list[float], ...] = ([], [], [])  # grad_underflow, FP8 flushed, saturated: per row
         self.ddp: DistributedDataParallel | None = None

@@ -52,9 +52,9 @@ class FcMnist(TrainModel):
 class CausalLM(TrainModel):
     """Model Zoo's ``name``: llama as Hugging Face's LlamaForCausalLM (swiglu: its MLP gates with silu), gpt2 and
     gpt3 as GPT2LMHeadModel, whose ``Conv1D`` layers (``x @ W + b``) become ``nn.Linear`` layers so that every matrix
-    product is an ``nn.Linear`` (what ``dls.fp8.emulate`` replaces); initialised by :func:`_initialize`, with Model
-    Zoo's loss. A batch is ``(input_ids, labels)``, labels ``IGNORE_INDEX`` where Model Zoo's ``attention_mask`` (a
-    loss mask) is 0."""
+    product is an ``nn.Linear`` (what ``dls.fp8.emulate_recipe`` replaces); initialised by :func:`_initialize`, with
+    Model Zoo's loss. A batch is ``(input_ids, labels)``, labels ``IGNORE_INDEX`` where Model Zoo's
+    ``attention_mask`` (a loss mask) is 0."""
 
     def __init__(self, name: str, k: GptKeys) -> None:
         super().__init__()

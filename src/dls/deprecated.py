@@ -1,0 +1,54 @@
+"""The names that moved or were renamed, each kept for one release with a ``DeprecationWarning`` that says the new
+name: a module path (:func:`moved_module`) and a function (:func:`renamed`). Every alias of the library is made
+here, so that the next release removes them in one place; ``tests/test_deprecated.py`` holds each warning."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _MovedModule(types.ModuleType):
+    """A module path that moved: each name read from it is the new module's, with a warning."""
+
+    def __init__(self, old: str, new: str, note: str) -> None:
+        super().__init__(old)
+        self._new, self._note = new, note
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith("__"):  # the import system's questions (__path__, __spec__): not a moved name
+            raise AttributeError(name)
+        warnings.warn(
+            f"the module {self.__name__} is {self._new} now: import {name} from {self._new}{self._note}; the old "
+            "path goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(self._new), name)
+
+
+def moved_module(old: str, new: str, note: str = "") -> None:
+    """``from old import name`` keeps working for one release (``name`` from ``new``, with a warning); ``note``
+    follows the new path in the warning (why the old one was given up)."""
+    sys.modules.setdefault(old, _MovedModule(old, new, note))
+
+
+def renamed(new: F, old: str, new_name: str) -> F:
+    """``new`` (``new_name``, as users call it) under its old name ``old``, warning at each call."""
+
+    @functools.wraps(new)
+    def alias(*args: Any, **kwargs: Any) -> Any:
+        warnings.warn(
+            f"{old} is {new_name} now; the old name goes in the next release", DeprecationWarning, stacklevel=2
+        )
+        return new(*args, **kwargs)
+
+    alias.__doc__ = f"Deprecated: ``{old}`` is ``{new_name}`` now; the old name goes in the next release."
+    return alias  # type: ignore[return-value]
