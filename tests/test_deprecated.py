@@ -44,3 +44,25 @@ def test_the_module_dls_emulate_is_dls_emulation_with_a_warning() -> None:
         from dls.emulate import EmulationHandle
     assert EmulationHandle is importlib.import_module("dls.emulation").EmulationHandle
     assert callable(dls.emulate)  # the function keeps its name
+
+
+def test_from_megatron_is_like_megatron_with_a_warning() -> None:
+    arguments = {"initial_scale": 2.0**16, "min_scale": 1.0, "hysteresis": 3}
+    with pytest.warns(DeprecationWarning, match=r'GradScaler\.from_megatron\(\.\.\.\) is GradScaler\.like\("megatron"'):
+        old = dls.GradScaler.from_megatron("cpu", **arguments)
+    assert old.settings == dls.GradScaler.like("megatron", "cpu", **arguments).settings
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"^hysteresis must"):
+        dls.GradScaler.from_megatron("cpu", **{**arguments, "hysteresis": 0})
+
+
+def test_max_gradient_norm_is_the_settings_with_a_warning() -> None:
+    scaler = dls.GradScaler("dynamic", max_gradient_norm=2.5)
+    with pytest.warns(DeprecationWarning, match=r"GradScaler\.max_gradient_norm is GradScaler\.settings\.max_gradient"):
+        assert scaler.max_gradient_norm == scaler.settings.max_gradient_norm == 2.5
+
+
+def test_the_warnings_point_at_the_callers_line() -> None:
+    with pytest.warns(DeprecationWarning) as caught:
+        dls.GradScaler.from_megatron("cpu", initial_scale=2.0**16, min_scale=1.0)
+        dls.fp8.emulate(_linear(), CurrentScaling()).remove()
+    assert [w.filename for w in caught] == [__file__, __file__]

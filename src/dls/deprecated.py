@@ -1,6 +1,7 @@
 """The names that moved or were renamed, each kept for one release with a ``DeprecationWarning`` that says the new
-name: a module path (:func:`moved_module`) and a function (:func:`renamed`). Every alias of the library is made
-here, so that the next release removes them in one place; ``tests/test_deprecated.py`` holds each warning."""
+name: a module path (:func:`moved_module`), a function (:func:`renamed`), a method or property (:func:`warn_renamed`
+in its body). Every alias of the library warns through here, so that the next release finds them in one place;
+``tests/test_deprecated.py`` holds each warning."""
 
 from __future__ import annotations
 
@@ -40,14 +41,18 @@ def moved_module(old: str, new: str, note: str = "") -> None:
     sys.modules.setdefault(old, _MovedModule(old, new, note))
 
 
+def warn_renamed(old: str, new_name: str) -> None:
+    """The warning of a renamed name ``old`` (``new_name`` now), pointing at the caller's caller."""
+    message = f"{old} is {new_name} now; the old name goes in the next release"
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+
+
 def renamed(new: F, old: str, new_name: str) -> F:
     """``new`` (``new_name``, as users call it) under its old name ``old``, warning at each call."""
 
     @functools.wraps(new)
     def alias(*args: Any, **kwargs: Any) -> Any:
-        warnings.warn(
-            f"{old} is {new_name} now; the old name goes in the next release", DeprecationWarning, stacklevel=2
-        )
+        warn_renamed(old, new_name)
         return new(*args, **kwargs)
 
     alias.__doc__ = f"Deprecated: ``{old}`` is ``{new_name}`` now; the old name goes in the next release."

@@ -12,9 +12,9 @@
   cstorch.amp's defaults — ``max_loss_scale`` ``2**15`` (``2**31`` for cbfloat16), start at the maximum, floor
   ``2**-14``, and ``loss_scale=None`` meaning dynamic for float16/cbfloat16 and off for bfloat16.
 
-Two more are built by their own constructors, with the peers' own names and defaults:
+Two more, with the peers' own names and defaults:
 ``GradScaler.from_deepspeed`` (**deepspeed**: DeepSpeed's ``fp16`` config section and its growth timing) and
-``GradScaler.from_megatron`` (**megatron**: Megatron-LM's ``DynamicGradScaler`` arguments; torch's timing).
+``GradScaler.like("megatron", ...)`` (**megatron**: Megatron-LM's ``DynamicGradScaler`` arguments; torch's timing).
 
 In the torch and Cerebras dialects, an explicit ``init_scale`` above the default maximum raises the maximum
 (never a silent clamp), and an explicit ``max_loss_scale`` below an explicit ``init_scale`` is an error naming

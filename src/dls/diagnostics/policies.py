@@ -172,23 +172,21 @@ def _model_zoo_yaml(s: ScalerSettings) -> str | None:
 
 
 def _megatron(v: dict[str, Any], half: str) -> ScalerSettings:
-    from dls.scaler import GradScaler  # the library's constructor for Megatron-LM's arguments
-
-    return GradScaler.from_megatron("cpu", **v).settings
+    return ScalerSettings.megatron(**v)
 
 
 def _megatron_dls(s: ScalerSettings) -> str | None:
     if not _dynamic(s, "megatron"):
         return None
     args = [
-        '"cuda"',
+        '"megatron", "cuda"',
         f"initial_scale={config_number(s.init_scale)}",
         f"min_scale={config_number(s.min_loss_scale)}",
         *_factors(s),
         f"growth_interval={s.growth_interval}",
         f"hysteresis={s.hysteresis}",
     ]
-    return f"dls.GradScaler.from_megatron({', '.join(args)})"
+    return f"dls.GradScaler.like({', '.join(args)})"
 
 
 def _megatron_flags(s: ScalerSettings) -> str | None:
