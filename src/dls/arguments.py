@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from dls.settings import DEEPSPEED, ScalerSettings, SettingsError
+from dls.peer_settings import DEEPSPEED
+from dls.settings import ScalerSettings, SettingsError
 
 # Arguments of GradScaler that are not settings: where the scaler runs, and torch's name for the growth interval
 # in the Cerebras dialect (and the reverse).

@@ -228,7 +228,7 @@ class GradScaler:
     (``growth_interval``, ``hysteresis``) must be an integer.
 
     Raises:
-        ValueError: a bad argument, named ([`dls.settings.SettingsError`][dls.settings.SettingsError] lists every
+        ValueError: a bad argument, named ([`dls.settings.SettingsError`][dls.checks.SettingsError] lists every
             problem).
     """
 
