@@ -360,7 +360,17 @@ class GradScaler:
         hysteresis: int = PEERS["megatron"].defaults["hysteresis"],
     ) -> GradScaler:
         """Deprecated: ``GradScaler.like("megatron", device, initial_scale=..., min_scale=..., ...)``, which builds
-        every peer's scaler from its own arguments; this name goes in the next release."""
+        every peer's scaler from its own arguments; this name goes in the next release.
+
+        Args:
+            device: where the scale lives (``"cpu"`` or a CUDA device).
+            initial_scale: the first scale.
+            min_scale: the scale never backs off below it.
+            growth_factor: the factor of a growth.
+            backoff_factor: the factor of a back-off.
+            growth_interval: clean steps before the scale grows.
+            hysteresis: overflows tolerated before a back-off (refilled by a growth).
+        """
         warn_renamed("GradScaler.from_megatron(...)", 'GradScaler.like("megatron", ...)')
         arguments = dict(initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor)
         arguments |= dict(backoff_factor=backoff_factor, growth_interval=growth_interval, hysteresis=hysteresis)
