@@ -66,3 +66,13 @@ def test_the_warnings_point_at_the_callers_line() -> None:
         dls.GradScaler.from_megatron("cpu", initial_scale=2.0**16, min_scale=1.0)
         dls.fp8.emulate(_linear(), CurrentScaling()).remove()
     assert [w.filename for w in caught] == [__file__, __file__]
+
+
+def test_the_validators_that_left_dls_policy_are_dls_checks_with_a_warning() -> None:
+    import dls.checks
+    import dls.policy
+
+    with pytest.warns(DeprecationWarning, match=r"dls\.policy\.count_problem is dls\.checks\.count_problem now"):
+        assert dls.policy.count_problem is dls.checks.count_problem
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        dls.policy.not_a_name  # noqa: B018
