@@ -1,7 +1,13 @@
 """The names that moved or were renamed, each kept for one release with a ``DeprecationWarning`` that says the new
 name: a module path (:func:`moved_module`), a function (:func:`renamed`), a method or property (:func:`warn_renamed`
 in its body). Every alias of the library warns through here, so that the next release finds them in one place;
-``tests/test_deprecated.py`` holds each warning."""
+``tests/test_deprecated.py`` holds each warning. Today's, all going in the next release:
+
+* the module ``dls.emulate`` is ``dls.emulation`` (``dls.emulate`` is the function; ``dls/__init__.py``);
+* ``dls.fp8.emulate`` is ``dls.fp8.emulate_recipe``, its module ``dls.fp8.gemm`` (``dls/fp8/__init__.py``);
+* ``GradScaler.from_megatron(device, ...)`` is ``GradScaler.like("megatron", device, ...)``, and
+  ``GradScaler.max_gradient_norm`` is ``GradScaler.settings.max_gradient_norm`` (``dls/scaler.py``);
+* the validators and limits ``dls.policy`` had are ``dls.checks``' (``dls/policy.py``)."""
 
 from __future__ import annotations
 
