@@ -1,7 +1,9 @@
-"""The names that moved or were renamed, each kept for one release with a ``DeprecationWarning`` that says the new
-name: a module path (:func:`moved_module`), a function (:func:`renamed`), a method or property (:func:`warn_renamed`
-in its body). Every alias of the library warns through here, so that the next release finds them in one place;
-``tests/test_deprecated.py`` holds each warning. Today's, all going in the next release:
+"""The names that moved or were renamed, each kept for one release with a warning that says the new name.
+
+A module path is kept by :func:`moved_module`, a function by :func:`renamed`, a method or property by
+:func:`warn_renamed` in its body, each with a ``DeprecationWarning``. Every alias of the library warns through
+here, so that the next release finds them in one place; ``tests/test_deprecated.py`` holds each warning. Today's,
+all going in the next release:
 
 * the module ``dls.emulate`` is ``dls.emulation`` (``dls.emulate`` is the function; ``dls/__init__.py``);
 * ``dls.fp8.emulate`` is ``dls.fp8.emulate_recipe``, its module ``dls.fp8.gemm`` (``dls/fp8/__init__.py``);
