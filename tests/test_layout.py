@@ -188,6 +188,19 @@ def test_the_core_imports_nothing_of_the_diagnostics() -> None:
         assert not {m for m in graph[module] if m.startswith(("dls.diagnostics", "dls.train"))}, module
 
 
+def test_no_module_of_the_core_imports_the_diagnostics_the_trainer_or_an_integration() -> None:
+    """Every module directly in ``dls/`` but ``__init__.py`` (which gathers the public names): the settings, the
+    checkpoint format, the wrappers, the formats, ``dls.deprecated`` too."""
+    graph = _graph(typing_too=False)
+    core = [name for name in graph if name.count(".") == 1 and name.split(".")[1] not in ("diagnostics", "train",
+            "integrations", "fp8")]  # fmt: skip
+    assert {"dls.settings", "dls.peer_settings", "dls.checks", "dls.deprecated", "dls.step"} <= set(core)
+    for module in core:
+        assert not {m for m in graph[module] if m.startswith(("dls.diagnostics", "dls.train", "dls.integrations"))}, (
+            module
+        )
+
+
 def test_no_module_reads_a_private_attribute_of_a_grad_scaler(tmp_path: Path) -> None:
     """Every other part of dls speaks to a scaler through its public methods: watches and the fallback, the
     recorder, skip-aware wrappers, master weights, optimizer_step, the checkpoint, a copy."""
