@@ -372,6 +372,31 @@ def test_a_masked_step_declines_state_kept_off_the_flags_device() -> None:
     assert dls.device_step.masked_snapshot(opt, torch.zeros(()), None) is not None
 
 
+def test_a_declined_masked_step_is_decided_on_the_host_and_said_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the masked step declines (state on the host, the flag on a GPU: declined for a CPU optimizer here), the
+    step is the default path's: one read of the flag, skipped without running, and one warning for the optimizer."""
+    monkeypatch.setattr(dls.device_step, "masked_snapshot", lambda *args: None)
+    models = [tiny_model(), tiny_model()]
+    opts = [make_optimizer("Adam", m) for m in models]
+    scalers = [dls_scaler(2.0**10, 2), dls_scaler(2.0**10, 2, sync_free=True)]
+    said = []
+    for step in range(5):
+        for model, opt, scaler in zip(models, opts, scalers):
+            scaler.scale(loss_of(model, step)).backward()
+            if step in (0, 3):
+                inject(model, INF if step else NAN)
+            with warnings.catch_warnings(record=True) as caught, host_reads() as calls:
+                warnings.simplefilter("always")
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+            if scaler is scalers[1]:
+                said.append(sum("keeps optimizer state on the host" in str(w.message) for w in caught))
+                assert len(from_dls(calls)) == 1, f"step {step}: {calls}"  # the flag, read on the host
+        assert_same(snapshot(models[0], opts[0]), snapshot(models[1], opts[1]), f"step {step}")
+    assert said == [0, 0, 1, 0, 0]  # steps 0 and 1 are first steps (host-decided anyway); then said once
+
+
 # ---------------------------------------------------------------------------------------------- CUDA
 @contextlib.contextmanager
 def cuda_sync_errors() -> Iterator[None]:
