@@ -992,7 +992,7 @@ class GradScaler:
         model: torch.nn.Module | None = None,
         histogram_every: int | None = 100,
         flush_every: int = 100,
-        start_step: int = 0,
+        start_step: int | None = None,
         append: bool = False,
         model_format: str | None = None,
     ) -> Recorder:
@@ -1008,8 +1008,10 @@ class GradScaler:
             model: add the per-module overflow scales (hooks on every module of ``model`` that runs).
             histogram_every: a histogram of the gradients' exponents every this many steps, or ``None`` for none.
             flush_every: rows buffered on the device between writes.
-            start_step: the step before the first recorded one (the trainer's global step when it resumes).
-            append: with a path, add a segment to an existing trace instead of replacing it.
+            start_step: the step before the first recorded one (the trainer's global step when it resumes);
+                default: 0, or, with ``append``, the existing trace's last step.
+            append: with a path, add a segment to an existing trace instead of replacing it (a file that is not a
+                trace, or a ``start_step`` before its last step, is refused before anything is written).
             model_format: with ``model``, the format whose largest finite value float32 tensors stand for (a name
                 of ``dls.formats``); default: each tensor's own dtype.
 

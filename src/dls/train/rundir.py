@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import yaml
 
-from dls.diagnostics.record import TRACE_FILE
+from dls.diagnostics.trace import TRACE_FILE
 from dls.train.errors import ModelDirError
 from dls.train.reporting import metrics_to_keep, plot_comparison, read_metrics
 
@@ -171,7 +171,7 @@ def _holder(lock_fd: int, held: bool = True) -> str | None:
     holder that ended left a child with it)."""
     try:
         record = json.loads(os.pread(lock_fd, 4096, 0))
-    except (OSError, ValueError):  # empty, or not a record dls wrote
+    except (OSError, ValueError, RecursionError):  # empty, or not a record dls wrote (a nesting bomb among them)
         return None
     if not isinstance(record, dict) or not record:
         return None
