@@ -10,7 +10,6 @@ import contextlib
 import copy
 import functools
 import gc
-import io
 import math
 import os
 import signal
@@ -32,33 +31,16 @@ from dls.diagnostics import OverflowReport
 from dls.diagnostics.fallback import apply_precision_fallback, fallback_note
 from dls.diagnostics.record import Recorder
 from dls.diagnostics.scales import module_label, pow2
-from dls.diagnostics.trace import TRACE_FILE, TraceError, kept_until
+from dls.diagnostics.trace import TRACE_FILE
 from dls.emulation import EmulationHandle
 from dls.train import batches, config, data, reporting, rundir
 from dls.train import checkpoint as ckpt
-from dls.train.errors import MissingExtras, ModelDirError, RankError, TrainingStopped, describe, exit_status
+from dls.train.errors import MissingExtras, RankError, TrainingStopped, describe, exit_status
 from dls.train.launch import resolve_device
 from dls.train.reporting import TrainResult, json_number
 from dls_entry import Terminated, signals
 
 __all__ = ["TrainResult", "Trainer", "TrainingStopped"]
-
-
-def trace_to_keep(data: bytes | None, path: Path, step: int) -> bytes:
-    """The lines of the trace ``data`` (the file ``path``) a run resumed at ``step`` keeps
-    (``dls.diagnostics.trace.kept_until``: read with the trace reader's bounds and checks); a trace that reader
-    refuses is refused (:class:`ModelDirError`: the file is kept), as a metrics.jsonl that is not one."""
-    if not data:
-        return b""
-    file = io.BytesIO(data)
-    file.name = str(path)
-    try:
-        return kept_until(file, step)
-    except TraceError as exc:
-        raise ModelDirError(
-            f"{exc}; a resumed run rewrites that file and would lose it: move the file away (resuming does not "
-            "need it) and run again"
-        ) from None
 
 
 class Trainer:
@@ -233,7 +215,8 @@ class Trainer:
             assert self.run_dir is not None
             recording = rc.record_trace and self.scaler.is_enabled()
             if recording and TRACE_FILE not in {path.name for path, _ in aside}:  # may refuse: before anything changes
-                kept = trace_to_keep(self.run_dir.read(TRACE_FILE), self.run_dir.path / TRACE_FILE, self.global_step)
+                trace = self.run_dir.path / TRACE_FILE
+                kept = rundir.trace_to_keep(self.run_dir.read(TRACE_FILE), trace, self.global_step)
             else:
                 kept = b""
             self.run_dir.open(
