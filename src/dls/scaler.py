@@ -363,8 +363,13 @@ class GradScaler:
         growth_interval: int = PEERS["megatron"].defaults["growth_interval"],
         hysteresis: int = PEERS["megatron"].defaults["hysteresis"],
     ) -> GradScaler:
-        """Deprecated: ``GradScaler.like("megatron", device, initial_scale=..., min_scale=..., ...)``, which builds
-        every peer's scaler from its own arguments; this name goes in the next release.
+        """A scaler that follows Megatron-LM's ``DynamicGradScaler(initial_scale, min_scale, growth_factor,
+        backoff_factor, growth_interval, hysteresis)`` step by step, from its own arguments (the last four default
+        to Megatron's command-line defaults, ``dls.policy.PEERS``); the same as ``GradScaler.like("megatron",
+        device, ...)``, kept as DeepSpeed's ``from_deepspeed`` is, under the name a Megatron user looks for. One
+        difference: Megatron multiplies without a finite check, so its scale can grow to inf and then skip every
+        step; dls drops a growth that would reach inf. ``load_state_dict`` takes ``DynamicGradScaler.state_dict()``
+        as saved (``dls.scaler_state``).
 
         Args:
             device: where the scale lives (``"cpu"`` or a CUDA device).
@@ -374,8 +379,10 @@ class GradScaler:
             backoff_factor: the factor of a back-off.
             growth_interval: clean steps before the scale grows.
             hysteresis: overflows tolerated before a back-off (refilled by a growth).
+
+        Raises:
+            ValueError: a bad argument, named.
         """
-        warn_renamed("GradScaler.from_megatron(...)", 'GradScaler.like("megatron", ...)')
         arguments = dict(initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor)
         arguments |= dict(backoff_factor=backoff_factor, growth_interval=growth_interval, hysteresis=hysteresis)
         return cls.like("megatron", device, **arguments)
@@ -1036,7 +1043,7 @@ class GradScaler:
         model: torch.nn.Module | None = None,
         histogram_every: int | None = 100,
         flush_every: int = 100,
-        start_step: int = 0,
+        start_step: int | None = None,
         append: bool = False,
         model_format: str | None = None,
     ) -> Recorder:
@@ -1052,8 +1059,10 @@ class GradScaler:
             model: add the per-module overflow scales (hooks on every module of ``model`` that runs).
             histogram_every: a histogram of the gradients' exponents every this many steps, or ``None`` for none.
             flush_every: rows buffered on the device between writes.
-            start_step: the step before the first recorded one (the trainer's global step when it resumes).
-            append: with a path, add a segment to an existing trace instead of replacing it.
+            start_step: the step before the first recorded one (the trainer's global step when it resumes);
+                default: 0, or, with ``append``, the existing trace's last step.
+            append: with a path, add a segment to an existing trace instead of replacing it (a file that is not a
+                trace, or a ``start_step`` before its last step, is refused before anything is written).
             model_format: with ``model``, the format whose largest finite value float32 tensors stand for (a name
                 of ``dls.formats``); default: each tensor's own dtype.
 
