@@ -19,7 +19,7 @@ import dls
 from dls.diagnostics import record, trace
 from dls.diagnostics.trace import TRACE_FILE, read_trace
 from dls.train.cli import main
-from dls.train.trainer import trace_to_keep
+from dls.train.rundir import trace_to_keep
 from test_record import fp16_loss, mlp
 from test_train import tiny
 
