@@ -350,3 +350,10 @@ def test_a_full_standard_output_is_named_with_its_own_advice(
         == "dls: error: the standard output: No space left on device (free some space or send the output elsewhere)\n"
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_a_plot_into_the_current_directory_is_named_as_such(recorded: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", str(recorded), "--plot", "."]) == 2  # before: "--plot is empty"
+    assert "--plot: . is the current directory" in one_line(capsys.readouterr().err)
+    assert main(["replay", str(recorded), "--plot", ""]) == 2
+    assert "--plot is empty" in one_line(capsys.readouterr().err)

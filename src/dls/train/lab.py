@@ -111,6 +111,8 @@ def run_replay(args: argparse.Namespace) -> None:
     _check_format(args.format)
     _once(args.policy or [])
     if args.plot is not None:
+        if not args.plot:
+            raise UsageError("--plot is empty; give the PNG file to write")
         if args.plot.endswith(("/", os.sep)):  # Path() drops the slash: p.png/ would be written as p.png
             raise UsageError(f"--plot: {args.plot} names a directory; give the PNG file to write")
         _writable(Path(args.plot))
@@ -256,8 +258,8 @@ def _plot_png(trace: Any, results: Sequence[Any]) -> bytes:
 
 def _writable(path: Path) -> None:
     """Refuse a ``--plot`` path that ``_write`` must not replace: a link (never followed), a directory, a FIFO."""
-    if str(path) in ("", "."):
-        raise UsageError("--plot is empty; give the PNG file to write")
+    if str(path) == ".":  # Path("") is "." too: an empty --plot is refused before it becomes a Path
+        raise UsageError("--plot: . is the current directory; give the PNG file to write")
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise UsageError(f"--plot: {path} is not a regular file (or is a link, which dls does not follow)")
 
