@@ -357,3 +357,29 @@ def test_a_plot_into_the_current_directory_is_named_as_such(recorded: Path, caps
     assert "--plot: . is the current directory" in one_line(capsys.readouterr().err)
     assert main(["replay", str(recorded), "--plot", ""]) == 2
     assert "--plot is empty" in one_line(capsys.readouterr().err)
+
+
+# ---------------------------------------------------------------------- checkpoints
+def test_a_small_checkpoint_that_asks_for_all_memory_is_unreadable_not_out_of_memory(
+    finished: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 4 KB of random bytes as checkpoint_4.mdl: the unpickler read a length of gigabytes, MemoryError, exit 3
+    # "out of memory; lower data.num_samples ..." and no fall-back to checkpoint_2 (before).
+    from dls.train import checkpoint as ckpt
+
+    run = Path(shutil.copytree(finished, tmp_path / "run"))
+    load = torch.load
+
+    def greedy(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(path).endswith("checkpoint_4.mdl"):
+            raise MemoryError
+        return load(path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", greedy)
+    with pytest.raises(ckpt.UnreadableCheckpoint, match="asks for more memory than the machine has"):
+        ckpt.load_checkpoint(run / "checkpoint_4.mdl")
+    assert main(["train", "--resume", str(run), "-o", "runconfig.max_steps=4", "--no_progress"]) == 0
+    assert (run / "checkpoint_4.mdl.unreadable").is_file() and "Skipping" in capsys.readouterr().out
+    monkeypatch.setattr(ckpt, "free_memory", lambda: 1000)  # a checkpoint as large as the memory: the machine's
+    with pytest.raises(MemoryError):
+        ckpt.load_checkpoint(finished / "checkpoint_4.mdl")

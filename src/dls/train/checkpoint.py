@@ -35,6 +35,7 @@ from dls.train.config import (
     step_once,
 )
 from dls.train.errors import CheckpointError, ConfigError, ModelDirError, is_out_of_memory
+from dls.train.launch import free_memory
 from dls.train.reporting import describe_scaling
 from dls.train.rundir import RunDir, checkpoint_step, list_checkpoints, lock_holder
 
@@ -78,6 +79,17 @@ def load_resume_checkpoint(
     raise CheckpointError(f"{what}: no readable checkpoint in {p}: " + "; ".join(reason for _, reason in unreadable))
 
 
+def _claims_more_than_it_holds(path: Path) -> bool:
+    """Whether a checkpoint that ran the machine out of memory while read is far smaller than that memory: loading
+    takes about a file's size, so its bytes asked for what they do not hold (a corrupt or crafted length)."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return False
+    free = free_memory()
+    return free is not None and size * 4 < free
+
+
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Read a checkpoint onto the CPU (no code runs); :class:`UnreadableCheckpoint` or :class:`CheckpointError`."""
     p = Path(path)
@@ -88,9 +100,14 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     except (FileNotFoundError, IsADirectoryError) as exc:
         raise CheckpointError(f"checkpoint {p}: {exc.strerror}") from None
     except Exception as exc:  # one line, not torch's paragraphs of weights_only advice (which do not apply)
-        if is_out_of_memory(exc):  # the machine's limit, not the file's bytes: never set aside as unreadable
-            raise
+        # Python's MemoryError comes from the unpickler reading a length the bytes give (the tensors' storage is
+        # torch's allocator, a RuntimeError): in a file far smaller than the memory, a corrupt or crafted length.
+        crafted = isinstance(exc, MemoryError) and _claims_more_than_it_holds(p)
+        if is_out_of_memory(exc) and not crafted:
+            raise  # the machine's limit, not the file's bytes: never set aside as unreadable
         text = str(exc)
+        if crafted:
+            text = f"asks for more memory than the machine has, holding {p.stat().st_size:,} bytes"
         if found := re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:Check the documentation|$)", text, re.S):
             text = f"not a checkpoint of tensors and plain data ({found.group(1)})"
         reason = type(exc).__name__ + (f": {' '.join(text.split())}" if text.strip() else "")
