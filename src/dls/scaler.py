@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from dls import device_step, distributed, kernels
 from dls.arguments import device_kind, is_available, parse_device, read_arguments, read_deepspeed
-from dls.checks import count_problem, flag_problem, limit_problem, python_number
+from dls.checks import count_problem, flag_problem, limit_problem, python_flag, python_number
 from dls.handles import Removable
 from dls.loss_scale import LossScale
 from dls.observers import Diagnostics, Observation, StepObserver, diagnostics
@@ -417,8 +417,10 @@ class GradScaler:
         for name, value in (("enabled", enabled), ("sync_free", sync_free)):
             if problem := flag_problem(name, value):
                 raise ValueError(problem)
-        if gradients_sharded is not None and not isinstance(gradients_sharded, bool):
+        if gradients_sharded is not None and python_flag(gradients_sharded) is None:
             raise ValueError(f"gradients_sharded must be True, False or None; got {gradients_sharded!r}")
+        enabled, sync_free = bool(python_flag(enabled)), bool(python_flag(sync_free))  # NumPy's bools as bools
+        gradients_sharded = None if gradients_sharded is None else python_flag(gradients_sharded)
         self._enabled = enabled and settings.mode != "off"
         if device is not None and not is_available(device):
             # torch.amp.GradScaler("cuda", enabled=use_amp) on a machine without CUDA: warn and disable, as torch.

@@ -36,7 +36,6 @@ newer ``format_version``.
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from typing import Any
 
 import torch
 
-from dls.checks import INT32_MAX, INT64_MAX, python_number, scale_problem, shown
+from dls.checks import INT32_MAX, INT64_MAX, SHOWN_AT_MOST, did_you_mean, listed, python_number, scale_problem, shown
 from dls.policy import ScaleState
 from dls.settings import ScalerSettings, SettingsError, interval_name
 
@@ -198,10 +197,9 @@ def _from_saved(
 def _check_keys(state_dict: dict[Any, Any], allowed: tuple[str, ...]) -> None:
     unknown = sorted(str(k) for k in state_dict if k not in allowed)
     if unknown:
-        hints = [difflib.get_close_matches(key, allowed, n=1) for key in unknown]
-        meant = [f"{key!r} (did you mean {hint[0]!r}?)" for key, hint in zip(unknown, hints) if hint]
-        said = f"; {', '.join(meant)}" if meant else ""
-        raise ValueError(f"state_dict has unknown keys {unknown}{said}; allowed keys: {', '.join(allowed)}")
+        hints = [f"{shown(key)}{hint}" for key in unknown[:SHOWN_AT_MOST] if (hint := did_you_mean(key, allowed))]
+        said = f"; {', '.join(hints)}" if hints else ""
+        raise ValueError(f"state_dict has unknown keys [{listed(unknown)}]{said}; allowed keys: {', '.join(allowed)}")
 
 
 def _check_counter(key: str, ours: str, number: float, label: Callable[[str], str]) -> None:
