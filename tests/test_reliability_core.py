@@ -300,3 +300,20 @@ def test_master_weights_still_load_their_own_state() -> None:
     q, again, _ = _adam_masters()
     again.load_state_dict(saved)
     assert torch.equal(q, p)
+
+
+def test_an_optimizer_whose_state_is_made_when_built_is_wrapped_and_its_state_moves_to_the_masters() -> None:
+    """Adagrad makes its ``sum`` and ``step`` in its constructor: master_weights refused it as "has stepped"."""
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    opt = master_weights(torch.optim.Adagrad([p], lr=0.1, initial_accumulator_value=0.5))
+    master = opt.master_of(p)
+    assert set(opt.state) == {master} and opt.state[master]["sum"].dtype == torch.float32
+    assert torch.equal(opt.state[master]["sum"], torch.full((3,), 0.5))
+    p.grad = torch.ones(3, dtype=torch.float16)
+    opt.step()
+    assert float(opt.state[master]["step"]) == 1 and p.dtype == torch.float16 and not torch.equal(p, torch.ones(3))
+    stepped = torch.optim.Adagrad([torch.nn.Parameter(torch.ones(2, dtype=torch.float16))], lr=0.1)
+    stepped.param_groups[0]["params"][0].grad = torch.ones(2, dtype=torch.float16)
+    stepped.step()
+    with pytest.raises(ValueError, match="already has state"):
+        master_weights(stepped)

@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dls import formats
+from dls.optimizer_state import check_optimizer_state
 
 __all__ = ["MasterWeights", "master_weights"]
 
@@ -139,11 +140,13 @@ class MasterWeights(torch.optim.Optimizer):
             raise ValueError("optimizer is already wrapped by dls.master_weights; wrap the original optimizer once")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
-        if any(optimizer.state.values()):
+        if any(optimizer.state.values()) and not _only_initial_state(optimizer):
             raise ValueError(
                 "optimizer already has state (it has stepped): wrap it with dls.master_weights before its first "
                 "step, then load checkpoints into the wrapper"
             )
+        # State an optimizer makes when it is built (Adagrad's sum and step 0) moves to the masters, as float32.
+        initial = optimizer.state_dict() if any(optimizer.state.values()) else None
         self._fmt = _parse_fmt(fmt)
         groups = optimizer.param_groups
         _check_unique([p for g in groups for p in g["params"]])
@@ -161,6 +164,9 @@ class MasterWeights(torch.optim.Optimizer):
             group["params"][:] = self._make_masters(group["params"])
         # torch's fused optimizers unscale and skip by themselves when handed grad_scale/found_inf: so do we.
         self._step_supports_amp_scaling = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        if initial is not None:
+            optimizer.state.clear()
+            optimizer.load_state_dict(initial)  # keyed by position: onto the masters, cast to their dtype
         _wrapped.add(optimizer)
         self._write_back()
 
@@ -354,7 +360,10 @@ class MasterWeights(torch.optim.Optimizer):
         once rounded to what the model's parameter holds (its half dtype, or ``fmt``'s grid), so a master of 1e5
         for a float16 parameter, or a float64 master beyond float32's range, is refused rather than written into
         the model as inf. ``ValueError`` naming ``state_dict['master_weights'][i]``, with nothing changed, when
-        the masters do not match this optimizer's parameters, are not real tensors, or fail these checks.
+        the masters do not match this optimizer's parameters, are not real tensors, or fail these checks. The inner
+        optimizer's state is checked first too (``dls.optimizer_state.check_optimizer_state``, against the masters):
+        a NaN ``exp_avg``, a negative ``exp_avg_sq``, a tensor of another shape or an integer dtype is a
+        ``ValueError`` naming ``state_dict.state[i].key``, with nothing changed.
 
         Args:
             state_dict: what ``state_dict()`` returned (or an ordinary optimizer's state dict).
@@ -375,7 +384,11 @@ class MasterWeights(torch.optim.Optimizer):
             loaded = {
                 i: self._checked_master(saved[i], pr, f"state_dict['{STATE_KEY}'][{i}]") for i, pr in masters.items()
             }
-        self._optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != STATE_KEY})
+        inner = {k: v for k, v in state_dict.items() if k != STATE_KEY}
+        # What the inner optimizer would load, judged against its parameters (the masters): finite, second moments
+        # non-negative, shapes and dtypes as the masters' (torch's load_state_dict takes a NaN exp_avg).
+        check_optimizer_state(self._optimizer, inner, name="state_dict")
+        self._optimizer.load_state_dict(inner)
         with torch.no_grad():
             for i, pr in masters.items():
                 pr.master.copy_(loaded[i] if saved is not None else pr.param)
@@ -518,6 +531,18 @@ def _parse_fmt(fmt: Any) -> formats.FloatFormat | None:
         f"fmt must be None, a dls.formats.FloatFormat, a torch half dtype or one of "
         f"{', '.join(repr(n) for n in formats.names())}; got {fmt!r}"
     )
+
+
+def _only_initial_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s state is what it made when built, before any step: every entry has a ``step`` of 0
+    (Adagrad makes its ``sum`` and ``step`` in its constructor); state without a step count has come from a step."""
+    for entry in optimizer.state.values():
+        step = entry.get("step") if isinstance(entry, dict) else None
+        if step is None or (isinstance(step, torch.Tensor) and (step.is_meta or step.numel() != 1)):
+            return False
+        if float(step) != 0:
+            return False
+    return True
 
 
 def _real_view(t: torch.Tensor) -> torch.Tensor:
