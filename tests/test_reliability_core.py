@@ -8,6 +8,7 @@ from __future__ import annotations
 import fractions
 import inspect
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -317,3 +318,117 @@ def test_an_optimizer_whose_state_is_made_when_built_is_wrapped_and_its_state_mo
     stepped.step()
     with pytest.raises(ValueError, match="already has state"):
         master_weights(stepped)
+
+
+# ---------------------------------------------------------------------------------------------- A1: weight range
+def _state_of(opt: Any) -> list[Any]:
+    return snapshot([], opt.optimizer if hasattr(opt, "optimizer") else opt)
+
+
+def _near_float16_max(inner: Any = None, path: str = "host") -> tuple[torch.nn.Parameter, Any, dls.GradScaler | None]:
+    """A float16 weight at 65000 and an optimizer that takes it to 65992 (inf in float16) with a finite gradient."""
+    p = torch.nn.Parameter(torch.full((2,), 65000.0, dtype=torch.float16))
+    fused = path == "fused"
+    opt = master_weights((inner or torch.optim.SGD)([p], lr=1.0, momentum=0.5, **({"fused": True} if fused else {})))
+    scaler = (
+        None
+        if path == "no_scaler"
+        else dls.GradScaler("cpu", init_scale=1.0, sync_free=path == "sync_free", enabled=path != "disabled")
+    )
+    return p, opt, scaler
+
+
+def _one_step(p: torch.Tensor, opt: Any, scaler: dls.GradScaler | None, grad: float) -> None:
+    loss = (p.float() * torch.full(p.shape, grad)).sum()
+    if scaler is None:
+        loss.backward()
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("path", ["host", "fused", "sync_free", "disabled", "no_scaler"])
+def test_a_step_whose_masters_do_not_fit_float16_is_not_applied_and_counts_as_skipped(path: str) -> None:
+    p, opt, scaler = _near_float16_max(path=path)
+    _one_step(p, opt, scaler, grad=-1.0)  # applied: 65000 + 1 is 65000 in float16, the master holds 65001
+    _one_step(p, opt, scaler, grad=-1.0)  # applied: momentum 1.5, master 65002.5
+    before_p, before_m, before_state = p.detach().clone(), opt.master_of(p).detach().clone(), _state_of(opt)
+    scale_before = scaler.state_dict() if scaler is not None and scaler.is_enabled() else None
+    with pytest.warns(UserWarning, match=r"param_groups\[0\]\['params'\]\[0\].*float16.*dls\.keep_in_float32"):
+        _one_step(p, opt, scaler, grad=-992.0)  # finite; the master would be about 65996: inf in float16
+    assert torch.equal(p, before_p) and torch.isfinite(p).all()
+    assert torch.equal(opt.master_of(p), before_m)
+    assert_bit_identical(_state_of(opt), before_state)
+    if scaler is not None and scaler.is_enabled():
+        assert scaler.step_was_skipped(opt) and bool(scaler.step_was_skipped_tensor(opt))
+        state = scaler.state_dict()
+        assert state["num_skipped_steps"] == scale_before["num_skipped_steps"] + 1  # type: ignore[index]
+        # The scale is not punished for a weight-range problem: the rule saw clean gradients.
+        assert state["loss_scale"] == scale_before["loss_scale"]  # type: ignore[index]
+        assert state["steps_since_rescale"] == scale_before["steps_since_rescale"] + 1  # type: ignore[index]
+        dls.GradScaler("cpu").load_state_dict(state)  # its state loads (it held inf weights before)
+    elif scaler is not None:
+        assert scaler.step_was_skipped(opt)
+    # The next step that fits is applied.
+    _one_step(p, opt, scaler, grad=10.0)
+    assert not torch.equal(opt.master_of(p), before_m) and torch.isfinite(p).all()
+
+
+def test_a_refused_first_step_leaves_no_state_behind() -> None:
+    p = torch.nn.Parameter(torch.full((2,), 65000.0, dtype=torch.float16))
+    opt = master_weights(torch.optim.Adam([p], lr=2000.0))
+    scaler = dls.GradScaler("cpu", init_scale=1.0)
+    with pytest.warns(UserWarning, match="keep_in_float32"):
+        _one_step(p, opt, scaler, grad=-1.0)
+    assert not any(opt.state.values()) and torch.equal(p, torch.full((2,), 65000.0, dtype=torch.float16))
+    assert scaler.step_was_skipped(opt) and scaler.get_num_skipped_steps() == 1
+
+
+@pytest.mark.parametrize(
+    ("dtype", "start", "lr", "grad"),
+    [(torch.bfloat16, 3.3e38, 1.0, -1e37), (torch.float16, 1.0, 1e38, -10.0), (torch.bfloat16, 1.0, 3e38, -10.0)],
+    ids=["bfloat16-beyond-its-max", "float32-master-overflows", "bfloat16-float32-master-overflows"],
+)
+def test_masters_beyond_any_half_range_or_float32s_are_refused(
+    dtype: torch.dtype, start: float, lr: float, grad: float
+) -> None:
+    p = torch.nn.Parameter(torch.full((3,), start).to(dtype))
+    opt = master_weights(torch.optim.SGD([p], lr=lr, momentum=0.5))
+    scaler = dls.GradScaler("cpu", init_scale=1.0)
+    _one_step(p, opt, scaler, grad=0.0)  # applied: the momentum buffer exists
+    before = p.detach().clone(), opt.master_of(p).detach().clone(), _state_of(opt)
+    with pytest.warns(UserWarning, match="keep_in_float32"):
+        _one_step(p, opt, scaler, grad=grad)
+    assert torch.isfinite(p).all() and torch.isfinite(opt.master_of(p)).all()
+    assert torch.equal(p, before[0]) and torch.equal(opt.master_of(p), before[1])
+    assert_bit_identical(_state_of(opt), before[2])
+    assert scaler.get_num_skipped_steps() == 1
+
+
+def test_a_refusal_on_the_fused_path_reads_nothing_back_after_the_first_step() -> None:
+    from conftest import from_dls, host_reads
+
+    p, opt, scaler = _near_float16_max(path="fused")
+    _one_step(p, opt, scaler, grad=-1.0)
+    before = p.detach().clone(), opt.master_of(p).detach().clone(), _state_of(opt)
+    with host_reads() as reads, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _one_step(p, opt, scaler, grad=-992.0)
+    assert from_dls(reads) == []
+    assert any("keep_in_float32" in str(w.message) for w in caught)  # on the CPU the flag is in host memory
+    assert torch.equal(p, before[0]) and torch.equal(opt.master_of(p), before[1])
+    assert_bit_identical(_state_of(opt), before[2])
+    assert scaler is not None and scaler.get_num_skipped_steps() == 1
+
+
+def test_a_fmt_grid_master_beyond_the_formats_range_is_refused() -> None:
+    p = torch.nn.Parameter(torch.full((2,), 4.0e9))
+    opt = master_weights(torch.optim.SGD([p], lr=1.0), fmt="cbfloat16")
+    before = p.detach().clone(), opt.master_of(p).detach().clone()
+    p.grad = torch.full((2,), -1e9)
+    with pytest.warns(UserWarning, match="cbfloat16.*keep_in_float32"):
+        opt.step()
+    assert torch.equal(p, before[0]) and torch.equal(opt.master_of(p), before[1])

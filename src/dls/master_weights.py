@@ -58,15 +58,20 @@ tells an optimizer wrapper (``dls.optimizers.HoldsGradients``).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
+import numbers
+import warnings
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dls import formats
+from dls.loss_scale import HostCopy
 from dls.optimizer_state import check_optimizer_state
 
 __all__ = ["MasterWeights", "master_weights"]
@@ -159,6 +164,14 @@ class MasterWeights(torch.optim.Optimizer):
         self._optimizer = optimizer
         self._pairs: list[_Pair] = []
         self._master_of: dict[int, torch.Tensor] = {}
+        self._copies: _Copies | None = None  # the buffers a step's state is kept in until it is known to fit
+        self._checks: _Checks | None = None  # the masters a step checks, by what their parameters hold
+        self._refused: torch.Tensor | None = None  # whether the last step was refused (0-dim bool, on the device)
+        # The last step's [refused, which master, its largest |value|] until a scaler says whether its gradients
+        # were clean (dls_step_refused); then on their way to the host, to warn of.
+        self._scaled = False  # a scaler collected this iteration's gradients: it asks dls_step_refused after step()
+        self._info: torch.Tensor | None = None
+        self._unwarned: deque[HostCopy] = deque()
         for group in groups:
             # In place: optimizers that keep a reference to a group's list (LBFGS) see the masters too.
             group["params"][:] = self._make_masters(group["params"])
@@ -217,6 +230,7 @@ class MasterWeights(torch.optim.Optimizer):
     # ------------------------------------------------------------------ dls.optimizers.HoldsGradients: the scaler calls
     def dls_collect_gradients(self) -> None:
         """Fill the masters' gradients from the model's (called by ``dls.GradScaler`` before it reads them)."""
+        self._scaled = True
         self._reload_changed_params()
         self._take_gradients(self._pairs)
 
@@ -264,6 +278,8 @@ class MasterWeights(torch.optim.Optimizer):
         Returns:
             The closure's loss, or ``None`` without a closure.
         """
+        if self._info is not None and not self._scaled:  # an earlier step no scaler asked about
+            self._publish(None)
         self._reload_changed_params()
         self._take_gradients([pr for pr in self._pairs if not pr.grad_is_current()])
         wrapped_closure = None
@@ -279,13 +295,40 @@ class MasterWeights(torch.optim.Optimizer):
         forwarded = {name: getattr(self, name) for name in ("grad_scale", "found_inf") if hasattr(self, name)}
         for name, value in forwarded.items():
             setattr(self._optimizer, name, value)
+        before = self._keep_state()
         try:
             result = self._optimizer.step() if wrapped_closure is None else self._optimizer.step(wrapped_closure)
         finally:
             for name in forwarded:
                 delattr(self._optimizer, name)
+        self._refuse_what_does_not_fit(before)
         self._write_back()
+        if not self._scaled:  # no scaler will say more of this step's gradients: warn now
+            self._publish(None)
         return result
+
+    def dls_step_refused(self, found_inf: torch.Tensor | None) -> torch.Tensor | None:
+        """Whether the last ``step()`` was refused because a master would not fit its parameter's format though
+        the gradients were clean (``found_inf``, the scaler's flag, zero; ``None``: no flag), a 0-dim bool tensor on
+        the device, not read back; ``None`` before the first step (``dls.optimizers.RefusesSteps``: the scaler
+        counts a refused step as skipped). A sync-free step runs on overflowing gradients and is put back for them:
+        that is no refusal, and no warning."""
+        self._publish(found_inf)
+        if self._refused is None or found_inf is None:
+            return self._refused
+        return self._refused & (found_inf.to(self._refused.device) == 0)
+
+    def _publish(self, found_inf: torch.Tensor | None) -> None:
+        """Send the last step's refusal (where the gradients were clean) to the host, and warn of those arrived."""
+        self._scaled = False
+        info, self._info = self._info, None
+        if info is not None:
+            if found_inf is not None:
+                info = info * (found_inf.to(info.device) == 0)
+            self._unwarned.append(HostCopy(info))
+            while len(self._unwarned) > 8:  # the host is far behind the device: keep the latest
+                self._unwarned.popleft()
+        self._warn_refused()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of the masters, of the parameters passing through and of the model's parameters
@@ -345,6 +388,7 @@ class MasterWeights(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict, plus ``"master_weights"``: ``{parameter index: float32 master}``
         (indices as in ``param_groups``; references to the live tensors, as torch's state dicts hold)."""
+        self._warn_refused()
         self._reload_changed_params()
         state = self._optimizer.state_dict()
         master_ids = {id(pr.master) for pr in self._pairs}
@@ -436,6 +480,8 @@ class MasterWeights(torch.optim.Optimizer):
         # Weak references do not pickle; without them every gradient counts as new (taken over at the next step).
         state["_pairs"] = [dataclasses.replace(pr, seen_grad=None) for pr in self._pairs]
         del state["_master_of"]  # keyed by id: rebuilt for the copies
+        state["_copies"] = state["_checks"] = None  # rebuilt at the next step
+        state["_unwarned"], state["_info"], state["_scaled"] = deque(), None, False
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -443,6 +489,88 @@ class MasterWeights(torch.optim.Optimizer):
         self._master_of = {id(pr.param): pr.master for pr in self._pairs}
         self._patch_step_function()
         _wrapped.add(self._optimizer)
+
+    # ------------------------------------------------------------------ a step that does not fit is refused
+    def _keep_state(self) -> _Before:
+        """What a step may change, kept: the groups' tensors (masters and parameters passing through) and their
+        state, copied into kept buffers (one ``_foreach_copy_``); each state entry as it was."""
+        params = self._flat_params()
+        state = self._optimizer.state
+        entries = [(p, state.get(p)) for p in params]
+        kept = [
+            (
+                p,
+                None
+                if entry is None
+                else {k: v if isinstance(v, torch.Tensor) else _copied(v) for k, v in entry.items()},
+            )
+            for p, entry in entries
+        ]
+        live = params + [v for _, entry in kept if entry for v in entry.values() if isinstance(v, torch.Tensor)]
+        ids = tuple(map(id, live))
+        if self._copies is None or self._copies.ids != ids:
+            self._copies = _Copies.of(live, ids)
+        with torch.no_grad():
+            torch._foreach_copy_(self._copies.saved, live)
+        return _Before(kept, [entry for _, entry in entries])
+
+    def _refuse_what_does_not_fit(self, before: _Before) -> None:
+        """After the inner step: where a master rounds to inf or NaN in what its parameter holds (its half dtype, or
+        ``fmt``), put everything the step changed back, exactly. On the device, without a read, when the step
+        changed only tensors it had before (every step after a parameter's first); else (a first step, state the
+        step replaced or made, Python values it changed) the flag is read once and the state put back on the host."""
+        if self._checks is None or self._checks.pairs != len(self._pairs):
+            self._checks = _Checks.of(self._pairs, self._fmt)
+        found = self._checks.unrepresentable()
+        if found is None:
+            self._refused = self._info = None
+            return
+        refused, info = found
+        copies = self._copies
+        assert copies is not None
+        with torch.no_grad():
+            if before.changed_on_host(self._optimizer.state):
+                if bool(refused):  # a parameter's first step, or state the device cannot put back
+                    torch._foreach_copy_(copies.live, copies.saved)
+                    state = self._optimizer.state
+                    for (p, entry), _ in zip(before.kept, before.live_entries):
+                        if entry is None:
+                            state.pop(p, None)
+                        else:
+                            state[p] = entry
+            else:
+                copies.select(refused)
+        self._refused, self._info = refused, info
+
+    def _warn_refused(self) -> None:
+        """Warn of each refused step whose flag has reached the host (on the CPU at once; on CUDA once its copy has
+        arrived: no synchronisation)."""
+        while self._unwarned:
+            values = self._unwarned[0].read()
+            if values is None:
+                return
+            self._unwarned.popleft()
+            if values[0]:
+                self._warn(int(values[1]), values[2])
+
+    def _warn(self, position: int, largest: float) -> None:
+        assert self._checks is not None
+        pair = self._checks.order[position] if position < len(self._checks.order) else None
+        where, kind = "a parameter", "its format"
+        if pair is not None:
+            for g, group in enumerate(self.param_groups):
+                for i, p in enumerate(group["params"]):
+                    if p is pair.master:
+                        where = f"param_groups[{g}]['params'][{i}] (shape {tuple(pair.param.shape)})"
+            kind = self._fmt.name if pair.on_grid and self._fmt else str(pair.param.dtype).removeprefix("torch.")
+        warnings.warn(
+            f"dls.master_weights: a step was not applied: the float32 master of {where} would reach |value| "
+            f"{largest:.6g}, which {kind} cannot hold (written back, the parameter would be inf or NaN). Parameters, "
+            "masters and optimizer state are as before the step, and a scaler counts it as skipped. A weight beyond "
+            f"{kind}'s range cannot live in {kind}: keep the module holding it in float32 (dls.keep_in_float32), or "
+            "make the updates smaller (learning rate, weight decay)",
+            stacklevel=3,
+        )
 
     # ------------------------------------------------------------------ implementation
     def _make_masters(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -517,6 +645,153 @@ _HOOK_DICTS = (
     "_optimizer_load_state_dict_pre_hooks",
     "_optimizer_load_state_dict_post_hooks",
 )
+
+
+# An integer dtype of each element size: a tensor's bits as integers (a view), for exact selection on the device.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s bits as an integer tensor (a view), or ``None`` where there is no such view (sparse, quantized)."""
+    if t.layout != torch.strided or t.is_quantized:
+        return None
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    size = t.element_size()
+    return t.view(_BITS[size]) if size in _BITS else None
+
+
+def _copied(value: Any) -> Any:
+    """A state value that is not a tensor, as it was: Python numbers as they are, anything else deep-copied (LBFGS
+    keeps lists of tensors it changes in place)."""
+    return value if isinstance(value, (numbers.Number, str, type(None))) else copy.deepcopy(value)
+
+
+@dataclasses.dataclass(eq=False)
+class _Copies:
+    """Kept buffers for the tensors a step may change (``live``), reused while they are the same tensors; and both
+    as integer bits grouped by device and width, so that ``select`` puts the old values back on the device exactly:
+    ``live = live * (1 - refused) + saved * refused`` on integers never overflows and keeps NaN and -0.0."""
+
+    ids: tuple[int, ...]
+    live: list[torch.Tensor]
+    saved: list[torch.Tensor]
+    groups: list[tuple[torch.device, torch.dtype, list[torch.Tensor], list[torch.Tensor]]]
+    exact: bool  # every tensor has a bits view
+
+    @classmethod
+    def of(cls, live: list[torch.Tensor], ids: tuple[int, ...]) -> _Copies:
+        saved = [torch.empty_like(t) for t in live]
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        exact = True
+        for t, c in zip(live, saved):
+            bits, kept = _bits(t.detach()), _bits(c)
+            if bits is None or kept is None:
+                exact = False
+                continue
+            pair = groups.setdefault((t.device, bits.dtype), ([], []))
+            pair[0].append(bits)
+            pair[1].append(kept)
+        return cls(ids, live, saved, [(d, dt, a, b) for (d, dt), (a, b) in groups.items()], exact)
+
+    def select(self, refused: torch.Tensor) -> None:
+        """Where ``refused``, the live tensors take their kept values back (on the device, no read)."""
+        if not self.exact:  # a tensor without a bits view: decide on the host
+            if bool(refused):
+                torch._foreach_copy_(self.live, self.saved)
+            return
+        for device, dtype, live, saved in self.groups:
+            take = refused.to(device=device, dtype=dtype)
+            torch._foreach_mul_(live, 1 - take)
+            torch._foreach_mul_(saved, take)
+            torch._foreach_add_(live, saved)
+
+
+@dataclasses.dataclass(eq=False)
+class _Before:
+    """Each parameter's state entry before a step: ``kept`` (a copy of the dict, tensors by reference, Python values
+    copied) and ``live_entries`` (the entry dicts themselves, or ``None`` where there was none)."""
+
+    kept: list[tuple[torch.Tensor, dict[str, Any] | None]]
+    live_entries: list[dict[str, Any] | None]
+
+    def changed_on_host(self, state: Any) -> bool:
+        """Whether the step changed what the device cannot put back: an entry made or replaced, a key added or
+        removed, a tensor replaced, a Python value changed."""
+        for (p, entry), live in zip(self.kept, self.live_entries):
+            now = state.get(p)
+            if entry is None or now is None or live is None:
+                if entry is not None or now:
+                    return True
+                continue
+            if now is not live or now.keys() != entry.keys():
+                return True
+            for key, value in entry.items():
+                new = now[key]
+                if isinstance(value, torch.Tensor):
+                    if new is not value:
+                        return True
+                elif new is not value and not (isinstance(value, numbers.Number) and new == value):
+                    return True
+        return False
+
+
+def _rounding_to(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    def round_to(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype)
+
+    return round_to
+
+
+@dataclasses.dataclass(eq=False)
+class _Checks:
+    """The masters a step checks, ordered by what their parameters hold (float16, bfloat16, ``fmt``), with the
+    slices of each; built once per change of the pairs."""
+
+    pairs: int
+    order: list[_Pair]
+    kinds: list[tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]]  # (start, stop, rounding) per kind
+
+    @classmethod
+    def of(cls, pairs: list[_Pair], fmt: formats.FloatFormat | None) -> _Checks:
+        order: list[_Pair] = []
+        kinds = []
+        rounding: dict[Any, Callable[[torch.Tensor], torch.Tensor]] = {}
+        for pr in pairs:
+            if pr.master.numel() == 0:
+                continue
+            key: Any = "fmt" if pr.on_grid else pr.param.dtype
+            if key not in rounding:
+                if pr.on_grid:
+                    assert fmt is not None
+                    rounding[key] = fmt.quantize
+                else:
+                    rounding[key] = _rounding_to(pr.param.dtype)
+        for key, round_to in rounding.items():
+            start = len(order)
+            order += [pr for pr in pairs if pr.master.numel() and ("fmt" if pr.on_grid else pr.param.dtype) == key]
+            kinds.append((start, len(order), round_to))
+        return cls(len(pairs), order, kinds)
+
+    def unrepresentable(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(refused, info)``: whether some master rounds to a non-finite value (0-dim bool), and ``[refused, the
+        position of the first such master in order, its largest |value|]`` (float32), on the masters' device; one
+        ``_foreach_norm`` per device. Rounding is monotonic, so a master fits exactly when its largest |value| does
+        (NaN propagates through the norm)."""
+        if not self.order:
+            return None
+        masters = [pr.master.detach() for pr in self.order]
+        home = masters[0].device
+        if all(m.device == home for m in masters):
+            largest = torch.stack(torch._foreach_norm(masters, math.inf))
+        else:
+            largest = torch.stack([n.to(home) for n in torch._foreach_norm(masters, math.inf)])
+        fits = torch.cat([torch.isfinite(round_to(largest[a:b])) for a, b, round_to in self.kinds])
+        bad = ~fits
+        first = torch.argmax(bad.to(torch.uint8))
+        refused = bad.any()
+        info = torch.stack([refused.float(), first.float(), largest[first].float()])
+        return refused, info
 
 
 def _parse_fmt(fmt: Any) -> formats.FloatFormat | None:

@@ -75,6 +75,10 @@ class Progress:
     agreement: distributed.Agreement | None = None  # the flag's all-reduce across ranks while in flight
     collected: bool = False  # the optimizer's HoldsGradients.dls_collect_gradients() ran this iteration
     skipped: bool | None = None  # how step() ended, when the host knows (update() then takes its cheap path)
+    # The optimizer declined a step the gradients allowed (dls.optimizers.RefusesSteps), 0-dim bool on the device;
+    # and its value once read (step_was_skipped).
+    refused: torch.Tensor | None = None
+    refused_read: bool | None = None
 
     @property
     def found_inf(self) -> torch.Tensor | None:
@@ -507,7 +511,11 @@ class GradScaler:
         if last.skipped is None:  # the fused and sync-free paths did not read the flag
             assert last.flag is not None
             last.skipped = bool(last.flag.item())
-        return last.skipped
+        if last.skipped or last.refused is None:
+            return last.skipped
+        if last.refused_read is None:  # the optimizer declined the step (dls.optimizers.RefusesSteps)
+            last.refused_read = bool(last.refused.item())
+        return last.refused_read
 
     def step_was_skipped_tensor(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """``step_was_skipped`` as a 0-dim bool tensor on the scale's device, never read back to the host: to
@@ -520,9 +528,8 @@ class GradScaler:
             RuntimeError: ``optimizer`` has not stepped through this scaler yet.
         """
         last = self._last_step(optimizer)
-        if last.flag is None:
-            return torch.tensor(bool(last.skipped), device=self._scale.device)
-        return last.flag > 0
+        skipped = torch.tensor(bool(last.skipped), device=self._scale.device) if last.flag is None else last.flag > 0
+        return skipped if last.refused is None else skipped | last.refused.to(skipped.device)
 
     def stepped_optimizers(self) -> list[torch.optim.Optimizer]:
         """The live optimizers that have stepped through this scaler, in the order of their first step (each one's
@@ -894,10 +901,12 @@ class GradScaler:
             result = device_step.masked_step(optimizer, found_inf, args, kwargs)
             if index.hooks is not None:  # e.g. master weights: re-derive what the step wrote from restored state
                 index.hooks.dls_state_restored()
+            self._note_refusal(index, progress, found_inf)
             return result
         if self._decided(optimizer, progress, found_inf, self._scale.read_flag(found_inf)):
             return None
         result = optimizer.step(*args, **kwargs)
+        self._note_refusal(index, progress, found_inf)
         self._tracker.mark_stepped(optimizer, index)
         return result
 
@@ -925,9 +934,18 @@ class GradScaler:
         if self._decided(optimizer, progress, found_inf, False if first_step else None):
             return None  # known on the host (an observer wanted it read): nothing for the kernel to do
         result = device_step.fused_step(optimizer, grad_scale, found_inf, args, kwargs)
+        self._note_refusal(index, progress, found_inf)
         if first_step:
             self._tracker.mark_stepped(optimizer, index)
         return result
+
+    @staticmethod
+    def _note_refusal(index: OptimizerIndex, progress: Progress, found_inf: torch.Tensor | None) -> None:
+        """Record whether an optimizer that may decline a step (``RefusesSteps``) declined one the gradients allowed
+        (on the device: where the gradients overflowed the step was skipped for that)."""
+        if index.refuses is None:
+            return
+        progress.refused = index.refuses.dls_step_refused(found_inf)
 
     def _decided(
         self, optimizer: torch.optim.Optimizer, progress: Progress, found_inf: torch.Tensor, skipped: bool | None
@@ -945,9 +963,12 @@ class GradScaler:
         return bool(skipped)
 
     def _step_unchecked(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A disabled scaler's step: never skipped (closures pass through, as in torch)."""
-        self._tracker.last[optimizer] = Progress(skipped=False)
-        return optimizer.step(*args, **kwargs)
+        """A disabled scaler's step: never skipped for the gradients (closures pass through, as in torch); an
+        optimizer may still decline it (``RefusesSteps``)."""
+        progress = self._tracker.last[optimizer] = Progress(skipped=False)
+        result = optimizer.step(*args, **kwargs)
+        self._note_refusal(self._tracker.index(optimizer), progress, None)
+        return result
 
     # ------------------------------------------------------------------ observers and diagnostics
     def observe(self, observer: StepObserver) -> Removable:
@@ -1049,7 +1070,9 @@ class GradScaler:
             return
         if new_scale is not None:
             flags = [p.found_inf for p in self._tracker.iteration.values() if p.found_inf is not None]
-            self._scale.set(new_scale, kernels.max_flag(flags) if flags else None)
+            found_inf = kernels.max_flag(flags) if flags else None
+            self._scale.set(new_scale, found_inf)
+            self._count_refusals(self._tracker.iteration, found_inf)
         else:
             self._apply_rule(self._tracker.iteration)
         self._tracker.iteration.clear()
@@ -1090,6 +1113,16 @@ class GradScaler:
             for observer in self._observers:
                 observer.before_rule(found_inf, lambda: self._tracker.grads_of(opts))
         self._scale.update(found_inf, known)
+        self._count_refusals(progresses, found_inf)
+
+    def _count_refusals(self, progresses: dict[int, Progress], found_inf: torch.Tensor | None) -> None:
+        """A step an optimizer declined though the gradients were clean counts as skipped, once per iteration (not
+        again where the iteration overflowed). The rule saw the gradients' flag: the scale is not backed off for a
+        weight its format cannot hold, which no loss scale changes (the guarantees page)."""
+        refusals = [p.refused for p in progresses.values() if p.refused is not None]
+        if refusals:
+            refused = torch.stack([r.to(self._scale.device) for r in refusals]).any()
+            self._scale.count_skipped(refused if found_inf is None else refused & (found_inf == 0))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
