@@ -54,6 +54,23 @@ does not call ``step()``; fused optimizers get ``grad_scale``/``found_inf`` forw
 alone, so the write-back rewrites the same values; after a sync-free masked step (``dls.device_step``) restored
 masters and state, ``dls_state_restored`` writes the restored masters back. The three hooks are what the scaler
 tells an optimizer wrapper (``dls.optimizers.HoldsGradients``).
+
+A step whose masters do not fit is refused. A finite step can take a master where its parameter's format cannot
+follow (a float16 weight at 65000 moved to 65992 is inf in float16; a bfloat16 one beyond 3.39e38; a master beyond
+float32's range; beyond ``fmt``'s). Such a step is not applied: parameters, masters and the optimizer's state stay
+bit-identical, a ``dls.GradScaler`` counts it as skipped (``dls.optimizers.RefusesSteps``: ``step_was_skipped``,
+``num_skipped_steps``; its scale rule sees the gradients' flag, so the scale is not backed off — the weight's range
+does not depend on it), and a warning names the parameter and points to ``dls.keep_in_float32``. How, without a
+host read: before the inner step, what it may change (the groups' tensors and their state) is copied into kept
+buffers (one ``_foreach_copy_``); after it, one ``_foreach_norm`` gives each master's largest |value|, rounded to
+what its parameter holds (rounding is monotonic: a master fits exactly when its largest value does); where one does
+not, the kept values are put back on the device, exactly (``live * (1 - refused) + kept * refused`` on the tensors'
+bits as integers: NaN and -0.0 survive, nothing overflows). A step that made or replaced state (a parameter's first
+step) or changed a Python value of it is put back on the host instead, after one read of the flag. The warning is
+read through a host copy (``dls.loss_scale.HostCopy``): at once on the CPU, on CUDA when the copy has arrived. The
+price is memory and traffic: one more copy of the masters, the parameters passing through and the optimizer's state,
+written and read a few times per step (``benchmarks/bench_master_weights.py``). A closure (LBFGS) evaluates the
+points it tries with the masters written back as they are; the step's end decides.
 """
 
 from __future__ import annotations
