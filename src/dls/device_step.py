@@ -12,6 +12,7 @@ cannot be restored on the device, so the scaler decides an optimizer's first ste
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,9 +66,14 @@ def fused_step(
 
 
 def masked_step(
-    optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
+    optimizer: torch.optim.Optimizer,
+    found_inf: torch.Tensor,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    refused: Callable[[], torch.Tensor | None] | None = None,
 ) -> Any:
-    """Run the step unconditionally, then put back parameters and optimizer state where it overflowed.
+    """Run the step unconditionally, then put back parameters and optimizer state where it overflowed, or where
+    ``refused()`` (asked after the step) says the optimizer declined it (``dls.optimizers.RefusesSteps``).
 
     Only called once every parameter with a gradient has stepped since the optimizer's state was last reset
     (``Tracker.has_stepped`` in ``dls.scaler``; the scaler then tells a wrapper holding its gradients elsewhere,
@@ -89,6 +95,9 @@ def masked_step(
     }
     result = optimizer.step(*args, **kwargs)
     overflow = found_inf > 0
+    declined = None if refused is None else refused()
+    if declined is not None:
+        overflow = overflow | declined.to(overflow.device)
     # One copy of the flag per device: state kept on the host (AdamW's step counts without capturable=True) costs
     # one sync per step, not one per parameter.
     flags = {overflow.device: overflow}

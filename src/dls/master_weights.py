@@ -187,6 +187,7 @@ class MasterWeights(torch.optim.Optimizer):
         # The last step's [refused, which master, its largest |value|] until a scaler says whether its gradients
         # were clean (dls_step_refused); then on their way to the host, to warn of.
         self._scaled = False  # a scaler collected this iteration's gradients: it asks dls_step_refused after step()
+        self._next_step = (False, False)  # (decided on the device, put back by the caller): dls_next_step
         self._info: torch.Tensor | None = None
         self._unwarned: deque[HostCopy] = deque()
         for group in groups:
@@ -312,13 +313,15 @@ class MasterWeights(torch.optim.Optimizer):
         forwarded = {name: getattr(self, name) for name in ("grad_scale", "found_inf") if hasattr(self, name)}
         for name, value in forwarded.items():
             setattr(self._optimizer, name, value)
-        before = self._keep_state()
+        on_device, restored_by_caller = self._next_step
+        self._next_step = (False, False)
+        before = None if restored_by_caller else self._keep_state()
         try:
             result = self._optimizer.step() if wrapped_closure is None else self._optimizer.step(wrapped_closure)
         finally:
             for name in forwarded:
                 delattr(self._optimizer, name)
-        self._refuse_what_does_not_fit(before)
+        self._refuse_what_does_not_fit(before, on_device)
         self._write_back()
         if not self._scaled:  # no scaler will say more of this step's gradients: warn now
             self._publish(None)
@@ -334,6 +337,12 @@ class MasterWeights(torch.optim.Optimizer):
         if self._refused is None or found_inf is None:
             return self._refused
         return self._refused & (found_inf.to(self._refused.device) == 0)
+
+    def dls_next_step(self, *, restored_by_caller: bool) -> None:
+        """The scaler's next ``step()`` reads nothing back (the fused path, ``sync_free``): a refused step is put
+        back on the device; with ``restored_by_caller`` (a sync-free masked step) the scaler puts parameters and
+        state back itself where ``dls_step_refused`` says, and nothing is kept here."""
+        self._next_step = (True, restored_by_caller)
 
     def _publish(self, found_inf: torch.Tensor | None) -> None:
         """Send the last step's refusal (where the gradients were clean) to the host, and warn of those arrived."""
@@ -498,7 +507,7 @@ class MasterWeights(torch.optim.Optimizer):
         state["_pairs"] = [dataclasses.replace(pr, seen_grad=None) for pr in self._pairs]
         del state["_master_of"]  # keyed by id: rebuilt for the copies
         state["_copies"] = state["_checks"] = None  # rebuilt at the next step
-        state["_unwarned"], state["_info"], state["_scaled"] = deque(), None, False
+        state["_unwarned"], state["_info"], state["_scaled"], state["_next_step"] = deque(), None, False, (False, False)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -531,11 +540,14 @@ class MasterWeights(torch.optim.Optimizer):
             torch._foreach_copy_(self._copies.saved, live)
         return _Before(kept, [entry for _, entry in entries])
 
-    def _refuse_what_does_not_fit(self, before: _Before) -> None:
+    def _refuse_what_does_not_fit(self, before: _Before | None, on_device: bool) -> None:
         """After the inner step: where a master rounds to inf or NaN in what its parameter holds (its half dtype, or
-        ``fmt``), put everything the step changed back, exactly. On the device, without a read, when the step
-        changed only tensors it had before (every step after a parameter's first); else (a first step, state the
-        step replaced or made, Python values it changed) the flag is read once and the state put back on the host."""
+        ``fmt``), put everything the step changed back, exactly. By default the flag is read (one read: the host
+        path has just read the gradients' flag) and the kept values copied back only where the step was refused.
+        ``on_device`` (the fused and sync-free paths, which read nothing back): put back on the device, without a
+        read, when the step changed only tensors it had before (every step after a parameter's first); else (a
+        first step, state the step replaced or made, Python values it changed) the flag is read once and the state
+        put back on the host. ``before`` is ``None`` where the caller puts the step back (a masked step)."""
         if self._checks is None or self._checks.pairs != len(self._pairs):
             self._checks = _Checks.of(self._pairs, self._fmt)
         found = self._checks.unrepresentable()
@@ -543,11 +555,14 @@ class MasterWeights(torch.optim.Optimizer):
             self._refused = self._info = None
             return
         refused, info = found
+        self._refused, self._info = refused, info
+        if before is None:
+            return
         copies = self._copies
         assert copies is not None
         with torch.no_grad():
-            if before.changed_on_host(self._optimizer.state):
-                if bool(refused):  # a parameter's first step, or state the device cannot put back
+            if not on_device or before.changed_on_host(self._optimizer.state):
+                if bool(refused):  # read: the host path, a parameter's first step, state the device cannot put back
                     torch._foreach_copy_(copies.live, copies.saved)
                     state = self._optimizer.state
                     for (p, entry), _ in zip(before.kept, before.live_entries):
@@ -557,7 +572,6 @@ class MasterWeights(torch.optim.Optimizer):
                             state[p] = entry
             else:
                 copies.select(refused)
-        self._refused, self._info = refused, info
 
     def _warn_refused(self) -> None:
         """Warn of each refused step whose flag has reached the host (on the CPU at once; on CUDA once its copy has
@@ -693,26 +707,28 @@ class _Copies:
     ids: tuple[int, ...]
     live: list[torch.Tensor]
     saved: list[torch.Tensor]
-    groups: list[tuple[torch.device, torch.dtype, list[torch.Tensor], list[torch.Tensor]]]
-    exact: bool  # every tensor has a bits view
+    groups: list[tuple[torch.device, torch.dtype, list[torch.Tensor], list[torch.Tensor]]] | None
+    exact: bool = True  # every tensor has a bits view
 
     @classmethod
     def of(cls, live: list[torch.Tensor], ids: tuple[int, ...]) -> _Copies:
-        saved = [torch.empty_like(t) for t in live]
-        groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        exact = True
-        for t, c in zip(live, saved):
-            bits, kept = _bits(t.detach()), _bits(c)
-            if bits is None or kept is None:
-                exact = False
-                continue
-            pair = groups.setdefault((t.device, bits.dtype), ([], []))
-            pair[0].append(bits)
-            pair[1].append(kept)
-        return cls(ids, live, saved, [(d, dt, a, b) for (d, dt), (a, b) in groups.items()], exact)
+        return cls(ids, live, [torch.empty_like(t) for t in live], None)
 
     def select(self, refused: torch.Tensor) -> None:
         """Where ``refused``, the live tensors take their kept values back (on the device, no read)."""
+        if self.groups is None:  # the bits views, made once: only the fused and sync-free paths select
+            groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+            exact = True
+            for t, c in zip(self.live, self.saved):
+                bits, kept = _bits(t.detach()), _bits(c)
+                if bits is None or kept is None:
+                    exact = False
+                    break
+                pair = groups.setdefault((t.device, bits.dtype), ([], []))
+                pair[0].append(bits)
+                pair[1].append(kept)
+            self.groups = [(d, dt, a, b) for (d, dt), (a, b) in groups.items()] if exact else []
+            self.exact = exact
         if not self.exact:  # a tensor without a bits view: decide on the host
             if bool(refused):
                 torch._foreach_copy_(self.live, self.saved)

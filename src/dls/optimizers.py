@@ -48,6 +48,11 @@ class RefusesSteps(Protocol):
         step was refused though the gradients were clean, a 0-dim bool tensor on the device (not read back), or
         ``None`` when it cannot have been."""
 
+    def dls_next_step(self, *, restored_by_caller: bool) -> None:
+        """The next ``step()`` is on a path that reads nothing back (fused, sync-free): decide and put a refused
+        step back on the device; ``restored_by_caller``: the scaler puts parameters and state back itself (a
+        masked step), where ``dls_step_refused`` says."""
+
 
 @dataclasses.dataclass
 class OptimizerIndex:

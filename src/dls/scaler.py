@@ -898,7 +898,11 @@ class GradScaler:
         progress.stage = Stage.STEPPED
         if self._sync_free and self._tracker.has_stepped(optimizer, index):
             self._decided(optimizer, progress, found_inf, None)
-            result = device_step.masked_step(optimizer, found_inf, args, kwargs)
+            refuses = index.refuses
+            if refuses is not None:  # it may decline the step too: put back where it did, as for an overflow
+                refuses.dls_next_step(restored_by_caller=True)
+            refused = None if refuses is None else lambda: refuses.dls_step_refused(found_inf)
+            result = device_step.masked_step(optimizer, found_inf, args, kwargs, refused)
             if index.hooks is not None:  # e.g. master weights: re-derive what the step wrote from restored state
                 index.hooks.dls_state_restored()
             self._note_refusal(index, progress, found_inf)
@@ -933,6 +937,8 @@ class GradScaler:
             return None
         if self._decided(optimizer, progress, found_inf, False if first_step else None):
             return None  # known on the host (an observer wanted it read): nothing for the kernel to do
+        if index.refuses is not None:
+            index.refuses.dls_next_step(restored_by_caller=False)
         result = device_step.fused_step(optimizer, grad_scale, found_inf, args, kwargs)
         self._note_refusal(index, progress, found_inf)
         if first_step:
