@@ -87,7 +87,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dls import formats
+from dls import formats, kernels
 from dls.loss_scale import HostCopy
 from dls.optimizer_state import check_optimizer_state
 
@@ -321,8 +321,7 @@ class MasterWeights(torch.optim.Optimizer):
         finally:
             for name in forwarded:
                 delattr(self._optimizer, name)
-        self._refuse_what_does_not_fit(before, on_device)
-        self._write_back()
+        self._write_back_unless_it_does_not_fit(before, on_device)
         if not self._scaled:  # no scaler will say more of this step's gradients: warn now
             self._publish(None)
         return result
@@ -540,38 +539,50 @@ class MasterWeights(torch.optim.Optimizer):
             torch._foreach_copy_(self._copies.saved, live)
         return _Before(kept, [entry for _, entry in entries])
 
-    def _refuse_what_does_not_fit(self, before: _Before | None, on_device: bool) -> None:
-        """After the inner step: where a master rounds to inf or NaN in what its parameter holds (its half dtype, or
-        ``fmt``), put everything the step changed back, exactly. By default the flag is read (one read: the host
-        path has just read the gradients' flag) and the kept values copied back only where the step was refused.
-        ``on_device`` (the fused and sync-free paths, which read nothing back): put back on the device, without a
-        read, when the step changed only tensors it had before (every step after a parameter's first); else (a
-        first step, state the step replaced or made, Python values it changed) the flag is read once and the state
-        put back on the host. ``before`` is ``None`` where the caller puts the step back (a masked step)."""
+    def _write_back_unless_it_does_not_fit(self, before: _Before | None, on_device: bool) -> None:
+        """After the inner step: write the masters back, and where one is inf or NaN once rounded to what its
+        parameter holds (its half dtype, or ``fmt``), put everything the step changed back, exactly, and write back
+        again. The check is the gradients' one (``dls.kernels.check_nonfinite``: torch's fused AMP check) over the
+        parameters as written. By default the flag is read (one read: the host path has just read the gradients'
+        flag) and the kept values are copied back only where the step was refused. ``on_device`` (the fused and
+        sync-free paths, which read nothing back): put back on the device, without a read, when the step changed
+        only tensors it had before (every step after a parameter's first); else (a first step, state the step
+        replaced or made, Python values it changed) the flag is read once and the state put back on the host.
+        ``before`` is ``None`` where the caller puts the step back (a masked step)."""
+        self._write_back()
         if self._checks is None or self._checks.pairs != len(self._pairs):
             self._checks = _Checks.of(self._pairs, self._fmt)
-        found = self._checks.unrepresentable()
-        if found is None:
-            self._refused = self._info = None
+        refused = self._checks.nonfinite_params()
+        self._remember_versions()  # the check writes x * 1 back: the parameters are still the rounded masters
+        self._refused, self._info = refused, None
+        if refused is None:
             return
-        refused, info = found
-        self._refused, self._info = refused, info
-        if before is None:
-            return
-        copies = self._copies
-        assert copies is not None
-        with torch.no_grad():
-            if not on_device or before.changed_on_host(self._optimizer.state):
-                if bool(refused):  # read: the host path, a parameter's first step, state the device cannot put back
+        state = self._optimizer.state
+        if before is not None and (not on_device or before.changed_on_host(state)):
+            if bool(refused):  # read: the host path, a parameter's first step, state the device cannot put back
+                self._warn(*self._checks.first_unfit(read=True))
+                copies = self._copies
+                assert copies is not None
+                with torch.no_grad():
                     torch._foreach_copy_(copies.live, copies.saved)
-                    state = self._optimizer.state
-                    for (p, entry), _ in zip(before.kept, before.live_entries):
-                        if entry is None:
-                            state.pop(p, None)
-                        else:
-                            state[p] = entry
-            else:
-                copies.select(refused)
+                for (p, entry), _ in zip(before.kept, before.live_entries):
+                    if entry is None:
+                        state.pop(p, None)
+                    else:
+                        state[p] = entry
+                self._write_back()
+            return
+        self._info = self._checks.first_unfit(refused=refused)  # on its way to the host with dls_step_refused
+        if before is not None:
+            assert self._copies is not None
+            with torch.no_grad():
+                self._copies.select(refused)
+            self._write_back()  # the rounded masters again: as before the step where it was refused
+
+    def _remember_versions(self, pairs: list[_Pair] | None = None) -> None:
+        """The parameters' versions now: a later change of one from outside is told by its version."""
+        for pr in self._pairs if pairs is None else pairs:
+            pr.version = pr.param._version
 
     def _warn_refused(self) -> None:
         """Warn of each refused step whose flag has reached the host (on the CPU at once; on CUDA once its copy has
@@ -652,8 +663,7 @@ class MasterWeights(torch.optim.Optimizer):
                 if pr.on_grid:
                     assert self._fmt is not None
                     pr.param.copy_(self._fmt.quantize(pr.master))
-        for pr in pairs:
-            pr.version = pr.param._version
+        self._remember_versions(pairs)
 
     def _reload_changed_params(self) -> None:
         """Masters := model parameters that were changed from outside (not the rounded master any more)."""
@@ -778,10 +788,11 @@ def _rounding_to(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
 
 @dataclasses.dataclass(eq=False)
 class _Checks:
-    """The masters a step checks, ordered by what their parameters hold (float16, bfloat16, ``fmt``), with the
-    slices of each; built once per change of the pairs."""
+    """The parameters a step checks, grouped by device and dtype for the check, and ordered by what they hold
+    (float16, bfloat16, ``fmt``) for naming the first that does not fit; built once per change of the pairs."""
 
     pairs: int
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
     order: list[_Pair]
     kinds: list[tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]]  # (start, stop, rounding) per kind
 
@@ -790,9 +801,11 @@ class _Checks:
         order: list[_Pair] = []
         kinds = []
         rounding: dict[Any, Callable[[torch.Tensor], torch.Tensor]] = {}
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for pr in pairs:
             if pr.master.numel() == 0:
                 continue
+            groups.setdefault((pr.param.device, pr.param.dtype), []).append(pr.param.detach())
             key: Any = "fmt" if pr.on_grid else pr.param.dtype
             if key not in rounding:
                 if pr.on_grid:
@@ -804,27 +817,34 @@ class _Checks:
             start = len(order)
             order += [pr for pr in pairs if pr.master.numel() and ("fmt" if pr.on_grid else pr.param.dtype) == key]
             kinds.append((start, len(order), round_to))
-        return cls(len(pairs), order, kinds)
+        return cls(len(pairs), groups, order, kinds)
 
-    def unrepresentable(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(refused, info)``: whether some master rounds to a non-finite value (0-dim bool), and ``[refused, the
-        position of the first such master in order, its largest |value|]`` (float32), on the masters' device; one
-        ``_foreach_norm`` per device. Rounding is monotonic, so a master fits exactly when its largest |value| does
-        (NaN propagates through the norm)."""
-        if not self.order:
+    def nonfinite_params(self) -> torch.Tensor | None:
+        """Whether some parameter, as written back, holds inf or NaN: a 0-dim bool on the first parameter's
+        device, from ``dls.kernels.check_nonfinite`` (one fused pass per device and dtype); ``None`` without any."""
+        if not self.groups:
             return None
+        flags = kernels.zero_flags(d for d, _ in self.groups)
+        for (device, _), params in self.groups.items():
+            kernels.check_nonfinite(params, flags[device])
+        return kernels.gather_flags(flags, self.order[0].master.device) > 0
+
+    def first_unfit(self, *, refused: torch.Tensor | None = None, read: bool = False) -> Any:
+        """The first master (in ``order``) that does not fit its parameter, from each master's largest |value|
+        (``_foreach_norm``; rounding is monotonic, so a master fits exactly when its largest value does, and NaN
+        propagates): ``[refused, position, largest]`` as a float32 device tensor, or with ``read`` as
+        ``(position, largest)`` on the host (after a read that found the step refused)."""
         masters = [pr.master.detach() for pr in self.order]
         home = masters[0].device
-        if all(m.device == home for m in masters):
-            largest = torch.stack(torch._foreach_norm(masters, math.inf))
-        else:
-            largest = torch.stack([n.to(home) for n in torch._foreach_norm(masters, math.inf)])
+        norms = torch._foreach_norm(masters, math.inf)
+        largest = torch.stack(norms if all(m.device == home for m in masters) else [n.to(home) for n in norms])
         fits = torch.cat([torch.isfinite(round_to(largest[a:b])) for a, b, round_to in self.kinds])
-        bad = ~fits
-        first = torch.argmax(bad.to(torch.uint8))
-        refused = bad.any()
-        info = torch.stack([refused.float(), first.float(), largest[first].float()])
-        return refused, info
+        first = torch.argmax((~fits).to(torch.uint8))
+        if read:
+            position, value = torch.stack([first.float(), largest[first].float()]).tolist()
+            return int(position), value
+        assert refused is not None
+        return torch.stack([refused.float(), first.float(), largest[first].float()])
 
 
 def _parse_fmt(fmt: Any) -> formats.FloatFormat | None:
