@@ -1,4 +1,4 @@
-"""Cost of an emulated FP8 training step (``dls.fp8.emulate``) relative to the same float32 step.
+"""Cost of an emulated FP8 training step (``dls.fp8.emulate_recipe``) relative to the same float32 step.
 
 A small causal transformer language model, sized like ``configs/transformer_lm_fp16_dls.yaml`` by default
 (width 64, 2 blocks, 4 heads, feed-forward 256, batch 16 x 64 tokens), built here from ``nn.Linear`` layers so
@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name, (recipe, track_stats) in VARIANTS.items():
         model = copy.deepcopy(base)
         if recipe is not None:
-            handles.append(dls.fp8.emulate(model, recipe, track_stats=track_stats))
+            handles.append(dls.fp8.emulate_recipe(model, recipe, track_stats=track_stats))
         cases[name] = Case(run=make_step(model, inputs, targets))
     times = interleave(cases, device, args.reps, args.warmup)
     params = sum(p.numel() for p in base.parameters())

@@ -1,9 +1,10 @@
-"""FP8 on real hardware: ``dls.fp8.emulate`` with ``CurrentScaling()`` against real FP8 training (issue 23, item 6).
+"""FP8 on real hardware: ``dls.fp8.emulate_recipe`` with ``CurrentScaling()`` against real FP8 training (issue 23,
+item 6).
 
 The same small transformer (every ``nn.Linear`` but the output head in FP8, tensorwise current scaling: E4M3
 inputs and weights, E5M2 output gradients) is trained three ways from the same weights on the same batches:
 
-* ``emulated`` -- ``dls.fp8.emulate(model, CurrentScaling())``: FP8 operands, float32 products and sums;
+* ``emulated`` -- ``dls.fp8.emulate_recipe(model, CurrentScaling())``: FP8 operands, float32 products and sums;
 * ``real``     -- real FP8 GEMMs: torchao's ``Float8Linear`` (``convert_to_float8_training``, tensorwise recipe)
   when torchao is importable and the GPU has FP8 tensor cores (compute capability 8.9 or more); otherwise the
   three GEMMs of each layer through ``torch._scaled_mm`` with the scales of ``dls.fp8.scale_from_amax`` and
@@ -171,7 +172,7 @@ def first_step_table(template: nn.Module, tokens: torch.Tensor) -> None:
         if in_fp8(name, module):
             module.register_forward_pre_hook(lambda m, a, n=name: inputs.__setitem__(n, a[0].detach().clone()))
             module.register_full_backward_hook(lambda m, gi, go, n=name: grads.__setitem__(n, go[0].detach().clone()))
-    emulated = dls.fp8.emulate(model, dls.fp8.CurrentScaling(), module_filter=in_fp8)
+    emulated = dls.fp8.emulate_recipe(model, dls.fp8.CurrentScaling(), module_filter=in_fp8)
     lm_loss(model, tokens).backward()
     rows = []
     for name, module in model.named_modules():
@@ -226,8 +227,8 @@ def make_run(template: nn.Module, kind: str, reference: str) -> tuple[nn.Module,
     model = copy.deepcopy(template)
     what = "float32, no FP8"
     if kind == "emulated":
-        dls.fp8.emulate(model, dls.fp8.CurrentScaling(), module_filter=in_fp8)
-        what = "dls.fp8.emulate(CurrentScaling())"
+        dls.fp8.emulate_recipe(model, dls.fp8.CurrentScaling(), module_filter=in_fp8)
+        what = "dls.fp8.emulate_recipe(CurrentScaling())"
     elif kind == "real":
         what = to_real_fp8(model, reference)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3), what

@@ -3,7 +3,7 @@
 The setting of ``dls demo``: a 3-layer tanh MLP (32 -> 128 -> 128 -> 128 -> 64) learns a fixed random teacher
 network by regression (4096 samples, batch 128), Adam with lr 1e-3, the loss multiplied by 1e-4 (as a
 down-weighted auxiliary loss would be: Adam does not mind, but every gradient is 1e4 times smaller). Every
-``nn.Linear`` computes its three GEMMs with FP8 operands through ``dls.fp8.emulate`` (E4M3 inputs and weights,
+``nn.Linear`` computes its three GEMMs with FP8 operands through ``dls.fp8.emulate_recipe`` (E4M3 inputs and weights,
 E5M2 output gradients), from identical initial weights and batches:
 
 * ``float32``: the reference;
@@ -95,7 +95,7 @@ def train(
     """Adam on ``LOSS_WEIGHT * mse`` over shuffled batches; returns the final float32 loss and FP8 facts."""
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     scaler = dls.GradScaler(loss_scale="dynamic", init_scale=2.0**24, max_loss_scale=2.0**24) if use_dls else None
-    handle = dls.fp8.emulate(model, recipe) if recipe is not None else None
+    handle = dls.fp8.emulate_recipe(model, recipe) if recipe is not None else None
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(x), generator=gen)
     position = 0

@@ -5,7 +5,7 @@ the environment)::
 
     python tests/_fp8_dist_worker.py OUT_DIR
 
-Trains the same small MLP twice under ``dls.fp8.emulate(..., DelayedScaling)`` wrapped in DDP (gloo, CPU),
+Trains the same small MLP twice under ``dls.fp8.emulate_recipe(..., DelayedScaling)`` wrapped in DDP (gloo, CPU),
 each rank on its own data (rank r's inputs are scaled by 1 + r, so the ranks' amaxes differ):
 
 * ``agree``: amaxes reduced over the world (the default ``process_group``);
@@ -37,7 +37,7 @@ def train(process_group: Any) -> dict[str, Any]:
     model = torch.nn.Sequential(
         torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)
     )
-    handle = dls.fp8.emulate(model, dls.fp8.DelayedScaling(amax_history_len=8), process_group=process_group)
+    handle = dls.fp8.emulate_recipe(model, dls.fp8.DelayedScaling(amax_history_len=8), process_group=process_group)
     ddp = DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     local_amax = []

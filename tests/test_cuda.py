@@ -15,7 +15,7 @@ unit-tested on the CPU with stand-ins.
   overflows and scale changes included;
 * ``torch.compile`` of a whole step with a fused optimizer: no graph break inside dls's code;
 * a one-rank NCCL process group through the distributed code path (gloo on the CPU);
-* ``dls.fp8.emulate`` and ``dls.master_weights`` on the device.
+* ``dls.fp8.emulate_recipe`` and ``dls.master_weights`` on the device.
 """
 
 from __future__ import annotations
@@ -554,7 +554,7 @@ def test_fp8_emulation_on_cuda_casts_like_on_the_cpu(recipe: Any) -> None:
     torch.manual_seed(0)
     cpu = torch.nn.Linear(32, 16)
     gpu = copy.deepcopy(cpu).to(CUDA)
-    handles = [dls.fp8.emulate(cpu, recipe), dls.fp8.emulate(gpu, recipe)]
+    handles = [dls.fp8.emulate_recipe(cpu, recipe), dls.fp8.emulate_recipe(gpu, recipe)]
     gen = torch.Generator().manual_seed(2)
     for step in range(3):
         x = torch.randn(8, 32, generator=gen) * 10**step

@@ -245,7 +245,7 @@ def anchors(site: Path) -> list[str]:
 
 
 def resolve(path: str) -> Any:
-    """The object a dotted path names (``dls.fp8.emulate.emulate``), or ``None``."""
+    """The object a dotted path names (``dls.fp8.gemm.emulate_recipe``), or ``None``."""
     parts = path.split(".")
     for split in range(len(parts), 0, -1):
         try:

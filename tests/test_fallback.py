@@ -257,7 +257,7 @@ def test_master_weights_and_fp8_emulation() -> None:
     model = amplifying_model()
     scaler = dls.GradScaler("cpu", init_scale=2.0**16)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with dls.fp8.emulate(model, dls.fp8.CurrentScaling()), dls.emulate(model, "float16") as emulated:
+    with dls.fp8.emulate_recipe(model, dls.fp8.CurrentScaling()), dls.emulate(model, "float16") as emulated:
         watch = scaler.watch(model, fallback=True)
         for step in range(8):
             loss = loss_fn(model, step, half=False)

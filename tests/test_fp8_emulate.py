@@ -1,4 +1,4 @@
-"""dls.fp8.emulate: Linear layers computing on FP8 operands per recipe.
+"""dls.fp8.emulate_recipe: Linear layers computing on FP8 operands per recipe.
 
 Against references: torchao's ``Float8LinearConfig(emulate=True)`` (tensorwise and rowwise) and its MXFP8
 training GEMM (``mx_mm`` with emulated kernels), TransformerEngine's closed-form delayed-scaling scenario.
@@ -60,7 +60,7 @@ def test_current_tensorwise_equals_torchao_float8_linear(shape: tuple[int, ...])
     GEMMs on the same dequantized operands."""
     lin, ref = linear_pair(64, 48)
     ref_model = convert_to_float8_training(nn.Sequential(ref), config=Float8LinearConfig(emulate=True))
-    handle = dls.fp8.emulate(lin, CurrentScaling())
+    handle = dls.fp8.emulate_recipe(lin, CurrentScaling())
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(shape, generator=gen)
     g = torch.randn((*shape[:-1], 48), generator=gen)
@@ -91,7 +91,7 @@ def test_current_rowwise_equals_torchao_rowwise_recipe() -> None:
     config = Float8LinearConfig.from_recipe_name("rowwise")
     config = Float8LinearConfig(**{**config.__dict__, "emulate": True})
     ref_model = convert_to_float8_training(nn.Sequential(ref), config=config)
-    dls.fp8.emulate(lin, CurrentScaling(granularity="row", power_2_scales=True, fp8_format="e4m3"))
+    dls.fp8.emulate_recipe(lin, CurrentScaling(granularity="row", power_2_scales=True, fp8_format="e4m3"))
     gen = torch.Generator().manual_seed(2)
     x, g = torch.randn(4, 8, 64, generator=gen), torch.randn(4, 8, 48, generator=gen)
     y, gx = run(lin, x, g)
@@ -119,7 +119,7 @@ def test_mxfp8_equals_torchao_mx_training_gemms(mode: str, fmt: str) -> None:
     """Blocks of 32 along each GEMM's reduction axis (in_features, out_features, batch), as torchao's MX
     training matmul with emulated kernels."""
     lin, ref = linear_pair(96, 64, bias=False)
-    dls.fp8.emulate(lin, MXFP8(scale_mode=mode, fp8_format=fmt))
+    dls.fp8.emulate_recipe(lin, MXFP8(scale_mode=mode, fp8_format=fmt))
     weight = ref.weight.detach().clone().requires_grad_(True)
     grad_dtype = torch.float8_e5m2 if fmt == "hybrid" else torch.float8_e4m3fn
     gen = torch.Generator().manual_seed(3)
@@ -134,7 +134,7 @@ def test_mxfp8_equals_torchao_mx_training_gemms(mode: str, fmt: str) -> None:
 def test_mxfp8_pads_reduction_axes_with_zeros() -> None:
     """Sizes that are not multiples of 32 (40 in, 24 out, batch 20) compute as the zero-padded problem."""
     lin, _ = linear_pair(40, 24, bias=False)
-    dls.fp8.emulate(lin, MXFP8())
+    dls.fp8.emulate_recipe(lin, MXFP8())
     padded = torch.zeros(32, 64)
     padded[:24, :40] = lin.weight.detach()
     weight = padded.requires_grad_(True)
@@ -160,7 +160,7 @@ def test_delayed_scaling_reproduces_transformer_engine_closed_form(history_len: 
     ``amax`` the history's max ("max") or latest ("most_recent") entry, max 448 forward and 57344 backward.
     Here with the float32 arithmetic that formula means, compared bitwise."""
     lin = nn.Linear(16, 16)
-    handle = dls.fp8.emulate(lin, DelayedScaling(margin=2, amax_history_len=history_len, amax_compute_algo=algo))
+    handle = dls.fp8.emulate_recipe(lin, DelayedScaling(margin=2, amax_history_len=history_len, amax_compute_algo=algo))
     histories: dict[str, list[float]] = {"input": [], "weight": [], "grad_output": []}
     fp8_max = {"input": 448.0, "weight": 448.0, "grad_output": 57344.0}
     previous = dict.fromkeys(histories, 1.0)  # the first cast uses scale 1
@@ -189,7 +189,7 @@ def test_delayed_scaling_first_cast_uses_scale_one_then_the_recorded_amax() -> N
     """Values below half of E4M3's smallest subnormal (2**-10) flush at the first cast; the second cast's
     scale comes from the first cast's amax, and they survive."""
     lin = nn.Linear(8, 4, bias=False)
-    handle = dls.fp8.emulate(lin, DelayedScaling(amax_history_len=4))
+    handle = dls.fp8.emulate_recipe(lin, DelayedScaling(amax_history_len=4))
     x = torch.full((2, 8), 2.0**-11)
     y0 = lin(x)
     assert not y0.any()
@@ -204,7 +204,7 @@ def test_delayed_scaling_first_cast_uses_scale_one_then_the_recorded_amax() -> N
 def test_delayed_scaling_keeps_the_previous_scale_for_zero_inf_nan_amax_and_caps_at_float32_max() -> None:
     """TransformerEngine's test_scale_update_numeric_scenarios, through casts of the input role."""
     lin = nn.Linear(4, 4, bias=False)
-    handle = dls.fp8.emulate(lin, DelayedScaling(amax_history_len=1))
+    handle = dls.fp8.emulate_recipe(lin, DelayedScaling(amax_history_len=1))
 
     def cast(value: float) -> float:
         lin(torch.full((1, 4), value, requires_grad=True))
@@ -222,7 +222,7 @@ def test_delayed_scaling_keeps_the_previous_scale_for_zero_inf_nan_amax_and_caps
 
 def test_delayed_scaling_max_over_the_history_window() -> None:
     lin = nn.Linear(4, 4, bias=False)
-    handle = dls.fp8.emulate(lin, DelayedScaling(amax_history_len=3))
+    handle = dls.fp8.emulate_recipe(lin, DelayedScaling(amax_history_len=3))
     for value in (8.0, 1.0, 2.0, 0.5):
         lin(torch.full((1, 4), value, requires_grad=True))
     state = handle.state_dict()["modules"][""]["input"]
@@ -232,7 +232,7 @@ def test_delayed_scaling_max_over_the_history_window() -> None:
 
 def test_casts_without_autograd_do_not_record_amaxes() -> None:
     lin = nn.Linear(4, 4)
-    handle = dls.fp8.emulate(lin, DelayedScaling(amax_history_len=2))
+    handle = dls.fp8.emulate_recipe(lin, DelayedScaling(amax_history_len=2))
     with torch.no_grad():
         lin(torch.ones(2, 4))
     assert not handle.state_dict()["modules"][""]["input"]["amax_history"].any()
@@ -245,7 +245,7 @@ def grad_scaler_run(saturate: bool) -> tuple[dls.GradScaler, dls.fp8.Fp8Handle, 
     step one) cannot hold. Returns the scaler, handle, model and the parameters before step two."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
-    handle = dls.fp8.emulate(model, DelayedScaling(amax_history_len=1, saturate_gradients=saturate))
+    handle = dls.fp8.emulate_recipe(model, DelayedScaling(amax_history_len=1, saturate_gradients=saturate))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = dls.GradScaler(loss_scale="dynamic", init_scale=1.0)
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
@@ -290,7 +290,7 @@ def train_steps(
 def fresh(recipe: Any) -> tuple[nn.Module, dls.fp8.Fp8Handle, torch.optim.Optimizer, dls.GradScaler]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
-    handle = dls.fp8.emulate(model, recipe)
+    handle = dls.fp8.emulate_recipe(model, recipe)
     return model, handle, torch.optim.Adam(model.parameters(), lr=1e-2), dls.GradScaler(steps_per_increase=3)
 
 
@@ -373,7 +373,7 @@ def test_torch_compile_traces_one_graph_and_matches_eager() -> None:
     torch.manual_seed(0)
     eager = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 8))
     compiled = copy.deepcopy(eager)
-    h_eager, h_compiled = dls.fp8.emulate(eager, recipe), dls.fp8.emulate(compiled, recipe)
+    h_eager, h_compiled = dls.fp8.emulate_recipe(eager, recipe), dls.fp8.emulate_recipe(compiled, recipe)
     fn = torch.compile(compiled, backend="aot_eager", fullgraph=True)  # a graph break is an error
     for step in range(3):
         x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step))
@@ -389,7 +389,7 @@ def test_torch_compile_traces_one_graph_and_matches_eager() -> None:
 # ---------------------------------------------------------------------------------------------- stats
 def test_stats_count_flushed_and_saturated_values_per_role() -> None:
     lin = nn.Linear(4, 1, bias=False)
-    handle = dls.fp8.emulate(lin, StaticScaling(1.0))
+    handle = dls.fp8.emulate_recipe(lin, StaticScaling(1.0))
     # E4M3 at scale 1: 2**-11 flushes (below 2**-10), 500 saturates (above 464), 1.0 is exact
     x = torch.tensor([[2.0**-11, 500.0, 1.0, 0.0]], requires_grad=True)
     lin(x).backward(torch.tensor([[1e-30]]))  # E5M2 flushes it
@@ -429,7 +429,7 @@ def test_forward_and_backward_never_read_device_values_on_the_host(
 ) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 40), nn.Tanh(), nn.Linear(40, 3))
-    dls.fp8.emulate(model, recipe)
+    dls.fp8.emulate_recipe(model, recipe)
     x = torch.randn(5, 8)
     calls: list[str] = []
     for name in SYNC_METHODS:
@@ -452,7 +452,7 @@ def test_remove_restores_the_plain_linear_and_module_filter_selects_layers() -> 
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
     x = torch.randn(4, 8)
     plain = model(x)
-    with dls.fp8.emulate(model, StaticScaling(1.0), module_filter=lambda name, m: name == "0") as handle:
+    with dls.fp8.emulate_recipe(model, StaticScaling(1.0), module_filter=lambda name, m: name == "0") as handle:
         assert list(handle.modules) == ["0"] and handle.active
         assert not torch.equal(model(x), plain)
         assert "forward" in vars(model[0]) and "forward" not in vars(model[2])
@@ -468,23 +468,23 @@ def test_subclasses_with_their_own_forward_are_left_alone_and_double_emulation_i
             return 2 * super().forward(input)
 
     model = nn.Sequential(nn.Linear(4, 4), Scaled(4, 4))
-    handle = dls.fp8.emulate(model, CurrentScaling())
+    handle = dls.fp8.emulate_recipe(model, CurrentScaling())
     assert list(handle.modules) == ["0"]
     with pytest.raises(ValueError, match="already emulated"):
-        dls.fp8.emulate(model, DelayedScaling())
+        dls.fp8.emulate_recipe(model, DelayedScaling())
     handle.remove()
-    assert list(dls.fp8.emulate(model, DelayedScaling()).modules) == ["0"]
+    assert list(dls.fp8.emulate_recipe(model, DelayedScaling()).modules) == ["0"]
 
 
 def test_low_precision_inputs_and_autocast_keep_the_dtype_linear_would_give() -> None:
     lin = nn.Linear(8, 4).to(torch.bfloat16)
-    dls.fp8.emulate(lin, CurrentScaling())
+    dls.fp8.emulate_recipe(lin, CurrentScaling())
     x = torch.randn(3, 8, dtype=torch.bfloat16, requires_grad=True)
     y = lin(x)
     y.float().sum().backward()
     assert y.dtype == x.grad.dtype == lin.weight.grad.dtype == torch.bfloat16
     lin32 = nn.Linear(8, 4)
-    dls.fp8.emulate(lin32, CurrentScaling())
+    dls.fp8.emulate_recipe(lin32, CurrentScaling())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert lin32(torch.randn(3, 8)).dtype == torch.bfloat16
 
@@ -501,4 +501,4 @@ def test_low_precision_inputs_and_autocast_keep_the_dtype_linear_would_give() ->
 def test_emulate_rejects_bad_arguments_by_name(kwargs: dict[str, Any], name: str) -> None:
     args: dict[str, Any] = {"model": nn.Linear(2, 2), "recipe": CurrentScaling(), **kwargs}
     with pytest.raises(ValueError, match=name):
-        dls.fp8.emulate(**args)
+        dls.fp8.emulate_recipe(**args)

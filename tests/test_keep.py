@@ -1,5 +1,6 @@
 """``dls.keep_in_float32``: listed modules compute in float32 inside autocast, under ``dls.emulate`` and
-``dls.fp8.emulate``; half parameters are upcast on the fly and left untouched; ``remove()`` restores the model."""
+``dls.fp8.emulate_recipe``; half parameters are upcast on the fly and left untouched; ``remove()`` restores the
+model."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def test_a_kept_linear_skips_fp8_casts() -> None:
     model = amplifying_model(gain=1.0)
     x = torch.randn(4, 32)
     reference = float32_output(model.head, torch.tanh(x))
-    with dls.fp8.emulate(model, dls.fp8.CurrentScaling()):
+    with dls.fp8.emulate_recipe(model, dls.fp8.CurrentScaling()):
         assert not torch.equal(model.head(torch.tanh(x)), reference)
         with dls.keep_in_float32(model, ["head"]):
             assert torch.equal(model.head(torch.tanh(x)), reference)

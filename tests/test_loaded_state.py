@@ -50,7 +50,7 @@ def test_master_weights_refuse_non_finite_masters_naming_the_key_before_anything
 
 def delayed_handle() -> tuple[nn.Linear, Any]:
     lin = nn.Linear(4, 4, bias=False)
-    return lin, dls.fp8.emulate(lin, DelayedScaling(amax_history_len=3))
+    return lin, dls.fp8.emulate_recipe(lin, DelayedScaling(amax_history_len=3))
 
 
 def cast(lin: nn.Linear, value: float) -> None:

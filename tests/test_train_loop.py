@@ -276,7 +276,7 @@ def test_model_zoo_names_dispatch_to_dls_train_modelzoo(tmp_path: Path, monkeypa
 
     monkeypatch.setattr(dls.train.modelzoo, "build_model", lambda name, params: _ZooModel(params))
     monkeypatch.setattr(dls.train.modelzoo, "build_loader", build_loader)
-    monkeypatch.setattr("dls.train.config.missing_paths", lambda cfg: [])  # no files: the loaders are fakes
+    monkeypatch.setattr("dls.train.data.missing_paths", lambda cfg: [])  # no files: the loaders are fakes
     raw = {
         "train_input": {"data_processor": "GptHDF5DataProcessor", "data_dir": str(tmp_path), "batch_size": 4},
         "eval_input": {"data_dir": str(tmp_path), "batch_size": 2, "shuffle": False, "num_workers": 2},

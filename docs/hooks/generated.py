@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import figures  # beside this file
 
-from dls.train.reference import commands_markdown, config_keys_markdown
+from dls.train.cli import commands_markdown
+from dls.train.reference import config_keys_markdown
 
 GENERATORS: dict[str, Callable[[Any], str]] = {
     "config-keys": lambda page: config_keys_markdown(),

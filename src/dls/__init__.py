@@ -1,9 +1,6 @@
 """dls: dynamic loss scaling for mixed-precision training in PyTorch."""
 
-import sys as _sys
-import types as _types
-import warnings as _warnings
-
+from dls import deprecated as _deprecated
 from dls import formats, fp8, integrations
 from dls.diagnostics import OverflowReport, OverflowWatch, audit
 from dls.emulation import emulate
@@ -44,22 +41,5 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-class _MovedModule(_types.ModuleType):
-    """``dls.emulate`` is the function; the module holding it was ``dls.emulate`` too and is ``dls.emulation`` now.
-    ``from dls.emulate import EmulationHandle`` keeps working for one release, with a ``DeprecationWarning``."""
-
-    def __getattr__(self, name: str) -> object:
-        if name.startswith("__"):  # the import system's questions (__path__, __spec__): not a moved name
-            raise AttributeError(name)
-        from dls import emulation
-
-        _warnings.warn(
-            f"the module dls.emulate is dls.emulation now: import {name} from dls.emulation (dls.emulate is the "
-            "function); the old path goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(emulation, name)
-
-
-_sys.modules.setdefault("dls.emulate", _MovedModule("dls.emulate"))
+# dls.emulate is the function; the module holding it was dls.emulate too and is dls.emulation now.
+_deprecated.moved_module("dls.emulate", "dls.emulation", " (dls.emulate is the function)")

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from dls.checks import unknown_names
-from dls.settings import DEEPSPEED, ScalerSettings, SettingsError
+from dls.peer_settings import DEEPSPEED
+from dls.settings import ScalerSettings, SettingsError
 
 # Arguments of GradScaler that are not settings: where the scaler runs, and torch's name for the growth interval
 # in the Cerebras dialect (and the reverse).
@@ -39,8 +40,8 @@ _RUNTIME_DEFAULTS: dict[str, Any] = {
     "process_group": None,
     "gradients_sharded": None,
 }
-# Arguments only cstorch.amp's GradScaler has: one of them by keyword selects the Cerebras dialect (the trainer's
-# config has a CEREBRAS_ONLY of its own: Model Zoo keys dls does not honour).
+# Arguments only cstorch.amp's GradScaler has: one of them by keyword selects the Cerebras dialect. (What the trainer's
+# config accepts and ignores off Cerebras hardware is another thing: dls.train.config.layouts.IGNORED_OFF_CEREBRAS.)
 SELECTS_CEREBRAS = (
     "loss_scale",
     "steps_per_increase",

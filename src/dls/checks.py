@@ -181,3 +181,19 @@ def raise_first(*problems: str | None) -> None:
     for problem in problems:
         if problem is not None:
             raise ValueError(problem)
+
+
+class SettingsError(ValueError):
+    """Invalid scaler settings. ``problems`` lists ``(argument, message)`` pairs, every message naming its
+    argument, so a caller with other names for the arguments (the YAML config) can re-label them."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            message = self.problems[0][1]
+        else:  # the first few, then how many more (listed's rule)
+            lines = [f"  - {m}" for _, m in self.problems[:SHOWN_AT_MOST]]
+            if len(self.problems) > SHOWN_AT_MOST:
+                lines.append(f"  - and {len(self.problems) - SHOWN_AT_MOST:,} more")
+            message = "invalid GradScaler settings:\n" + "\n".join(lines)
+        super().__init__(message)

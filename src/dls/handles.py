@@ -1,5 +1,5 @@
-"""What every removable handle of dls shares (``dls.emulate``, ``dls.fp8.emulate``, ``scaler.watch``): ``remove()``
-is idempotent, and the handle is a context manager that removes itself on exit."""
+"""What every removable handle of dls shares (``dls.emulate``, ``dls.fp8.emulate_recipe``, ``scaler.watch``):
+``remove()`` is idempotent, and the handle is a context manager that removes itself on exit."""
 
 from __future__ import annotations
 

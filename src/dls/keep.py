@@ -1,5 +1,5 @@
 """``dls.keep_in_float32(model, modules)``: chosen modules compute in float32 inside ``torch.autocast`` and under
-``dls.emulate`` / ``dls.fp8.emulate``, until the returned handle is removed.
+``dls.emulate`` / ``dls.fp8.emulate_recipe``, until the returned handle is removed.
 
 Loss scaling rescues gradients; it cannot rescue a forward pass whose half-precision activations exceed the format's
 largest value (65504 for float16). Running the module where that happens in float32 can: Hugging Face keeps such a
@@ -14,7 +14,7 @@ module's own call (hooks included):
   the gradient flows back to the half parameter, which is never written), the same parameter substitution
   ``dls.emulate`` uses;
 * marks the call as kept, so that ``dls.emulate`` rounds nothing in the module or its descendants and a kept
-  ``nn.Linear`` under ``dls.fp8.emulate`` computes without FP8 casts;
+  ``nn.Linear`` under ``dls.fp8.emulate_recipe`` computes without FP8 casts;
 * hands floating outputs back as its neighbours expect them: inside autocast in float32 (the next autocast op casts
   them down as usual); outside it, in the half dtype the call's floating inputs came in (else the half dtype of the
   module's parameters), so that a model whose parameters are half (``model.half()``, the trainer's
@@ -53,7 +53,7 @@ _subclasses: dict[type, type] = {}
 
 
 def in_kept_call() -> bool:
-    """Whether a kept module's call is running (``dls.emulate`` and ``dls.fp8.emulate`` then leave values alone)."""
+    """Whether a kept module's call is running (``dls.emulate``, ``dls.fp8.emulate_recipe`` then leave values alone)."""
     return _kept_depth > 0
 
 

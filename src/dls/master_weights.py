@@ -56,29 +56,19 @@ masters and state, ``dls_state_restored`` writes the restored masters back. The 
 tells an optimizer wrapper (``dls.optimizers.HoldsGradients``).
 
 A step whose masters do not fit is refused. A finite step can take a master where its parameter's format cannot
-follow (a float16 weight at 65000 moved to 65992 is inf in float16; a bfloat16 one beyond 3.39e38; a master beyond
-float32's range; beyond ``fmt``'s). Such a step is not applied: parameters, masters and the optimizer's state stay
-bit-identical, a ``dls.GradScaler`` counts it as skipped (``dls.optimizers.RefusesSteps``: ``step_was_skipped``,
-``num_skipped_steps``; its scale rule sees the gradients' flag, so the scale is not backed off — the weight's range
-does not depend on it), and a warning names the parameter and points to ``dls.keep_in_float32``. How, without a
-host read: before the inner step, what it may change (the groups' tensors and their state) is copied into kept
-buffers (one ``_foreach_copy_``); after it, one ``_foreach_norm`` gives each master's largest |value|, rounded to
-what its parameter holds (rounding is monotonic: a master fits exactly when its largest value does); where one does
-not, the kept values are put back on the device, exactly (``live * (1 - refused) + kept * refused`` on the tensors'
-bits as integers: NaN and -0.0 survive, nothing overflows). A step that made or replaced state (a parameter's first
-step) or changed a Python value of it is put back on the host instead, after one read of the flag. The warning is
-read through a host copy (``dls.loss_scale.HostCopy``): at once on the CPU, on CUDA when the copy has arrived. The
-price is memory and traffic: one more copy of the masters, the parameters passing through and the optimizer's state,
-written and read a few times per step (``benchmarks/bench_master_weights.py``). A closure (LBFGS) evaluates the
-points it tries with the masters written back as they are; the step's end decides.
+follow (a float16 weight at 65000 moved to 65992 is inf in float16). Such a step is not applied: parameters, masters
+and the optimizer's state stay bit-identical (``dls.refusal``: how, on each path, without a read where the path
+reads nothing back), a ``dls.GradScaler`` counts it as skipped (``dls.optimizers.RefusesSteps``; its scale rule
+sees the gradients' flag, so the scale is not backed off: the weight's range does not depend on it), and a warning
+names the parameter and points to ``dls.keep_in_float32`` (at once where the flag is read; on the fused and
+sync-free paths through ``dls.loss_scale.HostCopy``, when it has reached the host). It costs one more copy of the
+masters and the optimizer's state. A closure (LBFGS) evaluates the points it tries with the masters written back as
+they are; the step's end decides.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import math
-import numbers
 import warnings
 import weakref
 from collections import OrderedDict, deque
@@ -87,7 +77,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dls import formats, kernels
+from dls import formats, refusal
 from dls.loss_scale import HostCopy
 from dls.optimizer_state import check_optimizer_state
 
@@ -181,8 +171,8 @@ class MasterWeights(torch.optim.Optimizer):
         self._optimizer = optimizer
         self._pairs: list[_Pair] = []
         self._master_of: dict[int, torch.Tensor] = {}
-        self._copies: _Copies | None = None  # the buffers a step's state is kept in until it is known to fit
-        self._checks: _Checks | None = None  # the masters a step checks, by what their parameters hold
+        self._copies: refusal.KeptCopies | None = None  # the buffers a step's state is kept in until it is known to fit
+        self._checks: refusal.FitCheck | None = None  # the masters a step checks, by what their parameters hold
         self._refused: torch.Tensor | None = None  # whether the last step was refused (0-dim bool, on the device)
         # The last step's [refused, which master, its largest |value|] until a scaler says whether its gradients
         # were clean (dls_step_refused); then on their way to the host, to warn of.
@@ -516,30 +506,13 @@ class MasterWeights(torch.optim.Optimizer):
         _wrapped.add(self._optimizer)
 
     # ------------------------------------------------------------------ a step that does not fit is refused
-    def _keep_state(self) -> _Before:
-        """What a step may change, kept: the groups' tensors (masters and parameters passing through) and their
-        state, copied into kept buffers (one ``_foreach_copy_``); each state entry as it was."""
-        params = self._flat_params()
-        state = self._optimizer.state
-        entries = [(p, state.get(p)) for p in params]
-        kept = [
-            (
-                p,
-                None
-                if entry is None
-                else {k: v if isinstance(v, torch.Tensor) else _copied(v) for k, v in entry.items()},
-            )
-            for p, entry in entries
-        ]
-        live = params + [v for _, entry in kept if entry for v in entry.values() if isinstance(v, torch.Tensor)]
-        ids = tuple(map(id, live))
-        if self._copies is None or self._copies.ids != ids:
-            self._copies = _Copies.of(live, ids)
-        with torch.no_grad():
-            torch._foreach_copy_(self._copies.saved, live)
-        return _Before(kept, [entry for _, entry in entries])
+    def _keep_state(self) -> refusal.StateBefore:
+        """What a step may change, kept (``dls.refusal.keep_state``): the groups' tensors (masters and parameters
+        passing through) and their state."""
+        before, self._copies = refusal.keep_state(self._optimizer, self._flat_params(), self._copies)
+        return before
 
-    def _write_back_unless_it_does_not_fit(self, before: _Before | None, on_device: bool) -> None:
+    def _write_back_unless_it_does_not_fit(self, before: refusal.StateBefore | None, on_device: bool) -> None:
         """After the inner step: write the masters back, and where one is inf or NaN once rounded to what its
         parameter holds (its half dtype, or ``fmt``), put everything the step changed back, exactly, and write back
         again. The check is the gradients' one (``dls.kernels.check_nonfinite``: torch's fused AMP check) over the
@@ -551,7 +524,7 @@ class MasterWeights(torch.optim.Optimizer):
         ``before`` is ``None`` where the caller puts the step back (a masked step)."""
         self._write_back()
         if self._checks is None or self._checks.pairs != len(self._pairs):
-            self._checks = _Checks.of(self._pairs, self._fmt)
+            self._checks = refusal.FitCheck.of(self._pairs, self._fmt)
         refused = self._checks.nonfinite_params()
         self._remember_versions()  # the check writes x * 1 back: the parameters are still the rounded masters
         self._refused, self._info = refused, None
@@ -561,15 +534,8 @@ class MasterWeights(torch.optim.Optimizer):
         if before is not None and (not on_device or before.changed_on_host(state)):
             if bool(refused):  # read: the host path, a parameter's first step, state the device cannot put back
                 self._warn(*self._checks.first_unfit(read=True))
-                copies = self._copies
-                assert copies is not None
-                with torch.no_grad():
-                    torch._foreach_copy_(copies.live, copies.saved)
-                for (p, entry), _ in zip(before.kept, before.live_entries):
-                    if entry is None:
-                        state.pop(p, None)
-                    else:
-                        state[p] = entry
+                assert self._copies is not None
+                before.put_back(state, self._copies)
                 self._write_back()
             return
         self._info = self._checks.first_unfit(refused=refused)  # on its way to the host with dls_step_refused
@@ -686,165 +652,6 @@ _HOOK_DICTS = (
     "_optimizer_load_state_dict_pre_hooks",
     "_optimizer_load_state_dict_post_hooks",
 )
-
-
-# An integer dtype of each element size: a tensor's bits as integers (a view), for exact selection on the device.
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor | None:
-    """``t``'s bits as an integer tensor (a view), or ``None`` where there is no such view (sparse, quantized)."""
-    if t.layout != torch.strided or t.is_quantized:
-        return None
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    size = t.element_size()
-    return t.view(_BITS[size]) if size in _BITS else None
-
-
-def _copied(value: Any) -> Any:
-    """A state value that is not a tensor, as it was: Python numbers as they are, anything else deep-copied (LBFGS
-    keeps lists of tensors it changes in place)."""
-    return value if isinstance(value, (numbers.Number, str, type(None))) else copy.deepcopy(value)
-
-
-@dataclasses.dataclass(eq=False)
-class _Copies:
-    """Kept buffers for the tensors a step may change (``live``), reused while they are the same tensors; and both
-    as integer bits grouped by device and width, so that ``select`` puts the old values back on the device exactly:
-    ``live = live * (1 - refused) + saved * refused`` on integers never overflows and keeps NaN and -0.0."""
-
-    ids: tuple[int, ...]
-    live: list[torch.Tensor]
-    saved: list[torch.Tensor]
-    groups: list[tuple[torch.device, torch.dtype, list[torch.Tensor], list[torch.Tensor]]] | None
-    exact: bool = True  # every tensor has a bits view
-
-    @classmethod
-    def of(cls, live: list[torch.Tensor], ids: tuple[int, ...]) -> _Copies:
-        return cls(ids, live, [torch.empty_like(t) for t in live], None)
-
-    def select(self, refused: torch.Tensor) -> None:
-        """Where ``refused``, the live tensors take their kept values back (on the device, no read)."""
-        if self.groups is None:  # the bits views, made once: only the fused and sync-free paths select
-            groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-            exact = True
-            for t, c in zip(self.live, self.saved):
-                bits, kept = _bits(t.detach()), _bits(c)
-                if bits is None or kept is None:
-                    exact = False
-                    break
-                pair = groups.setdefault((t.device, bits.dtype), ([], []))
-                pair[0].append(bits)
-                pair[1].append(kept)
-            self.groups = [(d, dt, a, b) for (d, dt), (a, b) in groups.items()] if exact else []
-            self.exact = exact
-        if not self.exact:  # a tensor without a bits view: decide on the host
-            if bool(refused):
-                torch._foreach_copy_(self.live, self.saved)
-            return
-        for device, dtype, live, saved in self.groups:
-            take = refused.to(device=device, dtype=dtype)
-            torch._foreach_mul_(live, 1 - take)
-            torch._foreach_mul_(saved, take)
-            torch._foreach_add_(live, saved)
-
-
-@dataclasses.dataclass(eq=False)
-class _Before:
-    """Each parameter's state entry before a step: ``kept`` (a copy of the dict, tensors by reference, Python values
-    copied) and ``live_entries`` (the entry dicts themselves, or ``None`` where there was none)."""
-
-    kept: list[tuple[torch.Tensor, dict[str, Any] | None]]
-    live_entries: list[dict[str, Any] | None]
-
-    def changed_on_host(self, state: Any) -> bool:
-        """Whether the step changed what the device cannot put back: an entry made or replaced, a key added or
-        removed, a tensor replaced, a Python value changed."""
-        for (p, entry), live in zip(self.kept, self.live_entries):
-            now = state.get(p)
-            if entry is None or now is None or live is None:
-                if entry is not None or now:
-                    return True
-                continue
-            if now is not live or now.keys() != entry.keys():
-                return True
-            for key, value in entry.items():
-                new = now[key]
-                if isinstance(value, torch.Tensor):
-                    if new is not value:
-                        return True
-                elif new is not value and not (isinstance(value, numbers.Number) and new == value):
-                    return True
-        return False
-
-
-def _rounding_to(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    def round_to(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype)
-
-    return round_to
-
-
-@dataclasses.dataclass(eq=False)
-class _Checks:
-    """The parameters a step checks, grouped by device and dtype for the check, and ordered by what they hold
-    (float16, bfloat16, ``fmt``) for naming the first that does not fit; built once per change of the pairs."""
-
-    pairs: int
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
-    order: list[_Pair]
-    kinds: list[tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]]  # (start, stop, rounding) per kind
-
-    @classmethod
-    def of(cls, pairs: list[_Pair], fmt: formats.FloatFormat | None) -> _Checks:
-        order: list[_Pair] = []
-        kinds = []
-        rounding: dict[Any, Callable[[torch.Tensor], torch.Tensor]] = {}
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for pr in pairs:
-            if pr.master.numel() == 0:
-                continue
-            groups.setdefault((pr.param.device, pr.param.dtype), []).append(pr.param.detach())
-            key: Any = "fmt" if pr.on_grid else pr.param.dtype
-            if key not in rounding:
-                if pr.on_grid:
-                    assert fmt is not None
-                    rounding[key] = fmt.quantize
-                else:
-                    rounding[key] = _rounding_to(pr.param.dtype)
-        for key, round_to in rounding.items():
-            start = len(order)
-            order += [pr for pr in pairs if pr.master.numel() and ("fmt" if pr.on_grid else pr.param.dtype) == key]
-            kinds.append((start, len(order), round_to))
-        return cls(len(pairs), groups, order, kinds)
-
-    def nonfinite_params(self) -> torch.Tensor | None:
-        """Whether some parameter, as written back, holds inf or NaN: a 0-dim bool on the first parameter's
-        device, from ``dls.kernels.check_nonfinite`` (one fused pass per device and dtype); ``None`` without any."""
-        if not self.groups:
-            return None
-        flags = kernels.zero_flags(d for d, _ in self.groups)
-        for (device, _), params in self.groups.items():
-            kernels.check_nonfinite(params, flags[device])
-        return kernels.gather_flags(flags, self.order[0].master.device) > 0
-
-    def first_unfit(self, *, refused: torch.Tensor | None = None, read: bool = False) -> Any:
-        """The first master (in ``order``) that does not fit its parameter, from each master's largest |value|
-        (``_foreach_norm``; rounding is monotonic, so a master fits exactly when its largest value does, and NaN
-        propagates): ``[refused, position, largest]`` as a float32 device tensor, or with ``read`` as
-        ``(position, largest)`` on the host (after a read that found the step refused)."""
-        masters = [pr.master.detach() for pr in self.order]
-        home = masters[0].device
-        norms = torch._foreach_norm(masters, math.inf)
-        largest = torch.stack(norms if all(m.device == home for m in masters) else [n.to(home) for n in norms])
-        fits = torch.cat([torch.isfinite(round_to(largest[a:b])) for a, b, round_to in self.kinds])
-        first = torch.argmax((~fits).to(torch.uint8))
-        if read:
-            position, value = torch.stack([first.float(), largest[first].float()]).tolist()
-            return int(position), value
-        assert refused is not None
-        return torch.stack([refused.float(), first.float(), largest[first].float()])
 
 
 def _parse_fmt(fmt: Any) -> formats.FloatFormat | None:

@@ -76,6 +76,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 import torch
 
 from dls import checks
+from dls.deprecated import warn_renamed
 
 if TYPE_CHECKING:
     from dls.settings import ScalerSettings
@@ -695,14 +696,6 @@ _MOVED = (
 
 def __getattr__(name: str) -> Any:
     if name in _MOVED:
-        import warnings
-
-        from dls import checks
-
-        warnings.warn(
-            f"dls.policy.{name} moved to dls.checks.{name}; the old name goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warn_renamed(f"dls.policy.{name}", f"dls.checks.{name}")
         return getattr(checks, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

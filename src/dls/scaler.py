@@ -41,6 +41,7 @@ import torch.distributed as dist
 from dls import device_step, distributed, kernels
 from dls.arguments import device_kind, is_available, parse_device, read_arguments, read_deepspeed
 from dls.checks import count_problem, flag_problem, limit_problem, python_flag, python_number
+from dls.deprecated import warn_renamed
 from dls.handles import Removable
 from dls.loss_scale import LossScale
 from dls.observers import Diagnostics, Observation, StepObserver, diagnostics
@@ -231,7 +232,7 @@ class GradScaler:
     (``growth_interval``, ``hysteresis``) must be an integer.
 
     Raises:
-        ValueError: a bad argument, named ([`dls.settings.SettingsError`][dls.settings.SettingsError] lists every
+        ValueError: a bad argument, named ([`dls.settings.SettingsError`][dls.checks.SettingsError] lists every
             problem).
     """
 
@@ -357,16 +358,13 @@ class GradScaler:
         *,
         initial_scale: float,
         min_scale: float,
-        growth_factor: float = 2.0,  # Megatron's defaults, as in dls.policy.PEERS (tests/test_settings.py)
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
+        growth_factor: float = PEERS["megatron"].defaults["growth_factor"],
+        backoff_factor: float = PEERS["megatron"].defaults["backoff_factor"],
+        growth_interval: int = PEERS["megatron"].defaults["growth_interval"],
+        hysteresis: int = PEERS["megatron"].defaults["hysteresis"],
     ) -> GradScaler:
-        """A scaler that follows Megatron-LM's ``DynamicGradScaler(initial_scale, min_scale, growth_factor,
-        backoff_factor, growth_interval, hysteresis)`` step by step, from its own arguments (the last four default
-        to Megatron's command-line defaults). One difference: Megatron multiplies without a finite check, so its
-        scale can grow to inf and then skip every step; dls drops a growth that would reach inf.
-        ``load_state_dict`` takes ``DynamicGradScaler.state_dict()`` as saved (``dls.scaler_state``).
+        """Deprecated: ``GradScaler.like("megatron", device, initial_scale=..., min_scale=..., ...)``, which builds
+        every peer's scaler from its own arguments; this name goes in the next release.
 
         Args:
             device: where the scale lives (``"cpu"`` or a CUDA device).
@@ -376,12 +374,11 @@ class GradScaler:
             backoff_factor: the factor of a back-off.
             growth_interval: clean steps before the scale grows.
             hysteresis: overflows tolerated before a back-off (refilled by a growth).
-
-        Raises:
-            ValueError: a bad argument, named.
         """
-        arguments = (initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis)
-        return cls.from_settings(ScalerSettings.megatron(*arguments), device=device)
+        warn_renamed("GradScaler.from_megatron(...)", 'GradScaler.like("megatron", ...)')
+        arguments = dict(initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor)
+        arguments |= dict(backoff_factor=backoff_factor, growth_interval=growth_interval, hysteresis=hysteresis)
+        return cls.like("megatron", device, **arguments)
 
     @classmethod
     def like(cls, peer: str, device: str | torch.device = "cuda", **arguments: Any) -> GradScaler:
@@ -467,7 +464,9 @@ class GradScaler:
 
     @property
     def max_gradient_norm(self) -> float | None:
-        """The global gradient-norm limit ``step()`` clips to (``None``: no clipping), as cstorch.amp names it."""
+        """Deprecated: ``scaler.settings.max_gradient_norm`` (cstorch.amp keeps it private too); this name goes in
+        the next release."""
+        warn_renamed("GradScaler.max_gradient_norm", "GradScaler.settings.max_gradient_norm")
         return self._scale.settings.max_gradient_norm
 
     def get_scale(self) -> float:

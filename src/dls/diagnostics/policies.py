@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dls.arguments import read_deepspeed
 from dls.checks import FLOAT32_MAX, FLOAT32_TINY, shown
 from dls.diagnostics.trace import Trace, settings_of
 from dls.policy import PEERS
@@ -172,23 +173,21 @@ def _model_zoo_yaml(s: ScalerSettings) -> str | None:
 
 
 def _megatron(v: dict[str, Any], half: str) -> ScalerSettings:
-    from dls.scaler import GradScaler  # the library's constructor for Megatron-LM's arguments
-
-    return GradScaler.from_megatron("cpu", **v).settings
+    return ScalerSettings.megatron(**v)
 
 
 def _megatron_dls(s: ScalerSettings) -> str | None:
     if not _dynamic(s, "megatron"):
         return None
     args = [
-        '"cuda"',
+        '"megatron", "cuda"',
         f"initial_scale={config_number(s.init_scale)}",
         f"min_scale={config_number(s.min_loss_scale)}",
         *_factors(s),
         f"growth_interval={s.growth_interval}",
         f"hysteresis={s.hysteresis}",
     ]
-    return f"dls.GradScaler.from_megatron({', '.join(args)})"
+    return f"dls.GradScaler.like({', '.join(args)})"
 
 
 def _megatron_flags(s: ScalerSettings) -> str | None:
@@ -203,9 +202,7 @@ def _megatron_flags(s: ScalerSettings) -> str | None:
 
 
 def _deepspeed(v: dict[str, Any], half: str) -> ScalerSettings:
-    from dls.scaler import GradScaler  # the library's constructor for DeepSpeed's fp16 section (its growth timing)
-
-    return GradScaler.from_deepspeed({"enabled": True, "loss_scale": 0, **v}, device="cpu").settings
+    return read_deepspeed({"enabled": True, "loss_scale": 0, **v})[0]  # as GradScaler.from_deepspeed reads it
 
 
 def _deepspeed_fp16(s: ScalerSettings) -> str:

@@ -57,6 +57,7 @@ from torch.utils.hooks import RemovableHandle
 from dls import distributed
 from dls.checks import flag_problem
 from dls.diagnostics.fallback import Fallback, KeptState
+from dls.diagnostics.record import Recorder
 from dls.diagnostics.scales import module_label, pow2
 from dls.handles import Removable
 from dls.keep import KeptInFloat32, resolve_modules, unwrap
@@ -483,8 +484,6 @@ class _Diagnostics:
         return self._watches[scaler].watch(model, fallback, process_group)
 
     def record(self, scaler: GradScaler, file: Any, **options: Any) -> Any:
-        from dls.diagnostics.record import Recorder
-
         return Recorder(scaler, file, **options)
 
     def overflow_report(self, scaler: GradScaler) -> OverflowReport | None:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from dls.diagnostics.scales import percent, pow2
-from dls.fp8.emulate import emulate
+from dls.fp8.gemm import emulate_recipe
 from dls.fp8.recipes import RECIPE_NAMES, Recipe
 
 __all__ = ["RecipeComparison", "RecipeResult", "compare_recipes"]
@@ -78,8 +78,8 @@ def compare_recipes(
     seed: int = 0,
 ) -> RecipeComparison:
     """Run ``loss_fn(batch)`` (``model``'s loss on ``batch``) for every batch of ``batches`` in float32 (no backward),
-    then with ``model`` under [`dls.fp8.emulate`][dls.fp8.emulate.emulate] with each recipe in turn (forward and
-    backward), and compare.
+    then with ``model`` under [`dls.fp8.emulate_recipe`][dls.fp8.gemm.emulate_recipe] with each recipe in turn
+    (forward and backward), and compare.
 
     ``batches`` is iterated once for the float32 reference and once per recipe, so it must yield the same batches
     each time (a list, or an object whose ``__iter__`` starts over). Pass ``i`` of each iteration runs with torch's
@@ -134,7 +134,7 @@ def compare_recipes(
         if not float32:
             raise ValueError("batches yielded no batch")
         for recipe in recipes:
-            with emulate(model, recipe) as handle:
+            with emulate_recipe(model, recipe) as handle:
                 loss, totals = _mean(losses(backward=True)), handle.stats.totals()
             grad, inp, weight = totals["grad_output"], totals["input"], totals["weight"]
             values = inp["values"] + weight["values"]

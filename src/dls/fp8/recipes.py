@@ -121,7 +121,7 @@ class DelayedScaling(_Recipe):
     casts with a scale computed from the *earlier* ones.
 
     For every (module, role): the first cast uses scale 1. Each cast records the amax of its unscaled values
-    (all-reduced with MAX across the process group given to [`dls.fp8.emulate`][dls.fp8.emulate.emulate] when
+    (all-reduced with MAX across the process group given to [`dls.fp8.emulate_recipe`][dls.fp8.gemm.emulate_recipe] when
     ``torch.distributed`` is initialised) at the front of a rolling history of ``amax_history_len`` entries
     (zeros at first). The next cast's scale is [`dls.fp8.scale_from_amax`][dls.fp8.scale_from_amax] of the history's
     maximum (``"max"``) or of the latest amax (``"most_recent"``), with ``margin``; when that amax is 0, inf or NaN the

@@ -19,11 +19,11 @@ from typing import NamedTuple
 import torch
 
 from dls import formats
+from dls.checks import FLOAT32_MAX
 from dls.formats import FloatFormat
 
 __all__ = ["MX_BLOCK_SIZE", "MX_SCALE_MODES", "fp8_format", "mx_quantize", "scale_from_amax"]
 
-FLOAT32_MAX = torch.finfo(torch.float32).max
 MX_BLOCK_SIZE = 32
 MX_SCALE_MODES = ("rceil", "floor")
 

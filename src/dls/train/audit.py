@@ -14,8 +14,9 @@ from torch import nn
 import dls
 from dls.diagnostics import AuditResult, FormatAudit
 from dls.train import checkpoint as ckpt
+from dls.train.batches import Batch, BatchIterator, TrainModel
 from dls.train.config import TrainConfig
-from dls.train.data import Batch, BatchIterator, TrainModel, build_dataset, build_model
+from dls.train.data import build_dataset, build_model
 from dls.train.launch import resolve_device
 
 

@@ -11,6 +11,7 @@ import difflib
 import importlib.resources
 import importlib.util
 import inspect
+import io
 import re
 import shutil
 import sys
@@ -213,6 +214,41 @@ def existing_config(path: str) -> str:
 
 
 @contextlib.contextmanager
+def _columns(width: int) -> Iterator[None]:
+    import os
+
+    before = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = str(width)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = before
+
+
+def commands_markdown(width: int = 100) -> str:
+    """``dls --help`` and each command's ``--help``, as printed at ``width`` columns (Markdown)."""
+    with _columns(width):
+        parser = build_parser()
+        parts = [f"### `dls`\n\n```text\n{parser.format_help().rstrip()}\n```\n"]
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        for name, sub in subparsers.choices.items():
+            if name == "data":  # dls.train.modelzoo parses its own arguments
+                from dls.train.modelzoo import main as data_main
+
+                text = io.StringIO()
+                with contextlib.redirect_stdout(text), contextlib.suppress(SystemExit):
+                    data_main(["--help"])
+                usage = text.getvalue().rstrip()
+            else:
+                usage = sub.format_help().rstrip()
+            parts.append(f"### `dls {name}`\n\n```text\n{usage}\n```\n")
+    return "\n".join(parts)
+
+
+@contextlib.contextmanager
 def config_errors(source: str) -> Iterator[None]:
     """What a run's set-up rejects (the device, a batch larger than the data) is an error of the config ``source``."""
     try:
@@ -231,7 +267,8 @@ def _validate(args: argparse.Namespace) -> None:
     import yaml
     from rich.console import Console
 
-    from dls.train.config import load_config, loss_scaling_mode, memory_problem, missing_paths, scaler_settings, to_dict
+    from dls.train.config import load_config, loss_scaling_mode, memory_problem, scaler_settings, to_dict
+    from dls.train.data import missing_paths
     from dls.train.trainer import Trainer
 
     cfg = load_config(existing_config(args.config), args.override)

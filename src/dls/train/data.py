@@ -1,51 +1,38 @@
 """dls's built-in data sets (``teacher_regression``, ``char_corpus``) and models (``mlp``, ``transformer_lm``; a
 model's ``loss(batch)`` is the unweighted training loss as a float32 scalar), the dispatch to Model Zoo's readers and
-models (``dls.train.modelzoo``), and resumable batches (from ``(epoch, position)``; data-parallel ranks take strided
-batches of one epoch order)."""
+models (``dls.train.modelzoo``), what of a config's data files is missing here (``missing_paths``), and a model's
+mean loss over batches (``evaluate``). What a data set, its resumable batches and a model are to the trainer is
+``dls.train.batches``."""
 
 from __future__ import annotations
 
 import copy
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dls.checks import shown
-from dls.train.config import ZOO_MODELS, DataConfig, ModelConfig
-from dls.train.errors import ConfigError
-
-Batch = Any  # (inputs, targets) for the built-in data sets; what a Model Zoo model's loss takes otherwise
+from dls.train.batches import Batch, BatchIterator, DataInfo, Dataset, TrainModel
+from dls.train.config import ZOO_MODELS, DataConfig, ModelConfig, TrainConfig
 
 
-@dataclass(frozen=True)
-class DataInfo:
-    """What a model needs to know about its data."""
+def missing_paths(cfg: TrainConfig) -> list[str]:
+    """What is missing or malformed here in the data of the loaders ``dls train`` uses (a note for ``validate``, an
+    error for ``train``), naming the key as written and the layout expected."""
+    from dls.train.modelzoo import check_data  # imported only by runs of Model Zoo data, as in the trainer
 
-    input_dim: int = 0
-    output_dim: int = 0
-    vocab_size: int = 0
-    sequence_length: int = 0
-
-
-class Dataset:
-    """Samples indexed ``0..len-1``; ``batch(indices)`` stacks them into ``(inputs, targets)``: by default the
-    samples ``x[indices]`` and targets ``y[indices]``."""
-
-    info: DataInfo
-    x: torch.Tensor
-    y: torch.Tensor
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def batch(self, indices: torch.Tensor, epoch: int) -> Batch:
-        return self.x[indices], self.y[indices]
+    lines, cwd = [], f" (relative paths resolve against {Path.cwd()})"
+    for section, split in (("data", "train"), ("eval_data", "val")):
+        data = getattr(cfg, section)
+        if data is not None and data.data_processor is not None:
+            key = cfg.sources.get(f"{section}.params", "train_input" if split == "train" else "eval_input")
+            lines += [p + cwd for p in check_data(data.data_processor, data.loader_params, split=split, prefix=key)]
+    return lines
 
 
 class TeacherRegression(Dataset):
@@ -100,78 +87,11 @@ def build_batches(
     if cfg.data_processor is None:
         shuffle_seed = cfg.shuffle_seed if cfg.shuffle_seed is not None else seed
         return BatchIterator(build_dataset(cfg), cfg.batch_size, cfg.shuffle, shuffle_seed, rank, world_size)
-    from dls.train import modelzoo  # here, not at the top: it imports this module
+    from dls.train import modelzoo  # imported only by runs of Model Zoo data, as in the trainer
 
     return modelzoo.build_loader(
         cfg.data_processor, cfg.loader_params, split=split, seed=seed, rank=rank, world_size=world_size, prefix=prefix
     )
-
-
-@dataclass(eq=False)
-class BatchIterator:
-    """Batches of ``batch_size`` samples, epoch after epoch; an epoch's incomplete last batch is dropped unless
-    ``drop_last`` is false (Model Zoo's readers). ``ConfigError`` naming ``key`` when a rank has no whole batch."""
-
-    dataset: Dataset
-    batch_size: int
-    shuffle: bool
-    seed: int
-    rank: int = 0
-    world_size: int = 1
-    drop_last: bool = True
-    key: str = "data.batch_size"
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank must be in [0, world_size={self.world_size}); got {self.rank}")
-        if len(self.dataset) // self.batch_size < self.world_size:  # each rank takes at least one whole batch
-            ranks = f" per rank * {self.world_size} ranks" if self.world_size > 1 else ""
-            size = f"({self.batch_size}){ranks} is larger than the data set ({len(self.dataset)} samples)"
-            raise ConfigError([f"{self.key} {size}"])
-        self.epoch = self.position = 0
-        self._order: torch.Tensor | None = None
-
-    @property
-    def batches_per_epoch(self) -> int:
-        """Batches this rank takes per epoch."""
-        samples = len(self.dataset) + (0 if self.drop_last else self.batch_size - 1)
-        return samples // self.batch_size // self.world_size
-
-    def next(self) -> Batch:
-        if self.position >= self.batches_per_epoch:
-            self.epoch, self.position, self._order = self.epoch + 1, 0, None
-        if self._order is None:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            n = len(self.dataset)
-            self._order = torch.randperm(n, generator=gen) if self.shuffle else torch.arange(n)
-        start = (self.position * self.world_size + self.rank) * self.batch_size
-        self.position += 1
-        return self.dataset.batch(self._order[start : start + self.batch_size], self.epoch)
-
-    def state_dict(self) -> dict[str, Any]:
-        position = self.position * self.world_size  # the batches of this epoch taken by all ranks
-        state = {"epoch": self.epoch, "position": position, "seed": self.seed, "batch_size": self.batch_size}
-        return state | ({"world_size": self.world_size} if self.world_size > 1 else {})
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` (:meth:`state_dict`); ``ValueError`` naming the field when it is not one."""
-        if not isinstance(state, dict):
-            raise ValueError(f"a mapping with epoch and position is expected; got {type(state).__name__}")
-        # epoch and position are loaded; seed, batch_size and world_size (when saved) say what the saving run read,
-        # and the config decides them now: each is still checked, as a field of the format.
-        for key, low in {"epoch": 0, "position": 0, "seed": 0, "batch_size": 1, "world_size": 1}.items():
-            value = state.get(key) if key in ("epoch", "position") else state.get(key, low)
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**63:
-                raise ValueError(f"{key} must be an integer >= {low}; got {shown(value)}")
-        self.epoch, self._order = state["epoch"], None
-        self.position = -(-state["position"] // self.world_size)  # rounded up: no batch slot is taken twice
-
-
-class TrainModel(nn.Module):
-    """A model that knows its loss."""
-
-    def loss(self, batch: Batch) -> torch.Tensor:
-        raise NotImplementedError
 
 
 class MLP(TrainModel):
@@ -257,7 +177,7 @@ class TransformerLM(TrainModel):
 def build_model(cfg: ModelConfig, info: DataInfo | None) -> TrainModel:
     """The model ``cfg`` names: built in (on ``info``'s data), or a Model Zoo model (``dls.train.modelzoo``)."""
     if cfg.name in ZOO_MODELS:
-        from dls.train import modelzoo  # here, not at the top: it imports this module
+        from dls.train import modelzoo  # imported only by runs of Model Zoo models, as in the trainer
 
         return modelzoo.build_model(cfg.name, dict(cfg.params))
     assert info is not None, "a built-in model is built on its data set"

@@ -1,23 +1,21 @@
 """The reference tables the documentation renders (docs/reference/trainer.md, through docs/hooks/generated.py): every
 config key the trainer reads, generated from the schema itself (``dls.train.config.schema``'s sections and their
-pydantic fields, ``dls.train.config.layouts``' tables, ``dls.train.modelzoo``'s key models), so that a key added
-there appears here with its type, default, allowed values and help; and the ``--help`` of every ``dls`` command.
+pydantic fields, ``dls.train.config.layouts``' tables, ``dls.train.config.zoo_keys``' key models), so that a key
+added there appears here with its type, default, allowed values and help. Each command's ``--help`` as Markdown is
+``dls.train.cli.commands_markdown``.
 
 Where a key lives in the current Model Zoo layout is found by running the config reader's own tables on probe
 values, not by a list kept here."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import importlib
-import io
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pydantic import BaseModel
 
-from dls.train.config import layouts, schema, validation
+from dls.train.config import layouts, schema, validation, zoo_keys
 
 # Values offered to a layout table's reader functions (whose argument shapes differ): each is tried in turn.
 _PROBES: tuple[Callable[[list[str]], Any], ...] = (
@@ -165,11 +163,8 @@ def config_keys_markdown() -> str:
 
 
 def _modelzoo_markdown() -> str:
-    """The keys of Model Zoo's models and data processors, as ``dls.train.modelzoo`` declares them."""
-    try:
-        modelzoo = importlib.import_module("dls.train.modelzoo.keys")
-    except ImportError:  # the modelzoo extra is missing: the docs build needs it
-        raise ImportError("the config-key reference needs dls.train.modelzoo (pip install -e '.[modelzoo]')") from None
+    """The keys of Model Zoo's models and data processors, as ``dls.train.config.zoo_keys`` declares them."""
+    modelzoo = zoo_keys
     parts = ["### Model Zoo's models and data processors\n"]
     tables = {
         "`model:` of `fc_mnist`": "FcMnistKeys",
@@ -208,43 +203,6 @@ def _modelzoo_markdown() -> str:
         + ", ".join(f"`{k}`" for k in ignored)
         + ".\n"
     )
-    return "\n".join(parts)
-
-
-@contextlib.contextmanager
-def _columns(width: int) -> Iterator[None]:
-    import os
-
-    before = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = str(width)
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["COLUMNS"]
-        else:
-            os.environ["COLUMNS"] = before
-
-
-def commands_markdown(width: int = 100) -> str:
-    """``dls --help`` and each command's ``--help``, as printed at ``width`` columns (Markdown)."""
-    from dls.train.cli import build_parser
-
-    with _columns(width):
-        parser = build_parser()
-        parts = [f"### `dls`\n\n```text\n{parser.format_help().rstrip()}\n```\n"]
-        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        for name, sub in subparsers.choices.items():
-            if name == "data":  # dls.train.modelzoo parses its own arguments
-                from dls.train.modelzoo import main as data_main
-
-                text = io.StringIO()
-                with contextlib.redirect_stdout(text), contextlib.suppress(SystemExit):
-                    data_main(["--help"])
-                usage = text.getvalue().rstrip()
-            else:
-                usage = sub.format_help().rstrip()
-            parts.append(f"### `dls {name}`\n\n```text\n{usage}\n```\n")
     return "\n".join(parts)
 
 

@@ -32,8 +32,8 @@ from dls.diagnostics.fallback import apply_precision_fallback, fallback_note
 from dls.diagnostics.record import TRACE_FILE, Recorder, kept_for_resume
 from dls.diagnostics.scales import module_label, pow2
 from dls.emulation import EmulationHandle
+from dls.train import batches, config, data, reporting, rundir
 from dls.train import checkpoint as ckpt
-from dls.train import config, data, reporting, rundir
 from dls.train.errors import MissingExtras, RankError, TrainingStopped, describe, exit_status
 from dls.train.launch import resolve_device
 from dls.train.reporting import TrainResult, json_number
@@ -78,12 +78,12 @@ class Trainer:
         self.crash_dir: Path | None = None  # where a crash report may go: model_dir, once this run has locked it
         ckpt.seed_everything(rc.seed)
         # Model Zoo data: the directories are checked here, not by dls validate.
-        if not cfg.data.dataset and (missing := config.missing_paths(cfg)):
+        if not cfg.data.dataset and (missing := data.missing_paths(cfg)):
             raise ValueError("; ".join(missing))
         where = cfg.sources.get
         self.batches = data.build_batches(cfg.data, rc.seed, "train", self.rank, self.world_size, where("data.params"))
         self.dataset = self.batches.dataset if cfg.data.data_processor is None else None  # a built-in data set
-        self.eval_batches: data.BatchIterator | None = None  # without eval_input: Model Zoo's training data, later
+        self.eval_batches: batches.BatchIterator | None = None  # without eval_input: Model Zoo's training data, later
         if cfg.eval_data is not None:
             self.eval_batches = data.build_batches(cfg.eval_data, rc.seed, "val", prefix=where("eval_data.params"))
         prec = cfg.precision
@@ -91,9 +91,9 @@ class Trainer:
         if cfg.model.name in config.ZOO_MODELS:  # can it read the data (positions, token ids)
             from dls.train import modelzoo  # imported only by runs of Model Zoo models, as in dls.train.data
 
-            for batches in (self.batches, self.eval_batches):
-                if batches is not None:
-                    modelzoo.fit_to_data(self.model, batches.dataset, where("model.params", "model"))
+            for source in (self.batches, self.eval_batches):
+                if source is not None:
+                    modelzoo.fit_to_data(self.model, source.dataset, where("model.params", "model"))
         self.param_dtype: torch.dtype = getattr(torch, prec.param_dtype)  # float32, float16 or bfloat16
         self.model = self.model.to(self.device, self.param_dtype)
         self.max_steps = rc.max_steps
@@ -106,7 +106,7 @@ class Trainer:
         self.fp8: dls.fp8.Fp8Handle | None = None  # FP8 Linear layers (precision.fp8)
         if prec.fp8 is not None:  # before DDP: FP8's delayed scaling reduces its amaxes over the same ranks
             group = dist.group.WORLD if self.world_size > 1 else None
-            self.fp8 = dls.fp8.emulate(self.model, dls.fp8.recipe_from_dict(dict(prec.fp8)), process_group=group)
+            self.fp8 = dls.fp8.emulate_recipe(self.model, dls.fp8.recipe_from_dict(dict(prec.fp8)), process_group=group)
         self.emulation: EmulationHandle | None = None  # dls.emulate's hooks (cbfloat16, precision.emulate), per session
         self._recorded: tuple[list[float], ...] = ([], [], [])  # grad_underflow, FP8 flushed, saturated: per row
         self.ddp: DistributedDataParallel | None = None
@@ -376,7 +376,7 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=getattr(torch, prec.compute_dtype))
         return contextlib.nullcontext()
 
-    def _to_device(self, batch: data.Batch, dtype: torch.dtype | None = None) -> data.Batch:
+    def _to_device(self, batch: batches.Batch, dtype: torch.dtype | None = None) -> batches.Batch:
         """``batch`` (tensors in tuples, lists, dicts) on the device; floating-point inputs in ``dtype``."""
         dtype = dtype or self.param_dtype
         if isinstance(batch, torch.Tensor):
@@ -390,9 +390,9 @@ class Trainer:
             return type(batch)(self._to_device(v, dtype) for v in batch)
         return batch
 
-    def _probe_underflow(self, batch: data.Batch, scale: float) -> float:
+    def _probe_underflow(self, batch: batches.Batch, scale: float) -> float:
         """The fraction of nonzero activation gradients flushed to zero at ``scale`` (one emulated backward pass)."""
-        model: data.TrainModel = self.model
+        model: batches.TrainModel = self.model
         if self.param_dtype != torch.float32:  # half parameters: a float32 copy holds the same values
             model = copy.deepcopy(model).float()
             batch = self._to_device(batch, torch.float32)
@@ -677,11 +677,11 @@ def parameter_norm(model: torch.nn.Module) -> torch.Tensor:
 class _LossOf(torch.nn.Module):
     """``forward(batch)`` is ``model.loss(batch)``, so the loss goes through DDP's forward (its all-reduce)."""
 
-    def __init__(self, model: data.TrainModel) -> None:
+    def __init__(self, model: batches.TrainModel) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, batch: data.Batch) -> torch.Tensor:
+    def forward(self, batch: batches.Batch) -> torch.Tensor:
         return self.model.loss(batch)
 
 

@@ -5,8 +5,10 @@ torchtitan's ``config/`` cut:
 - ``manager``: the YAML file read safely, the command line's overrides applied;
 - ``layouts``: Model Zoo's layouts (and Release 1.x's names) key by key onto the sections, Model Zoo's defaults, and
   back to dls's own layout (``to_dict``);
+- ``zoo_keys``: the keys of a Model Zoo model's and data processor's own sections (``parse_model``,
+  ``parse_loader``), which ``dls.train.modelzoo`` builds from;
 - ``validation``: ``parse_config`` (every problem under its key as written, the loss-scaling keys judged by
-  ``ScalerSettings``), the scaler's settings of a config, what a run needs of the machine.
+  ``ScalerSettings``), the scaler's settings of a config, the memory a run needs.
 
 :func:`load_config` is all of it for a file. Every error names the key as the file wrote it."""
 
@@ -40,7 +42,6 @@ from dls.train.config.validation import (
     GPU_NEVER,
     loss_scaling_mode,
     memory_problem,
-    missing_paths,
     optimizer_class,
     parse_config,
     scaler_settings,
@@ -52,7 +53,7 @@ __all__ = [
     "SECTION_CLASSES", "ZOO_MODELS", "ZOO_PROCESSORS", "ZOO_RUNCONFIG", "DataConfig", "Finite", "ModelConfig",
     "OptimizerConfig", "PrecisionConfig", "RunConfig", "SchedulePiece", "TrainConfig", "apply_overrides",
     "default_model_dir", "describe_keys", "did_you_mean", "load_config", "load_yaml", "loss_scaling_mode",
-    "memory_problem", "missing_paths", "optimizer_class", "parse_checkpoint_states", "parse_config", "read_config",
+    "memory_problem", "optimizer_class", "parse_checkpoint_states", "parse_config", "read_config",
     "scaler_settings", "step_once", "to_dict",
 ]  # fmt: skip
 

@@ -1,6 +1,6 @@
 """The config's schema: dls's sections and every key of them, each declared once as a pydantic field (its type,
 bounds, default and the help ``dls keys`` prints); what a Model Zoo model's or data processor's own keys are is
-``dls.train.modelzoo.keys``'s. Numbers are strict (``true`` is not 1, ``"1024"`` is not 1024), finite and at most
+``dls.train.config.zoo_keys``'. Numbers are strict (``true`` is not 1, ``"1024"`` is not 1024), finite and at most
 float32's max in size; counts are integers (``100.0`` is not a count, as ``GradScaler`` and the FP8 recipes refuse
 it) with fixed upper bounds. The loss-scaling keys are ``Any`` here: ``ScalerSettings`` judges them
 (``dls.train.config.validation``)."""

@@ -2,9 +2,9 @@
 dls's sections, builds each with its pydantic schema (``dls.train.config.schema``), says each problem under the key
 as the file wrote it, and judges what one section alone cannot: the loss-scaling keys by the library itself
 (``ScalerSettings.cerebras``, so the config accepts exactly what ``GradScaler`` accepts), the combinations of
-keys, a Model Zoo model's and data processor's own keys (``dls.train.modelzoo``), the FP8 recipe, one step of the
-optimizer at its largest learning rate. Then what the run needs of the machine (:func:`missing_paths`,
-:func:`memory_problem`: notes for ``dls validate``, errors for ``dls train``)."""
+keys, a Model Zoo model's and data processor's own keys (``dls.train.config.zoo_keys``), the FP8 recipe, one step
+of the optimizer at its largest learning rate. Then the memory the run needs of the machine (:func:`memory_problem`:
+a note for ``dls validate``, an error for ``dls train``; its data files are ``dls.train.data.missing_paths``')."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import contextlib
 import dataclasses
 import re
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from dls.checks import FLOAT32_MAX, INT64_MAX
 from dls.settings import TORCH_INIT_SCALE, ScalerSettings, SettingsError
+from dls.train.cerebras_adam import CerebrasAdam
 from dls.train.config.layouts import (
     CURRENT_LAYOUT,
     RELEASE_1_KEYS,
@@ -41,6 +41,7 @@ from dls.train.config.schema import (
     did_you_mean,
     unknown_key,
 )
+from dls.train.config.zoo_keys import LR_GROUPS, parse_loader, parse_model
 from dls.train.errors import ConfigError
 from dls.train.launch import free_memory
 
@@ -235,10 +236,8 @@ def _check_combinations(b: dict[str, Any], r: Reader) -> None:
 
 
 def _check_zoo(b: dict[str, Any], r: Reader) -> None:
-    """A Model Zoo model's and readers' own keys, judged by ``dls.train.modelzoo``'s parsers (no torch, no files), and
-    the optimizer keys of Model Zoo's optimizers."""
-    from dls.train.modelzoo import LR_GROUPS, parse_loader, parse_model
-
+    """A Model Zoo model's and readers' own keys, judged by ``dls.train.config.zoo_keys``' parsers (no files read),
+    and the optimizer keys of Model Zoo's optimizers."""
     for section, default in (("model", "model"), ("data", "train_input"), ("eval_data", "eval_input")):
         part, where = b[section], r.written.get(f"{section}.params", default)
         try:
@@ -288,7 +287,7 @@ def step_once(cls: type, hyper: dict[str, Any]) -> tuple[dict[str, Any], bool]:
 
 def optimizer_class(opt: OptimizerConfig, model: str) -> tuple[type, dict[str, Any]]:
     """The optimizer class that ``optimizer:`` (``opt``) builds for the model ``model`` and its hyperparameters but
-    the learning rate: Model Zoo's models take cstorch's Adam and AdamW (``dls.train.modelzoo.CerebrasAdam``, which
+    the learning rate: Model Zoo's models take cstorch's Adam and AdamW (``dls.train.cerebras_adam.CerebrasAdam``, which
     honours ``correct_bias``), dls's own models torch's; SGD is torch's for both (as cstorch's)."""
     import torch
 
@@ -296,8 +295,6 @@ def optimizer_class(opt: OptimizerConfig, model: str) -> tuple[type, dict[str, A
         return torch.optim.SGD, {"momentum": opt.momentum, "weight_decay": opt.weight_decay}
     hyper = {"betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay}
     if model in ZOO_MODELS:
-        from dls.train.modelzoo import CerebrasAdam
-
         decoupled = opt.optimizer_type == "AdamW"
         return CerebrasAdam, {**hyper, "correct_bias": opt.correct_bias, "decoupled_weight_decay": decoupled}
     return torch.optim.Adam if opt.optimizer_type == "Adam" else torch.optim.AdamW, hyper
@@ -452,20 +449,6 @@ def scaler_settings(cfg: TrainConfig) -> ScalerSettings:
 def loss_scaling_mode(cfg: TrainConfig) -> str:
     """``"dynamic"``, ``"static"`` or ``"off"`` (``"off"`` when the run computes in float32)."""
     return "off" if cfg.precision.compute_dtype == "float32" else scaler_settings(cfg).mode
-
-
-def missing_paths(cfg: TrainConfig) -> list[str]:
-    """What is missing or malformed here in the data of the loaders ``dls train`` uses (a note for ``validate``, an
-    error for ``train``), naming the key as written and the layout expected."""
-    from dls.train.modelzoo import check_data
-
-    lines, cwd = [], f" (relative paths resolve against {Path.cwd()})"
-    for section, split in (("data", "train"), ("eval_data", "val")):
-        data = getattr(cfg, section)
-        if data is not None and data.data_processor is not None:
-            key = cfg.sources.get(f"{section}.params", "train_input" if split == "train" else "eval_input")
-            lines += [p + cwd for p in check_data(data.data_processor, data.loader_params, split=split, prefix=key)]
-    return lines
 
 
 # float32 weights, gradients and Adam's two states (16 bytes), and a checkpoint's weights and Adam states serialised

@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from dls.train.data import BatchIterator, DataInfo, Dataset
+from dls.train.batches import BatchIterator, DataInfo, Dataset
+from dls.train.config.zoo_keys import LoaderKeys, parse_loader
 from dls.train.errors import ConfigError
 from dls.train.launch import free_memory
 from dls.train.modelzoo.extra import require
-from dls.train.modelzoo.keys import LoaderKeys, parse_loader
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 IGNORE_INDEX = -100  # a label that the loss skips: where Model Zoo's attention_mask (a loss mask) is 0

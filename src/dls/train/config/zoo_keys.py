@@ -14,13 +14,17 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from torch import nn
 
-from dls.train.config import ZOO_MODELS, ZOO_PROCESSORS, Finite, did_you_mean
+from dls.train.config.schema import ZOO_MODELS, ZOO_PROCESSORS, Finite, did_you_mean
 from dls.train.errors import ConfigError
 
 Positive = Annotated[int, Field(gt=0)]
 Number = Annotated[float, Finite()]  # finite, at most float32's max in size: as every float key of the config
 PositiveFloat = Annotated[float, Finite(gt=0)]
 Rate = Annotated[float, Finite(ge=0, le=1)]
+
+# The learning-rate groups of Model Zoo's GPT models that ``optimizer.adjust_learning_rate`` may name
+# (GPT2LMHeadModelConfig.create_default_lr_adjustment_groups); dls.train.modelzoo.models says which weights each holds.
+LR_GROUPS = ("embedding", "decoder_kernel", "decoder_attention", "decoder_input_ffn", "decoder_output_ffn")
 
 
 class _Keys(BaseModel):

@@ -1,6 +1,6 @@
-"""``dls.fp8.emulate``: make every ``nn.Linear`` of a model compute its GEMMs with FP8 operands, exactly.
+"""``dls.fp8.emulate_recipe``: make every ``nn.Linear`` of a model compute its GEMMs with FP8 operands, exactly.
 
-``handle = dls.fp8.emulate(model, recipe)`` replaces the ``forward`` of each selected ``nn.Linear`` (an
+``handle = dls.fp8.emulate_recipe(model, recipe)`` replaces the ``forward`` of each selected ``nn.Linear`` (an
 instance attribute: the class, parameters, state-dict keys, hooks and the optimizer are untouched) by a custom
 ``autograd.Function`` that runs the layer's three GEMMs on operands cast to FP8 per the recipe and cast back
 (``payload / scale``), with float32 products and accumulation:
@@ -65,7 +65,7 @@ from dls.fp8.recipes import (
 from dls.handles import Removable
 from dls.keep import in_kept_call
 
-__all__ = ["Fp8Handle", "Fp8Stats", "emulate"]
+__all__ = ["Fp8Handle", "Fp8Stats", "emulate_recipe"]
 
 _RECIPE_TYPES = (CurrentScaling, DelayedScaling, MXFP8, StaticScaling)
 
@@ -355,8 +355,8 @@ class Fp8Stats:
 
 
 class Fp8Handle(Removable):
-    """What [`emulate`][dls.fp8.emulate.emulate] returns. ``remove()`` restores the modules (idempotent); the handle is
-    a context manager that removes on exit.
+    """What [`emulate_recipe`][dls.fp8.gemm.emulate_recipe] returns. ``remove()`` restores the modules (idempotent);
+    the handle is a context manager that removes on exit.
 
     Attributes:
         recipe: the recipe in use.
@@ -470,7 +470,7 @@ class Fp8Handle(Removable):
         return f"Fp8Handle({self.recipe!r}, modules={len(self.modules)}, {self._state()})"
 
 
-def emulate(
+def emulate_recipe(
     model: nn.Module,
     recipe: Recipe,
     *,
