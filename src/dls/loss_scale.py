@@ -45,11 +45,11 @@ class HostCopy:
         self._event: Any = None
         if torch.compiler.is_compiling():
             return
-        values = values.detach().reshape(-1).float()
-        if values.device.type == "cpu":
-            self._copy = values.contiguous()  # host memory already
+        if values.device.type == "cpu":  # host memory already: read where it lies (no op for a float32 scale)
+            ready = values.dtype == torch.float32 and values.is_contiguous()
+            self._copy = values if ready else values.detach().float().contiguous()
         elif values.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            copy = torch.empty(values.shape, dtype=torch.float32, pin_memory=True)
+            copy = torch.empty(values.shape, dtype=torch.float32, pin_memory=True)  # copy_ converts the dtype
             copy.copy_(values, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
