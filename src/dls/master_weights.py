@@ -321,7 +321,11 @@ class MasterWeights(torch.optim.Optimizer):
         the gradients were clean (``found_inf``, the scaler's flag, zero; ``None``: no flag), a 0-dim bool tensor on
         the device, not read back; ``None`` before the first step (``dls.optimizers.RefusesSteps``: the scaler
         counts a refused step as skipped). A sync-free step runs on overflowing gradients and is put back for them:
-        that is no refusal, and no warning."""
+        that is no refusal, and no warning.
+
+        Args:
+            found_inf: the scaler's overflow flag of this step's gradients, or ``None`` (a disabled scaler's step).
+        """
         self._publish(found_inf)
         if self._refused is None or found_inf is None:
             return self._refused
@@ -330,7 +334,11 @@ class MasterWeights(torch.optim.Optimizer):
     def dls_next_step(self, *, restored_by_caller: bool) -> None:
         """The scaler's next ``step()`` reads nothing back (the fused path, ``sync_free``): a refused step is put
         back on the device; with ``restored_by_caller`` (a sync-free masked step) the scaler puts parameters and
-        state back itself where ``dls_step_refused`` says, and nothing is kept here."""
+        state back itself where ``dls_step_refused`` says, and nothing is kept here.
+
+        Args:
+            restored_by_caller: the scaler puts a refused step back itself (a masked, sync-free step).
+        """
         self._next_step = (True, restored_by_caller)
 
     def _publish(self, found_inf: torch.Tensor | None) -> None:

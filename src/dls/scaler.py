@@ -1163,9 +1163,9 @@ class GradScaler:
         """Load a dls or a ``torch.amp.GradScaler`` state dict: keys present replace, missing keys keep their
         values; torch's settings (growth factor, backoff factor, interval) are applied as torch does, checked as
         the constructor checks them (``growth_interval`` an int: ``10.0`` is refused). A scale must be a normal
-        float32 (2**-126 to float32's max), as ``init_scale``; one outside this dynamic scaler's
+        float32 (``2**-126`` to float32's max), as ``init_scale``; one outside this dynamic scaler's
         ``[min_loss_scale, max_loss_scale]`` is clamped into them, with a warning (as ``init_scale`` is clamped to
-        ``max_loss_scale``: torch.amp's 2**16 loads into a scaler with a lower maximum). Every value is a number or
+        ``max_loss_scale``: torch.amp's ``2**16`` loads into a scaler with a lower maximum). Every value is a number or
         a 1-element real tensor (not on the meta device). Nothing changes on a bad value.
 
         Args:
