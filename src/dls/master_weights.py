@@ -177,7 +177,7 @@ class MasterWeights(torch.optim.Optimizer):
         # The last step's [refused, which master, its largest |value|] until a scaler says whether its gradients
         # were clean (dls_step_refused); then on their way to the host, to warn of.
         self._scaled = False  # a scaler collected this iteration's gradients: it asks dls_step_refused after step()
-        self._next_step = (False, False)  # (decided on the device, put back by the caller): dls_next_step
+        self._on_device = False  # the next step reads nothing back: dls_next_step
         self._info: torch.Tensor | None = None
         self._unwarned: deque[HostCopy] = deque()
         for group in groups:
@@ -268,7 +268,7 @@ class MasterWeights(torch.optim.Optimizer):
 
     def dls_state_restored(self) -> None:
         """Write the masters back after a sync-free step restored them (called by ``dls.GradScaler`` after
-        ``dls.device_step.masked_step``)."""
+        the masked step of ``dls.device_step``)."""
         self._write_back()
 
     # ------------------------------------------------------------------ optimizer interface
@@ -303,9 +303,8 @@ class MasterWeights(torch.optim.Optimizer):
         forwarded = {name: getattr(self, name) for name in ("grad_scale", "found_inf") if hasattr(self, name)}
         for name, value in forwarded.items():
             setattr(self._optimizer, name, value)
-        on_device, restored_by_caller = self._next_step
-        self._next_step = (False, False)
-        before = None if restored_by_caller else self._keep_state()
+        on_device, self._on_device = self._on_device, False
+        before = self._keep_state()
         try:
             result = self._optimizer.step() if wrapped_closure is None else self._optimizer.step(wrapped_closure)
         finally:
@@ -331,15 +330,10 @@ class MasterWeights(torch.optim.Optimizer):
             return self._refused
         return self._refused & (found_inf.to(self._refused.device) == 0)
 
-    def dls_next_step(self, *, restored_by_caller: bool) -> None:
+    def dls_next_step(self) -> None:
         """The scaler's next ``step()`` reads nothing back (the fused path, ``sync_free``): a refused step is put
-        back on the device; with ``restored_by_caller`` (a sync-free masked step) the scaler puts parameters and
-        state back itself where ``dls_step_refused`` says, and nothing is kept here.
-
-        Args:
-            restored_by_caller: the scaler puts a refused step back itself (a masked, sync-free step).
-        """
-        self._next_step = (True, restored_by_caller)
+        back on the device (``dls.refusal``)."""
+        self._on_device = True
 
     def _publish(self, found_inf: torch.Tensor | None) -> None:
         """Send the last step's refusal (where the gradients were clean) to the host, and warn of those arrived."""
@@ -504,7 +498,7 @@ class MasterWeights(torch.optim.Optimizer):
         state["_pairs"] = [dataclasses.replace(pr, seen_grad=None) for pr in self._pairs]
         del state["_master_of"]  # keyed by id: rebuilt for the copies
         state["_copies"] = state["_checks"] = None  # rebuilt at the next step
-        state["_unwarned"], state["_info"], state["_scaled"], state["_next_step"] = deque(), None, False, (False, False)
+        state["_unwarned"], state["_info"], state["_scaled"], state["_on_device"] = deque(), None, False, False
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -520,7 +514,7 @@ class MasterWeights(torch.optim.Optimizer):
         before, self._copies = refusal.keep_state(self._optimizer, self._flat_params(), self._copies)
         return before
 
-    def _write_back_unless_it_does_not_fit(self, before: refusal.StateBefore | None, on_device: bool) -> None:
+    def _write_back_unless_it_does_not_fit(self, before: refusal.StateBefore, on_device: bool) -> None:
         """After the inner step: write the masters back, and where one is inf or NaN once rounded to what its
         parameter holds (its half dtype, or ``fmt``), put everything the step changed back, exactly, and write back
         again. The check is the gradients' one (``dls.kernels.check_nonfinite``: torch's fused AMP check) over the
@@ -528,8 +522,7 @@ class MasterWeights(torch.optim.Optimizer):
         flag) and the kept values are copied back only where the step was refused. ``on_device`` (the fused and
         sync-free paths, which read nothing back): put back on the device, without a read, when the step changed
         only tensors it had before (every step after a parameter's first); else (a first step, state the step
-        replaced or made, Python values it changed) the flag is read once and the state put back on the host.
-        ``before`` is ``None`` where the caller puts the step back (a masked step)."""
+        replaced or made, Python values it changed) the flag is read once and the state put back on the host."""
         self._write_back()
         if self._checks is None or self._checks.pairs != len(self._pairs):
             self._checks = refusal.FitCheck.of(self._pairs, self._fmt)
@@ -539,7 +532,7 @@ class MasterWeights(torch.optim.Optimizer):
         if refused is None:
             return
         state = self._optimizer.state
-        if before is not None and (not on_device or before.changed_on_host(state)):
+        if not on_device or before.changed_on_host(state):
             if bool(refused):  # read: the host path, a parameter's first step, state the device cannot put back
                 self._warn(*self._checks.first_unfit(read=True))
                 assert self._copies is not None
@@ -547,11 +540,10 @@ class MasterWeights(torch.optim.Optimizer):
                 self._write_back()
             return
         self._info = self._checks.first_unfit(refused=refused)  # on its way to the host with dls_step_refused
-        if before is not None:
-            assert self._copies is not None
-            with torch.no_grad():
-                self._copies.select(refused)
-            self._write_back()  # the rounded masters again: as before the step where it was refused
+        assert self._copies is not None
+        with torch.no_grad():
+            self._copies.select(refused)
+        self._write_back()  # the rounded masters again: as before the step where it was refused
 
     def _remember_versions(self, pairs: list[_Pair] | None = None) -> None:
         """The parameters' versions now: a later change of one from outside is told by its version."""

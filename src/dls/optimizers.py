@@ -48,10 +48,9 @@ class RefusesSteps(Protocol):
         step was refused though the gradients were clean, a 0-dim bool tensor on the device (not read back), or
         ``None`` when it cannot have been."""
 
-    def dls_next_step(self, *, restored_by_caller: bool) -> None:
+    def dls_next_step(self) -> None:
         """The next ``step()`` is on a path that reads nothing back (fused, sync-free): decide and put a refused
-        step back on the device; ``restored_by_caller``: the scaler puts parameters and state back itself (a
-        masked step), where ``dls_step_refused`` says."""
+        step back on the device."""
 
 
 @dataclasses.dataclass
@@ -69,6 +68,9 @@ class OptimizerIndex:
     optimizer_state: Any = None  # the optimizer.state object the stepped record refers to
     state_len: int = 0  # its length when last marked
     refuses: RefusesSteps | None = None  # the optimizer, when its step may decline (RefusesSteps)
+    # What a sync-free (masked) step puts back, kept while the optimizer holds the same tensors (dls.device_step).
+    restorable: Any = None
+    warned_host_state: bool = False  # sync_free=True, but state on the host: said once (dls.scaler)
     # Other optimizers of this scaler sharing a parameter with this one: (optimizer ref, where, where theirs, shape).
     shared: list[tuple[weakref.ref[torch.optim.Optimizer], str, str, tuple[int, ...]]] = dataclasses.field(
         default_factory=list

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from dls import formats, kernels
+from dls import device_step, formats, kernels
 
 
 def keep_state(
@@ -57,18 +57,12 @@ def keep_state(
     return StateBefore(kept, [entry for _, entry in entries]), copies
 
 
-# An integer dtype of each element size: a tensor's bits as integers (a view), for exact selection on the device.
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor | None:
-    """``t``'s bits as an integer tensor (a view), or ``None`` where there is no such view (sparse, quantized)."""
+    """``t``'s bits as integers (``dls.device_step.integer_bits``: a view), or ``None`` where there is none (sparse,
+    quantized)."""
     if t.layout != torch.strided or t.is_quantized:
         return None
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    size = t.element_size()
-    return t.view(_BITS[size]) if size in _BITS else None
+    return device_step.integer_bits(t)
 
 
 def _copied(value: Any) -> Any:
