@@ -432,3 +432,16 @@ def test_a_fmt_grid_master_beyond_the_formats_range_is_refused() -> None:
     with pytest.warns(UserWarning, match="cbfloat16.*keep_in_float32"):
         opt.step()
     assert torch.equal(p, before[0]) and torch.equal(opt.master_of(p), before[1])
+
+
+def test_a_disabled_scaler_still_indexes_no_optimizer() -> None:
+    """A disabled scaler asks an optimizer whether it refused its step without building an index (which refuses a
+    parameter listed twice, as an enabled scaler must): a group torch only warns about still steps."""
+    p = torch.nn.Parameter(torch.ones(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "a parameter group with duplicate parameters"
+        opt = torch.optim.SGD([p, p], lr=0.1)
+    scaler = dls.GradScaler("cpu", enabled=False)
+    p.grad = torch.ones(2)
+    scaler.step(opt)
+    assert not scaler.step_was_skipped(opt) and not torch.equal(p, torch.ones(2))

@@ -1021,7 +1021,10 @@ class GradScaler:
         optimizer may still decline it (``RefusesSteps``)."""
         progress = self._tracker.last[optimizer] = Progress(skipped=False)
         result = optimizer.step(*args, **kwargs)
-        self._note_refusal(self._tracker.index(optimizer), progress, None)
+        # The protocol's method looked up, not the index built: a disabled scaler indexes no optimizer.
+        refused = getattr(optimizer, "dls_step_refused", None)
+        if refused is not None:
+            progress.refused = refused(None)
         return result
 
     # ------------------------------------------------------------------ observers and diagnostics
