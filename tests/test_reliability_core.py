@@ -445,3 +445,21 @@ def test_a_disabled_scaler_still_indexes_no_optimizer() -> None:
     p.grad = torch.ones(2)
     scaler.step(opt)
     assert not scaler.step_was_skipped(opt) and not torch.equal(p, torch.ones(2))
+
+
+def test_a_refusal_on_the_fused_path_is_warned_of_when_no_scaler_asks_about_it() -> None:
+    """unscale_ by a scaler, then the wrapper stepped directly: the refusal is warned of at the next step."""
+    p, opt, scaler = _near_float16_max(path="fused")
+    assert scaler is not None
+    _one_step(p, opt, scaler, grad=-1.0)
+    before = p.detach().clone()
+    scaler.scale((p.float() * -992.0).sum()).backward()
+    scaler.unscale_(opt)
+    opt.dls_next_step()  # as the scaler's fused path does: decided on the device
+    opt.step()
+    assert torch.equal(p, before)
+    opt.zero_grad()
+    with pytest.warns(UserWarning, match="keep_in_float32"):
+        scaler.update()
+        scaler.scale((p.float() * 0.0).sum()).backward()
+        scaler.step(opt)

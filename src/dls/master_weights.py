@@ -286,7 +286,7 @@ class MasterWeights(torch.optim.Optimizer):
         Returns:
             The closure's loss, or ``None`` without a closure.
         """
-        if self._info is not None and not self._scaled:  # an earlier step no scaler asked about
+        if self._info is not None:  # an earlier step no scaler asked about
             self._publish(None)
         self._reload_changed_params()
         self._take_gradients([pr for pr in self._pairs if not pr.grad_is_current()])
@@ -325,6 +325,7 @@ class MasterWeights(torch.optim.Optimizer):
         Args:
             found_inf: the scaler's overflow flag of this step's gradients, or ``None`` (a disabled scaler's step).
         """
+        self._scaled = False
         self._publish(found_inf)
         if self._refused is None or found_inf is None:
             return self._refused
@@ -337,7 +338,6 @@ class MasterWeights(torch.optim.Optimizer):
 
     def _publish(self, found_inf: torch.Tensor | None) -> None:
         """Send the last step's refusal (where the gradients were clean) to the host, and warn of those arrived."""
-        self._scaled = False
         info, self._info = self._info, None
         if info is not None:
             if found_inf is not None:
