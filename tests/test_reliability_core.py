@@ -463,3 +463,16 @@ def test_a_refusal_on_the_fused_path_is_warned_of_when_no_scaler_asks_about_it()
         scaler.update()
         scaler.scale((p.float() * 0.0).sum()).backward()
         scaler.step(opt)
+
+
+def test_a_config_with_forty_thousand_unknown_keys_is_a_short_error() -> None:
+    """``dls validate`` printed 18.7 MB for 40,000 unknown keys: the first 20 problems, then the count."""
+    from dls.checks import PROBLEMS_SHOWN_AT_MOST
+    from dls.train.errors import PROBLEMS_SHOWN_AT_MOST as TRAIN_SHOWN
+    from dls.train.errors import ConfigError
+
+    error = ConfigError([f"unknown key optimizer.k{i}" for i in range(40_000)], source="big.yaml")
+    assert len(str(error)) < 2000 and str(error).endswith("\n  - and 39,980 more")
+    assert "(40000 problems)" in str(error) and TRAIN_SHOWN == PROBLEMS_SHOWN_AT_MOST
+    few = ConfigError([f"problem {i}" for i in range(7)])
+    assert str(few).count("\n  - ") == 7

@@ -156,6 +156,19 @@ def listed(names: Iterable[object], at_most: int = SHOWN_AT_MOST) -> str:
     return f"{head} and {rest:,} more" if rest > 0 else head
 
 
+PROBLEMS_SHOWN_AT_MOST = 20  # how many problems a message lists, one a line, before "and N more"
+
+
+def bulleted(problems: Iterable[str], at_most: int = PROBLEMS_SHOWN_AT_MOST) -> str:
+    """``problems`` one a line (``\n  - ...``), the first ``at_most`` (every problem of a config a person wrote),
+    then how many more: 40,000 unknown keys are not 40,000 lines."""
+    items = list(problems)
+    lines = [f"\n  - {p}" for p in items[:at_most]]
+    if len(items) > at_most:
+        lines.append(f"\n  - and {len(items) - at_most:,} more")
+    return "".join(lines)
+
+
 def did_you_mean(word: object, allowed: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` with the closest of ``allowed`` (the same word in other case first), or ``""``."""
     names = [str(name) for name in allowed]
@@ -191,9 +204,6 @@ class SettingsError(ValueError):
         self.problems = list(problems)
         if len(self.problems) == 1:
             message = self.problems[0][1]
-        else:  # the first few, then how many more (listed's rule)
-            lines = [f"  - {m}" for _, m in self.problems[:SHOWN_AT_MOST]]
-            if len(self.problems) > SHOWN_AT_MOST:
-                lines.append(f"  - and {len(self.problems) - SHOWN_AT_MOST:,} more")
-            message = "invalid GradScaler settings:\n" + "\n".join(lines)
+        else:
+            message = "invalid GradScaler settings:" + bulleted(m for _, m in self.problems)
         super().__init__(message)
