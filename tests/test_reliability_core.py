@@ -476,3 +476,26 @@ def test_a_config_with_forty_thousand_unknown_keys_is_a_short_error() -> None:
     assert "(40000 problems)" in str(error) and TRAIN_SHOWN == PROBLEMS_SHOWN_AT_MOST
     few = ConfigError([f"problem {i}" for i in range(7)])
     assert str(few).count("\n  - ") == 7
+
+
+@pytest.mark.parametrize(
+    ("peer", "kwargs", "state", "key"),
+    [
+        ("apex", {}, {"loss_scale": torch.tensor(8.0, device="meta")}, "loss_scale"),
+        ("apex", {}, {"loss_scale": 8.0, "unskipped": torch.tensor([1, 2])}, "unskipped"),
+        ("keras", {}, {"dynamic_scale": torch.tensor(True)}, "dynamic_scale"),
+        ("jmp", {"loss_scale": 8.0}, {"loss_scale": 8.0, "counter": torch.tensor(1, device="meta")}, "counter"),
+        ("colossalai", {}, {"scale": torch.tensor([1 + 0j]), "hysteresis": 2}, "scale"),
+        ("apex_fp16_utils", {}, {"cur_scale": torch.tensor(8.0, device="meta")}, "cur_scale"),
+    ],
+)
+def test_every_dialects_crafted_tensor_is_a_value_error_naming_its_key(
+    peer: str, kwargs: dict[str, Any], state: dict[str, Any], key: str
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scaler = dls.GradScaler.like(peer, device="cpu", **kwargs)
+    before = scaler.state_dict()
+    with pytest.raises(ValueError, match=key):
+        scaler.load_state_dict(state)
+    assert scaler.state_dict() == before
