@@ -490,7 +490,8 @@ class GradScaler:
         return self._scale.non_clamped() if self._enabled else 1.0
 
     def get_num_skipped_steps(self) -> int:
-        """Iterations whose gradients overflowed (their optimizer steps were skipped)."""
+        """Iterations whose gradients overflowed (their optimizer steps were skipped), and those in which an optimizer
+        refused a step the gradients allowed (``dls.optimizers.RefusesSteps``: ``dls.master_weights``)."""
         return self._scale.skipped_steps() if self._enabled else 0
 
     def get_scale_tensor(self) -> torch.Tensor:
@@ -507,9 +508,10 @@ class GradScaler:
 
     def step_was_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the last ``step(optimizer)`` (or ``step_if_finite``) through this scaler was skipped because the
-        gradients overflowed; valid until the next step of that optimizer, so LR schedulers, EMA and step counters
-        can follow real updates (``dls.skip_aware``). Free where ``step`` decided on the host; after a fused or
-        ``sync_free`` step one read of the flag. ``RuntimeError`` before the optimizer's first step.
+        gradients overflowed, or refused by the optimizer (``dls.optimizers.RefusesSteps``); valid until the next
+        step of that optimizer, so LR schedulers, EMA and step counters can follow real updates
+        (``dls.skip_aware``). Free where ``step`` decided on the host; after a fused or ``sync_free`` step one read
+        of the flag. ``RuntimeError`` before the optimizer's first step.
 
         Args:
             optimizer: the optimizer whose last step is asked about.
