@@ -388,19 +388,27 @@ def test_a_refused_first_step_leaves_no_state_behind() -> None:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "start", "lr", "grad"),
-    [(torch.bfloat16, 3.3e38, 1.0, -1e37), (torch.float16, 1.0, 1e38, -10.0), (torch.bfloat16, 1.0, 3e38, -10.0)],
-    ids=["bfloat16-beyond-its-max", "float32-master-overflows", "bfloat16-float32-master-overflows"],
+    ("dtype", "start", "lr", "grad", "said"),
+    [
+        (torch.bfloat16, 3.3e38, 1.0, -1e37, r"bfloat16 cannot hold.*keep_in_float32"),
+        (torch.float16, 1.0, 1e38, -10.0, r"inf in float32 already.*make the updates smaller"),
+        (torch.bfloat16, 1.0, 3e38, -10.0, r"inf in float32 already.*make the updates smaller"),
+        (torch.float16, 1.0, math.nan, -10.0, r"would be NaN.*learning rate"),
+    ],
+    ids=["bfloat16-beyond-its-max", "float32-master-overflows", "bfloat16-float32-master-overflows", "nan-lr"],
 )
 def test_masters_beyond_any_half_range_or_float32s_are_refused(
-    dtype: torch.dtype, start: float, lr: float, grad: float
+    dtype: torch.dtype, start: float, lr: float, grad: float, said: str
 ) -> None:
     p = torch.nn.Parameter(torch.full((3,), start).to(dtype))
     opt = master_weights(torch.optim.SGD([p], lr=lr, momentum=0.5))
     scaler = dls.GradScaler("cpu", init_scale=1.0)
+    if math.isnan(lr):
+        opt.param_groups[0]["lr"] = 1.0
     _one_step(p, opt, scaler, grad=0.0)  # applied: the momentum buffer exists
+    opt.param_groups[0]["lr"] = lr  # a NaN one as a crafted checkpoint's param_groups could hold
     before = p.detach().clone(), opt.master_of(p).detach().clone(), _state_of(opt)
-    with pytest.warns(UserWarning, match="keep_in_float32"):
+    with pytest.warns(UserWarning, match=said):
         _one_step(p, opt, scaler, grad=grad)
     assert torch.isfinite(p).all() and torch.isfinite(opt.master_of(p)).all()
     assert torch.equal(p, before[0]) and torch.equal(opt.master_of(p), before[1])

@@ -69,6 +69,7 @@ they are; the step's end decides.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 import weakref
 from collections import OrderedDict, deque
@@ -571,12 +572,21 @@ class MasterWeights(torch.optim.Optimizer):
                     if p is pair.master:
                         where = f"param_groups[{g}]['params'][{i}] (shape {tuple(pair.param.shape)})"
             kind = self._fmt.name if pair.on_grid and self._fmt else str(pair.param.dtype).removeprefix("torch.")
+        kept = "Parameters, masters and optimizer state are as before the step, and a scaler counts it as skipped"
+        if math.isnan(largest):  # not a weight beyond a range: a NaN learning rate or state, unchecked gradients
+            what, advice = "would be NaN", "look at the learning rate, the optimizer's state and the gradients"
+        elif math.isinf(largest):
+            what = "would be inf in float32 already"
+            advice = "no format holds it: make the updates smaller (learning rate, weight decay)"
+        else:
+            what, advice = (
+                f"would reach |value| {largest:.6g}, which {kind} cannot hold (written back, the parameter would be "
+                "inf)",
+                f"a weight beyond {kind}'s range cannot live in {kind}: keep the module holding it in float32 "
+                "(dls.keep_in_float32), or make the updates smaller (learning rate, weight decay)",
+            )
         warnings.warn(
-            f"dls.master_weights: a step was not applied: the float32 master of {where} would reach |value| "
-            f"{largest:.6g}, which {kind} cannot hold (written back, the parameter would be inf or NaN). Parameters, "
-            "masters and optimizer state are as before the step, and a scaler counts it as skipped. A weight beyond "
-            f"{kind}'s range cannot live in {kind}: keep the module holding it in float32 (dls.keep_in_float32), or "
-            "make the updates smaller (learning rate, weight decay)",
+            f"dls.master_weights: a step was not applied: the float32 master of {where} {what}. {kept}. {advice}",
             stacklevel=3,
         )
 
