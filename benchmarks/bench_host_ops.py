@@ -18,7 +18,8 @@ seen). Per call, after warm-up calls (each path past its first, host-decided, st
 Tables: 1. ``unscale_`` (dls) vs torch.amp's ``unscale_``, float32 gradients in 10, 100 and 1,000 tensors;
 2. ``clip_gradients_and_return_isfinite`` (a dls scaler with ``max_gradient_norm``) vs torch's ``unscale_`` +
 ``clip_grad_norm_``, 10 and 100 tensors; 3. ``step`` + ``update`` with AdamW (foreach, not capturable: its step
-counts stay on the host) and fused AdamW, 10 and 100 tensors: no scaler, torch.amp, dls, dls ``sync_free=True``.
+counts stay on the host), fused AdamW, and on CUDA capturable AdamW (its step counts on the device, where
+``sync_free=True`` takes the masked path), 10 and 100 tensors: no scaler, torch.amp, dls, dls ``sync_free=True``.
 
     python benchmarks/bench_host_ops.py                 # the CPU (or --device cuda)
     python benchmarks/bench_host_ops.py --smoke         # 2 repetitions: runs, nothing to read
@@ -130,17 +131,26 @@ STEP_SCALERS: dict[str, Callable[[str], Any]] = {
 }
 
 
+def step_optimizers(device: torch.device) -> dict[str, dict[str, Any]]:
+    """The AdamWs of table 3 (label: arguments): foreach (its step counts on the host), fused, and on CUDA
+    capturable (its step counts on the device: ``sync_free=True`` takes the masked path there)."""
+    kinds: dict[str, dict[str, Any]] = {"AdamW": {"foreach": True}, "AdamW fused": {"fused": True}}
+    if device.type == "cuda":
+        kinds["AdamW capturable"] = {"foreach": True, "capturable": True}
+    return kinds
+
+
 def step_paths(device: torch.device, counts: Sequence[int]) -> list[Path]:
     out = []
-    for fused in (False, True):
+    for label, options in step_optimizers(device).items():
         for count in counts:
             for name, make in STEP_SCALERS.items():
-                if fused and name == "dls sync_free":
+                if options.get("fused") and name == "dls sync_free":
                     continue  # a fused optimizer takes dls's fused path whatever sync_free says
                 gen = torch.Generator().manual_seed(count)
                 params = [torch.nn.Parameter(torch.randn(ELEMENTS, generator=gen).to(device)) for _ in range(count)]
                 grads = [torch.randn(ELEMENTS, generator=gen).to(device) * (1e-3 * SCALE) for _ in params]
-                opt = torch.optim.AdamW(params, lr=1e-6, fused=fused or None, foreach=not fused or None)
+                opt = torch.optim.AdamW(params, lr=1e-6, **options)
                 scaler = make(device.type)
                 if scaler is not None:
                     scaler.scale(torch.ones((), device=device))  # the scale on the device (torch makes it lazily)
@@ -156,9 +166,22 @@ def step_paths(device: torch.device, counts: Sequence[int]) -> list[Path]:
                         s.step(o)
                         s.update()
 
-                label = "AdamW fused" if fused else "AdamW"
                 out.append(Path(f"step {label}", count, name, call, prep))
     return out
+
+
+def census_of(path: Path, warmup: int) -> Census:
+    """The operators of one ``path.call()`` after ``warmup`` calls (each path past its first, host-decided, step)."""
+    for _ in range(warmup):
+        path.prep()
+        path.call()
+        path.reset()
+    census = Census(ELEMENTS)
+    path.prep()
+    with census:
+        path.call()
+    path.reset()
+    return census
 
 
 @dataclass
@@ -198,21 +221,7 @@ def count_device_ops(fn: Callable[[], Any]) -> int | None:
 
 def measure(path: Path, device: torch.device, reps: int, warmup: int) -> Counted:
     cuda = device.type == "cuda"
-
-    def once(fn: Callable[[], Any] = path.call) -> None:
-        path.prep()
-        fn()
-        path.reset()
-
-    for _ in range(warmup):
-        once()
-    census = Census(ELEMENTS)
-
-    def counted() -> None:
-        with census:
-            path.call()
-
-    once(counted)
+    census = census_of(path, warmup)
     syncs = device_ops = None
     if cuda:
         path.prep()
@@ -236,7 +245,7 @@ def measure(path: Path, device: torch.device, reps: int, warmup: int) -> Counted
 TITLES = {
     "unscale": "1. unscale + inf check, per call: dls unscale_ vs torch.amp unscale_ (float32)",
     "clip": "2. unscale + global clip, per call: dls clip_gradients_and_return_isfinite vs unscale_ + clip_grad_norm_",
-    "step": "3. step + update, per call: AdamW (foreach, not capturable) and fused AdamW",
+    "step": "3. step + update, per call: AdamW (foreach, not capturable), fused AdamW (and on CUDA capturable AdamW)",
 }
 HEADER = ["path", "tensors", "scaler", "ops", "passes", "small", "views", "reads", "kernels", "syncs", "host us"]
 
@@ -280,6 +289,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("   capturable) are among them and no sync")
         if device.type == "cpu":
             print("   kernels, syncs: n/a on the CPU (every operator runs on the host there)")
+        if table == "step":
+            print_sync_free_costs(counted)
+
+
+def print_sync_free_costs(counted: list[Counted]) -> None:
+    """Per optimizer and tensor count, ``sync_free=True`` against the default path (the one flag read it avoids): the
+    operators it adds and its host time, medians from the same run."""
+    by_key = {(c.path.table, c.path.tensors, c.path.scaler): c for c in counted}
+    for (table, tensors, scaler), free in by_key.items():
+        default = by_key.get((table, tensors, "dls"))
+        if scaler != "dls sync_free" or default is None:
+            continue
+        syncs = "" if free.syncs is None else f", syncs {free.syncs} vs {default.syncs}"
+        print(f"   sync_free vs default, {table.removeprefix('step ')} x{tensors}: ops {free.ops} vs {default.ops}"
+              f"{syncs}, host time {free.host_us / default.host_us:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -194,3 +194,22 @@ def test_a_move_to_another_device_drops_the_published_copy() -> None:
     assert loss_scale.known._published is not None
     loss_scale.follow(torch.device("meta"))
     assert loss_scale.known._published is None and loss_scale.device.type == "meta"
+
+
+def test_the_inverse_scale_has_the_bits_of_torchs_float64_reciprocal(device: torch.device) -> None:
+    """``LossScale.inverse`` is one float32 reciprocal where torch.amp takes ``double().reciprocal().float()``
+    (three operators): the same bits for every normal float32 scale (a float32 division is correctly rounded, and
+    so is a float64 one rounded to float32), here over 2**22 scales across the whole normal range and the powers of
+    two."""
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(0x0080_0000, 0x7F80_0000, (1 << 22,), generator=gen, dtype=torch.int64).to(torch.int32)
+    scales = torch.cat([bits.view(torch.float32), torch.tensor([2.0**e for e in range(-126, 128)])]).to(device)
+    ours = torch.reciprocal(scales)
+    torch_amp = scales.double().reciprocal().float()
+    assert torch.equal(ours.view(torch.int32), torch_amp.view(torch.int32))
+    scale = LossScale(dls.GradScaler("dynamic", init_scale=3.0 * 2**-10).settings, device)
+    inverse = scale.inverse()
+    assert inverse.dtype == torch.float32 and inverse.device == scale.device
+    assert torch.equal(
+        inverse.view(torch.int32), scale.state.loss_scale.double().reciprocal().float().view(torch.int32)
+    )

@@ -19,8 +19,8 @@ import torch
 
 import dls
 from conftest import from_dls, host_reads
-from dls.diagnostics.record import TRACE_VERSION, kept_for_resume, recording
-from dls.diagnostics.trace import read_trace
+from dls.diagnostics.record import recording
+from dls.diagnostics.trace import TRACE_VERSION, read_trace
 
 
 def mlp(seed: int = 0) -> torch.nn.Sequential:
@@ -292,18 +292,3 @@ def test_a_trace_reads_back_with_pandas_and_line_by_line(tmp_path: Path) -> None
     assert list(steps["scale"]) == [r["scale"] for r in read_trace(path).steps]
     for line in path.read_text().splitlines():
         json.loads(line)  # plain JSON: no NaN or Infinity
-
-
-def test_kept_for_resume_drops_the_steps_and_segments_after_the_checkpoint() -> None:
-    lines = [
-        {"format": "dls-trace", "version": 1, "start_step": 0},
-        *({"step": s, "scale": 1.0, "overflow": False} for s in range(1, 6)),
-        {"format": "dls-trace", "version": 1, "start_step": 5},
-        *({"step": s, "scale": 1.0, "overflow": False} for s in range(6, 9)),
-    ]
-    data = "".join(json.dumps(line) + "\n" for line in lines).encode() + b'{"step": 9, "sca'
-    kept = [json.loads(line) for line in kept_for_resume(data, 7).decode().splitlines()]
-    assert kept == lines[:9]
-    kept = [json.loads(line) for line in kept_for_resume(data, 5).decode().splitlines()]
-    assert kept == lines[:6]  # the segment that started at 5 goes: the resumed run writes its own
-    assert kept_for_resume(None, 3) == b""

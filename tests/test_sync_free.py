@@ -293,6 +293,110 @@ def test_sync_free_restores_non_tensor_optimizer_state() -> None:
     assert torch.equal(out[0][1], out[1][1])
 
 
+def _bits_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().view(torch.int32)
+
+
+def test_a_skipped_sync_free_step_keeps_every_bit_of_nan_payloads_and_signed_zeros() -> None:
+    """The masked step selects integer bits: a NaN's payload and a zero's sign come back as they were (a select by
+    float arithmetic would give NaN * 0 = NaN and -0.0 + 0 = 0.0)."""
+    p = torch.nn.Parameter(torch.tensor([1.0, -0.0, 2.0, 3.0]))
+    odd_nan = torch.tensor([0x7FC0_1234], dtype=torch.int32).view(torch.float32)
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    scaler = dls_scaler(sync_free=True)
+    for overflow in (False, True):
+        with torch.no_grad():
+            p[3] = odd_nan[0]  # a NaN weight (with its gradient clean, the step leaves a NaN there)
+        p.grad = torch.tensor([INF if overflow else 1.0, 0.0, 1.0, 1.0]) * scaler.get_scale()
+        before = [_bits_of(p), _bits_of(opt.state[p]["momentum_buffer"])] if overflow else []
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_num_skipped_steps() == 1
+    assert torch.equal(before[0], _bits_of(p)) and torch.equal(before[1], _bits_of(opt.state[p]["momentum_buffer"]))
+    assert before[0][1] == torch.tensor(-0.0).view(torch.int32) and before[0][3] == 0x7FC0_1234
+
+
+class _ReplacingSGD(torch.optim.Optimizer):
+    """Momentum SGD that replaces its state tensors by new ones each step (not in place), as a hand-written
+    optimizer may."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["buf"] = state["buf"] * 0.9 + p.grad if "buf" in state else p.grad.clone()
+                state["n"] = torch.ones(()) if "n" not in state else state["n"] + 1
+                p.add_(state["buf"], alpha=-group["lr"])
+
+
+def test_sync_free_restores_state_tensors_the_step_replaces() -> None:
+    overflows = {1: INF, 3: NAN, 4: INF, 6: NAN}
+    models = [tiny_model(), tiny_model()]
+    opts = [_ReplacingSGD(m.parameters()) for m in models]
+    scalers = [dls_scaler(2.0**10, 2), dls_scaler(2.0**10, 2, sync_free=True)]
+    for step in range(8):
+        for model, opt, scaler in zip(models, opts, scalers):
+            train(scaler, model, opt, range(step, step + 1), overflows)
+        assert_same(snapshot(models[0], opts[0]), snapshot(models[1], opts[1]), f"step {step}")
+    assert scalers[1].get_num_skipped_steps() == len(overflows)
+
+
+def test_sync_free_follows_a_parameter_given_new_storage() -> None:
+    """``p.data = ...`` between steps moves a parameter's elements: what the masked step kept of it is built anew
+    (else the restore would write the old storage and leave the new one stepped)."""
+    models = [tiny_model(), tiny_model()]
+    opts = [make_optimizer("SGD", m) for m in models]
+    scalers = [dls_scaler(2.0**10, 2), dls_scaler(2.0**10, 2, sync_free=True)]
+    for step in range(6):
+        for model, opt, scaler in zip(models, opts, scalers):
+            if step == 3:
+                first = next(model.parameters())
+                first.data = first.data.clone()
+            train(scaler, model, opt, range(step, step + 1), {2: INF, 3: INF, 5: NAN})
+        assert_same(snapshot(models[0], opts[0]), snapshot(models[1], opts[1]), f"step {step}")
+
+
+def test_a_masked_step_declines_state_kept_off_the_flags_device() -> None:
+    """State on the host while the flag is on a device (AdamW's step counts without capturable=True on CUDA) would
+    need the flag read to be put back: the masked step declines before anything runs, and the scaler decides the
+    step on the host (one read, as without sync_free; tests/test_sync_free.py's CUDA test counts it)."""
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = torch.optim.AdamW([p], foreach=True)
+    opt.step()
+    assert dls.device_step.masked_snapshot(opt, torch.zeros((), device="meta"), None) is None
+    assert dls.device_step.masked_snapshot(opt, torch.zeros(()), None) is not None
+
+
+def test_a_declined_masked_step_is_decided_on_the_host_and_said_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the masked step declines (state on the host, the flag on a GPU: declined for a CPU optimizer here), the
+    step is the default path's: one read of the flag, skipped without running, and one warning for the optimizer."""
+    monkeypatch.setattr(dls.device_step, "masked_snapshot", lambda *args: None)
+    models = [tiny_model(), tiny_model()]
+    opts = [make_optimizer("Adam", m) for m in models]
+    scalers = [dls_scaler(2.0**10, 2), dls_scaler(2.0**10, 2, sync_free=True)]
+    said = []
+    for step in range(5):
+        for model, opt, scaler in zip(models, opts, scalers):
+            scaler.scale(loss_of(model, step)).backward()
+            if step in (0, 3):
+                inject(model, INF if step else NAN)
+            with warnings.catch_warnings(record=True) as caught, host_reads() as calls:
+                warnings.simplefilter("always")
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+            if scaler is scalers[1]:
+                said.append(sum("keeps optimizer state on the host" in str(w.message) for w in caught))
+                assert len(from_dls(calls)) == 1, f"step {step}: {calls}"  # the flag, read on the host
+        assert_same(snapshot(models[0], opts[0]), snapshot(models[1], opts[1]), f"step {step}")
+    assert said == [0, 0, 1, 0, 0]  # steps 0 and 1 are first steps (host-decided anyway); then said once
+
+
 # ---------------------------------------------------------------------------------------------- CUDA
 @contextlib.contextmanager
 def cuda_sync_errors() -> Iterator[None]:
@@ -349,13 +453,14 @@ def test_cuda_default_step_syncs() -> None:
 
 @pytest.mark.cuda
 def test_cuda_sync_free_with_host_side_state_syncs_once_per_step() -> None:
-    """AdamW without capturable=True keeps its step counts on the host: restoring them needs the flag there, copied
-    once per step (on the first GPU run it was copied once per parameter: 148 syncs for GPT-2 small)."""
+    """AdamW without capturable=True keeps its step counts on the host: restoring them would need the flag there, so
+    the step is decided on the host, one read per step (on the first GPU run the masked step copied the flag once per
+    parameter: 148 syncs for GPT-2 small; then once per step, with the copies around it), said once."""
     model = tiny_model().cuda()
     opt = make_optimizer("AdamW", model)
     scaler = dls.GradScaler(sync_free=True)
     x, y = (t.cuda() for t in batch(0))
-    counts = []
+    counts, said = [], []
     for step in range(3):
         scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
         if step == 2:
@@ -370,9 +475,11 @@ def test_cuda_sync_free_with_host_side_state_syncs_once_per_step() -> None:
             finally:
                 torch.cuda.set_sync_debug_mode(previous)
         counts.append(sum("synchroniz" in str(w.message) for w in caught))
+        said.append(sum("keeps optimizer state on the host" in str(w.message) for w in caught))
         opt.zero_grad()
     assert any(p.device.type == "cpu" for state in opt.state.values() for p in state.values())
     assert counts[1:] == [1, 1]
+    assert said == [0, 1, 0]
     assert scaler.get_num_skipped_steps() == 1
 
 

@@ -18,7 +18,7 @@ import torch
 
 import dls
 from dls.diagnostics import trace as trace_format
-from dls.diagnostics.trace import HEADER, STEP, TraceError, read_trace
+from dls.diagnostics.trace import HEADER, STEP, TraceError, kept_until, read_trace
 from dls.settings import ScalerSettings
 from test_record import fp16_loss, mlp
 
@@ -379,3 +379,14 @@ def test_the_guide_states_the_schema_field_by_field() -> None:
             row = f"| {kind} | `{name}` | {spec.type} | {'yes' if spec.required else 'no'} |"
             assert row in guide, row
     assert f"{trace_format.MAX_DEPTH} levels" in guide and "16 MiB" in guide
+
+
+def test_kept_until_drops_the_steps_and_segments_after_the_checkpoint(tmp_path: Path) -> None:
+    # moved from test_record.py (kept_for_resume, now the reader's kept_until), on headers the schema accepts
+    records = [header(), *(step(s) for s in range(1, 6)), header(start_step=5), *(step(s) for s in range(6, 9))]
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(lines(*records).encode() + b'{"step": 9, "sca')
+    kept = [json.loads(line) for line in kept_until(path, 7).decode().splitlines()]
+    assert kept == records[:9]
+    kept = [json.loads(line) for line in kept_until(path, 5).decode().splitlines()]
+    assert kept == records[:6]  # the segment that started at 5 goes: the resumed run writes its own

@@ -7,8 +7,7 @@ all going in the next release:
 
 * the module ``dls.emulate`` is ``dls.emulation`` (``dls.emulate`` is the function; ``dls/__init__.py``);
 * ``dls.fp8.emulate`` is ``dls.fp8.emulate_recipe``, its module ``dls.fp8.gemm`` (``dls/fp8/__init__.py``);
-* ``GradScaler.from_megatron(device, ...)`` is ``GradScaler.like("megatron", device, ...)``, and
-  ``GradScaler.max_gradient_norm`` is ``GradScaler.settings.max_gradient_norm`` (``dls/scaler.py``);
+* ``GradScaler.max_gradient_norm`` is ``GradScaler.settings.max_gradient_norm`` (``dls/scaler.py``);
 * the validators and limits ``dls.policy`` had are ``dls.checks``' (``dls/policy.py``)."""
 
 from __future__ import annotations

@@ -1,12 +1,16 @@
 """Optimizer steps decided on the device, without reading the overflow flag back: ``fused_step`` for optimizers whose
-kernel takes the scale and the flag (torch's ``fused=True`` optimizers, on every path), ``masked_step`` for those that
+kernel takes the scale and the flag (torch's ``fused=True`` optimizers, on every path), the masked step for those that
 cannot (``GradScaler(sync_free=True)``). Which one runs, and when the host decides instead: ``dls.scaler``.
 
-``masked_step``: the step always runs; afterwards parameters and optimizer state are put back, with ``torch.where``
-on the device, wherever the flag says the gradients overflowed. Nothing is read back to the host, so a training
-loop can run ahead of the device (and be captured in a CUDA graph); the price is a copy of parameters and state
-per step. Only valid once every parameter with a gradient has taken a real step: state that does not exist yet
-cannot be restored on the device, so the scaler decides an optimizer's first step on the host.
+The masked step (``masked_snapshot``, then the step, then ``Snapshot.restore``): the step always runs; afterwards
+parameters and optimizer state are put back, on the device, wherever the flag says the gradients overflowed. Nothing is
+read back to the host, so a training loop can run ahead of the device (and be captured in a CUDA graph); the price is
+a copy of parameters and state per step and two passes over them after it, each a foreach operator per device and
+dtype (an integer view of the bits, multiplied by 0 or 1: exact). Only valid once every parameter with a gradient has
+taken a real step: state that does not exist yet cannot be restored on the device, so the scaler decides an
+optimizer's first step on the host. State on the host while the flag is on a device (AdamW's step counts without
+``capturable=True``) could only be restored by reading the flag: the masked step declines, and the scaler decides
+the step on the host, which costs that one read and nothing else.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import copy
 from typing import Any
 
 import torch
+
+from dls import distributed
 
 # Dynamo before torch 2.13 cannot set an attribute of an optimizer in a traced frame: it raises (an AssertionError
 # "Attempted setattr on a user-defined object that does not have an AttributeMutation mutation_type", pytorch
@@ -64,61 +70,156 @@ def fused_step(
     return _hand_over_and_step(optimizer, grad_scale, found_inf, args, kwargs)
 
 
-def masked_step(
-    optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """Run the step unconditionally, then put back parameters and optimizer state where it overflowed.
+# A masked step selects between old and new bits by multiplying integers by 0 or 1 and adding: exact for any value
+# (NaN, inf, -0.0), which float arithmetic is not (NaN * 0 is NaN), and each a foreach operator over a whole group.
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_Slot = tuple[int, Any]  # (index of the parameter, state key; None for the parameter itself)
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s elements as signed integers of the same width: a view, so writing it writes ``tensor``
+    (a ``DTensor`` through its local shard, a complex tensor through its real view)."""
+    dtensor = distributed.dtensor_class()
+    if dtensor is not None and isinstance(tensor, dtensor):
+        tensor = tensor.to_local()
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    return tensor.view(_BITS[tensor.element_size()])
+
+
+class Restorable:
+    """What a masked step of one optimizer may put back: its parameters, then each one's tensor state in the
+    state's order (``slots``), and views of their bits (``_bits``) grouped by (device, integer dtype) for the foreach
+    operators. Kept by the scaler per optimizer (``dls.optimizers.OptimizerIndex``) while the optimizer holds the
+    same tensors: the same objects at the same addresses (``p.data = ...`` moves one), checked each step."""
+
+    def __init__(self, slots: list[_Slot], tensors: list[torch.Tensor]) -> None:
+        self.slots, self.tensors = slots, tensors
+        self.addresses = _addresses(tensors)
+        self.groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for t in tensors:
+            bits = _bits(t)
+            self.groups.setdefault((bits.device, bits.dtype), []).append(bits)
+
+    def holds(self, slots: list[_Slot], tensors: list[torch.Tensor]) -> bool:
+        return (
+            self.addresses is not None
+            and slots == self.slots
+            and all(a is b for a, b in zip(tensors, self.tensors))
+            and _addresses(tensors) == self.addresses
+        )
+
+
+def _addresses(tensors: list[torch.Tensor]) -> list[int] | None:
+    """Where each of ``tensors`` keeps its elements; ``None`` where that cannot be asked (a ``DTensor`` has no
+    storage of its own; under ``torch.compile``): then nothing is kept across steps."""
+    dtensor = distributed.dtensor_class()
+    if torch.compiler.is_compiling() or (dtensor is not None and any(isinstance(t, dtensor) for t in tensors)):
+        return None
+    return list(map(torch.Tensor.data_ptr, tensors))
+
+
+def _contents(optimizer: torch.optim.Optimizer) -> tuple[list[_Slot], list[torch.Tensor], dict[_Slot, Any]]:
+    """The optimizer's parameters and tensor state (slots and tensors, in order), and its other state values."""
+    slots: list[_Slot] = []
+    tensors: list[torch.Tensor] = []
+    others: dict[_Slot, Any] = {}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        slots.append((i, None))
+        tensors.append(p)
+    for i, p in enumerate(params):
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                slots.append((i, key))
+                tensors.append(value)
+            else:
+                others[(i, key)] = value
+    return slots, tensors, others
+
+
+class Snapshot:
+    """The bits a masked step puts back where it overflowed, taken before the step: per group, the old bits times
+    the overflow (zero where the gradients were clean), and the flag as multipliers of each group's integer dtype
+    (a multiplier of another dtype would send the foreach operators down their per-tensor path)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        found_inf: torch.Tensor,
+        restorable: Restorable,
+        others: dict[_Slot, Any],
+    ) -> None:
+        self.optimizer, self.restorable = optimizer, restorable
+        self.found = overflow = found_inf > 0
+        self.keep: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self.kept: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for key, bits in restorable.groups.items():  # a loop, not a comprehension: see dls.kernels.per_device
+            on = overflow.to(device=key[0], dtype=key[1], non_blocking=True)
+            self.keep[key] = 1 - on
+            self.kept[key] = list(torch._foreach_mul(bits, on))
+        self.others = {slot: copy.deepcopy(value) for slot, value in others.items()}
+
+    def restore(self) -> None:
+        """Put back every parameter and state tensor where the step overflowed: two foreach operators per group when
+        the step updated its tensors in place (torch's optimizers do); else per tensor, a state entry this step
+        created starting from zero (what the optimizers that create entries lazily start from)."""
+        slots, tensors, others = _contents(self.optimizer)
+        restorable = self.restorable
+        with torch.no_grad():
+            if slots == restorable.slots and all(a is b for a, b in zip(tensors, restorable.tensors)):
+                for key, bits in restorable.groups.items():
+                    torch._foreach_mul_(bits, self.keep[key])
+                    torch._foreach_add_(bits, self.kept[key])
+            else:
+                self._restore_each(slots, tensors)
+        changed = [(slot, old) for slot, old in self.others.items() if slot in others and others[slot] != old]
+        # State that is not a tensor (a custom optimizer's Python step count) cannot be selected on the device:
+        # where the step changed some, the flag is read once.
+        if changed and bool(self.found):
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            for (i, key), old in changed:
+                self.optimizer.state[params[i]][key] = old
+
+    def _restore_each(self, slots: list[_Slot], tensors: list[torch.Tensor]) -> None:
+        old: dict[_Slot, torch.Tensor] = {}
+        positions: dict[tuple[torch.device, torch.dtype], int] = {}
+        for slot, t in zip(self.restorable.slots, self.restorable.tensors):
+            bits = _bits(t)
+            key = (bits.device, bits.dtype)
+            at = positions.get(key, 0)
+            old[slot], positions[key] = self.kept[key][at], at + 1
+        for slot, t in zip(slots, tensors):
+            bits = _bits(t)
+            key = (bits.device, bits.dtype)
+            if key not in self.keep:  # a device or dtype no tensor had before the step
+                self.keep[key] = 1 - self.found.to(device=bits.device, dtype=bits.dtype)
+            bits.mul_(self.keep[key])
+            if slot in old:
+                bits.add_(old[slot])
+
+
+def masked_snapshot(
+    optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, restorable: Restorable | None
+) -> tuple[Snapshot, Restorable | None] | None:
+    """Before a masked step: the bits to put back where it overflows (``Snapshot.restore`` after the step), and what
+    to keep for the next step; ``None`` where the optimizer keeps state on the host while the flag is on a device
+    (AdamW and Adam without ``capturable=True`` keep their step counts there): restoring them would need the flag on
+    the host, a sync, which costs no less than deciding the step on the host (what the scaler then does).
 
     Only called once every parameter with a gradient has stepped since the optimizer's state was last reset
     (``Tracker.has_stepped`` in ``dls.scaler``; the scaler then tells a wrapper holding its gradients elsewhere,
-    ``dls.optimizers.HoldsGradients``), so the state the step touches exists before it. Exact:
-    ``torch.where`` selects the old bits. The state must live on the flag's device (e.g. ``capturable=True`` for
-    Adam on CUDA), or the flag is copied to the state's device once per step (one host sync). State that
-    is not a tensor (a custom optimizer's Python step count) cannot be selected on the device: when the step
-    changed some, the flag is read once and the old values are put back on overflow.
+    ``dls.optimizers.HoldsGradients``), so the state the step touches exists before it. Exact: integer views of
+    the bits are multiplied by 0 or 1. A state tensor the step replaces instead of updating in place, or creates,
+    is restored per tensor; state that is not a tensor, by a read of the flag where the step changed it.
 
-    This is a loop over parameters (the opt-in price of no sync for optimizers without a fused kernel), plus a
-    copy of parameters and state.
+    The price of no sync for optimizers without a fused kernel: a copy of parameters and state per step (one
+    foreach multiply per device and dtype), and two passes over them after the step (a multiply, an add).
     """
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    before_params = [p.detach().clone() for p in params]
-    before_state = {
-        p: {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in optimizer.state[p].items()}
-        for p in params
-        if p in optimizer.state
-    }
-    result = optimizer.step(*args, **kwargs)
-    overflow = found_inf > 0
-    # One copy of the flag per device: state kept on the host (AdamW's step counts without capturable=True) costs
-    # one sync per step, not one per parameter.
-    flags = {overflow.device: overflow}
-
-    def on(device: torch.device) -> torch.Tensor:
-        if device not in flags:
-            flags[device] = overflow.to(device)
-        return flags[device]
-
-    host_values: list[tuple[dict[str, Any], str, Any]] = []
-    with torch.no_grad():
-        for p, old in zip(params, before_params):
-            p.copy_(torch.where(on(p.device), old, p))
-        for p in params:
-            new_state = optimizer.state.get(p)
-            if not new_state:
-                continue
-            old_state = before_state.get(p, {})
-            for key, value in new_state.items():
-                old_value = old_state.get(key)
-                if not isinstance(value, torch.Tensor):
-                    if key in old_state and old_value != value:
-                        host_values.append((new_state, key, old_value))
-                    continue
-                if not isinstance(old_value, torch.Tensor):
-                    # A state entry this step created for a parameter that had stepped: zero is what the
-                    # optimizers that create entries lazily start from.
-                    old_value = torch.zeros_like(value)
-                value.copy_(torch.where(on(value.device), old_value, value))
-    if host_values and bool(on(torch.device("cpu"))):
-        for state, key, old_value in host_values:
-            state[key] = old_value
-    return result
+    slots, tensors, others = _contents(optimizer)
+    if found_inf.device.type != "cpu" and any(t.device.type == "cpu" for t in tensors):
+        return None
+    current = restorable if restorable is not None and restorable.holds(slots, tensors) else Restorable(slots, tensors)
+    # Under torch.compile (no addresses) nothing is kept: the views cost nothing in a graph.
+    keep = current if current.addresses is not None else restorable
+    return Snapshot(optimizer, found_inf, current, others), keep

@@ -103,7 +103,7 @@ def _reduction_device(device: torch.device, group: Any) -> torch.device | None:
 
 
 # ---------------------------------------------------------------------- sharded gradients
-def _dtensor_class() -> Any:
+def dtensor_class() -> Any:
     # No DTensor can exist unless torch.distributed.tensor was imported: nothing is imported (or paid) here.
     module = sys.modules.get("torch.distributed.tensor")
     cls = getattr(module, "DTensor", None)
@@ -112,14 +112,14 @@ def _dtensor_class() -> Any:
 
 def has_dtensors(params: Iterable[torch.Tensor]) -> bool:
     """Whether any of ``params`` is a ``DTensor`` (an FSDP2 or tensor-parallel parameter)."""
-    cls = _dtensor_class()
+    cls = dtensor_class()
     return cls is not None and any(isinstance(p, cls) for p in params)
 
 
 def local_shards(groups: kernels.Groups) -> kernels.Groups:
     """``groups`` with every ``DTensor`` gradient replaced by its local shard (same device, dtype and storage:
     in-place passes reach the gradient itself)."""
-    cls = _dtensor_class()
+    cls = dtensor_class()
     if cls is None:
         return groups
     return {key: [g.to_local() if isinstance(g, cls) else g for g in grads] for key, grads in groups.items()}
@@ -132,7 +132,7 @@ def norm_is_sharded(optimizers: Sequence[torch.optim.Optimizer], setting: bool |
         return False
     if setting:
         return True
-    cls = _dtensor_class()
+    cls = dtensor_class()
     if cls is None:
         return False
     return any(
@@ -170,7 +170,7 @@ def global_norm(
     buckets: dict[_Key, list[list[torch.Tensor]]] = {}
     if plain_sharded:
         buckets[(group,)] = [list(x) for x in empty]  # first, on every rank, even one that owns no parameter
-    cls = _dtensor_class()
+    cls = dtensor_class()
     mesh_groups: dict[tuple[int, Any], _Key] = {}
     for i, (optimizers, _factor) in enumerate(parts):
         for opt in optimizers:

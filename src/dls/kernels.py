@@ -72,7 +72,11 @@ class GradIndex:
     def groups(self) -> Groups:
         groups: Groups = {}
         for key, params in self._by_key.items():
-            grads = [p.grad for p in params if p.grad is not None]
+            grads = []
+            for p in params:  # one read of .grad each (a comprehension filtering on it reads it twice)
+                g = p.grad
+                if g is not None:
+                    grads.append(g)
             if not grads:
                 continue
             g = grads[0]
@@ -201,7 +205,7 @@ def check_nonfinite(grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> N
 
 def check_unscaled_(
     groups: Groups,
-    factor: dict[torch.device, torch.Tensor],
+    factor: dict[torch.device, torch.Tensor] | None,
     found_inf: dict[torch.device, torch.Tensor],
     factor_may_exceed_one: bool,
 ) -> None:
@@ -210,7 +214,8 @@ def check_unscaled_(
 
     One read pass: the largest ``|g|`` of each tensor (NaN if it holds a NaN) times the factor, rounded as the
     unscale would, is non-finite exactly when some element's product is (a float multiply is monotonic). When the
-    factor cannot exceed 1 (the scale is at least 1: nearly always), ``check_nonfinite``, the faster check.
+    factor cannot exceed 1 (the scale is at least 1: nearly always), ``check_nonfinite``, the faster check, which
+    needs no factor (``None`` then: the caller computes no inverse scale).
     """
     for (device, dtype), all_grads in groups.items():
         grads = [g for g in all_grads if g.numel()]
@@ -219,6 +224,7 @@ def check_unscaled_(
         if not factor_may_exceed_one:
             check_nonfinite(grads, found_inf[device])
             continue
+        assert factor is not None, "a factor that may exceed 1 must be given"
         if device.type == "cpu":
             amax = torch.stack(torch._foreach_max(torch._foreach_abs(grads)))  # _foreach_norm(inf) is slow on CPU
         else:
@@ -229,24 +235,28 @@ def check_unscaled_(
         torch.maximum(flag, (~torch.isfinite(unscaled)).any().to(flag.dtype), out=flag)
 
 
-def global_norm(groups: Groups, factor: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:
+def global_norm(groups: Groups, factor: dict[torch.device, torch.Tensor] | None, device: torch.device) -> torch.Tensor:
     """One read pass: the L2 norm (float32, on ``device``) of all gradients, each multiplied by
-    ``factor[its device]``.
+    ``factor[its device]`` (``None``: by nothing).
 
     ``norm(c * g) = c * norm(g)``, so the norm of still-scaled gradients times ``1/scale`` is the norm of the
     unscaled ones, without an unscale pass before it. Per-tensor norms are computed in float32 (half norms
-    would overflow at 65504 while the true norm is finite). An inf/NaN element makes the norm inf/NaN.
+    would overflow at 65504 while the true norm is finite). An inf/NaN element makes the norm inf/NaN. One group
+    (nearly always) takes three operators, with no stack of a single norm.
     """
     norms = []
     for (dev, _dtype), grads in groups.items():
         tensor_norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-        group_norm = torch.linalg.vector_norm(torch.stack(tensor_norms)) * factor[dev]
+        group_norm = torch.linalg.vector_norm(torch.stack(tensor_norms))
+        if factor is not None:
+            group_norm = group_norm * factor[dev]
         norms.append(group_norm.to(device, non_blocking=True))
     if not norms:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.linalg.vector_norm(torch.stack(norms))
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """``min(1, max_norm / (total_norm + 1e-6))``, the coefficient of ``torch.nn.utils.clip_grad_norm_``."""
-    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    """``min(1, max_norm / (total_norm + 1e-6))``, the coefficient of ``torch.nn.utils.clip_grad_norm_``, in three
+    operators (torch's four round twice: a reciprocal, then a multiply; here one division rounds once)."""
+    return torch.div(max_norm, total_norm + 1e-6).clamp_(max=1.0)

@@ -240,7 +240,7 @@ class MasterWeights(torch.optim.Optimizer):
 
     def dls_state_restored(self) -> None:
         """Write the masters back after a sync-free step restored them (called by ``dls.GradScaler`` after
-        ``dls.device_step.masked_step``)."""
+        the masked step of ``dls.device_step``)."""
         self._write_back()
 
     # ------------------------------------------------------------------ optimizer interface

@@ -50,6 +50,9 @@ class OptimizerIndex:
     stepped: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     optimizer_state: Any = None  # the optimizer.state object the stepped record refers to
     state_len: int = 0  # its length when last marked
+    # What a sync-free (masked) step puts back, kept while the optimizer holds the same tensors (dls.device_step).
+    restorable: Any = None
+    warned_host_state: bool = False  # sync_free=True, but state on the host: said once (dls.scaler)
     # Other optimizers of this scaler sharing a parameter with this one: (optimizer ref, where, where theirs, shape).
     shared: list[tuple[weakref.ref[torch.optim.Optimizer], str, str, tuple[int, ...]]] = dataclasses.field(
         default_factory=list

@@ -215,7 +215,11 @@ class GradScaler:
         half_dtype: the half format the defaults are chosen for; ``None``: ``dls.get_half_dtype_str()`` at
             construction (cstorch.amp's ``set_half_dtype``).
         sync_free: keep ``step`` on the device for optimizers that cannot take the flag themselves: the step
-            always runs and parameters and optimizer state are restored where it overflowed (``dls.device_step``).
+            always runs and parameters and optimizer state are restored where it overflowed (``dls.device_step``),
+            at the price of a copy of both and two foreach passes over them per step. An optimizer that keeps state
+            on the host (AdamW and Adam without ``capturable=True`` on CUDA: their step counts) cannot be restored
+            without reading the flag, so its steps are decided on the host (one read, as without ``sync_free``;
+            said once): use ``fused=True`` (no read, no copy) or ``capturable=True`` there.
         process_group: the group whose ranks must agree on overflow; default: the world group when
             ``torch.distributed`` is initialised, nothing otherwise.
         gradients_sharded: whether each rank holds a disjoint slice of the gradients, so the global norm for
@@ -359,8 +363,13 @@ class GradScaler:
         growth_interval: int = PEERS["megatron"].defaults["growth_interval"],
         hysteresis: int = PEERS["megatron"].defaults["hysteresis"],
     ) -> GradScaler:
-        """Deprecated: ``GradScaler.like("megatron", device, initial_scale=..., min_scale=..., ...)``, which builds
-        every peer's scaler from its own arguments; this name goes in the next release.
+        """A scaler that follows Megatron-LM's ``DynamicGradScaler(initial_scale, min_scale, growth_factor,
+        backoff_factor, growth_interval, hysteresis)`` step by step, from its own arguments (the last four default
+        to Megatron's command-line defaults, ``dls.policy.PEERS``); the same as ``GradScaler.like("megatron",
+        device, ...)``, kept as DeepSpeed's ``from_deepspeed`` is, under the name a Megatron user looks for. One
+        difference: Megatron multiplies without a finite check, so its scale can grow to inf and then skip every
+        step; dls drops a growth that would reach inf. ``load_state_dict`` takes ``DynamicGradScaler.state_dict()``
+        as saved (``dls.scaler_state``).
 
         Args:
             device: where the scale lives (``"cpu"`` or a CUDA device).
@@ -370,8 +379,10 @@ class GradScaler:
             backoff_factor: the factor of a back-off.
             growth_interval: clean steps before the scale grows.
             hysteresis: overflows tolerated before a back-off (refilled by a growth).
+
+        Raises:
+            ValueError: a bad argument, named.
         """
-        warn_renamed("GradScaler.from_megatron(...)", 'GradScaler.like("megatron", ...)')
         arguments = dict(initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor)
         arguments |= dict(backoff_factor=backoff_factor, growth_interval=growth_interval, hysteresis=hysteresis)
         return cls.like("megatron", device, **arguments)
@@ -698,21 +709,28 @@ class GradScaler:
 
     # The passes (unscale, check, clip; pure in dls.kernels).
     def _flag_pass(
-        self, optimizer: torch.optim.Optimizer, progress: Progress, run: Callable[..., None], inv_scale: torch.Tensor
+        self,
+        optimizer: torch.optim.Optimizer,
+        progress: Progress,
+        run: Callable[..., None],
+        inv_scale: torch.Tensor | None,
+        below_one: bool,
     ) -> torch.Tensor:
         """``run`` (``kernels.mul_and_check_`` or ``kernels.check_unscaled_``) over the optimizer's gradients, factor
-        ``inv_scale``; returns the flag on the scale's device (not yet agreed across ranks)."""
+        ``inv_scale`` (``None``: a check that needs none); returns the flag on the scale's device (not yet agreed
+        across ranks). A fresh flag per pass (one operator), not a buffer reused across calls: a flag outlives its
+        iteration (``step_was_skipped`` reads it until the optimizer's next step, the recorder keeps it)."""
         groups = self._tracker.grads(optimizer, progress)
         devices = {d for d, _ in groups}
         found = kernels.zero_flags(devices)
-        run(groups, kernels.per_device(inv_scale, devices), found, self._scale.known.scale_may_be_below_one())
+        run(groups, None if inv_scale is None else kernels.per_device(inv_scale, devices), found, below_one)
         return kernels.gather_flags(found, self._scale.device)
 
     def _unscale_and_check(self, opts: list[torch.optim.Optimizer], progresses: list[Progress]) -> None:
         """Unscale each optimizer's gradients and set its agreed overflow flag (stage → UNSCALED)."""
-        inv_scale = self._scale.inverse()
+        inv_scale, below_one = self._scale.inverse(), self._scale.known.scale_may_be_below_one()
         for optimizer, progress in zip(opts, progresses):
-            flag = self._flag_pass(optimizer, progress, kernels.mul_and_check_, inv_scale)
+            flag = self._flag_pass(optimizer, progress, kernels.mul_and_check_, inv_scale, below_one)
             # Across ranks the flag is agreed asynchronously: reading progress.found_inf waits for the all-reduce.
             agreement = distributed.start_agreement(flag, self._process_group) if _distributed() else None
             progress.flag, progress.agreement = flag, agreement
@@ -720,7 +738,10 @@ class GradScaler:
 
     def _check_scaled(self, optimizer: torch.optim.Optimizer, progress: Progress) -> torch.Tensor:
         """The agreed flag of ``optimizer``'s still-scaled gradients, without unscaling them (one read pass)."""
-        flag = self._flag_pass(optimizer, progress, kernels.check_unscaled_, self._scale.inverse())
+        # At a scale of at least 1 the check reads the gradients alone: no inverse scale to compute.
+        below_one = self._scale.known.scale_may_be_below_one()
+        inv_scale = self._scale.inverse() if below_one else None
+        flag = self._flag_pass(optimizer, progress, kernels.check_unscaled_, inv_scale, below_one)
         return distributed.agree_on_overflow(flag, self._process_group) if _distributed() else flag
 
     def _clip_and_check(
@@ -766,27 +787,40 @@ class GradScaler:
         by ``clip_coef / scale`` (``clip_coef`` alone for already unscaled gradients). Returns the overflow flag
         (the norm is inf/NaN exactly when an element is) and the norm."""
         home = self._scale.device
-        inv_scale = self._scale.inverse() if self._enabled else torch.ones((), device=home)
-        one = torch.ones((), dtype=torch.float32, device=home)
-        parts = [(self._tracker.grads_of(scaled), inv_scale), (self._tracker.grads_of(unscaled), one)]
+        inv_scale = self._scale.inverse() if self._enabled else None
+        both = ((self._tracker.grads_of(scaled), inv_scale), (self._tracker.grads_of(unscaled), None))
+        parts = [(groups, factor) for groups, factor in both if groups]  # factor None: already unscaled
+        found = torch.zeros((), dtype=torch.float32, device=home)
         sharded = self._gradients_sharded
         if _distributed() and distributed.norm_is_sharded(scaled + unscaled, sharded, self._process_group):
             # Each rank holds a slice of the gradients: squared norms are summed across ranks.
-            opts = [(scaled, inv_scale), (unscaled, one)]
+            one = torch.ones((), dtype=torch.float32, device=home)
+            opts = [(scaled, one if inv_scale is None else inv_scale), (unscaled, one)]
             total_norm = distributed.global_norm(opts, home, self._process_group, plain_sharded=sharded is True)
+            kernels.check_nonfinite([total_norm], found)
+        elif len(parts) == 1 and parts[0][1] is not None:
+            # Nearly always: the AMP kernel unscales the norm of the still-scaled gradients and raises the flag
+            # where it is not finite, two operators (a check after it too while the scale may be below 1).
+            total_norm = kernels.global_norm(parts[0][0], None, home)
+            below_one = self._scale.known.scale_may_be_below_one()
+            kernels.mul_and_check_({(home, torch.float32): [total_norm]}, {home: parts[0][1]}, {home: found}, below_one)
         else:
-            norms = [kernels.global_norm(g, kernels.per_device(f, {d for d, _ in g}), home) for g, f in parts]
-            total_norm = torch.linalg.vector_norm(torch.stack(norms))
-        found = (~torch.isfinite(total_norm)).float()
-        coef = one if max_norm is None else kernels.clip_coefficient(total_norm, max_norm)
+            norms = [kernels.global_norm(g, None if f is None else kernels.per_device(f, {d for d, _ in g}), home)
+                     for g, f in parts]  # fmt: skip
+            total_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+            kernels.check_nonfinite([total_norm], found)
+        coef = None if max_norm is None else kernels.clip_coefficient(total_norm, max_norm)
         # A finite norm bounds every clipped element by max_norm: only a max_norm near a gradient dtype's largest
         # value (or an unscale by more than 1 without clipping) can make a product overflow.
         for groups, factor in parts:
-            if groups and (factor is not one or max_norm is not None):
-                dtypes_max = min(torch.finfo(dtype).max for _, dtype in groups)
-                below_one = max_norm is None and self._scale.known.scale_may_be_below_one()
-                check = below_one or (max_norm or 0) >= dtypes_max / 2
-                found = kernels.mul_and_raise(groups, factor * coef, found, check)
+            if factor is None and coef is None:
+                continue  # already unscaled, and not clipped
+            dtypes_max = min(torch.finfo(dtype).max for _, dtype in groups)
+            below_one = max_norm is None and self._scale.known.scale_may_be_below_one()
+            check = below_one or (max_norm or 0) >= dtypes_max / 2
+            multiplier = coef if factor is None else factor if coef is None else factor * coef
+            assert multiplier is not None
+            found = kernels.mul_and_raise(groups, multiplier, found, check)
         return found, total_norm
 
     # ------------------------------------------------------------------ step
@@ -876,7 +910,9 @@ class GradScaler:
         ====== ============================================ =========================== ===========================
 
         A parameter's first step (state that does not exist yet cannot be protected on the device) is decided on
-        the host on the fused and masked paths too.
+        the host on the fused and masked paths too; so is every step of an optimizer that keeps state on the host
+        while the flag is on a device (AdamW without ``capturable=True``): putting that state back would read the
+        flag anyway, and one read costs less than the masked step around it (``benchmarks/RESULTS.md`` §13).
         """
         index = self._tracker.index(optimizer)
         if getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -887,11 +923,26 @@ class GradScaler:
         assert found_inf is not None
         progress.stage = Stage.STEPPED
         if self._sync_free and self._tracker.has_stepped(optimizer, index):
-            self._decided(optimizer, progress, found_inf, None)
-            result = device_step.masked_step(optimizer, found_inf, args, kwargs)
-            if index.hooks is not None:  # e.g. master weights: re-derive what the step wrote from restored state
-                index.hooks.dls_state_restored()
-            return result
+            masked = device_step.masked_snapshot(optimizer, found_inf, index.restorable)
+            if masked is not None:
+                snapshot, restorable = masked
+                if restorable is not index.restorable:
+                    index.restorable = restorable
+                self._decided(optimizer, progress, found_inf, None)
+                result = optimizer.step(*args, **kwargs)
+                snapshot.restore()
+                if index.hooks is not None:  # e.g. master weights: re-derive what the step wrote from restored state
+                    index.hooks.dls_state_restored()
+                return result
+            if not index.warned_host_state:
+                index.warned_host_state = True
+                warnings.warn(
+                    f"sync_free=True: {type(optimizer).__name__} keeps optimizer state on the host (AdamW and Adam "
+                    "without capturable=True keep their step counts there), so its steps are decided on the host, "
+                    "one read of the flag each, as without sync_free; fused=True or capturable=True keep them on "
+                    "the device",
+                    stacklevel=3,
+                )
         if self._decided(optimizer, progress, found_inf, self._scale.read_flag(found_inf)):
             return None
         result = optimizer.step(*args, **kwargs)
@@ -992,7 +1043,7 @@ class GradScaler:
         model: torch.nn.Module | None = None,
         histogram_every: int | None = 100,
         flush_every: int = 100,
-        start_step: int = 0,
+        start_step: int | None = None,
         append: bool = False,
         model_format: str | None = None,
     ) -> Recorder:
@@ -1008,8 +1059,10 @@ class GradScaler:
             model: add the per-module overflow scales (hooks on every module of ``model`` that runs).
             histogram_every: a histogram of the gradients' exponents every this many steps, or ``None`` for none.
             flush_every: rows buffered on the device between writes.
-            start_step: the step before the first recorded one (the trainer's global step when it resumes).
-            append: with a path, add a segment to an existing trace instead of replacing it.
+            start_step: the step before the first recorded one (the trainer's global step when it resumes);
+                default: 0, or, with ``append``, the existing trace's last step.
+            append: with a path, add a segment to an existing trace instead of replacing it (a file that is not a
+                trace, or a ``start_step`` before its last step, is refused before anything is written).
             model_format: with ``model``, the format whose largest finite value float32 tensors stand for (a name
                 of ``dls.formats``); default: each tensor's own dtype.
 

@@ -180,14 +180,14 @@ def _megatron_dls(s: ScalerSettings) -> str | None:
     if not _dynamic(s, "megatron"):
         return None
     args = [
-        '"megatron", "cuda"',
+        '"cuda"',
         f"initial_scale={config_number(s.init_scale)}",
         f"min_scale={config_number(s.min_loss_scale)}",
         *_factors(s),
         f"growth_interval={s.growth_interval}",
         f"hysteresis={s.hysteresis}",
     ]
-    return f"dls.GradScaler.like({', '.join(args)})"
+    return f"dls.GradScaler.from_megatron({', '.join(args)})"
 
 
 def _megatron_flags(s: ScalerSettings) -> str | None:

@@ -56,14 +56,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import io
 import json
 import math
 import os
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
 import torch
@@ -71,35 +69,14 @@ from torch import nn
 
 from dls import formats, kernels
 from dls.checks import count_problem
+from dls.diagnostics.trace import STATE_FIELDS, TRACE_FORMAT, TRACE_VERSION, TraceError, read_trace
 from dls.keep import unwrap
 
 if TYPE_CHECKING:
     from dls.scaler import GradScaler
 
-__all__ = [
-    "TRACE_FILE",
-    "TRACE_FORMAT",
-    "TRACE_VERSION",
-    "Recorder",
-    "Segment",
-    "Trace",
-    "TraceError",
-    "read_trace",
-    "recording",
-]
+__all__ = ["Recorder", "recording"]
 
-TRACE_FORMAT = "dls-trace"
-TRACE_FILE = "trace.jsonl"  # its name in a dls train model_dir
-TRACE_VERSION = 1
-STATE_FIELDS = (
-    "loss_scale",
-    "steps_since_rescale",
-    "overflows_since_rescale",
-    "num_skipped_steps",
-    "hysteresis_tracker",
-    "iterations_since_rescale",  # fairseq's rule (dls.policy.FairseqRule)
-    "next_rescale",  # MXNet's rule: the rescale it commits at the next update
-)
 # Exponent field of float32 (biased by 127): fields 1..254 are the normal binades 2**-126 .. 2**127.
 _EXPONENT_BIAS = 127
 _COLUMNS = 4  # per row on the device: scale, overflow flag, largest |g|, largest |g| of float16 gradients
@@ -118,8 +95,11 @@ class Recorder:
         histogram_every: a histogram of the gradients' exponents every this many steps (a positive integer), or
             ``None`` for none (then the trace cannot tell underflow).
         model: add the per-module overflow scales (hooks on every module of ``model`` that runs).
-        start_step: the step before the first recorded one (the trainer's global step when it resumes).
-        append: with a path, add a segment to an existing trace instead of replacing it.
+        start_step: the step before the first recorded one (the trainer's global step when it resumes); default:
+            0, or, appending to a trace, its last step (a segment continues the trace at or after it).
+        append: with a path, add a segment to an existing trace instead of replacing it (the trace is read
+            first, as ``read_trace`` reads it: a file that is not a trace, or a ``start_step`` before its last
+            step, is refused before anything is written).
         model_format: with ``model``, the format whose largest finite value float32 tensors stand for (a name of
             ``dls.formats``; for runs under ``dls.emulate``); default: each tensor's own dtype.
 
@@ -135,7 +115,7 @@ class Recorder:
         flush_every: int = 100,
         histogram_every: int | None = 100,
         model: nn.Module | None = None,
-        start_step: int = 0,
+        start_step: int | None = None,
         append: bool = False,
         model_format: str | None = None,
     ) -> None:
@@ -146,8 +126,9 @@ class Recorder:
             if model is None or isinstance(model, nn.Module)
             else f"model must be a torch.nn.Module or None; got {type(model).__name__}",
             None
-            if isinstance(start_step, int) and not isinstance(start_step, bool) and start_step >= 0
-            else f"start_step must be an integer >= 0; got {start_step!r}",
+            if start_step is None
+            or (isinstance(start_step, int) and not isinstance(start_step, bool) and start_step >= 0)
+            else f"start_step must be None or an integer >= 0; got {start_step!r}",
             None if isinstance(append, bool) else f"append must be True or False; got {append!r}",
             None
             if model_format is None or model_format in formats.names()
@@ -163,6 +144,10 @@ class Recorder:
             raise ValueError("the scaler is disabled (or its mode is no scaling): there is no loss scale to record")
         if (recorder := recording(scaler)) is not None:
             raise ValueError(f"this scaler is already recording into {recorder.name}; close() that first")
+        if append and isinstance(file, (str, os.PathLike)):
+            start_step = _appended_start(file, start_step)
+        elif start_step is None:
+            start_step = 0
         self.flush_every, self.histogram_every = flush_every, histogram_every
         self._scaler_ref = weakref.ref(scaler)
         self.name: str = str(getattr(file, "name", file))
@@ -327,6 +312,26 @@ def recording(scaler: GradScaler) -> Recorder | None:
         scaler: a ``dls.GradScaler``.
     """
     return _RECORDING.get(scaler)
+
+
+def _appended_start(path: str | os.PathLike[str], start_step: int | None) -> int:
+    """The ``start_step`` of a segment appended to the trace at ``path``: at or after its last step (``None``: that
+    step; a missing or empty file: 0). Read as ``read_trace`` reads it; a file it refuses is a ``ValueError``."""
+    if not os.path.exists(path) or (os.path.isfile(path) and os.path.getsize(path) == 0):
+        return 0 if start_step is None else start_step
+    try:
+        trace = read_trace(path)
+    except TraceError as exc:
+        raise ValueError(f"append=True: {exc}") from None
+    last = trace.segments[-1].steps[-1]["step"] if trace.segments[-1].steps else trace.segments[-1].header["start_step"]
+    if start_step is None:
+        return int(last)
+    if start_step < last:
+        raise ValueError(
+            f"start_step {start_step} comes before step {last}, the last one of {os.fspath(path)}: a segment appended "
+            f"continues the trace at or after its last step (start_step={last}, or leave it out)"
+        )
+    return start_step
 
 
 def _dls_version() -> str:
@@ -542,112 +547,3 @@ def _histogram_record(counts: list[int]) -> dict[str, Any]:
         return {"min": 0, "counts": []}
     lo, hi = used[0], used[-1]
     return {"min": lo + 1 - _EXPONENT_BIAS, "counts": normal[lo : hi + 1]}
-
-
-# ---------------------------------------------------------------------------------------------------- reading
-@dataclass
-class Segment:
-    """One header of a trace and the steps recorded under it (a resumed run adds a segment)."""
-
-    header: dict[str, Any]
-    steps: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def settings(self) -> dict[str, Any]:
-        """The recording scaler's settings (``ScalerSettings``' fields)."""
-        return dict(self.header["settings"])
-
-
-@dataclass
-class Trace:
-    """A trace as read by ``read_trace``: its segments in file order; ``steps`` all their steps."""
-
-    path: str
-    segments: list[Segment]
-
-    @property
-    def steps(self) -> list[dict[str, Any]]:
-        """Every step line, in file order."""
-        return [row for segment in self.segments for row in segment.steps]
-
-    @property
-    def half_dtype(self) -> str:
-        """The format the recorded run trained in (its scaler's ``half_dtype``)."""
-        return str(self.segments[0].header["settings"].get("half_dtype", "float16"))
-
-
-class TraceError(ValueError):
-    """A file that is not a readable dls trace (the message names the file and the line)."""
-
-
-def read_trace(path: str | os.PathLike[str] | IO[bytes]) -> Trace:
-    """Read a trace written by a ``Recorder`` (``scaler.record`` or ``dls train``).
-
-    Args:
-        path: the trace's path, or a binary file object to read it from.
-
-    Raises:
-        TraceError: the file is not a dls trace, a line is not JSON, a ``version`` above
-            ``TRACE_VERSION``, or steps before the first header. A last line cut off mid-way (a run killed while
-            writing) is left out.
-    """
-    if isinstance(path, (str, os.PathLike)):
-        name = str(path)
-        try:
-            data = Path(path).read_bytes()
-        except OSError as exc:
-            raise TraceError(f"cannot read the trace {name}: {exc.strerror or exc}") from None
-    else:
-        name, data = str(getattr(path, "name", "<file>")), path.read()
-    lines = data.decode("utf-8", errors="replace").split("\n")
-    segments: list[Segment] = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            if number == len(lines) or (number == len(lines) - 1 and not lines[-1]):
-                break  # cut off by a killed writer
-            raise TraceError(f"{name}, line {number}: not JSON (is this a dls trace?)") from None
-        if not isinstance(record, dict):
-            raise TraceError(f"{name}, line {number}: not a JSON object (is this a dls trace?)")
-        if "format" in record:
-            if record["format"] != TRACE_FORMAT:
-                raise TraceError(f"{name}, line {number}: format {record['format']!r}, not {TRACE_FORMAT!r}")
-            version = record.get("version")
-            if not isinstance(version, int) or version > TRACE_VERSION:
-                raise TraceError(
-                    f"{name}, line {number}: trace version {version!r}; this dls reads versions 1 to "
-                    f"{TRACE_VERSION} (upgrade dls to read it)"
-                )
-            segments.append(Segment(record))
-            continue
-        if not segments:
-            raise TraceError(f"{name}: line {number} comes before any header line (is this a dls trace?)")
-        if not {"step", "scale", "overflow"} <= record.keys():
-            raise TraceError(f"{name}, line {number}: a step line needs 'step', 'scale' and 'overflow'")
-        segments[-1].steps.append(record)
-    if not segments:
-        raise TraceError(f"{name} holds no dls trace header (an empty file, or not a trace)")
-    return Trace(name, segments)
-
-
-def kept_for_resume(data: bytes | None, step: int) -> bytes:
-    """A trace's bytes without the steps after ``step`` (a run resumed from the checkpoint of ``step``; what its
-    crashed predecessor recorded after that checkpoint is not its history), nor a cut-off last line."""
-    if not data:
-        return b""
-    out = io.BytesIO()
-    for line in data.split(b"\n"):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(record, dict):
-            continue
-        if record.get("start_step", 0) < step if "format" in record else record.get("step", 0) <= step:
-            out.write(line + b"\n")
-    return out.getvalue()

@@ -21,7 +21,8 @@ trajectory (plotted, and the figure tune ranks by after the bounds): an undecide
 except an overflow right after the recorded scale grew (a probe of the larger scale), taken not to overflow at or
 below the previous step's, clean, scale. The estimate is a guess and is always shown with its bounds. A figure
 the trace cannot decide at all (the scales a step may take once more than ``MAX_BRANCHES`` states would have to
-be followed; underflow without histograms) is ``None``, never NaN: ``null`` in JSON, ``-`` in ``dls replay``'s
+be followed, or once following them has taken ``MAX_BRANCH_STEPS`` rule steps; underflow without histograms) is
+``None``, never NaN: ``null`` in JSON, ``-`` in ``dls replay``'s
 table.
 
 Underflow: the fraction of the nonzero gradient values of the latest histogram that would round to zero in the
@@ -50,9 +51,13 @@ from dls.policy import ScaleState
 from dls.scaler_state import parse_state_dict
 from dls.settings import ScalerSettings
 
-__all__ = ["MAX_BRANCHES", "Replay", "replay"]
+__all__ = ["MAX_BRANCHES", "MAX_BRANCH_STEPS", "Replay", "replay"]
 
 MAX_BRANCHES = 256  # distinct rule states followed at once; beyond, the bounds of the rest are loose (documented)
+# Rule steps spent on the bounds per policy (states followed x steps): each is a few device ops on the CPU (about
+# 10-30 us), and a long trace without model hooks keeps about MAX_BRANCHES states, so that a 50,000-step trace took
+# minutes per policy. Beyond this budget the bounds of the rest are loose, as beyond MAX_BRANCHES.
+MAX_BRANCH_STEPS = 100_000
 
 
 # ------------------------------------------------------------------------------------------------ what a step allows
@@ -187,7 +192,8 @@ class _Underflow:
 class Replay:
     """One policy replayed over a trace. Counts are ``(estimate, lowest, highest)``: the estimate trajectory and
     the bounds over every outcome the trace allows (``bounds_exact``: ``False`` when more than
-    ``MAX_BRANCHES`` states had to be followed, then the upper bounds assume every later step may overflow).
+    ``MAX_BRANCHES`` states had to be followed, or following them took ``MAX_BRANCH_STEPS`` rule steps; then the
+    upper bounds assume every later step may overflow).
 
     Attributes:
         policy: the ``Policy`` replayed.
@@ -326,6 +332,7 @@ def _replay_one(
     est_skipped = est_at_min = est_applied = undecided = 0
     est_under = 0.0
     exact = True
+    spent = 0  # rule steps of the bounds (MAX_BRANCH_STEPS)
     scales: list[float] = []
     skips: list[bool] = []
     guessed: list[bool] = []
@@ -359,11 +366,12 @@ def _replay_one(
         guessed.append(decided is None)
         if recorded and first_departure is None and (s != step.scale or overflow != step.overflow):
             first_departure = step.number
-        rule.update_(estimate, _ONE if overflow else _ZERO)
+        _update(rule, estimate, overflow, s, settings.min_loss_scale)
         # The bounds: every outcome the trace allows.
         if exact:
-            branches, step_low, step_high = _advance(branches, step, rule, floor, underflow)
-            if len(branches) > MAX_BRANCHES:
+            spent += len(branches)
+            branches, step_low, step_high = _advance(branches, step, rule, floor, underflow, settings.min_loss_scale)
+            if len(branches) > MAX_BRANCHES or (spent > MAX_BRANCH_STEPS and len(branches) > 1):
                 exact = False
                 base = _merge_all(b.acc for b in branches)
                 branches = []
@@ -407,8 +415,18 @@ def _merge_all(accs: Iterable[list[float]]) -> list[float]:
     return out
 
 
+def _update(rule: Any, state: ScaleState, overflow: bool, scale: float, min_scale: float) -> None:
+    """One update of ``state`` as the scaler runs it when the host knows the outcome
+    (``dls.loss_scale.LossScale.update``): a clean step at or above the floor on the rule's known-clean path, the
+    fewest device ops (``non_clamped_scale`` is then the scale, and no replay reads it)."""
+    if not overflow and scale >= min_scale:
+        rule.update_(state, _ZERO, known_clean=True)
+    else:
+        rule.update_(state, _ONE if overflow else _ZERO)
+
+
 def _advance(
-    branches: list[_Branch], step: _Step, rule: Any, floor: float, underflow: _Underflow
+    branches: list[_Branch], step: _Step, rule: Any, floor: float, underflow: _Underflow, min_scale: float
 ) -> tuple[list[_Branch], float, float]:
     """Every branch one step on (two where the trace cannot decide), equal states merged; the lowest and highest
     scale used."""
@@ -433,7 +451,7 @@ def _advance(
                 acc[5] += u
                 acc[6] += 1
                 acc[7] += 1
-            rule.update_(state, _ONE if overflow else _ZERO)
+            _update(rule, state, overflow, s, min_scale)
             out.append(_Branch(state, acc))
     if len(out) > 1:
         merged: dict[tuple[float, ...], _Branch] = {}

@@ -38,7 +38,6 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import IO, Any
 
 from dls.checks import FLOAT32_MAX, FLOAT32_TINY, INT64_MAX, shown
-from dls.diagnostics.record import STATE_FIELDS, TRACE_FORMAT, TRACE_VERSION
 from dls.scaler_state import parse_state_dict
 from dls.settings import ScalerSettings, SettingsError
 
@@ -46,14 +45,32 @@ __all__ = [
     "HEADER",
     "MAX_DEPTH",
     "MAX_LINE_BYTES",
+    "STATE_FIELDS",
     "STEP",
+    "TRACE_FILE",
+    "TRACE_FORMAT",
+    "TRACE_VERSION",
     "Field",
     "Segment",
     "Trace",
     "TraceError",
+    "kept_until",
     "read_trace",
     "settings_of",
 ]
+
+TRACE_FORMAT = "dls-trace"
+TRACE_VERSION = 1  # the newest version this dls writes and reads
+TRACE_FILE = "trace.jsonl"  # its name in a dls train model_dir
+STATE_FIELDS = (  # what a header's "state" may hold: the fields of every rule's state (dls.policy)
+    "loss_scale",
+    "steps_since_rescale",
+    "overflows_since_rescale",
+    "num_skipped_steps",
+    "hysteresis_tracker",
+    "iterations_since_rescale",  # fairseq's rule (dls.policy.FairseqRule)
+    "next_rescale",  # MXNet's rule: the rescale it commits at the next update
+)
 
 MAX_LINE_BYTES = 16 * 2**20  # a header naming 100,000 modules is about 4 MB; a step line of as many, 2.5 MB
 MAX_DEPTH = 3  # the deepest the format nests: a step line > its "exponents" > their "counts"
@@ -464,7 +481,36 @@ def read_trace(path: str | os.PathLike[str] | IO[bytes]) -> Trace:
     return _read(path, str(getattr(path, "name", "<file>")))
 
 
-def _read(file: IO[bytes], name: str) -> Trace:
+def kept_until(path: str | os.PathLike[str] | IO[bytes], step: int) -> bytes:
+    """The trace's lines as written, without the steps after ``step`` nor the segments that start at or after it
+    (a run resumed from the checkpoint of ``step``: what its predecessor recorded after that checkpoint is not its
+    history), nor a cut-off last line; the whole trace is checked as ``read_trace`` checks it, with its bounds. A
+    file without a complete line (a run killed before its header was written) keeps nothing.
+
+    Args:
+        path: the trace's path, or a binary file object to read it from.
+        step: the step of the checkpoint the run resumes from.
+
+    Raises:
+        TraceError: as ``read_trace``.
+    """
+    lines: list[tuple[bytes, dict[str, Any]]] = []
+    if isinstance(path, (str, os.PathLike)):
+        with _open(path) as file:
+            _read(file, os.fspath(path), lines)
+    else:
+        _read(path, str(getattr(path, "name", "<file>")), lines)
+    kept = [
+        line + b"\n"
+        for line, record in lines
+        if (record["start_step"] < step if "format" in record else record["step"] <= step)
+    ]
+    return b"".join(kept)
+
+
+def _read(file: IO[bytes], name: str, lines: list[tuple[bytes, dict[str, Any]]] | None = None) -> Trace:
+    """The trace in ``file`` (named ``name`` in errors), checked; with ``lines``, each line read is added to it as
+    written (without its newline), beside its record."""
     segments: list[Segment] = []
     number = 0
     last = 0  # the last step read
@@ -496,6 +542,8 @@ def _read(file: IO[bytes], name: str) -> Trace:
                 record = {**record, **absent}
                 segments.append(Segment(record))
                 last, modules = start, len(record["modules"])
+                if lines is not None:
+                    lines.append((line, record))
                 continue
             if not segments:
                 raise ValueError("a step line before any header line (is this a dls trace?)")
@@ -513,12 +561,14 @@ def _read(file: IO[bytes], name: str) -> Trace:
                 )
             last = record["step"]
             segments[-1].steps.append(record)
+            if lines is not None:
+                lines.append((line, record))
     except ValueError as exc:
         raise TraceError(f"{name}, line {getattr(exc, 'number', number)}: {exc}") from None
     except TypeError as exc:
         raise TraceError(f"{name}: {exc}") from None
     except OSError as exc:
         raise TraceError(f"cannot read the trace {name}: {exc.strerror or exc}") from None
-    if not segments:
+    if not segments and lines is None:  # kept_until: nothing complete was written, no history to keep
         raise TraceError(f"{name} holds no dls trace header (an empty file, or not a trace)")
     return Trace(name, segments)

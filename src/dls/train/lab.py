@@ -13,6 +13,7 @@ it, before anything is written; a plot that cannot be written exits 3 naming its
 from __future__ import annotations
 
 import argparse
+import errno
 import io
 import json
 import math
@@ -34,13 +35,15 @@ examples:
 skipped: the estimate, then [lowest, highest] over every outcome the trace allows (steps it cannot decide: an
 overflow below the recorded scale; without record(model=...), a clean step above it).
 a figure the trace cannot decide is "-" (null in --json).
-exit status: 0 done; 2 bad trace, policy or arguments; 3 the plot could not be written (disk full, permissions)."""
+exit status: 0 done; 2 bad trace, policy or arguments; 3 the plot or the output could not be written (disk full,
+permissions, no standard output)."""
 
 TUNE_EPILOG = """\
 Each policy's grid (every combination; other arguments at the peer's defaults) is replayed; the settings with the
 fewest skipped steps in the worst case the trace allows, among those whose underflow stays below --max-underflow
 (its upper bound), are recommended, with the lines for dls, torch.amp, Model Zoo YAML, DeepSpeed, Megatron-LM.
-exit status: 0 done; 2 bad trace, policy or arguments."""
+A search of more than a few million settings x steps says so on standard error first (it takes minutes).
+exit status: 0 done; 2 bad trace, policy or arguments; 3 the output could not be written."""
 
 
 def add_commands(sub: Any, formatter: type[argparse.HelpFormatter]) -> None:
@@ -109,6 +112,8 @@ def run_replay(args: argparse.Namespace) -> None:
     _once(args.policy or [])
     if args.plot is not None:
         _writable(Path(args.plot))
+        if _same_file(args.plot, args.trace):  # replacing it would lose the trace for a picture of it
+            raise UsageError(f"--plot: {args.plot} is the trace being replayed; give another path for the PNG")
     trace = _read(args.trace)
     specs = args.policy or [RECORDED, *(name for name in POLICIES if name != "static")]
     try:
@@ -130,10 +135,20 @@ def run_replay(args: argparse.Namespace) -> None:
     _print(_replay_text(trace, results) + ("" if plot is None else f"\nPlot: {plot}"))
 
 
-def _print(text: str) -> None:
-    """``text`` on standard output, flushed: a full disk or a closed pipe behind it is this command's error (exit
-    3), named as the standard output, not a run's."""
+def _same_file(a: str, b: str) -> bool:
     try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):  # either missing (or not a path): not the same existing file
+        return False
+
+
+def _print(text: str) -> None:
+    """``text`` on standard output, flushed: a full disk, a closed pipe or no standard output at all (closed
+    before the command started: ``sys.stdout`` is ``None``) is this command's error (exit 3), named as the
+    standard output, not a run's."""
+    try:
+        if sys.stdout is None:
+            raise OSError(errno.EBADF, "it is closed (nothing to print to)")
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
     except OSError as exc:
@@ -287,6 +302,7 @@ def run_tune(args: argparse.Namespace) -> None:
     if args.top < 1:
         raise UsageError(f"--top must be >= 1; got {args.top}")
     trace = _read(args.trace)
+    _say_how_long(trace, args.policy)
     try:
         result = tune(trace, args.policy, max_underflow=limit, fmt=args.format)
     except ValueError as exc:
@@ -308,6 +324,25 @@ def run_tune(args: argparse.Namespace) -> None:
         _print(json.dumps(data, indent=1, allow_nan=False, default=_plain))
         return
     _print(_tune_text(trace, result, args.top))
+
+
+LONG_TUNE = 2_000_000  # settings x steps beyond which dls tune says that it takes a while (about 10 us each here)
+
+
+def _say_how_long(trace: Any, names: Sequence[str] | None) -> None:
+    """On standard error, before a search that takes minutes: how big it is and how to make it smaller (a silent
+    command that long looks hung)."""
+    from dls.diagnostics.policies import POLICIES
+
+    grids = [POLICIES[name].grid for name in (names or POLICIES) if name in POLICIES]
+    settings = sum(math.prod(len(values) for values in grid.values()) for grid in grids)
+    if settings * len(trace.steps) > LONG_TUNE:
+        print(
+            f"dls tune: replaying {settings} settings over {len(trace.steps):,} steps takes a while (minutes); "
+            "--policy NAME searches one policy's grid",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _tune_text(trace: Any, result: Any, top: int) -> str:

@@ -159,6 +159,8 @@ def _row(line: bytes) -> dict[str, Any] | str:
         row = json.loads(line)
     except ValueError as exc:  # not JSON or not UTF-8
         return str(exc).splitlines()[0]
+    except RecursionError:  # a nesting bomb: no metrics row nests
+        return "nested too deeply to be a metrics row"
     step = row.get("step") if isinstance(row, dict) else None
     return row if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else str(row)
 

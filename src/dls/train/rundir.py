@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import yaml
 
-from dls.diagnostics.record import TRACE_FILE
+from dls.diagnostics.trace import TRACE_FILE, TraceError, kept_until
 from dls.train.errors import ModelDirError
 from dls.train.reporting import metrics_to_keep, plot_comparison, read_metrics
 
@@ -36,6 +36,23 @@ CONFIG_FILE = "config.yaml"
 TENSORBOARD_DIR = "tensorboard"
 _TEMPORARIES = (".checkpoint_", *(f".{name}." for name in (METRICS_FILE, PLOT_FILE, CONFIG_FILE, TRACE_FILE)))
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def trace_to_keep(data: bytes | None, path: Path, step: int) -> bytes:
+    """The lines of the trace ``data`` (the file ``path``) a run resumed at ``step`` keeps
+    (``dls.diagnostics.trace.kept_until``: read with the trace reader's bounds and checks); a trace that reader
+    refuses is refused (:class:`ModelDirError`: the file is kept), as a metrics.jsonl that is not one."""
+    if not data:
+        return b""
+    file = io.BytesIO(data)
+    file.name = str(path)
+    try:
+        return kept_until(file, step)
+    except TraceError as exc:
+        raise ModelDirError(
+            f"{exc}; a resumed run rewrites that file and would lose it: move the file away (resuming does not "
+            "need it) and run again"
+        ) from None
 
 
 def checkpoint_path(model_dir: str | Path, step: int) -> Path:
@@ -171,7 +188,7 @@ def _holder(lock_fd: int, held: bool = True) -> str | None:
     holder that ended left a child with it)."""
     try:
         record = json.loads(os.pread(lock_fd, 4096, 0))
-    except (OSError, ValueError):  # empty, or not a record dls wrote
+    except (OSError, ValueError, RecursionError):  # empty, or not a record dls wrote (a nesting bomb among them)
         return None
     if not isinstance(record, dict) or not record:
         return None

@@ -29,8 +29,9 @@ import dls.fp8
 from dls import distributed, kernels
 from dls.diagnostics import OverflowReport
 from dls.diagnostics.fallback import apply_precision_fallback, fallback_note
-from dls.diagnostics.record import TRACE_FILE, Recorder, kept_for_resume
+from dls.diagnostics.record import Recorder
 from dls.diagnostics.scales import module_label, pow2
+from dls.diagnostics.trace import TRACE_FILE
 from dls.emulation import EmulationHandle
 from dls.train import batches, config, data, reporting, rundir
 from dls.train import checkpoint as ckpt
@@ -212,12 +213,17 @@ class Trainer:
 
         def open_run_dir() -> None:
             assert self.run_dir is not None
+            recording = rc.record_trace and self.scaler.is_enabled()
+            if recording and TRACE_FILE not in {path.name for path, _ in aside}:  # may refuse: before anything changes
+                trace = self.run_dir.path / TRACE_FILE
+                kept = rundir.trace_to_keep(self.run_dir.read(TRACE_FILE), trace, self.global_step)
+            else:
+                kept = b""
             self.run_dir.open(
                 self.log, set_aside=aside, step=self.global_step, config=config.to_dict(self.cfg),
                 config_file=self.config_file, tensorboard=rc.tensorboard,
             )  # fmt: skip
-            if rc.record_trace and self.scaler.is_enabled():  # the trace up to this step, then this session's
-                kept = kept_for_resume(self.run_dir.read(TRACE_FILE), self.global_step)
+            if recording:  # the trace up to this step, then this session's
                 self.run_dir.replace(TRACE_FILE, kept)
                 file = os.fdopen(self.run_dir._open(TRACE_FILE, os.O_WRONLY | os.O_APPEND), "ab")
                 self.run_dir._held.enter_context(file)  # closed with model_dir, after the recorder

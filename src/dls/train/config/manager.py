@@ -57,11 +57,15 @@ _Loader.yaml_implicit_resolvers = {
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_FLOAT), list("-+0123456789."))
 
 
+class _TooMany(ValueError):
+    pass
+
+
 def _unshare(data: Any, budget: list[int]) -> Any:
     """``data`` with every alias expanded into a copy; at most :data:`MAX_CONFIG_NODES` values in all."""
     budget[0] -= 1
     if budget[0] < 0:
-        raise ValueError(f"more than {MAX_CONFIG_NODES:,} values once its YAML aliases are expanded (an alias bomb?)")
+        raise _TooMany(f"more than {MAX_CONFIG_NODES:,} values once its YAML aliases are expanded (an alias bomb?)")
     if isinstance(data, dict):
         return {_unshare(k, budget): _unshare(v, budget) for k, v in data.items()}
     if isinstance(data, (list, tuple)):
@@ -97,8 +101,11 @@ def load_yaml(text: str, source: str = "<string>", notes: list[str] | None = Non
         raise ConfigError([f"{source}:{_where(exc, text)} (not valid YAML)"]) from None
     except RecursionError:
         raise ConfigError(["not a config: nested too deeply, or an alias contains itself"], source) from None
-    except ValueError as exc:
+    except _TooMany as exc:
         raise ConfigError([f"the config expands to {exc}"], source) from None
+    except ValueError as exc:  # a value PyYAML's constructors refuse: a 5,000-digit integer, a date 2001-13-45
+        reason = str(exc).split(";")[0]  # Python's advice after ";" (sys.set_int_max_str_digits) is not the user's
+        raise ConfigError([f"a value YAML cannot read: {reason} (not valid YAML)"], source) from None
     finally:
         if loader is not None:
             loader.dispose()
