@@ -507,3 +507,21 @@ def test_every_dialects_crafted_tensor_is_a_value_error_naming_its_key(
     with pytest.raises(ValueError, match=key):
         scaler.load_state_dict(state)
     assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize("path", ["sync_free", "fused"])
+def test_a_refused_first_step_does_not_count_as_the_first_step(path: str) -> None:
+    """A parameter's first step is decided on the host so that no optimizer creates its state from an overflowing
+    step; a refused first step left no state, so the next one is a first step again."""
+    p = torch.nn.Parameter(torch.full((2,), 65000.0, dtype=torch.float16))
+    opt = master_weights(torch.optim.Adam([p], lr=2000.0, fused=path == "fused"))
+    scaler = dls.GradScaler("cpu", init_scale=1.0, sync_free=path == "sync_free")
+    with pytest.warns(UserWarning, match="keep_in_float32"):
+        _one_step(p, opt, scaler, grad=-1.0)
+    assert not any(opt.state.values())
+    scaler.scale((p.float() * -1.0).sum()).backward()
+    p.grad[0] = math.inf  # type: ignore[index]
+    scaler.step(opt)
+    scaler.update()
+    assert not any(opt.state.values()) and torch.equal(p, torch.full((2,), 65000.0, dtype=torch.float16))
+    assert scaler.get_num_skipped_steps() == 2

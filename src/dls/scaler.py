@@ -961,7 +961,7 @@ class GradScaler:
             return None
         result = optimizer.step(*args, **kwargs)
         self._note_refusal(index, progress, found_inf)
-        self._tracker.mark_stepped(optimizer, index)
+        self._mark_stepped(optimizer, index, progress)
         return result
 
     def _step_fused(
@@ -992,8 +992,19 @@ class GradScaler:
         result = device_step.fused_step(optimizer, grad_scale, found_inf, args, kwargs)
         self._note_refusal(index, progress, found_inf)
         if first_step:
-            self._tracker.mark_stepped(optimizer, index)
+            self._mark_stepped(optimizer, index, progress)
         return result
+
+    def _mark_stepped(self, optimizer: torch.optim.Optimizer, index: OptimizerIndex, progress: Progress) -> None:
+        """The optimizer's parameters have taken a real step, unless it refused this one (``RefusesSteps``: it left
+        no state, so the next step is a first step again, decided on the host). Read only while some parameter has
+        not stepped yet: afterwards marking changes nothing."""
+        if progress.refused is not None and not self._tracker.has_stepped(optimizer, index):
+            if progress.refused_read is None:
+                progress.refused_read = bool(progress.refused.item())
+            if progress.refused_read:
+                return
+        self._tracker.mark_stepped(optimizer, index)
 
     @staticmethod
     def _note_refusal(index: OptimizerIndex, progress: Progress, found_inf: torch.Tensor | None) -> None:
