@@ -360,6 +360,40 @@ def test_sync_free_follows_a_parameter_given_new_storage() -> None:
         assert_same(snapshot(models[0], opts[0]), snapshot(models[1], opts[1]), f"step {step}")
 
 
+class _NewStorageSGD(torch.optim.Optimizer):
+    """Momentum SGD writing each new parameter into fresh storage (``p.data = ...``), its momentum in place."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.05})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    if "momentum" not in state:
+                        state["momentum"] = p.grad.clone()
+                    else:
+                        state["momentum"].mul_(0.9).add_(p.grad)
+                    p.data = p.data - group["lr"] * state["momentum"]
+
+
+def test_sync_free_follows_a_parameter_the_step_gives_new_storage() -> None:
+    """A step that moves a parameter's elements (``p.data = ...`` inside it) while updating its state in place: the
+    restore writes the parameter's new storage (not the views of the old one taken before the step, which would
+    leave the overflowed step's -inf in the weight)."""
+    models = [tiny_model(), tiny_model()]
+    opts = [_NewStorageSGD(m.parameters()) for m in models]
+    scalers = [dls_scaler(2.0**10, 2), dls_scaler(2.0**10, 2, sync_free=True)]
+    for step in range(6):
+        for model, opt, scaler in zip(models, opts, scalers):
+            train(scaler, model, opt, range(step, step + 1), {2: INF, 3: INF, 5: NAN})
+        assert_same(snapshot(models[0], opts[0]), snapshot(models[1], opts[1]), f"step {step}")
+    assert scalers[1].get_num_skipped_steps() == 3
+    assert all(bool(torch.isfinite(p).all()) for p in models[1].parameters())
+
+
 def test_a_masked_step_declines_state_kept_off_the_flags_device() -> None:
     """State on the host while the flag is on a device (AdamW's step counts without capturable=True on CUDA) would
     need the flag read to be put back: the masked step declines before anything runs, and the scaler decides the

@@ -102,11 +102,12 @@ class Restorable:
             self.groups.setdefault((bits.device, bits.dtype), []).append(bits)
 
     def holds(self, slots: list[_Slot], tensors: list[torch.Tensor]) -> bool:
+        """Whether ``tensors`` are this one's, at the same addresses (where they could be asked: not under
+        ``torch.compile``, where nothing is kept across steps)."""
         return (
-            self.addresses is not None
-            and slots == self.slots
+            slots == self.slots
             and all(a is b for a, b in zip(tensors, self.tensors))
-            and _addresses(tensors) == self.addresses
+            and (self.addresses is None or _addresses(tensors) == self.addresses)
         )
 
 
@@ -167,7 +168,9 @@ class Snapshot:
         slots, tensors, others = _contents(self.optimizer)
         restorable = self.restorable
         with torch.no_grad():
-            if slots == restorable.slots and all(a is b for a, b in zip(tensors, restorable.tensors)):
+            # A step may give a parameter new storage (``p.data = ...``): the views taken before it would then
+            # write the old storage and leave the stepped one.
+            if restorable.holds(slots, tensors):
                 for key, bits in restorable.groups.items():
                     torch._foreach_mul_(bits, self.keep[key])
                     torch._foreach_add_(bits, self.kept[key])
