@@ -525,3 +525,20 @@ def test_a_refused_first_step_does_not_count_as_the_first_step(path: str) -> Non
     scaler.update()
     assert not any(opt.state.values()) and torch.equal(p, torch.full((2,), 65000.0, dtype=torch.float16))
     assert scaler.get_num_skipped_steps() == 2
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_clipping_with_no_gradient_at_all_is_a_norm_of_zero_and_a_clean_step(enabled: bool) -> None:
+    """A frozen model (no parameter got a gradient) with clipping on: the norm is 0 (torch's clip_grad_norm_ of no
+    gradient), the step is clean and changes nothing (``torch.stack([])`` raised here once)."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = dls.GradScaler("dynamic", max_gradient_norm=1.0, enabled=enabled)
+    assert bool(scaler.clip_gradients_and_return_isfinite(opt))
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(p.detach(), torch.ones(3)) and not scaler.step_was_skipped(opt)
+    again = dls.GradScaler("dynamic", max_gradient_norm=1.0, enabled=enabled)
+    again.step(opt)  # the clip inside step()
+    again.update()
+    assert torch.equal(p.detach(), torch.ones(3))

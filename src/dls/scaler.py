@@ -818,7 +818,10 @@ class GradScaler:
         else:
             norms = [kernels.global_norm(g, None if f is None else kernels.per_device(f, {d for d, _ in g}), home)
                      for g, f in parts]  # fmt: skip
-            total_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+            if not norms:  # no gradient at all (a frozen model): a norm of 0, as torch's clip_grad_norm_ gives
+                total_norm = torch.zeros((), dtype=torch.float32, device=home)
+            else:
+                total_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
             kernels.check_nonfinite([total_norm], found)
         coef = None if max_norm is None else kernels.clip_coefficient(total_norm, max_norm)
         # A finite norm bounds every clipped element by max_norm: only a max_norm near a gradient dtype's largest
