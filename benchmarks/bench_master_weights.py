@@ -121,12 +121,16 @@ def counted_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[st
     masters = [opt.master_of(p) for p in params] if isinstance(opt, MasterWeights) else []
     masters = [m for m, p in zip(masters, params) if m is not p]
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    # The copy a step keeps of what it changes until its masters are known to fit (dls.master_weights' refusal).
+    copies = getattr(opt, "_copies", None)
+    kept = copies.saved if copies is not None else []
     return {
         "params": sum(size(p) for p in params),
         "grads": sum(size(p.grad) for p in params),
         "masters": sum(size(m) for m in masters),
         "master grads": sum(size(m.grad) for m in masters),
         "state": sum(size(v) for v in state),
+        "kept copy": sum(size(v) for v in kept),
     }
 
 
@@ -166,7 +170,7 @@ def measure_memory(
                 # A skipped step would not touch the optimizer state, and the profile would not see it.
                 peak = profiled_peak(functools.partial(clean_step, step, finish, scaler, opt), device)
             except Diverged as why:
-                rows.append([f"{opt_name} b{batch}", variant, *["-"] * 8, "diverged"])
+                rows.append([f"{opt_name} b{batch}", variant, *["-"] * 9, "diverged"])
                 print(f"  {opt_name} b{batch} {variant}: diverged ({why})", flush=True)
                 continue
             peaks[(opt_name, variant)] = peak
@@ -175,7 +179,10 @@ def measure_memory(
                 [
                     f"{opt_name} b{batch}",
                     variant,
-                    *(f"{counts[k] / MB:.1f}" for k in ("params", "grads", "masters", "master grads", "state")),
+                    *(
+                        f"{counts[k] / MB:.1f}"
+                        for k in ("params", "grads", "masters", "master grads", "state", "kept copy")
+                    ),
                     f"{total / MB:.1f}",
                     f"{total / params:.1f}",
                     f"{peak / MB:.1f}",
@@ -265,7 +272,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"  ... time, batch {batch} done", flush=True)
     print_table(
         "memory (MiB): counted after backward+step, before zero_grad; peak of a whole step from torch.profiler",
-        ["run", "variant", "params", "grads", "masters", "m.grads", "state", "total", "B/param", "peak", "/autocast"],
+        [
+            "run",
+            "variant",
+            "params",
+            "grads",
+            "masters",
+            "m.grads",
+            "state",
+            "kept",
+            "total",
+            "B/param",
+            "peak",
+            "/autocast",
+        ],
         memory_rows,
     )
     print_table(

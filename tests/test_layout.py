@@ -58,6 +58,9 @@ def test_a_step_enters_at_most_four_dls_files(make: Any) -> None:
 # The calls a steady step made into dls on main before issue 39 (this test's model, by set-up): a redesign may only
 # make fewer. Counted with sys.setprofile, as _files_entered does.
 CALLS_BEFORE = {"torch-dialect": 59, "cerebras-dialect": 59, "hysteresis": 59}
+# And today's (2026-12-02: 42 after the passes were cut, 46 once the scaler asks each optimizer whether it refused
+# its step, dls.optimizers.RefusesSteps): a change that adds calls to the steady step raises this on purpose.
+CALLS_NOW = 46
 
 
 @pytest.mark.parametrize("name", list(CALLS_BEFORE))
@@ -67,7 +70,7 @@ def test_a_step_makes_no_more_calls_into_dls_than_before(name: str) -> None:
         "cerebras-dialect": lambda: dls.GradScaler("dynamic"),
         "hysteresis": lambda: dls.GradScaler("dynamic", hysteresis=2),
     }[name]
-    assert _calls(make()) <= CALLS_BEFORE[name]
+    assert _calls(make()) <= min(CALLS_BEFORE[name], CALLS_NOW)
 
 
 def _calls(scaler: dls.GradScaler) -> int:

@@ -3,7 +3,8 @@ state_dict / load_state_dict / optimizer-state resets / a parameter swapped into
 inf, NaN and overflowing-once-unscaled gradients injected, over half dtypes and optimizers (fused ones included).
 
 Invariants checked after every rule:
-- an optimizer never receives a non-finite or overflowing gradient (sync-free steps excepted: they run and are undone);
+- an optimizer never applies a non-finite or overflowing gradient (a fused kernel receives it with the flag and applies
+  nothing; sync-free steps run and are undone);
 - parameters and optimizer state change only on a step whose unscaled gradients were finite;
 - the scale is a normal float32 (so its inverse is finite) and, after the rule, within its bounds;
 - every exception is dls's (ValueError / RuntimeError) and carries a message.

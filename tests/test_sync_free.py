@@ -345,6 +345,38 @@ def test_sync_free_restores_state_tensors_the_step_replaces() -> None:
     assert scalers[1].get_num_skipped_steps() == len(overflows)
 
 
+class _RetypingSGD(torch.optim.Optimizer):
+    """SGD counting its steps in a state tensor that the step replaces, by a float64 one from the third step on (a
+    state entry of another dtype: no selection of bits can put the float32 one back)."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.05})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    count = state.get("count", torch.zeros((), dtype=torch.float32)) + 1
+                    state["count"] = count.double() if count >= 3 else count
+                    p.add_(p.grad, alpha=-group["lr"] / float(count))
+
+
+def test_sync_free_puts_back_a_state_tensor_the_step_replaced_by_another_dtype() -> None:
+    """An overflowing step that replaces a float32 state tensor by a float64 one: the float32 one comes back, bit for
+    bit (its bits added into the float64 tensor's were a meaningless number), as on the default path."""
+    models = [tiny_model(), tiny_model()]
+    opts = [_RetypingSGD(m.parameters()) for m in models]
+    scalers = [dls_scaler(2.0**10, 2), dls_scaler(2.0**10, 2, sync_free=True)]
+    for step in range(6):
+        for model, opt, scaler in zip(models, opts, scalers):
+            train(scaler, model, opt, range(step, step + 1), {2: INF, 4: NAN})
+        assert_same(snapshot(models[0], opts[0]), snapshot(models[1], opts[1]), f"step {step}")
+    assert scalers[1].get_num_skipped_steps() == 2
+    assert all(s["count"].dtype == torch.float64 for s in opts[1].state.values())  # replaced at the clean step 3
+
+
 def test_sync_free_follows_a_parameter_given_new_storage() -> None:
     """``p.data = ...`` between steps moves a parameter's elements: what the masked step kept of it is built anew
     (else the restore would write the old storage and leave the new one stepped)."""
@@ -358,6 +390,40 @@ def test_sync_free_follows_a_parameter_given_new_storage() -> None:
                 first.data = first.data.clone()
             train(scaler, model, opt, range(step, step + 1), {2: INF, 3: INF, 5: NAN})
         assert_same(snapshot(models[0], opts[0]), snapshot(models[1], opts[1]), f"step {step}")
+
+
+class _NewStorageSGD(torch.optim.Optimizer):
+    """Momentum SGD writing each new parameter into fresh storage (``p.data = ...``), its momentum in place."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.05})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    if "momentum" not in state:
+                        state["momentum"] = p.grad.clone()
+                    else:
+                        state["momentum"].mul_(0.9).add_(p.grad)
+                    p.data = p.data - group["lr"] * state["momentum"]
+
+
+def test_sync_free_follows_a_parameter_the_step_gives_new_storage() -> None:
+    """A step that moves a parameter's elements (``p.data = ...`` inside it) while updating its state in place: the
+    restore writes the parameter's new storage (not the views of the old one taken before the step, which would
+    leave the overflowed step's -inf in the weight)."""
+    models = [tiny_model(), tiny_model()]
+    opts = [_NewStorageSGD(m.parameters()) for m in models]
+    scalers = [dls_scaler(2.0**10, 2), dls_scaler(2.0**10, 2, sync_free=True)]
+    for step in range(6):
+        for model, opt, scaler in zip(models, opts, scalers):
+            train(scaler, model, opt, range(step, step + 1), {2: INF, 3: INF, 5: NAN})
+        assert_same(snapshot(models[0], opts[0]), snapshot(models[1], opts[1]), f"step {step}")
+    assert scalers[1].get_num_skipped_steps() == 3
+    assert all(bool(torch.isfinite(p).all()) for p in models[1].parameters())
 
 
 def test_a_masked_step_declines_state_kept_off_the_flags_device() -> None:

@@ -88,6 +88,41 @@ def test_an_update_the_host_cannot_decide_runs_a_few_device_ops(settings: dls.Sc
     assert "_amp_update_scale_" in log.names() and len(log.ops) <= most, log.names()
 
 
+LIKE = dls.ScalerSettings.like
+
+
+@pytest.mark.parametrize(
+    ("settings", "most", "kernel"),
+    [
+        (LIKE("keras"), 5, True),
+        (LIKE("apex"), 5, True),
+        (LIKE("apex_fp16_utils"), 5, True),
+        (LIKE("jmp", loss_scale=2.0**15), 5, True),
+        (LIKE("colossalai"), 13, True),
+        (LIKE("mxnet"), 16, False),  # its own rule: the rescale committed one update late
+        (LIKE("fairseq", tolerance=0.25), 34, False),  # its own rule: the overflow fraction, the threshold, the stop
+    ],
+    ids=["keras", "apex", "apex_fp16_utils", "jmp", "colossalai", "mxnet", "fairseq"],
+)
+def test_the_field_peers_updates_run_a_bounded_number_of_device_ops(
+    settings: dls.ScalerSettings, most: int, kernel: bool
+) -> None:
+    """Every peer's update, on the sync-free path (the host knows no flag) and on the default path, stays a fixed,
+    small number of device ops, whatever happened: those on ``DynamicRule`` around torch's fused kernel, fairseq's
+    and MXNet's rules in plain tensor ops (each op is a kernel launch on a GPU: a new rule must not add a loop)."""
+    for sync_free in (True, False):
+        p, opt = one_parameter()
+        scaler = dls.GradScaler.from_settings(settings, device="cpu", sync_free=sync_free)
+        for overflow in (False, True, False, True, False):
+            scaler.scale(p.sum() * (INF if overflow else 1.0)).backward()
+            scaler.step(opt)
+            with OpLog() as log:
+                scaler.update()
+            opt.zero_grad()
+            assert len(log.ops) <= most, (sync_free, overflow, log.names())
+            assert ("_amp_update_scale_" in log.names()) == kernel, log.names()
+
+
 def test_an_update_the_host_decided_runs_torchs_kernel_alone_after_a_clean_step() -> None:
     """The host knows a clean step's flag: torch's rule is its fused kernel alone; DeepSpeed's timing adds the
     restart of its count after a growth (two ops)."""

@@ -21,13 +21,13 @@ Unknown keywords are Python's usual ``TypeError``; bad values are ``ValueError``
 from __future__ import annotations
 
 import contextlib
-import difflib
 import inspect
 import warnings
 from typing import Any
 
 import torch
 
+from dls.checks import unknown_names
 from dls.peer_settings import DEEPSPEED
 from dls.settings import ScalerSettings, SettingsError
 
@@ -190,14 +190,17 @@ def read_deepspeed(fp16_config: Any) -> tuple[ScalerSettings, bool]:
         )
     known = (*DEEPSPEED_DEFAULTS, *DEEPSPEED_OTHER_KEYS)
     problems = []
-    for key in fp16_config:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            problems.append(
-                (str(key), f"fp16_config has an unknown key {key!r}{hint}; DeepSpeed's fp16 keys: {', '.join(known)}")
+    unknown = [key for key in fp16_config if key not in known]
+    if unknown:
+        count = f"{len(unknown):,} unknown keys:" if len(unknown) > 1 else "an unknown key"
+        problems.append(
+            (
+                str(unknown[0]),
+                f"fp16_config has {count} {unknown_names(unknown, known)}; DeepSpeed's fp16 keys: {', '.join(known)}",
             )
-        elif isinstance(fp16_config[key], str) and fp16_config[key] == "auto":
+        )
+    for key in fp16_config:
+        if key in known and isinstance(fp16_config[key], str) and fp16_config[key] == "auto":
             problems.append(
                 (
                     key,

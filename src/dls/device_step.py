@@ -76,7 +76,7 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _Slot = tuple[int, Any]  # (index of the parameter, state key; None for the parameter itself)
 
 
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
+def integer_bits(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s elements as signed integers of the same width: a view, so writing it writes ``tensor``
     (a ``DTensor`` through its local shard, a complex tensor through its real view)."""
     dtensor = distributed.dtensor_class()
@@ -89,24 +89,25 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 class Restorable:
     """What a masked step of one optimizer may put back: its parameters, then each one's tensor state in the
-    state's order (``slots``), and views of their bits (``_bits``) grouped by (device, integer dtype) for the foreach
-    operators. Kept by the scaler per optimizer (``dls.optimizers.OptimizerIndex``) while the optimizer holds the
-    same tensors: the same objects at the same addresses (``p.data = ...`` moves one), checked each step."""
+    state's order (``slots``), and views of their bits (``integer_bits``) grouped by (device, integer dtype) for the
+    foreach operators. Kept by the scaler per optimizer (``dls.optimizers.OptimizerIndex``) while the optimizer holds
+    the same tensors: the same objects at the same addresses (``p.data = ...`` moves one), checked each step."""
 
     def __init__(self, slots: list[_Slot], tensors: list[torch.Tensor]) -> None:
         self.slots, self.tensors = slots, tensors
         self.addresses = _addresses(tensors)
         self.groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for t in tensors:
-            bits = _bits(t)
+            bits = integer_bits(t)
             self.groups.setdefault((bits.device, bits.dtype), []).append(bits)
 
     def holds(self, slots: list[_Slot], tensors: list[torch.Tensor]) -> bool:
+        """Whether ``tensors`` are this one's, at the same addresses (where they could be asked: not under
+        ``torch.compile``, where nothing is kept across steps)."""
         return (
-            self.addresses is not None
-            and slots == self.slots
+            slots == self.slots
             and all(a is b for a, b in zip(tensors, self.tensors))
-            and _addresses(tensors) == self.addresses
+            and (self.addresses is None or _addresses(tensors) == self.addresses)
         )
 
 
@@ -166,37 +167,57 @@ class Snapshot:
         created starting from zero (what the optimizers that create entries lazily start from)."""
         slots, tensors, others = _contents(self.optimizer)
         restorable = self.restorable
+        replaced: list[tuple[_Slot, torch.Tensor, torch.Tensor]] = []
         with torch.no_grad():
-            if slots == restorable.slots and all(a is b for a, b in zip(tensors, restorable.tensors)):
+            # A step may give a parameter new storage (``p.data = ...``): the views taken before it would then
+            # write the old storage and leave the stepped one.
+            if restorable.holds(slots, tensors):
                 for key, bits in restorable.groups.items():
                     torch._foreach_mul_(bits, self.keep[key])
                     torch._foreach_add_(bits, self.kept[key])
             else:
-                self._restore_each(slots, tensors)
+                replaced = self._restore_each(slots, tensors)
         changed = [(slot, old) for slot, old in self.others.items() if slot in others and others[slot] != old]
-        # State that is not a tensor (a custom optimizer's Python step count) cannot be selected on the device:
-        # where the step changed some, the flag is read once.
-        if changed and bool(self.found):
+        # State that is not a tensor (a custom optimizer's Python step count), and a state tensor the step replaced
+        # by one of another dtype, shape or device, cannot be selected on the device: where the step changed some,
+        # the flag is read once, and the old values are put back where it overflowed.
+        if (changed or replaced) and bool(self.found):
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
             for (i, key), old in changed:
                 self.optimizer.state[params[i]][key] = old
+            with torch.no_grad():
+                for (i, key), tensor, kept in replaced:
+                    integer_bits(tensor).copy_(kept)  # the old bits, wherever the step wrote to it before replacing it
+                    self.optimizer.state[params[i]][key] = tensor
 
-    def _restore_each(self, slots: list[_Slot], tensors: list[torch.Tensor]) -> None:
-        old: dict[_Slot, torch.Tensor] = {}
+    def _restore_each(
+        self, slots: list[_Slot], tensors: list[torch.Tensor]
+    ) -> list[tuple[_Slot, torch.Tensor, torch.Tensor]]:
+        """The restore per tensor; returns the state tensors the step replaced by one of another dtype, shape or
+        device (slot, old tensor, its kept bits), which no selection of bits can put back."""
+        old: dict[_Slot, tuple[torch.Tensor, torch.Tensor]] = {}
         positions: dict[tuple[torch.device, torch.dtype], int] = {}
         for slot, t in zip(self.restorable.slots, self.restorable.tensors):
-            bits = _bits(t)
+            bits = integer_bits(t)
             key = (bits.device, bits.dtype)
             at = positions.get(key, 0)
-            old[slot], positions[key] = self.kept[key][at], at + 1
+            old[slot], positions[key] = (t, self.kept[key][at]), at + 1
+        replaced = []
         for slot, t in zip(slots, tensors):
-            bits = _bits(t)
+            before = old.get(slot)
+            if before is not None and slot[1] is not None and before[0] is not t:
+                was = before[0]
+                if (t.dtype, t.shape, t.device) != (was.dtype, was.shape, was.device):
+                    replaced.append((slot, *before))
+                    continue
+            bits = integer_bits(t)
             key = (bits.device, bits.dtype)
             if key not in self.keep:  # a device or dtype no tensor had before the step
                 self.keep[key] = 1 - self.found.to(device=bits.device, dtype=bits.dtype)
             bits.mul_(self.keep[key])
-            if slot in old:
-                bits.add_(old[slot])
+            if before is not None:
+                bits.add_(before[1])
+        return replaced
 
 
 def masked_snapshot(
@@ -211,7 +232,8 @@ def masked_snapshot(
     (``Tracker.has_stepped`` in ``dls.scaler``; the scaler then tells a wrapper holding its gradients elsewhere,
     ``dls.optimizers.HoldsGradients``), so the state the step touches exists before it. Exact: integer views of
     the bits are multiplied by 0 or 1. A state tensor the step replaces instead of updating in place, or creates,
-    is restored per tensor; state that is not a tensor, by a read of the flag where the step changed it.
+    is restored per tensor; state that is not a tensor, and a state tensor replaced by one of another dtype, shape
+    or device, by a read of the flag where the step changed it.
 
     The price of no sync for optimizers without a fused kernel: a copy of parameters and state per step (one
     foreach multiply per device and dtype), and two passes over them after the step (a multiply, an add).

@@ -31,6 +31,39 @@ from dls.policy import assign_, count_skip
 from dls.settings import ScalerSettings
 
 
+class HostCopy:
+    """A small float tensor made readable on the host later without a synchronisation: a CPU tensor is read where it
+    lies, a CUDA one is copied to pinned memory asynchronously with an event behind the copy; ``read()`` gives its
+    values once the copy has arrived, else ``None`` (and ``None`` for good inside ``torch.compile`` or CUDA-graph
+    capture, where nothing is copied). Read through the memory itself (``ctypes``), not a tensor method: no
+    synchronisation, and none of the reads ``tests/conftest.host_reads`` counts."""
+
+    __slots__ = ("_copy", "_event")
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self._copy: torch.Tensor | None = None
+        self._event: Any = None
+        if torch.compiler.is_compiling():
+            return
+        if values.device.type == "cpu":  # host memory already: read where it lies (no op for a float32 scale)
+            ready = values.dtype == torch.float32 and values.is_contiguous()
+            self._copy = values if ready else values.detach().float().contiguous()
+        elif values.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            copy = torch.empty(values.shape, dtype=torch.float32, pin_memory=True)  # copy_ converts the dtype
+            copy.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            self._copy = copy
+
+    def read(self) -> list[float] | None:
+        if self._copy is None or torch.compiler.is_compiling():
+            return None
+        if self._event is not None and not self._event.query():
+            return None  # still in flight
+        n = self._copy.numel()
+        return list((ctypes.c_float * n).from_address(self._copy.data_ptr())) if n else []
+
+
 class Known:
     """What the host knows of the device state without reading it: bounds that hold at every moment.
 
@@ -55,29 +88,18 @@ class Known:
         self.skips_at_most = 0
         self.non_clamped_is_scale = False
         self.counters_in_range = True
-        self._published: tuple[torch.Tensor, Any] | None = None  # (host copy, event or None) of the latest scale
+        self._published: HostCopy | None = None  # the latest scale, on its way to the host
 
     def publish(self, scale: torch.Tensor) -> None:
         """Make the current ``scale`` readable on the host later without a synchronisation (module docstring)."""
-        self._published = None
-        if torch.compiler.is_compiling():
-            return
-        if scale.device.type == "cpu":
-            self._published = (scale, None)  # host memory already: read where it lies
-        elif scale.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            copy = torch.empty((), dtype=torch.float32, pin_memory=True)
-            copy.copy_(scale, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._published = (copy, event)
+        self._published = None if torch.compiler.is_compiling() else HostCopy(scale)
 
     def scale_may_be_below_one(self) -> bool:
         """Whether the scale may be below 1: only then can unscaling overflow a finite gradient."""
-        if self.scale_at_least < 1.0 and self._published is not None and not torch.compiler.is_compiling():
-            copy, event = self._published
-            if event is None or event.query():  # else the copy is still in flight: keep the bound
-                # The float32 in host memory, read directly: no tensor method, hence no device synchronisation.
-                self.scale_at_least = float(ctypes.c_float.from_address(copy.data_ptr()).value)
+        if self.scale_at_least < 1.0 and self._published is not None:
+            values = self._published.read()
+            if values is not None:  # else the copy is still in flight: keep the bound
+                self.scale_at_least = values[0]
                 self._published = None
         return self.scale_at_least < 1.0
 
@@ -177,6 +199,13 @@ class LossScale:
         known.scale_at_least = rule.lowest_after(known.scale_at_least, clean)
         if not clean and settings.mode == "dynamic":  # the scale may have moved: publish it
             known.publish(self.state.loss_scale)
+
+    def count_skipped(self, skipped: torch.Tensor) -> None:
+        """One more skipped step where ``skipped`` (a 0-dim bool on the device): a step the optimizer declined
+        though the gradients were clean (``dls.optimizers.RefusesSteps``); the rule's other counters stay."""
+        known = self.known
+        known.skips_at_most = min(known.skips_at_most + 1, INT64_MAX)
+        self.state.num_skipped_steps.copy_(count_skip(self.state.num_skipped_steps, skipped))
 
     def set(self, new_scale: float | torch.Tensor, found_inf: torch.Tensor | None) -> None:
         """``update(new_scale)``: a float must be a normal float32 (else ``ValueError``); a tensor is checked on the

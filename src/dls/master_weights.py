@@ -54,19 +54,33 @@ does not call ``step()``; fused optimizers get ``grad_scale``/``found_inf`` forw
 alone, so the write-back rewrites the same values; after a sync-free masked step (``dls.device_step``) restored
 masters and state, ``dls_state_restored`` writes the restored masters back. The three hooks are what the scaler
 tells an optimizer wrapper (``dls.optimizers.HoldsGradients``).
+
+A step whose masters do not fit is refused. A finite step can take a master where its parameter's format cannot
+follow (a float16 weight at 65000 moved to 65992 is inf in float16). Such a step is not applied: parameters, masters
+and the optimizer's state stay bit-identical (``dls.refusal``: how, on each path, without a read where the path
+reads nothing back), a ``dls.GradScaler`` counts it as skipped (``dls.optimizers.RefusesSteps``; its scale rule
+sees the gradients' flag, so the scale is not backed off: the weight's range does not depend on it), and a warning
+names the parameter and points to ``dls.keep_in_float32`` (at once where the flag is read; on the fused and
+sync-free paths through ``dls.loss_scale.HostCopy``, when it has reached the host). It costs one more copy of the
+masters and the optimizer's state. A closure (LBFGS) evaluates the points it tries with the masters written back as
+they are; the step's end decides.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import warnings
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dls import formats
+from dls import formats, refusal
+from dls.loss_scale import HostCopy
+from dls.optimizer_state import check_optimizer_state
 
 __all__ = ["MasterWeights", "master_weights"]
 
@@ -139,11 +153,13 @@ class MasterWeights(torch.optim.Optimizer):
             raise ValueError("optimizer is already wrapped by dls.master_weights; wrap the original optimizer once")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
-        if any(optimizer.state.values()):
+        if any(optimizer.state.values()) and not _only_initial_state(optimizer):
             raise ValueError(
                 "optimizer already has state (it has stepped): wrap it with dls.master_weights before its first "
                 "step, then load checkpoints into the wrapper"
             )
+        # State an optimizer makes when it is built (Adagrad's sum and step 0) moves to the masters, as float32.
+        initial = optimizer.state_dict() if any(optimizer.state.values()) else None
         self._fmt = _parse_fmt(fmt)
         groups = optimizer.param_groups
         _check_unique([p for g in groups for p in g["params"]])
@@ -156,11 +172,23 @@ class MasterWeights(torch.optim.Optimizer):
         self._optimizer = optimizer
         self._pairs: list[_Pair] = []
         self._master_of: dict[int, torch.Tensor] = {}
+        self._copies: refusal.KeptCopies | None = None  # the buffers a step's state is kept in until it is known to fit
+        self._checks: refusal.FitCheck | None = None  # the masters a step checks, by what their parameters hold
+        self._refused: torch.Tensor | None = None  # whether the last step was refused (0-dim bool, on the device)
+        # The last step's [refused, which master, its largest |value|] until a scaler says whether its gradients
+        # were clean (dls_step_refused); then on their way to the host, to warn of.
+        self._scaled = False  # a scaler collected this iteration's gradients: it asks dls_step_refused after step()
+        self._on_device = False  # the next step reads nothing back: dls_next_step
+        self._info: torch.Tensor | None = None
+        self._unwarned: deque[HostCopy] = deque()
         for group in groups:
             # In place: optimizers that keep a reference to a group's list (LBFGS) see the masters too.
             group["params"][:] = self._make_masters(group["params"])
         # torch's fused optimizers unscale and skip by themselves when handed grad_scale/found_inf: so do we.
         self._step_supports_amp_scaling = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        if initial is not None:
+            optimizer.state.clear()
+            optimizer.load_state_dict(initial)  # keyed by position: onto the masters, cast to their dtype
         _wrapped.add(optimizer)
         self._write_back()
 
@@ -211,6 +239,7 @@ class MasterWeights(torch.optim.Optimizer):
     # ------------------------------------------------------------------ dls.optimizers.HoldsGradients: the scaler calls
     def dls_collect_gradients(self) -> None:
         """Fill the masters' gradients from the model's (called by ``dls.GradScaler`` before it reads them)."""
+        self._scaled = True
         self._reload_changed_params()
         self._take_gradients(self._pairs)
 
@@ -258,6 +287,8 @@ class MasterWeights(torch.optim.Optimizer):
         Returns:
             The closure's loss, or ``None`` without a closure.
         """
+        if self._info is not None:  # an earlier step no scaler asked about
+            self._publish(None)
         self._reload_changed_params()
         self._take_gradients([pr for pr in self._pairs if not pr.grad_is_current()])
         wrapped_closure = None
@@ -273,13 +304,49 @@ class MasterWeights(torch.optim.Optimizer):
         forwarded = {name: getattr(self, name) for name in ("grad_scale", "found_inf") if hasattr(self, name)}
         for name, value in forwarded.items():
             setattr(self._optimizer, name, value)
+        on_device, self._on_device = self._on_device, False
+        before = self._keep_state()
         try:
             result = self._optimizer.step() if wrapped_closure is None else self._optimizer.step(wrapped_closure)
         finally:
             for name in forwarded:
                 delattr(self._optimizer, name)
-        self._write_back()
+        self._write_back_unless_it_does_not_fit(before, on_device)
+        if not self._scaled:  # no scaler will say more of this step's gradients: warn now
+            self._publish(None)
         return result
+
+    def dls_step_refused(self, found_inf: torch.Tensor | None) -> torch.Tensor | None:
+        """Whether the last ``step()`` was refused because a master would not fit its parameter's format though
+        the gradients were clean (``found_inf``, the scaler's flag, zero; ``None``: no flag), a 0-dim bool tensor on
+        the device, not read back; ``None`` before the first step (``dls.optimizers.RefusesSteps``: the scaler
+        counts a refused step as skipped). A sync-free step runs on overflowing gradients and is put back for them:
+        that is no refusal, and no warning.
+
+        Args:
+            found_inf: the scaler's overflow flag of this step's gradients, or ``None`` (a disabled scaler's step).
+        """
+        self._scaled = False
+        self._publish(found_inf)
+        if self._refused is None or found_inf is None:
+            return self._refused
+        return self._refused & (found_inf.to(self._refused.device) == 0)
+
+    def dls_next_step(self) -> None:
+        """The scaler's next ``step()`` reads nothing back (the fused path, ``sync_free``): a refused step is put
+        back on the device (``dls.refusal``)."""
+        self._on_device = True
+
+    def _publish(self, found_inf: torch.Tensor | None) -> None:
+        """Send the last step's refusal (where the gradients were clean) to the host, and warn of those arrived."""
+        info, self._info = self._info, None
+        if info is not None:
+            if found_inf is not None:
+                info = info * (found_inf.to(info.device) == 0)
+            self._unwarned.append(HostCopy(info))
+            while len(self._unwarned) > 8:  # the host is far behind the device: keep the latest
+                self._unwarned.popleft()
+        self._warn_refused()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of the masters, of the parameters passing through and of the model's parameters
@@ -339,6 +406,7 @@ class MasterWeights(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict, plus ``"master_weights"``: ``{parameter index: float32 master}``
         (indices as in ``param_groups``; references to the live tensors, as torch's state dicts hold)."""
+        self._warn_refused()
         self._reload_changed_params()
         state = self._optimizer.state_dict()
         master_ids = {id(pr.master) for pr in self._pairs}
@@ -354,7 +422,10 @@ class MasterWeights(torch.optim.Optimizer):
         once rounded to what the model's parameter holds (its half dtype, or ``fmt``'s grid), so a master of 1e5
         for a float16 parameter, or a float64 master beyond float32's range, is refused rather than written into
         the model as inf. ``ValueError`` naming ``state_dict['master_weights'][i]``, with nothing changed, when
-        the masters do not match this optimizer's parameters, are not real tensors, or fail these checks.
+        the masters do not match this optimizer's parameters, are not real tensors, or fail these checks. The inner
+        optimizer's state is checked first too (``dls.optimizer_state.check_optimizer_state``, against the masters):
+        a NaN ``exp_avg``, a negative ``exp_avg_sq``, a tensor of another shape or an integer dtype is a
+        ``ValueError`` naming ``state_dict.state[i].key``, with nothing changed.
 
         Args:
             state_dict: what ``state_dict()`` returned (or an ordinary optimizer's state dict).
@@ -375,7 +446,11 @@ class MasterWeights(torch.optim.Optimizer):
             loaded = {
                 i: self._checked_master(saved[i], pr, f"state_dict['{STATE_KEY}'][{i}]") for i, pr in masters.items()
             }
-        self._optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != STATE_KEY})
+        inner = {k: v for k, v in state_dict.items() if k != STATE_KEY}
+        # What the inner optimizer would load, judged against its parameters (the masters): finite, second moments
+        # non-negative, shapes and dtypes as the masters' (torch's load_state_dict takes a NaN exp_avg).
+        check_optimizer_state(self._optimizer, inner, name="state_dict")
+        self._optimizer.load_state_dict(inner)
         with torch.no_grad():
             for i, pr in masters.items():
                 pr.master.copy_(loaded[i] if saved is not None else pr.param)
@@ -423,6 +498,8 @@ class MasterWeights(torch.optim.Optimizer):
         # Weak references do not pickle; without them every gradient counts as new (taken over at the next step).
         state["_pairs"] = [dataclasses.replace(pr, seen_grad=None) for pr in self._pairs]
         del state["_master_of"]  # keyed by id: rebuilt for the copies
+        state["_copies"] = state["_checks"] = None  # rebuilt at the next step
+        state["_unwarned"], state["_info"], state["_scaled"], state["_on_device"] = deque(), None, False, False
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -430,6 +507,88 @@ class MasterWeights(torch.optim.Optimizer):
         self._master_of = {id(pr.param): pr.master for pr in self._pairs}
         self._patch_step_function()
         _wrapped.add(self._optimizer)
+
+    # ------------------------------------------------------------------ a step that does not fit is refused
+    def _keep_state(self) -> refusal.StateBefore:
+        """What a step may change, kept (``dls.refusal.keep_state``): the groups' tensors (masters and parameters
+        passing through) and their state."""
+        before, self._copies = refusal.keep_state(self._optimizer, self._flat_params(), self._copies)
+        return before
+
+    def _write_back_unless_it_does_not_fit(self, before: refusal.StateBefore, on_device: bool) -> None:
+        """After the inner step: write the masters back, and where one is inf or NaN once rounded to what its
+        parameter holds (its half dtype, or ``fmt``), put everything the step changed back, exactly, and write back
+        again. The check is the gradients' one (``dls.kernels.check_nonfinite``: torch's fused AMP check) over the
+        parameters as written. By default the flag is read (one read: the host path has just read the gradients'
+        flag) and the kept values are copied back only where the step was refused. ``on_device`` (the fused and
+        sync-free paths, which read nothing back): put back on the device, without a read, when the step changed
+        only tensors it had before (every step after a parameter's first); else (a first step, state the step
+        replaced or made, Python values it changed) the flag is read once and the state put back on the host."""
+        self._write_back()
+        if self._checks is None or self._checks.pairs != len(self._pairs):
+            self._checks = refusal.FitCheck.of(self._pairs, self._fmt)
+        refused = self._checks.nonfinite_params()
+        self._remember_versions()  # the check writes x * 1 back: the parameters are still the rounded masters
+        self._refused, self._info = refused, None
+        if refused is None:
+            return
+        state = self._optimizer.state
+        if not on_device or before.changed_on_host(state):
+            if bool(refused):  # read: the host path, a parameter's first step, state the device cannot put back
+                self._warn(*self._checks.first_unfit(read=True))
+                assert self._copies is not None
+                before.put_back(state, self._copies)
+                self._write_back()
+            return
+        self._info = self._checks.first_unfit(refused=refused)  # on its way to the host with dls_step_refused
+        assert self._copies is not None
+        with torch.no_grad():
+            self._copies.select(refused)
+        self._write_back()  # the rounded masters again: as before the step where it was refused
+
+    def _remember_versions(self, pairs: list[_Pair] | None = None) -> None:
+        """The parameters' versions now: a later change of one from outside is told by its version."""
+        for pr in self._pairs if pairs is None else pairs:
+            pr.version = pr.param._version
+
+    def _warn_refused(self) -> None:
+        """Warn of each refused step whose flag has reached the host (on the CPU at once; on CUDA once its copy has
+        arrived: no synchronisation)."""
+        while self._unwarned:
+            values = self._unwarned[0].read()
+            if values is None:
+                return
+            self._unwarned.popleft()
+            if values[0]:
+                self._warn(int(values[1]), values[2])
+
+    def _warn(self, position: int, largest: float) -> None:
+        assert self._checks is not None
+        pair = self._checks.order[position] if position < len(self._checks.order) else None
+        where, kind = "a parameter", "its format"
+        if pair is not None:
+            for g, group in enumerate(self.param_groups):
+                for i, p in enumerate(group["params"]):
+                    if p is pair.master:
+                        where = f"param_groups[{g}]['params'][{i}] (shape {tuple(pair.param.shape)})"
+            kind = self._fmt.name if pair.on_grid and self._fmt else str(pair.param.dtype).removeprefix("torch.")
+        kept = "Parameters, masters and optimizer state are as before the step, and a scaler counts it as skipped"
+        if math.isnan(largest):  # not a weight beyond a range: a NaN learning rate or state, unchecked gradients
+            what, advice = "would be NaN", "look at the learning rate, the optimizer's state and the gradients"
+        elif math.isinf(largest):
+            what = "would be inf in float32 already"
+            advice = "no format holds it: make the updates smaller (learning rate, weight decay)"
+        else:
+            what, advice = (
+                f"would reach |value| {largest:.6g}, which {kind} cannot hold (written back, the parameter would be "
+                "inf)",
+                f"a weight beyond {kind}'s range cannot live in {kind}: keep the module holding it in float32 "
+                "(dls.keep_in_float32), or make the updates smaller (learning rate, weight decay)",
+            )
+        warnings.warn(
+            f"dls.master_weights: a step was not applied: the float32 master of {where} {what}. {kept}. {advice}",
+            stacklevel=3,
+        )
 
     # ------------------------------------------------------------------ implementation
     def _make_masters(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -480,8 +639,7 @@ class MasterWeights(torch.optim.Optimizer):
                 if pr.on_grid:
                     assert self._fmt is not None
                     pr.param.copy_(self._fmt.quantize(pr.master))
-        for pr in pairs:
-            pr.version = pr.param._version
+        self._remember_versions(pairs)
 
     def _reload_changed_params(self) -> None:
         """Masters := model parameters that were changed from outside (not the rounded master any more)."""
@@ -518,6 +676,18 @@ def _parse_fmt(fmt: Any) -> formats.FloatFormat | None:
         f"fmt must be None, a dls.formats.FloatFormat, a torch half dtype or one of "
         f"{', '.join(repr(n) for n in formats.names())}; got {fmt!r}"
     )
+
+
+def _only_initial_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s state is what it made when built, before any step: every entry has a ``step`` of 0
+    (Adagrad makes its ``sum`` and ``step`` in its constructor); state without a step count has come from a step."""
+    for entry in optimizer.state.values():
+        step = entry.get("step") if isinstance(entry, dict) else None
+        if step is None or (isinstance(step, torch.Tensor) and (step.is_meta or step.numel() != 1)):
+            return False
+        if float(step) != 0:
+            return False
+    return True
 
 
 def _real_view(t: torch.Tensor) -> torch.Tensor:

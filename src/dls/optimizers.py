@@ -1,7 +1,8 @@
 """The optimizers a ``GradScaler`` steps, as it sees them: what an optimizer wrapper may offer the scaler
-(``HoldsGradients``), and the index of an optimizer's parameters (``OptimizerIndex``), built when its param groups
-change: its gradients grouped by device and dtype, the parameters it shares with the scaler's other optimizers (their
-gradients would be unscaled twice), and which parameters have stepped since its state was last reset.
+(``HoldsGradients``, ``RefusesSteps``), and the index of an optimizer's parameters (``OptimizerIndex``), built when
+its param groups change: its gradients grouped by device and dtype, the parameters it shares with the scaler's other
+optimizers (their gradients would be unscaled twice), and which parameters have stepped since its state was last
+reset.
 
 The scaler reads an index every step (``dls.scaler.Tracker``); it is built here, once, and whatever it finds wrong
 (a parameter listed twice, shared between optimizers) is refused here, naming where, before anything changes.
@@ -36,6 +37,22 @@ class HoldsGradients(Protocol):
         re-derive what the step wrote from the restored state."""
 
 
+@runtime_checkable
+class RefusesSteps(Protocol):
+    """An optimizer (wrapper) whose ``step()`` may decline a step the gradients allowed, leaving parameters and its
+    state as they were (``dls.master_weights``: a master its parameter's format cannot hold). The scaler counts a
+    refused step as skipped (``step_was_skipped``, ``num_skipped_steps``); its scale rule sees the gradients' flag."""
+
+    def dls_step_refused(self, found_inf: torch.Tensor | None) -> torch.Tensor | None:
+        """After ``step()``, given the gradients' overflow flag (``None``: a disabled scaler's step): whether the
+        step was refused though the gradients were clean, a 0-dim bool tensor on the device (not read back), or
+        ``None`` when it cannot have been."""
+
+    def dls_next_step(self) -> None:
+        """The next ``step()`` is on a path that reads nothing back (fused, sync-free): decide and put a refused
+        step back on the device."""
+
+
 @dataclasses.dataclass
 class OptimizerIndex:
     """What is cached per optimizer, valid while its param groups hold the same parameters (an identity check of
@@ -50,6 +67,7 @@ class OptimizerIndex:
     stepped: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     optimizer_state: Any = None  # the optimizer.state object the stepped record refers to
     state_len: int = 0  # its length when last marked
+    refuses: RefusesSteps | None = None  # the optimizer, when its step may decline (RefusesSteps)
     # What a sync-free (masked) step puts back, kept while the optimizer holds the same tensors (dls.device_step).
     restorable: Any = None
     warned_host_state: bool = False  # sync_free=True, but state on the host: said once (dls.scaler)
@@ -67,7 +85,8 @@ def build_index(
     where = _positions(optimizer)
     params = [p for _, p in where.values()]
     hooks = optimizer if isinstance(optimizer, HoldsGradients) else None
-    index = OptimizerIndex(sig, kernels.GradIndex(params), distributed.has_dtensors(params), hooks)
+    refuses = optimizer if isinstance(optimizer, RefusesSteps) else None
+    index = OptimizerIndex(sig, kernels.GradIndex(params), distributed.has_dtensors(params), hooks, refuses=refuses)
     for other, other_index in others:
         other_index.shared = [s for s in other_index.shared if s[0]() not in (None, optimizer)]
         if other is optimizer:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from dls import device_step, distributed, kernels
 from dls.arguments import device_kind, is_available, parse_device, read_arguments, read_deepspeed
-from dls.checks import count_problem, flag_problem, limit_problem, python_number
+from dls.checks import count_problem, flag_problem, limit_problem, python_flag, python_number
 from dls.deprecated import warn_renamed
 from dls.handles import Removable
 from dls.loss_scale import LossScale
@@ -76,6 +76,10 @@ class Progress:
     agreement: distributed.Agreement | None = None  # the flag's all-reduce across ranks while in flight
     collected: bool = False  # the optimizer's HoldsGradients.dls_collect_gradients() ran this iteration
     skipped: bool | None = None  # how step() ended, when the host knows (update() then takes its cheap path)
+    # The optimizer declined a step the gradients allowed (dls.optimizers.RefusesSteps), 0-dim bool on the device;
+    # and its value once read (step_was_skipped).
+    refused: torch.Tensor | None = None
+    refused_read: bool | None = None
 
     @property
     def found_inf(self) -> torch.Tensor | None:
@@ -425,8 +429,10 @@ class GradScaler:
         for name, value in (("enabled", enabled), ("sync_free", sync_free)):
             if problem := flag_problem(name, value):
                 raise ValueError(problem)
-        if gradients_sharded is not None and not isinstance(gradients_sharded, bool):
+        if gradients_sharded is not None and python_flag(gradients_sharded) is None:
             raise ValueError(f"gradients_sharded must be True, False or None; got {gradients_sharded!r}")
+        enabled, sync_free = bool(python_flag(enabled)), bool(python_flag(sync_free))  # NumPy's bools as bools
+        gradients_sharded = None if gradients_sharded is None else python_flag(gradients_sharded)
         self._enabled = enabled and settings.mode != "off"
         if device is not None and not is_available(device):
             # torch.amp.GradScaler("cuda", enabled=use_amp) on a machine without CUDA: warn and disable, as torch.
@@ -484,7 +490,8 @@ class GradScaler:
         return self._scale.non_clamped() if self._enabled else 1.0
 
     def get_num_skipped_steps(self) -> int:
-        """Iterations whose gradients overflowed (their optimizer steps were skipped)."""
+        """Iterations whose gradients overflowed (their optimizer steps were skipped), and those in which an optimizer
+        refused a step the gradients allowed (``dls.optimizers.RefusesSteps``: ``dls.master_weights``)."""
         return self._scale.skipped_steps() if self._enabled else 0
 
     def get_scale_tensor(self) -> torch.Tensor:
@@ -501,9 +508,10 @@ class GradScaler:
 
     def step_was_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the last ``step(optimizer)`` (or ``step_if_finite``) through this scaler was skipped because the
-        gradients overflowed; valid until the next step of that optimizer, so LR schedulers, EMA and step counters
-        can follow real updates (``dls.skip_aware``). Free where ``step`` decided on the host; after a fused or
-        ``sync_free`` step one read of the flag. ``RuntimeError`` before the optimizer's first step.
+        gradients overflowed, or refused by the optimizer (``dls.optimizers.RefusesSteps``); valid until the next
+        step of that optimizer, so LR schedulers, EMA and step counters can follow real updates
+        (``dls.skip_aware``). Free where ``step`` decided on the host; after a fused or ``sync_free`` step one read
+        of the flag. ``RuntimeError`` before the optimizer's first step.
 
         Args:
             optimizer: the optimizer whose last step is asked about.
@@ -515,7 +523,11 @@ class GradScaler:
         if last.skipped is None:  # the fused and sync-free paths did not read the flag
             assert last.flag is not None
             last.skipped = bool(last.flag.item())
-        return last.skipped
+        if last.skipped or last.refused is None:
+            return last.skipped
+        if last.refused_read is None:  # the optimizer declined the step (dls.optimizers.RefusesSteps)
+            last.refused_read = bool(last.refused.item())
+        return last.refused_read
 
     def step_was_skipped_tensor(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """``step_was_skipped`` as a 0-dim bool tensor on the scale's device, never read back to the host: to
@@ -528,9 +540,8 @@ class GradScaler:
             RuntimeError: ``optimizer`` has not stepped through this scaler yet.
         """
         last = self._last_step(optimizer)
-        if last.flag is None:
-            return torch.tensor(bool(last.skipped), device=self._scale.device)
-        return last.flag > 0
+        skipped = torch.tensor(bool(last.skipped), device=self._scale.device) if last.flag is None else last.flag > 0
+        return skipped if last.refused is None else skipped | last.refused.to(skipped.device)
 
     def stepped_optimizers(self) -> list[torch.optim.Optimizer]:
         """The live optimizers that have stepped through this scaler, in the order of their first step (each one's
@@ -807,7 +818,10 @@ class GradScaler:
         else:
             norms = [kernels.global_norm(g, None if f is None else kernels.per_device(f, {d for d, _ in g}), home)
                      for g, f in parts]  # fmt: skip
-            total_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+            if not norms:  # no gradient at all (a frozen model): a norm of 0, as torch's clip_grad_norm_ gives
+                total_norm = torch.zeros((), dtype=torch.float32, device=home)
+            else:
+                total_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
             kernels.check_nonfinite([total_norm], found)
         coef = None if max_norm is None else kernels.clip_coefficient(total_norm, max_norm)
         # A finite norm bounds every clipped element by max_norm: only a max_norm near a gradient dtype's largest
@@ -929,10 +943,13 @@ class GradScaler:
                 if restorable is not index.restorable:
                     index.restorable = restorable
                 self._decided(optimizer, progress, found_inf, None)
+                if index.refuses is not None:  # it may decline the step too: it puts it back on the device
+                    index.refuses.dls_next_step()
                 result = optimizer.step(*args, **kwargs)
                 snapshot.restore()
                 if index.hooks is not None:  # e.g. master weights: re-derive what the step wrote from restored state
                     index.hooks.dls_state_restored()
+                self._note_refusal(index, progress, found_inf)
                 return result
             if not index.warned_host_state:
                 index.warned_host_state = True
@@ -946,7 +963,8 @@ class GradScaler:
         if self._decided(optimizer, progress, found_inf, self._scale.read_flag(found_inf)):
             return None
         result = optimizer.step(*args, **kwargs)
-        self._tracker.mark_stepped(optimizer, index)
+        self._note_refusal(index, progress, found_inf)
+        self._mark_stepped(optimizer, index, progress)
         return result
 
     def _step_fused(
@@ -972,10 +990,32 @@ class GradScaler:
             return None
         if self._decided(optimizer, progress, found_inf, False if first_step else None):
             return None  # known on the host (an observer wanted it read): nothing for the kernel to do
+        if index.refuses is not None:
+            index.refuses.dls_next_step()
         result = device_step.fused_step(optimizer, grad_scale, found_inf, args, kwargs)
+        self._note_refusal(index, progress, found_inf)
         if first_step:
-            self._tracker.mark_stepped(optimizer, index)
+            self._mark_stepped(optimizer, index, progress)
         return result
+
+    def _mark_stepped(self, optimizer: torch.optim.Optimizer, index: OptimizerIndex, progress: Progress) -> None:
+        """The optimizer's parameters have taken a real step, unless it refused this one (``RefusesSteps``: it left
+        no state, so the next step is a first step again, decided on the host). Read only while some parameter has
+        not stepped yet: afterwards marking changes nothing."""
+        if progress.refused is not None and not self._tracker.has_stepped(optimizer, index):
+            if progress.refused_read is None:
+                progress.refused_read = bool(progress.refused.item())
+            if progress.refused_read:
+                return
+        self._tracker.mark_stepped(optimizer, index)
+
+    @staticmethod
+    def _note_refusal(index: OptimizerIndex, progress: Progress, found_inf: torch.Tensor | None) -> None:
+        """Record whether an optimizer that may decline a step (``RefusesSteps``) declined one the gradients allowed
+        (on the device: where the gradients overflowed the step was skipped for that)."""
+        if index.refuses is None:
+            return
+        progress.refused = index.refuses.dls_step_refused(found_inf)
 
     def _decided(
         self, optimizer: torch.optim.Optimizer, progress: Progress, found_inf: torch.Tensor, skipped: bool | None
@@ -993,9 +1033,15 @@ class GradScaler:
         return bool(skipped)
 
     def _step_unchecked(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A disabled scaler's step: never skipped (closures pass through, as in torch)."""
-        self._tracker.last[optimizer] = Progress(skipped=False)
-        return optimizer.step(*args, **kwargs)
+        """A disabled scaler's step: never skipped for the gradients (closures pass through, as in torch); an
+        optimizer may still decline it (``RefusesSteps``)."""
+        progress = self._tracker.last[optimizer] = Progress(skipped=False)
+        result = optimizer.step(*args, **kwargs)
+        # The protocol's method looked up, not the index built: a disabled scaler indexes no optimizer.
+        refused = getattr(optimizer, "dls_step_refused", None)
+        if refused is not None:
+            progress.refused = refused(None)
+        return result
 
     # ------------------------------------------------------------------ observers and diagnostics
     def observe(self, observer: StepObserver) -> Removable:
@@ -1099,7 +1145,9 @@ class GradScaler:
             return
         if new_scale is not None:
             flags = [p.found_inf for p in self._tracker.iteration.values() if p.found_inf is not None]
-            self._scale.set(new_scale, kernels.max_flag(flags) if flags else None)
+            found_inf = kernels.max_flag(flags) if flags else None
+            self._scale.set(new_scale, found_inf)
+            self._count_refusals(self._tracker.iteration, found_inf)
         else:
             self._apply_rule(self._tracker.iteration)
         self._tracker.iteration.clear()
@@ -1140,6 +1188,16 @@ class GradScaler:
             for observer in self._observers:
                 observer.before_rule(found_inf, lambda: self._tracker.grads_of(opts))
         self._scale.update(found_inf, known)
+        self._count_refusals(progresses, found_inf)
+
+    def _count_refusals(self, progresses: dict[int, Progress], found_inf: torch.Tensor | None) -> None:
+        """A step an optimizer declined though the gradients were clean counts as skipped, once per iteration (not
+        again where the iteration overflowed). The rule saw the gradients' flag: the scale is not backed off for a
+        weight its format cannot hold, which no loss scale changes (the guarantees page)."""
+        refusals = [p.refused for p in progresses.values() if p.refused is not None]
+        if refusals:
+            refused = torch.stack([r.to(self._scale.device) for r in refusals]).any()
+            self._scale.count_skipped(refused if found_inf is None else refused & (found_inf == 0))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -1173,8 +1231,12 @@ class GradScaler:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dls or a ``torch.amp.GradScaler`` state dict: keys present replace, missing keys keep their
-        values; torch's settings (growth factor, backoff factor, interval) are applied as torch does; a scale
-        outside this scaler's bounds is clamped into them, with a warning. Nothing changes on a bad value.
+        values; torch's settings (growth factor, backoff factor, interval) are applied as torch does, checked as
+        the constructor checks them (``growth_interval`` an int: ``10.0`` is refused). A scale must be a normal
+        float32 (``2**-126`` to float32's max), as ``init_scale``; one outside this dynamic scaler's
+        ``[min_loss_scale, max_loss_scale]`` is clamped into them, with a warning (as ``init_scale`` is clamped to
+        ``max_loss_scale``: torch.amp's ``2**16`` loads into a scaler with a lower maximum). Every value is a number or
+        a 1-element real tensor (not on the meta device). Nothing changes on a bad value.
 
         Args:
             state_dict: what a dls or a ``torch.amp`` scaler's ``state_dict()`` returned.

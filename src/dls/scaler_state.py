@@ -36,7 +36,6 @@ newer ``format_version``.
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from typing import Any
 
 import torch
 
-from dls.checks import INT32_MAX, INT64_MAX, python_number, scale_problem, shown
+from dls.checks import INT32_MAX, INT64_MAX, SHOWN_AT_MOST, did_you_mean, listed, python_number, scale_problem, shown
 from dls.policy import ScaleState
 from dls.settings import ScalerSettings, SettingsError, interval_name
 
@@ -154,8 +153,7 @@ def parse_state_dict(
     for key, number in numbers.items():
         ours = SAME_VALUE.get(key, key)
         if ours == "loss_scale":
-            if not (_finite(number) and number > 0):
-                raise ValueError(f"{label(key)} must be a positive finite number; got {shown(number)}")
+            _check_scale(label(key), number)
         elif ours in COUNTER_MAX:
             _check_counter(key, ours, number, label)
     for theirs, ours in SAME_VALUE.items():
@@ -198,10 +196,9 @@ def _from_saved(
 def _check_keys(state_dict: dict[Any, Any], allowed: tuple[str, ...]) -> None:
     unknown = sorted(str(k) for k in state_dict if k not in allowed)
     if unknown:
-        hints = [difflib.get_close_matches(key, allowed, n=1) for key in unknown]
-        meant = [f"{key!r} (did you mean {hint[0]!r}?)" for key, hint in zip(unknown, hints) if hint]
-        said = f"; {', '.join(meant)}" if meant else ""
-        raise ValueError(f"state_dict has unknown keys {unknown}{said}; allowed keys: {', '.join(allowed)}")
+        hints = [f"{shown(key)}{hint}" for key in unknown[:SHOWN_AT_MOST] if (hint := did_you_mean(key, allowed))]
+        said = f"; {', '.join(hints)}" if hints else ""
+        raise ValueError(f"state_dict has unknown keys [{listed(unknown)}]{said}; allowed keys: {', '.join(allowed)}")
 
 
 def _check_counter(key: str, ours: str, number: float, label: Callable[[str], str]) -> None:
@@ -255,9 +252,7 @@ def _from_deepspeed(
             )
     out: dict[str, Any] = {}
     if "cur_scale" in state_dict:  # checked here, to be named as given
-        out["loss_scale"] = scale = _number("cur_scale", state_dict["cur_scale"], label)
-        if not (_finite(scale) and scale > 0):
-            raise ValueError(f"{label('cur_scale')} must be a positive finite number; got {shown(scale)}")
+        out["loss_scale"] = _positive_scale("cur_scale", state_dict["cur_scale"], label)
     if "cur_hysteresis" in state_dict:
         out["hysteresis_tracker"] = budget = _number("cur_hysteresis", state_dict["cur_hysteresis"], label)
         _check_counter("cur_hysteresis", "hysteresis_tracker", budget, label)
@@ -316,9 +311,9 @@ def _counter(key: str, value: Any, label: Callable[[str], str], ours: str = "ste
 
 
 def _positive_scale(key: str, value: Any, label: Callable[[str], str]) -> float:
+    """A peer's saved scale, as every scale: a normal float32 (``dls.checks.scale_problem``), named as given."""
     scale = _plain_number(key, value, label)
-    if not (_finite(scale) and scale > 0):
-        raise ValueError(f"{label(key)} must be a positive finite number; got {shown(scale)}")
+    _check_scale(label(key), scale)
     return scale
 
 
@@ -483,14 +478,16 @@ def _with_torch_settings(
         offset = settings.growth_offset
         if offset and settings.mode != "dynamic" and interval == 1:
             interval = 2  # torch's interval 1 has no equivalent with an offset; a fixed scale never grows anyway
-        if not (_integral(interval) and 1 + offset <= interval <= INT32_MAX):
+        # An int, as the constructor's (dls.checks.count_problem): torch stores 10.0 and fails at its next update.
+        if not (isinstance(interval, int) and 1 + offset <= interval <= INT32_MAX):
             low = (
                 f"2 (a {settings.dialect}-dialect scaler grows after {interval_name(settings.dialect)} + 1 updates)"
                 if offset
                 else "1"
             )
             raise ValueError(
-                f"{label('growth_interval')} must be an integer from {low} to 2**31 - 1; got {shown(interval)}"
+                f"{label('growth_interval')} must be an integer from {low} to 2**31 - 1 (a count: an int, not a "
+                f"float such as 10.0, as the constructor's growth_interval); got {shown(interval)}"
             )
         changes["steps_per_increase"] = int(interval) - offset
     try:
@@ -502,16 +499,28 @@ def _with_torch_settings(
 
 
 def _scale(number: float, settings: ScalerSettings, label: Callable[[str], str]) -> tuple[float, float | None]:
-    """The loaded scale, brought into a dynamic scaler's bounds, and the saved value when it had to be."""
-    if not (_finite(number) and number > 0):
-        raise ValueError(f"{label('loss_scale')} must be a positive finite number; got {shown(number)}")
+    """The loaded scale, brought into a dynamic scaler's bounds, and the saved value when it had to be.
+
+    The rule (the guarantees page's): a scale no scaler can hold — not a normal float32 — is a ``ValueError``
+    naming the key, the value and the range, as the constructor's ``init_scale``; a normal float32 outside this
+    dynamic scaler's ``[min_loss_scale, max_loss_scale]`` is clamped into them, as the constructor clamps
+    ``init_scale`` to ``max_loss_scale``, and the caller says so (a warning; the trainer's log). Clamping, not
+    refusing: those bounds are this scaler's settings, not a property of the saved value, and torch.amp's own state
+    (its scale starts at 2**16 and has no bound) must load into a scaler with a lower ``max_loss_scale``."""
+    _check_scale(label("loss_scale"), number)
     scale = float(number)
     if settings.mode == "dynamic":  # a scale from elsewhere is brought into this scaler's bounds
         bounded = min(max(scale, settings.min_loss_scale), settings.max_loss_scale)
         return bounded, (scale if bounded != scale else None)
-    if problem := scale_problem(label("loss_scale"), scale):
-        raise ValueError(problem)
     return scale, None
+
+
+def _check_scale(name: str, number: float) -> None:
+    """A loaded scale is a normal float32, as every scale a scaler holds (``dls.checks.scale_problem``)."""
+    if not (_finite(number) and number > 0):
+        raise ValueError(f"{name} must be a positive finite number; got {shown(number)}")
+    if problem := scale_problem(name, number):
+        raise ValueError(problem)
 
 
 def _finite(number: float) -> bool:
@@ -523,12 +532,27 @@ def _integral(number: float) -> bool:
 
 
 def _number(key: str, value: Any, label: Callable[[str], str]) -> float:
+    """A number of a state dict: a ``numbers.Real`` (``dls.checks.python_number``: Python's, NumPy's, a
+    ``Fraction``) or a 1-element real tensor (Megatron saves its scale as one) on a real device; ``ValueError``
+    naming ``key`` for anything else, a meta tensor included (its value is unknown)."""
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{label(key)} must be a number; got a tensor of shape {tuple(value.shape)}")
-        value = value.item()
-    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():  # a numpy scalar
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        bad = (
+            "on the meta device (it holds no value)"
+            if value.is_meta
+            else f"of layout {value.layout}"
+            if value.layout != torch.strided
+            else f"of dtype {value.dtype} (a bool is not a number)"
+            if value.dtype == torch.bool
+            else f"of dtype {value.dtype}"
+            if value.is_complex() or value.is_quantized
+            else f"of shape {tuple(value.shape)}"
+            if value.numel() != 1
+            else None
+        )
+        if bad is not None:
+            raise ValueError(f"{label(key)} must be a number or a 1-element real tensor; got a tensor {bad}")
+        value = value.detach().reshape(())
+    number = python_number(value)
+    if number is None:
         raise ValueError(f"{label(key)} must be a number; got {shown(value)}")
-    return value
+    return number

@@ -40,12 +40,16 @@ from dls.checks import (
     INT32_MAX,
     SettingsError,
     count_problem,
+    did_you_mean,
     factor_problem,
     flag_problem,
     limit_problem,
+    python_flag,
     python_number,
     scale_problem,
+    shown,
     tolerance_problem,
+    unknown_names,
 )
 from dls.formats import HALF_DTYPE_NAMES, get_half_dtype_str, half_dtype_name
 from dls.peer_settings import PeerSettings
@@ -126,6 +130,7 @@ class ScalerSettings(PeerSettings):
             if value is not None:  # None: max_gradient_norm off
                 whole = name in ("steps_per_increase", "hysteresis")
                 object.__setattr__(self, name, int(value) if whole else float(value))
+        object.__setattr__(self, "consecutive_hysteresis", python_flag(self.consecutive_hysteresis))
 
     # ------------------------------------------------------------------ GradScaler's two dialects (the other
     # peers' builders, ScalerSettings.deepspeed ... .jmp, are its base class's: dls.peer_settings)
@@ -288,23 +293,23 @@ class ScalerSettings(PeerSettings):
         """
         row = PEERS.get(peer) if isinstance(peer, str) else None
         if row is None:
-            close = difflib.get_close_matches(str(peer), list(PEERS), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"peer must be one of {', '.join(map(repr, PEERS))}; got {peer!r}{hint}")
+            hint = did_you_mean(peer, PEERS)
+            raise ValueError(f"peer must be one of {', '.join(map(repr, PEERS))}; got {shown(peer)}{hint}")
         # DeepSpeed: its fp16 keys (row.defaults) or its DynamicLossScaler's arguments (row.constructor), not both.
         own = [name for name in arguments if name in row.constructor and name not in row.defaults]
         keys = row.constructor if own else row.defaults
         known = list(row.defaults) + [name for name in row.constructor if name not in row.defaults]
         problems = []
+        unknown = [name for name in arguments if name not in known]
+        if unknown:
+            takes = ", ".join(row.defaults) or "no arguments"
+            if row.constructor:
+                takes += f" (its config's keys) or {', '.join(row.constructor)} (its scaler class's)"
+            what = f"{len(unknown):,} arguments it does not take:" if len(unknown) > 1 else "no argument"
+            names = unknown_names(unknown, known)
+            problems.append((unknown[0], f"{peer}'s scaler has {what} {names}; it takes {takes}"))
         for name in arguments:
-            if name not in known:
-                close = difflib.get_close_matches(name, known, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                takes = ", ".join(row.defaults) or "no arguments"
-                if row.constructor:
-                    takes += f" (its config's keys) or {', '.join(row.constructor)} (its scaler class's)"
-                problems.append((name, f"{peer}'s scaler has no argument {name!r}{hint}; it takes {takes}"))
-            elif name not in keys:
+            if name in known and name not in keys:
                 problems.append(
                     (
                         name,

@@ -15,9 +15,10 @@ from dls.scaler import GradScaler, Stage
 class StepResult(NamedTuple):
     """What an ``optimizer_step`` saw, as device tensors (nothing is read back to the host).
 
-    ``found_inf``: 0-dim bool, whether the gradients overflowed (the steps were skipped); ``loss_scale``: the scale
-    this step used (a copy, float32); ``grad_norm``: the global L2 norm of the unscaled gradients before clipping
-    (float32), or ``None`` unless clipping by norm or asked for with ``gradient_norm=True``.
+    ``found_inf``: 0-dim bool, whether the gradients overflowed (the steps were skipped; a step an optimizer refused
+    though the gradients were clean, ``dls.master_weights``', is in ``grad_scaler.step_was_skipped``);
+    ``loss_scale``: the scale this step used (a copy, float32); ``grad_norm``: the global L2 norm of the unscaled
+    gradients before clipping (float32), or ``None`` unless clipping by norm or asked for with ``gradient_norm=True``.
     """
 
     found_inf: torch.Tensor

@@ -474,11 +474,7 @@ def read_trace(path: str | os.PathLike[str] | IO[bytes]) -> Trace:
         TraceError: a path that is not a readable regular file, or a file that breaks the format; the message
             names the file, the line and the field.
     """
-    if isinstance(path, (str, os.PathLike)):
-        name = os.fspath(path)
-        with _open(path) as file:
-            return _read(file, str(name))
-    return _read(path, str(getattr(path, "name", "<file>")))
+    return _read_from(path)
 
 
 def kept_until(path: str | os.PathLike[str] | IO[bytes], step: int) -> bytes:
@@ -495,17 +491,23 @@ def kept_until(path: str | os.PathLike[str] | IO[bytes], step: int) -> bytes:
         TraceError: as ``read_trace``.
     """
     lines: list[tuple[bytes, dict[str, Any]]] = []
-    if isinstance(path, (str, os.PathLike)):
-        with _open(path) as file:
-            _read(file, os.fspath(path), lines)
-    else:
-        _read(path, str(getattr(path, "name", "<file>")), lines)
+    _read_from(path, lines)
     kept = [
         line + b"\n"
         for line, record in lines
         if (record["start_step"] < step if "format" in record else record["step"] <= step)
     ]
     return b"".join(kept)
+
+
+def _read_from(
+    path: str | os.PathLike[str] | IO[bytes], lines: list[tuple[bytes, dict[str, Any]]] | None = None
+) -> Trace:
+    """``_read`` of a path (opened as ``_open`` allows) or of a binary file object (named by its ``name``)."""
+    if isinstance(path, (str, os.PathLike)):
+        with _open(path) as file:
+            return _read(file, os.fspath(path), lines)
+    return _read(path, str(getattr(path, "name", "<file>")), lines)
 
 
 def _read(file: IO[bytes], name: str, lines: list[tuple[bytes, dict[str, Any]]] | None = None) -> Trace:

@@ -37,13 +37,20 @@ class TrainingStopped(RuntimeError):
         self.result: Any = None
 
 
+PROBLEMS_SHOWN_AT_MOST = 20  # dls.checks.PROBLEMS_SHOWN_AT_MOST
+
+
 class ConfigError(ValueError):
     """An invalid config (exit 2): ``errors``, each naming its key; ``source``: where the config came from."""
 
     def __init__(self, errors: Sequence[str], source: str | None = None) -> None:
         self.errors, self.source = list(errors), source
         where = f" in {source}" if source else ""
-        listed = "".join(f"\n  - {e}" for e in self.errors)
+        # Every problem of a config a person wrote, and a bound for a generated one: dls.checks.bulleted's rule
+        # (this module imports no torch, dls.checks does).
+        shown = self.errors[:PROBLEMS_SHOWN_AT_MOST]
+        more = len(self.errors) - len(shown)
+        listed = "".join(f"\n  - {e}" for e in shown) + (f"\n  - and {more:,} more" if more else "")
         said = f": {self.errors[0]}" if len(self.errors) == 1 else f" ({len(self.errors)} problems):{listed}"
         super().__init__(f"invalid config{where}{said}")
 

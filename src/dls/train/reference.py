@@ -164,7 +164,6 @@ def config_keys_markdown() -> str:
 
 def _modelzoo_markdown() -> str:
     """The keys of Model Zoo's models and data processors, as ``dls.train.config.zoo_keys`` declares them."""
-    modelzoo = zoo_keys
     parts = ["### Model Zoo's models and data processors\n"]
     tables = {
         "`model:` of `fc_mnist`": "FcMnistKeys",
@@ -172,7 +171,7 @@ def _modelzoo_markdown() -> str:
         "`train_input:` / `eval_input:` of a Model Zoo data processor": "LoaderKeys",
     }
     for title, name in tables.items():
-        model = getattr(modelzoo, name)
+        model = getattr(zoo_keys, name)
         if not isinstance(model, type) or not issubclass(model, BaseModel):
             continue
         doc = " ".join((model.__doc__ or "").split())
@@ -188,14 +187,14 @@ def _modelzoo_markdown() -> str:
         parts.append("")
     default_only = {
         name.removeprefix("_").removesuffix("_DEFAULT_ONLY").lower(): value
-        for name, value in vars(modelzoo).items()
+        for name, value in vars(zoo_keys).items()
         if name.endswith("_DEFAULT_ONLY") and isinstance(value, dict)
     }
     for kind, keys in default_only.items():
         listed = ", ".join(f"`{k}: {_default(v)}`" for k, v in sorted(keys.items()))
         parts.append(f"Accepted only at Model Zoo's default ({kind}; another value is an error naming it): {listed}.\n")
     ignored = sorted(
-        {str(k) for name, v in vars(modelzoo).items() if name.endswith("_IGNORED") for k in v}
+        {str(k) for name, v in vars(zoo_keys).items() if name.endswith("_IGNORED") for k in v}
         | layouts.IGNORED_OFF_CEREBRAS
     )
     parts.append(

@@ -7,13 +7,12 @@ it) with fixed upper bounds. The loss-scaling keys are ``Any`` here: ``ScalerSet
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from dls.checks import FLOAT32_MAX, INT64_MAX
+from dls.checks import FLOAT32_MAX, INT64_MAX, did_you_mean
 from dls.settings import ScalerSettings
 
 ModelName = Literal["mlp", "transformer_lm", "fc_mnist", "gpt2", "gpt3", "llama"]
@@ -31,13 +30,6 @@ _HINTS = {
     "clip_grad_norm": "max_gradient_norm", "gradient_clipping": "max_gradient_norm", "type": "optimizer_type",
     "dtype": "fp16_type", "amp": "mixed_precision",
 }  # fmt: skip
-
-
-def did_you_mean(word: Any, allowed: Any) -> str:
-    names = [str(a) for a in allowed]
-    same = [a for a in names if a.lower() == str(word).lower()]
-    close = same or difflib.get_close_matches(str(word), names, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def unknown_key(path: str, key: Any, allowed: Sequence[str]) -> str:
