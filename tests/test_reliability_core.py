@@ -542,3 +542,47 @@ def test_clipping_with_no_gradient_at_all_is_a_norm_of_zero_and_a_clean_step(ena
     again.step(opt)  # the clip inside step()
     again.update()
     assert torch.equal(p.detach(), torch.ones(3))
+
+
+def _one_half_weight(value: float) -> tuple[torch.nn.Parameter, Any]:
+    p = torch.nn.Parameter(torch.full((2,), value, dtype=torch.float16))
+    return p, dls.master_weights(torch.optim.SGD([p], lr=2.0))
+
+
+def test_master_weights_add_no_read_to_a_default_step_far_from_the_limit() -> None:
+    """The default path reads the gradients' flag and, in the same transfer, whether a master is near its limit:
+    far from it, nothing more is read; near it (a weight at 40,000 in float16), one more read after the step."""
+    from conftest import from_dls, host_reads
+
+    for value, reads in ((1.0, 1), (40000.0, 2)):
+        p, opt = _one_half_weight(value)
+        scaler = dls.GradScaler("cpu", init_scale=1.0)
+        for _ in range(3):  # the last, a steady step
+            with host_reads() as calls:
+                scaler.scale(p.float().sum()).backward()
+                scaler.step(opt)
+                scaler.update()
+                scaler.step_was_skipped(opt)
+            opt.zero_grad()
+        assert len(from_dls(calls)) == reads, (value, calls)
+
+
+def test_a_refusal_far_from_the_limit_is_put_back_on_the_device_and_counted() -> None:
+    """A weight at 1.0 moved by 80,000 at once (SGD, lr 2, a gradient of 40,000): no read foresaw it, so the default
+    path puts the step back on the device; parameters, masters and state bit-identical, counted in
+    num_skipped_steps and step_was_skipped_tensor, warned of; step_was_skipped reads it as applied (documented)."""
+    p, opt = _one_half_weight(1.0)
+    scaler = dls.GradScaler("cpu", init_scale=1.0)
+    scaler.scale(p.float().sum()).backward()
+    scaler.step(opt)  # a first, clean step: decided on the host
+    scaler.update()
+    opt.zero_grad()
+    before_p, before_m = p.detach().clone(), [m.detach().clone() for g in opt.param_groups for m in g["params"]]
+    with pytest.warns(UserWarning, match=r"a step was not applied.*dls\.keep_in_float32"):
+        scaler.scale(p.float().sum() * 40000.0).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert torch.equal(p.detach(), before_p)
+    assert all(torch.equal(m, b) for m, b in zip([m for g in opt.param_groups for m in g["params"]], before_m))
+    assert bool(scaler.step_was_skipped_tensor(opt)) and scaler.get_num_skipped_steps() == 1
+    assert not scaler.step_was_skipped(opt)

@@ -153,6 +153,16 @@ class LossScale:
         self.known.scale_at_least = scale
         return bool(flag)
 
+    def read_flags(self, found_inf: torch.Tensor, other: torch.Tensor) -> tuple[bool, bool]:
+        """``read_flag`` of ``found_inf`` and a second 0-dim flag on the same device, in one transfer."""
+        stacked = [found_inf.float().reshape(()), other.to(found_inf.device, torch.float32).reshape(())]
+        if not self.known.scale_may_be_below_one():
+            flag, second = torch.stack(stacked).tolist()
+        else:
+            flag, second, scale = torch.stack([*stacked, self.state.loss_scale]).tolist()
+            self.known.scale_at_least = scale
+        return bool(flag), bool(second)
+
     def values(self) -> dict[str, Any]:
         """The scale and the rule's counters (its state's fields but ``non_clamped_scale``) as Python numbers, in
         the state's order (two reads)."""

@@ -55,21 +55,17 @@ alone, so the write-back rewrites the same values; after a sync-free masked step
 masters and state, ``dls_state_restored`` writes the restored masters back. The three hooks are what the scaler
 tells an optimizer wrapper (``dls.optimizers.HoldsGradients``).
 
-A step whose masters do not fit is refused. A finite step can take a master where its parameter's format cannot
-follow (a float16 weight at 65000 moved to 65992 is inf in float16). Such a step is not applied: parameters, masters
-and the optimizer's state stay bit-identical (``dls.refusal``: how, on each path, without a read where the path
-reads nothing back), a ``dls.GradScaler`` counts it as skipped (``dls.optimizers.RefusesSteps``; its scale rule
-sees the gradients' flag, so the scale is not backed off: the weight's range does not depend on it), and a warning
-names the parameter and points to ``dls.keep_in_float32`` (at once where the flag is read; on the fused and
-sync-free paths through ``dls.loss_scale.HostCopy``, when it has reached the host). It costs one more copy of the
-masters and the optimizer's state. A closure (LBFGS) evaluates the points it tries with the masters written back as
-they are; the step's end decides.
+A step whose masters do not fit is refused (a float16 weight at 65000 moved to 65992 is inf in float16): not
+applied, parameters, masters and the optimizer's state bit-identical (``dls.refusal``: how on each path), counted
+as skipped by a ``dls.GradScaler`` (``dls.optimizers.RefusesSteps``; the scale is not backed off: a weight's range
+does not depend on it), with a warning naming the parameter and pointing to ``dls.keep_in_float32`` (at once where
+read; else through ``dls.loss_scale.HostCopy``). It costs one more copy of the masters and the optimizer's state.
+A closure (LBFGS) evaluates the points it tries with the masters written back as they are; the step's end decides.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 import weakref
 from collections import OrderedDict, deque
@@ -175,6 +171,7 @@ class MasterWeights(torch.optim.Optimizer):
         self._copies: refusal.KeptCopies | None = None  # the buffers a step's state is kept in until it is known to fit
         self._checks: refusal.FitCheck | None = None  # the masters a step checks, by what their parameters hold
         self._refused: torch.Tensor | None = None  # whether the last step was refused (0-dim bool, on the device)
+        self._refusal_read: bool | None = None  # that, where the step read it
         # The last step's [refused, which master, its largest |value|] until a scaler says whether its gradients
         # were clean (dls_step_refused); then on their way to the host, to warn of.
         self._scaled = False  # a scaler collected this iteration's gradients: it asks dls_step_refused after step()
@@ -331,6 +328,20 @@ class MasterWeights(torch.optim.Optimizer):
         if self._refused is None or found_inf is None:
             return self._refused
         return self._refused & (found_inf.to(self._refused.device) == 0)
+
+    def dls_refusal_read(self) -> bool | None:
+        """Whether the last step read on the host that it was refused (``dls.optimizers.RefusesSteps``)."""
+        return self._refusal_read
+
+    def dls_may_refuse(self) -> torch.Tensor | None:
+        """Some master within a factor 2 of its parameter's limit now (``dls.refusal.FitCheck.near_limit``, one
+        read pass; ``None`` before the first step, decided on the host): ``dls.optimizers.RefusesSteps``."""
+        return None if self._refused is None else self._fit_check().near_limit()
+
+    def _fit_check(self) -> refusal.FitCheck:
+        if self._checks is None or self._checks.pairs != len(self._pairs):
+            self._checks = refusal.FitCheck.of(self._pairs, self._fmt)
+        return self._checks
 
     def dls_next_step(self) -> None:
         """The scaler's next ``step()`` reads nothing back (the fused path, ``sync_free``): a refused step is put
@@ -519,28 +530,27 @@ class MasterWeights(torch.optim.Optimizer):
         """After the inner step: write the masters back, and where one is inf or NaN once rounded to what its
         parameter holds (its half dtype, or ``fmt``), put everything the step changed back, exactly, and write back
         again. The check is the gradients' one (``dls.kernels.check_nonfinite``: torch's fused AMP check) over the
-        parameters as written. By default the flag is read (one read: the host path has just read the gradients'
-        flag) and the kept values are copied back only where the step was refused. ``on_device`` (the fused and
-        sync-free paths, which read nothing back): put back on the device, without a read, when the step changed
-        only tensors it had before (every step after a parameter's first); else (a first step, state the step
-        replaced or made, Python values it changed) the flag is read once and the state put back on the host."""
+        parameters as written. By default (a master near its limit: ``dls_may_refuse``) the flag is read and the
+        kept values copied back only where refused. ``on_device`` (the fused and sync-free paths; the default path
+        with no master near its limit): put back on the device, unread, when the step changed only tensors it had
+        before (every step after a parameter's first); else the flag is read once and put back on the host."""
         self._write_back()
-        if self._checks is None or self._checks.pairs != len(self._pairs):
-            self._checks = refusal.FitCheck.of(self._pairs, self._fmt)
-        refused = self._checks.nonfinite_params()
+        checks = self._fit_check()
+        refused = checks.nonfinite_params()
         self._remember_versions()  # the check writes x * 1 back: the parameters are still the rounded masters
-        self._refused, self._info = refused, None
+        self._refused, self._info, self._refusal_read = refused, None, None
         if refused is None:
             return
         state = self._optimizer.state
         if not on_device or before.changed_on_host(state):
-            if bool(refused):  # read: the host path, a parameter's first step, state the device cannot put back
-                self._warn(*self._checks.first_unfit(read=True))
+            self._refusal_read = bool(refused)
+            if self._refusal_read:  # read: the host path, a parameter's first step, state the device cannot put back
+                self._warn(*checks.first_unfit(read=True))
                 assert self._copies is not None
                 before.put_back(state, self._copies)
                 self._write_back()
             return
-        self._info = self._checks.first_unfit(refused=refused)  # on its way to the host with dls_step_refused
+        self._info = checks.first_unfit(refused=refused)  # on its way to the host with dls_step_refused
         assert self._copies is not None
         with torch.no_grad():
             self._copies.select(refused)
@@ -564,31 +574,8 @@ class MasterWeights(torch.optim.Optimizer):
 
     def _warn(self, position: int, largest: float) -> None:
         assert self._checks is not None
-        pair = self._checks.order[position] if position < len(self._checks.order) else None
-        where, kind = "a parameter", "its format"
-        if pair is not None:
-            for g, group in enumerate(self.param_groups):
-                for i, p in enumerate(group["params"]):
-                    if p is pair.master:
-                        where = f"param_groups[{g}]['params'][{i}] (shape {tuple(pair.param.shape)})"
-            kind = self._fmt.name if pair.on_grid and self._fmt else str(pair.param.dtype).removeprefix("torch.")
-        kept = "Parameters, masters and optimizer state are as before the step, and a scaler counts it as skipped"
-        if math.isnan(largest):  # not a weight beyond a range: a NaN learning rate or state, unchecked gradients
-            what, advice = "would be NaN", "look at the learning rate, the optimizer's state and the gradients"
-        elif math.isinf(largest):
-            what = "would be inf in float32 already"
-            advice = "no format holds it: make the updates smaller (learning rate, weight decay)"
-        else:
-            what, advice = (
-                f"would reach |value| {largest:.6g}, which {kind} cannot hold (written back, the parameter would be "
-                "inf)",
-                f"a weight beyond {kind}'s range cannot live in {kind}: keep the module holding it in float32 "
-                "(dls.keep_in_float32), or make the updates smaller (learning rate, weight decay)",
-            )
-        warnings.warn(
-            f"dls.master_weights: a step was not applied: the float32 master of {where} {what}. {kept}. {advice}",
-            stacklevel=3,
-        )
+        text = refusal.refusal_warning(self._checks, self.param_groups, self._fmt, position, largest)
+        warnings.warn(text, stacklevel=3)
 
     # ------------------------------------------------------------------ implementation
     def _make_masters(self, params: list[torch.Tensor]) -> list[torch.Tensor]:

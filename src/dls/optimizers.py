@@ -52,6 +52,16 @@ class RefusesSteps(Protocol):
         """The next ``step()`` is on a path that reads nothing back (fused, sync-free): decide and put a refused
         step back on the device."""
 
+    def dls_refusal_read(self) -> bool | None:
+        """Whether the last ``step()`` found itself refused, where it read that on the host (``None``: not read)."""
+
+    def dls_may_refuse(self) -> torch.Tensor | None:
+        """Before a step on the default path: whether it may well be refused (a 0-dim bool on the device, which the
+        scaler reads in the same transfer as the gradients' flag; ``None``: not known, as before a first step).
+        Where it is true the step decides on the host, one read after it, and ``step_was_skipped`` says a refusal at
+        once; where false the step puts a refusal back on the device (``dls_next_step``), which only a step moving a
+        weight by half its format's range at once can make, counted in ``num_skipped_steps`` and warned of."""
+
 
 @dataclasses.dataclass
 class OptimizerIndex:

@@ -10,8 +10,10 @@ How such a step is put back:
   entry as it was (``StateBefore``: tensors by reference, Python values copied);
 * after it, the masters are written back and ``FitCheck.nonfinite_params`` runs the gradients' own check over the
   written parameters (``dls.kernels.check_nonfinite``: torch's fused AMP check, one pass per device and dtype);
-* where the flag may be read (the host path, which has just read the gradients' flag), it is, and only a refused
-  step is put back (``StateBefore.put_back``); on the fused and sync-free paths, which read nothing back, the kept
+* where the flag may be read (the default path while some master is within a factor 2 of its limit,
+  ``FitCheck.near_limit``, which the scaler reads with the gradients' flag), it is, and only a refused step is put
+  back (``StateBefore.put_back``); elsewhere (the default path far from every limit, where only a step moving a
+  weight by half its format's range at once is refused, and the fused and sync-free paths), nothing is read: the kept
   values are selected on the device (``KeptCopies.select``: ``live * (1 - refused) + kept * refused`` on the
   tensors' bits as integers: exact, NaN and -0.0 included, and nothing overflows), unless the step made or replaced
   state (a parameter's first step) or changed a Python value of it, which only the host can put back (one read);
@@ -206,15 +208,28 @@ class FitCheck:
             kernels.check_nonfinite(params, flags[device])
         return kernels.gather_flags(flags, self.order[0].master.device) > 0
 
+    def near_limit(self) -> torch.Tensor | None:
+        """Whether some master is within a factor 2 of what its parameter can hold (twice its largest |value| does
+        not fit; NaN too), a 0-dim bool on the first master's device; ``None`` without any master. Only a step that
+        moves a weight by half its format's range at once can take a master that is not near its limit past it."""
+        if not self.order:
+            return None
+        largest = self._largest()
+        return ~torch.cat([torch.isfinite(round_to(2 * largest[a:b])) for a, b, round_to in self.kinds]).all()
+
+    def _largest(self) -> torch.Tensor:
+        """Each master's largest |value| (``_foreach_norm``; NaN propagates), in ``order``, on the first's device."""
+        masters = [pr.master.detach() for pr in self.order]
+        home = masters[0].device
+        norms = torch._foreach_norm(masters, math.inf)
+        return torch.stack(norms if all(m.device == home for m in masters) else [n.to(home) for n in norms])
+
     def first_unfit(self, *, refused: torch.Tensor | None = None, read: bool = False) -> Any:
         """The first master (in ``order``) that does not fit its parameter, from each master's largest |value|
         (``_foreach_norm``; rounding is monotonic, so a master fits exactly when its largest value does, and NaN
         propagates): ``[refused, position, largest]`` as a float32 device tensor, or with ``read`` as
         ``(position, largest)`` on the host (after a read that found the step refused)."""
-        masters = [pr.master.detach() for pr in self.order]
-        home = masters[0].device
-        norms = torch._foreach_norm(masters, math.inf)
-        largest = torch.stack(norms if all(m.device == home for m in masters) else [n.to(home) for n in norms])
+        largest = self._largest()
         fits = torch.cat([torch.isfinite(round_to(largest[a:b])) for a, b, round_to in self.kinds])
         first = torch.argmax((~fits).to(torch.uint8))
         if read:
@@ -222,3 +237,31 @@ class FitCheck:
             return int(position), value
         assert refused is not None
         return torch.stack([refused.float(), first.float(), largest[first].float()])
+
+
+def refusal_warning(
+    checks: FitCheck, param_groups: list[dict[str, Any]], fmt: Any, position: int, largest: float
+) -> str:
+    """The warning of a refused step: the master at ``position`` of ``checks.order`` (found in ``param_groups``)
+    would reach ``largest`` in |value|, which its parameter (its dtype, or ``fmt`` on a grid) cannot hold."""
+    pair = checks.order[position] if position < len(checks.order) else None
+    where, kind = "a parameter", "its format"
+    if pair is not None:
+        for g, group in enumerate(param_groups):
+            for i, p in enumerate(group["params"]):
+                if p is pair.master:
+                    where = f"param_groups[{g}]['params'][{i}] (shape {tuple(pair.param.shape)})"
+        kind = fmt.name if pair.on_grid and fmt else str(pair.param.dtype).removeprefix("torch.")
+    kept = "Parameters, masters and optimizer state are as before the step, and a scaler counts it as skipped"
+    if math.isnan(largest):  # not a weight beyond a range: a NaN learning rate or state, unchecked gradients
+        what, advice = "would be NaN", "look at the learning rate, the optimizer's state and the gradients"
+    elif math.isinf(largest):
+        what = "would be inf in float32 already"
+        advice = "no format holds it: make the updates smaller (learning rate, weight decay)"
+    else:
+        what, advice = (
+            f"would reach |value| {largest:.6g}, which {kind} cannot hold (written back, the parameter would be inf)",
+            f"a weight beyond {kind}'s range cannot live in {kind}: keep the module holding it in float32 "
+            "(dls.keep_in_float32), or make the updates smaller (learning rate, weight decay)",
+        )
+    return f"dls.master_weights: a step was not applied: the float32 master of {where} {what}. {kept}. {advice}"

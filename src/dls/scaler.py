@@ -511,7 +511,9 @@ class GradScaler:
         gradients overflowed, or refused by the optimizer (``dls.optimizers.RefusesSteps``); valid until the next
         step of that optimizer, so LR schedulers, EMA and step counters can follow real updates
         (``dls.skip_aware``). Free where ``step`` decided on the host; after a fused or ``sync_free`` step one read
-        of the flag. ``RuntimeError`` before the optimizer's first step.
+        of the flag. ``RuntimeError`` before the optimizer's first step. A refusal the default path put back on the
+        device without a read (``RefusesSteps.dls_may_refuse`` false: a weight moved by half its format's range at
+        once) reads as applied here; ``step_was_skipped_tensor`` and ``get_num_skipped_steps`` count it.
 
         Args:
             optimizer: the optimizer whose last step is asked about.
@@ -960,10 +962,20 @@ class GradScaler:
                     "the device",
                     stacklevel=3,
                 )
-        if self._decided(optimizer, progress, found_inf, self._scale.read_flag(found_inf)):
+        may_refuse = None if index.refuses is None else index.refuses.dls_may_refuse()
+        if may_refuse is None:
+            skipped, refusal_on_host = self._scale.read_flag(found_inf), True
+        else:  # whether the optimizer may well decline the step, in the same transfer (RefusesSteps)
+            skipped, refusal_on_host = self._scale.read_flags(found_inf, may_refuse)
+        if self._decided(optimizer, progress, found_inf, skipped):
             return None
+        if not refusal_on_host:
+            assert index.refuses is not None
+            index.refuses.dls_next_step()  # a refusal (a weight moved by half its range at once) put back on the device
         result = optimizer.step(*args, **kwargs)
         self._note_refusal(index, progress, found_inf)
+        if not refusal_on_host and progress.refused is not None:
+            progress.refused_read = False  # as dls_may_refuse said; the device still counts a refusal as skipped
         self._mark_stepped(optimizer, index, progress)
         return result
 
@@ -1016,6 +1028,8 @@ class GradScaler:
         if index.refuses is None:
             return
         progress.refused = index.refuses.dls_step_refused(found_inf)
+        if progress.skipped is False:  # the gradients known clean: what the optimizer read of its refusal, if it did
+            progress.refused_read = index.refuses.dls_refusal_read()
 
     def _decided(
         self, optimizer: torch.optim.Optimizer, progress: Progress, found_inf: torch.Tensor, skipped: bool | None
