@@ -20,19 +20,16 @@ import dls
 SRC = str(Path(dls.__file__).parent)
 
 
-def _files_entered(scaler: dls.GradScaler) -> set[str]:
+def _profile_a_steady_step(scaler: dls.GradScaler, profile: Any) -> None:
+    """Three iterations of ``scale(loss).backward(); step(opt); update()`` on a small model, an unfused SGD without
+    clipping; ``profile`` (a ``sys.setprofile`` function) sees the third: the steady state (indexes built, the scale
+    on its device)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # unfused; no clipping
-    entered: set[str] = set()
-
-    def profile(frame: FrameType, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_filename.startswith(SRC):
-            entered.add(frame.f_code.co_filename[len(SRC) + 1 :])
-
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for iteration in range(3):
         loss = model(torch.ones(3, 4)).sum()
-        if iteration == 2:  # the third: steady state (indexes built, the scale on its device)
+        if iteration == 2:
             sys.setprofile(profile)
         try:
             scaler.scale(loss).backward()
@@ -41,6 +38,16 @@ def _files_entered(scaler: dls.GradScaler) -> set[str]:
         finally:
             sys.setprofile(None)
         opt.zero_grad()
+
+
+def _files_entered(scaler: dls.GradScaler) -> set[str]:
+    entered: set[str] = set()
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(SRC):
+            entered.add(frame.f_code.co_filename[len(SRC) + 1 :])
+
+    _profile_a_steady_step(scaler, profile)
     return entered
 
 
@@ -74,26 +81,13 @@ def test_a_step_makes_no_more_calls_into_dls_than_before(name: str) -> None:
 
 
 def _calls(scaler: dls.GradScaler) -> int:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     calls = 0
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
         nonlocal calls
         calls += event == "call" and frame.f_code.co_filename.startswith(SRC)
 
-    for iteration in range(3):
-        loss = model(torch.ones(3, 4)).sum()
-        if iteration == 2:
-            sys.setprofile(profile)
-        try:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        finally:
-            sys.setprofile(None)
-        opt.zero_grad()
+    _profile_a_steady_step(scaler, profile)
     return calls
 
 
